@@ -1,0 +1,175 @@
+"""Mode configurations: frozen dataclasses validated field by field.
+
+Each ``--sparse`` mode owns one frozen dataclass derived from :class:`SparseConfig`.
+A field declares its allowed values in its metadata (:func:`knob`); ``__post_init__``
+checks type and range and names the field, the value and the allowed range in the
+error. :meth:`SparseConfig.from_dict` also rejects keys the mode does not know.
+
+No sglang import here: the configs pass from ``sglang_sparse`` into the kernel and
+cache packages as plain frozen objects, and tests import this module cheaply.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Mapping
+
+
+class SparseConfigError(ValueError):
+    """A bad ``--sparse`` / ``--sparse-config`` value (mode, JSON, key, type or range)."""
+
+
+@dataclass(frozen=True)
+class Range:
+    """Closed or half-open numeric interval ``lo .. hi`` (``None`` = unbounded)."""
+
+    lo: float | None = None
+    hi: float | None = None
+    lo_open: bool = False
+    hi_open: bool = False
+
+    def contains(self, v: float) -> bool:
+        if self.lo is not None and (v <= self.lo if self.lo_open else v < self.lo):
+            return False
+        if self.hi is not None and (v >= self.hi if self.hi_open else v > self.hi):
+            return False
+        return True
+
+    def __str__(self) -> str:
+        lo = "-inf" if self.lo is None else _num(self.lo)
+        hi = "inf" if self.hi is None else _num(self.hi)
+        return f"{'(' if self.lo_open or self.lo is None else '['}{lo}, {hi}{')' if self.hi_open or self.hi is None else ']'}"
+
+
+def _num(v: float) -> str:
+    return str(int(v)) if float(v).is_integer() else f"{v:g}"
+
+
+def knob(default: Any, *, doc: str, range: Range | None = None, choices: tuple | None = None):
+    """A config field: its default, one-line doc, and allowed range or choices."""
+    return field(default=default, metadata={"doc": doc, "range": range, "choices": choices})
+
+
+_TYPE_NAMES = {int: "integer", float: "number", bool: "boolean", str: "string"}
+
+
+@dataclass(frozen=True)
+class SparseConfig:
+    """Base of every mode's config. Subclasses add :func:`knob` fields only."""
+
+    mode: ClassVar[str] = "?"
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            checked = _check_field(self.mode, f, value)
+            if checked is not value:
+                object.__setattr__(self, f.name, checked)
+
+    @classmethod
+    def from_dict(cls, raw: Mapping[str, Any] | None) -> "SparseConfig":
+        """Build from a JSON object; unknown keys, wrong types and bad ranges raise."""
+        raw = {} if raw is None else raw
+        if not isinstance(raw, Mapping):
+            raise SparseConfigError(
+                f"--sparse-config for mode '{cls.mode}' must be a JSON object, got {type(raw).__name__}")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(raw) - known)
+        if unknown:
+            allowed = ", ".join(sorted(known)) or "none (this mode takes no options)"
+            raise SparseConfigError(
+                f"--sparse-config: unknown key(s) {', '.join(repr(k) for k in unknown)} for mode "
+                f"'{cls.mode}'; allowed keys: {allowed}")
+        return cls(**dict(raw))
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), sort_keys=True)
+
+    @classmethod
+    def describe(cls) -> str:
+        """``key=default (range): doc`` per field, for ``--help`` and the README."""
+        parts = []
+        for f in dataclasses.fields(cls):
+            allowed = f.metadata.get("range") or f.metadata.get("choices")
+            parts.append(f"{f.name}={f.default!r} {allowed or ''}".rstrip())
+        return ", ".join(parts) or "no options"
+
+
+def _check_field(mode: str, f: dataclasses.Field, value: Any) -> Any:
+    want = f.type if isinstance(f.type, type) else {"int": int, "float": float, "bool": bool, "str": str}[f.type]
+    where = f"--sparse-config: field '{f.name}' of mode '{mode}'"
+    rng: Range | None = f.metadata.get("range")
+    choices = f.metadata.get("choices")
+    # JSON has one number type: accept 1 for a float field, never True for a number, never 1.0 for an int
+    ok = isinstance(value, want) and not (want is not bool and isinstance(value, bool))
+    if want is float and isinstance(value, int) and not isinstance(value, bool):
+        value, ok = float(value), True
+    if not ok:
+        allowed = f" in {rng}" if rng else (f" one of {list(choices)}" if choices else "")
+        raise SparseConfigError(
+            f"{where} = {value!r} has type {type(value).__name__}; expected a {_TYPE_NAMES[want]}{allowed}")
+    if want is float and not math.isfinite(value):
+        raise SparseConfigError(f"{where} = {value!r} is not a finite number; allowed range {rng}")
+    if rng is not None and not rng.contains(value):
+        raise SparseConfigError(f"{where} = {value!r} is out of range; allowed range {rng}")
+    if choices is not None and value not in choices:
+        raise SparseConfigError(f"{where} = {value!r} is not allowed; choose one of {list(choices)}")
+    return value
+
+
+# --------------------------------------------------------------------------- modes' configs
+# Defaults are the papers' (../shared/DESIGN.md §4); the issue that implements a mode owns
+# its knobs and may extend them.
+
+_POS = Range(0, None, lo_open=True)
+_UNIT = Range(0.0, 1.0, lo_open=True)
+
+
+@dataclass(frozen=True)
+class OffConfig(SparseConfig):
+    """Dense attention, stock radix cache: no options."""
+
+    mode: ClassVar[str] = "off"
+
+
+@dataclass(frozen=True)
+class PsaConfig(SparseConfig):
+    """PSA progressive threshold decode (PSA Alg. 1)."""
+
+    mode: ClassVar[str] = "psa"
+    epsilon: float = knob(0.95, doc="stop once the estimated kept attention mass >= epsilon", range=_UNIT)
+    micro_batch_blocks: int = knob(8, doc="KV blocks attended per progressive step", range=Range(1, 4096))
+    sink_pages: int = knob(1, doc="first pages always attended", range=Range(0, 1024))
+    local_pages: int = knob(2, doc="last pages always attended", range=Range(0, 1024))
+    min_context: int = knob(4096, doc="contexts shorter than this (tokens) decode densely", range=Range(0, 1 << 24))
+    max_blocks: int = knob(4096, doc="upper bound on blocks read per (request, KV head)", range=Range(1, 1 << 24))
+
+
+@dataclass(frozen=True)
+class LoopServeConfig(SparseConfig):
+    """LoopServe online prefill lines + progressive decode (LoopServe Alg. 1-3)."""
+
+    mode: ClassVar[str] = "loopserve"
+    alpha: float = knob(0.955, doc="fraction of sampled attention mass the lines must cover", range=_UNIT)
+    n_d: int = knob(16, doc="decode re-selection interval (tokens)", range=Range(1, 4096))
+    budget: int = knob(1024, doc="top-B tokens kept per KV head in decode", range=Range(1, 1 << 24))
+    sampled_rows: int = knob(64, doc="query rows sampled for line estimation", range=Range(1, 8192))
+    min_context: int = knob(4096, doc="segments over contexts shorter than this run dense", range=Range(0, 1 << 24))
+
+
+@dataclass(frozen=True)
+class SamKVConfig(SparseConfig):
+    """SamKV per-document reuse with sparsification and selective recompute (SamKV §3)."""
+
+    mode: ClassVar[str] = "samkv"
+    block_size: int = knob(64, doc="tokens per scoring block", range=Range(1, 4096))
+    initial_blocks: int = knob(1, doc="leading blocks of each document always kept", range=Range(0, 64))
+    local_blocks: int = knob(2, doc="trailing blocks of each document always kept", range=Range(0, 64))
+    stable_layers: int = knob(4, doc="last layers averaged for block scores (Eq. 3)", range=Range(1, 1024))
+    fuse: str = knob("fusion", doc="how recomputed KV replaces reused KV (Eq. 4)", choices=("overwrite", "fusion"))

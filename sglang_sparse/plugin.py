@@ -1,0 +1,53 @@
+"""Entry point of group ``sglang.srt.plugins``: installs sglang-sparse into stock SGLang.
+
+SGLang calls :func:`register` (through ``load_plugins()``) in the main process and in
+every scheduler process, then applies the hooks. ``HookRegistry`` logs and continues
+when a hook fails to apply, so :func:`check_hooks_applied` is called at start-up (in
+``SparseServerArgs.__post_init__`` and in the scheduler hook) and raises instead.
+"""
+
+from __future__ import annotations
+
+import logging
+
+logger = logging.getLogger("sglang_sparse")
+
+# (target, hook type name, "module:attribute" of the hook); the order is irrelevant.
+_HOOKS = (
+    ("sglang.srt.server_args.ServerArgs", "REPLACE", "sglang_sparse.server_args:SparseServerArgs"),
+    ("sglang.srt.entrypoints.engine.Engine.server_args_class", "REPLACE",
+     "sglang_sparse.server_args:SparseServerArgs"),
+    ("sglang.srt.server_args.prepare_server_args", "AROUND", "sglang_sparse.server_args:prepare_server_args_hook"),
+    ("sglang.srt.managers.scheduler.Scheduler.__init__", "AFTER", "sglang_sparse.runtime_hooks:scheduler_init_hook"),
+    ("sglang.srt.managers.scheduler.Scheduler.get_internal_state", "AFTER",
+     "sglang_sparse.runtime_hooks:internal_state_hook"),
+    ("sglang.srt.model_executor.model_runner.ModelRunner.init_attention_backends", "AFTER",
+     "sglang_sparse.runtime_hooks:attention_backend_hook"),
+)
+
+
+def hook_targets() -> tuple[str, ...]:
+    return tuple(t for t, _, _ in _HOOKS)
+
+
+def register() -> None:
+    """Register every hook with SGLang's HookRegistry (applied by ``load_plugins``)."""
+    import importlib
+
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    for target, kind, ref in _HOOKS:
+        module, attr = ref.split(":")
+        HookRegistry.register(target, getattr(importlib.import_module(module), attr), HookType[kind])
+    logger.info("sglang-sparse: registered %d hooks", len(_HOOKS))
+
+
+def check_hooks_applied() -> None:
+    """Raise if any sglang-sparse hook was not applied (SGLang only logs such failures)."""
+    from sglang.srt.plugins.hook_registry import HookRegistry
+
+    missing = [t for t in hook_targets() if t not in HookRegistry._patched]
+    if missing:
+        raise RuntimeError(
+            "sglang-sparse: these SGLang hooks did not apply (see the 'Failed to apply hooks' log above; "
+            f"is sglang 0.5.17 installed?): {', '.join(missing)}")

@@ -1,0 +1,59 @@
+"""Hooks that run inside SGLang's scheduler process (scheduler and model runner).
+
+They hand the resolved :class:`~sglang_sparse.modes.SparseContext` to the scheduler and
+to the attention backend, and report it through ``/server_info`` (``internal_states``),
+so a client can check which mode, config and backend the scheduler process really runs.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+from sglang_sparse.server_args import sparse_context_of
+
+logger = logging.getLogger("sglang_sparse")
+
+
+def scheduler_init_hook(result, scheduler, *args, **kwargs):
+    """AFTER ``Scheduler.__init__``: attach the context and check the mode got its backend."""
+    from sglang_sparse.plugin import check_hooks_applied
+
+    check_hooks_applied()
+    ctx = sparse_context_of(scheduler.server_args)
+    scheduler.sparse_context = ctx
+    backend = _attention_backend(scheduler)
+    want = ctx.spec.attention_backend
+    if want is not None and getattr(backend, "sparse_backend_name", None) != want:
+        raise RuntimeError(f"sglang-sparse: mode '{ctx.mode}' needs attention backend '{want}', "
+                           f"but the scheduler runs {type(backend).__name__}")
+    logger.info("sglang-sparse: scheduler pid %d runs mode=%s config=%s on %s", os.getpid(), ctx.mode,
+                ctx.config.to_json(), type(backend).__name__)
+
+
+def attention_backend_hook(result, model_runner, *args, **kwargs):
+    """AFTER ``ModelRunner.init_attention_backends``: give the backend(s) the context."""
+    ctx = sparse_context_of(model_runner.server_args)
+    for name in ("attn_backend", "decode_attn_backend"):
+        backend = getattr(model_runner, name, None)
+        if backend is not None:
+            backend.sparse_context = ctx
+
+
+def internal_state_hook(result, scheduler, *args, **kwargs):
+    """AFTER ``Scheduler.get_internal_state``: add ``sparse`` to the reply."""
+    ctx = getattr(scheduler, "sparse_context", None)
+    backend = _attention_backend(scheduler)
+    backend_ctx = getattr(backend, "sparse_context", None)
+    result.internal_state["sparse"] = {
+        "plugin_pid": os.getpid(),
+        "mode": None if ctx is None else ctx.mode,
+        "config": None if ctx is None else ctx.config.to_dict(),
+        "attention_backend": type(backend).__name__,
+        "attention_backend_mode": None if backend_ctx is None else backend_ctx.mode,
+    }
+    return result
+
+
+def _attention_backend(scheduler):
+    return scheduler.tp_worker.model_runner.attn_backend

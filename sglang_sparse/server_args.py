@@ -1,0 +1,106 @@
+"""``--sparse`` and ``--sparse-config`` on stock ``python -m sglang.launch_server``.
+
+:class:`SparseServerArgs` subclasses SGLang's ``ServerArgs`` with two annotated fields;
+the plugin installs it (HookRegistry REPLACE) as ``sglang.srt.server_args.ServerArgs``
+and as ``Engine.server_args_class``, so ``add_cli_args`` derives both flags (they show
+in ``--help``), ``sgl.Engine(sparse=..., sparse_config=...)`` takes them, and the
+object pickled to the scheduler process carries them.
+
+Validation happens in ``__post_init__`` before SGLang resolves anything (and long
+before the model loads); afterwards ``sparse_config`` holds the resolved config as
+canonical JSON with every default filled in.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import sys
+from typing import Optional
+
+import sglang.srt.server_args as _sglang_server_args
+from sglang.srt.arg_groups.arg_utils import NS, A, Arg
+
+from sglang_sparse.modes import (
+    MODES,
+    SparseConfigError,
+    SparseContext,
+    check_mode,
+    load_config_arg,
+    modes_help,
+    resolve_sparse,
+)
+
+_BaseServerArgs = _sglang_server_args.ServerArgs
+
+
+def _mode_arg(value: str) -> str:
+    try:
+        return check_mode(value)
+    except SparseConfigError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _config_arg(value: str) -> str:
+    """Syntax check at parse time (JSON object or readable @file); keys are checked per mode later."""
+    try:
+        load_config_arg(value)
+    except SparseConfigError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return value
+
+
+def _config_help() -> str:
+    per_mode = "; ".join(f"{n}: {s.config_cls.describe()}" for n, s in MODES.items())
+    return ("Options of the --sparse mode as a JSON object, or @path/to/file.json. Unknown keys, "
+            f"wrong types and out-of-range values are refused at start-up. Keys per mode: {per_mode}.")
+
+
+@dataclasses.dataclass
+class SparseServerArgs(_BaseServerArgs):
+    """SGLang's ServerArgs plus the sglang-sparse fields."""
+
+    sparse: A[
+        str,
+        Arg(help="Sparse attention mode (sglang-sparse). " + modes_help() + ". Default: off.",
+            type_parser=_mode_arg),
+        NS("sparse"),
+    ] = "off"
+    sparse_config: A[
+        Optional[str],
+        Arg(help=_config_help(), type_parser=_config_arg),
+        NS("sparse"),
+    ] = None
+
+    def __post_init__(self):
+        # Resolve first: a bad mode or config must fail before SGLang touches the model.
+        ctx = resolve_sparse(self.sparse, self.sparse_config)
+        self.sparse_config = ctx.config.to_json()
+        _check_hooks_applied()
+        super().__post_init__()
+
+
+@functools.lru_cache(maxsize=8)
+def _context_from(mode: str, config_json: Optional[str]) -> SparseContext:
+    return resolve_sparse(mode, config_json)
+
+
+def sparse_context_of(server_args) -> SparseContext:
+    """The :class:`SparseContext` of a (resolved) ServerArgs; dense if the plugin's fields are absent."""
+    return _context_from(getattr(server_args, "sparse", "off"), getattr(server_args, "sparse_config", None))
+
+
+def _check_hooks_applied() -> None:
+    from sglang_sparse.plugin import check_hooks_applied
+
+    check_hooks_applied()
+
+
+def prepare_server_args_hook(original, argv, *args, **kwargs):
+    """AROUND ``prepare_server_args``: a bad sparse config ends the CLI like argparse does (exit 2)."""
+    try:
+        return original(argv, *args, **kwargs)
+    except SparseConfigError as e:
+        print(f"{sys.argv[0] or 'sglang'}: error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
