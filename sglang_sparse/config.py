@@ -53,7 +53,7 @@ def knob(default: Any, *, doc: str, range: Range | None = None, choices: tuple |
     return field(default=default, metadata={"doc": doc, "range": range, "choices": choices})
 
 
-_TYPE_NAMES = {int: "integer", float: "number", bool: "boolean", str: "string"}
+_TYPE_NAMES = {int: "an integer", float: "a number", bool: "a boolean", str: "a string"}
 
 
 @dataclass(frozen=True)
@@ -113,7 +113,7 @@ def _check_field(mode: str, f: dataclasses.Field, value: Any) -> Any:
     if not ok:
         allowed = f" in {rng}" if rng else (f" one of {list(choices)}" if choices else "")
         raise SparseConfigError(
-            f"{where} = {value!r} has type {type(value).__name__}; expected a {_TYPE_NAMES[want]}{allowed}")
+            f"{where} = {value!r} has type {type(value).__name__}; expected {_TYPE_NAMES[want]}{allowed}")
     if want is float and not math.isfinite(value):
         raise SparseConfigError(f"{where} = {value!r} is not a finite number; allowed range {rng}")
     if rng is not None and not rng.contains(value):

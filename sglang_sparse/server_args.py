@@ -102,5 +102,5 @@ def prepare_server_args_hook(original, argv, *args, **kwargs):
     try:
         return original(argv, *args, **kwargs)
     except SparseConfigError as e:
-        print(f"{sys.argv[0] or 'sglang'}: error: {e}", file=sys.stderr)
+        print(f"sglang: error: {e}", file=sys.stderr)
         raise SystemExit(2) from None

@@ -1,0 +1,53 @@
+"""Shared fixtures: one real CPU server for the whole test run, GPU-test skipping."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from tests.serverproc import DEFAULT_MODEL, cpu_server_args, free_port, start_server
+
+SERVER_READY_TIMEOUT_S = float(os.environ.get("SPARSE_TEST_SERVER_TIMEOUT", "240"))
+
+
+def _has_cuda() -> bool:
+    try:
+        import torch
+
+        return bool(torch.cuda.is_available())
+    except Exception:
+        return False
+
+
+def pytest_collection_modifyitems(config, items):
+    if _has_cuda():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (gpu marker); none on this machine")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def default_model():
+    if not (DEFAULT_MODEL / "config.json").is_file():
+        pytest.fail(f"default model missing at {DEFAULT_MODEL}: run "
+                    "`python -m sglang_sparse.tools.build_model` (the README's setup command does)")
+    return DEFAULT_MODEL
+
+
+@pytest.fixture(scope="session")
+def cpu_server(default_model, tmp_path_factory):
+    """One `--sparse off` CPU server for the whole run; always stopped by its process group."""
+    if _has_cuda():
+        pytest.skip("CPU server tests run on the CPU machine (the GPU script covers the GPU server)")
+    port = free_port()
+    log = tmp_path_factory.mktemp("server") / "server.log"
+    handle = start_server(cpu_server_args(default_model, port, "--sparse", "off"), log)
+    try:
+        handle.wait_ready(SERVER_READY_TIMEOUT_S)
+        print(f"\n[cpu_server] ready in {handle.ready_after_s:.1f}s on {handle.url} (pid {handle.pid}, log {log})")
+        yield handle
+    finally:
+        handle.stop()

@@ -1,0 +1,155 @@
+"""Contract: --sparse / --sparse-config are parsed, validated and refused with a message
+that names the field, the value and the allowed range — before the model loads."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from sglang_sparse.config import LoopServeConfig, PsaConfig, SamKVConfig, SparseConfigError
+from sglang_sparse.modes import MODES, implemented_modes, load_config_arg, resolve_sparse
+from tests.serverproc import DEFAULT_MODEL, server_env
+
+
+@pytest.fixture(scope="module")
+def prepare():
+    """SGLang's real CLI entry (`prepare_server_args`) with the plugin loaded in this process."""
+    from sglang.srt.plugins import load_plugins
+
+    load_plugins()
+    import sglang.srt.server_args as sa
+
+    return sa.prepare_server_args
+
+
+# (argv after --model-path, fragments the error message must contain)
+CLI_BAD_INPUTS = [
+    (["--sparse", "bogus"], ["unknown --sparse mode 'bogus'", "implemented modes: off"]),
+    (["--sparse", "psa"], ["'psa'", "not implemented yet", "implemented modes: off"]),
+    (["--sparse", "loopserve"], ["'loopserve'", "not implemented yet", "implemented modes: off"]),
+    (["--sparse", ""], ["unknown --sparse mode ''", "implemented modes: off"]),
+    (["--sparse-config", "{not json"], ["--sparse-config is not valid JSON", "line 1 column 2"]),
+    (["--sparse-config", "[1, 2]"], ["must be a JSON object", "got list"]),
+    (["--sparse-config", "@/nonexistent/sparse.json"], ["'/nonexistent/sparse.json' cannot be read",
+                                                        "No such file"]),
+    (["--sparse", "off", "--sparse-config", '{"epsilon": 0.9}'],
+     ["unknown key(s) 'epsilon' for mode 'off'", "allowed keys: none"]),
+]
+
+
+@pytest.mark.parametrize("argv,fragments", CLI_BAD_INPUTS, ids=[" ".join(a)[:40] for a, _ in CLI_BAD_INPUTS])
+def test_cli_rejects_bad_sparse_input_with_message(prepare, capsys, argv, fragments):
+    with pytest.raises(SystemExit) as exc:
+        prepare(["--model-path", str(DEFAULT_MODEL), "--device", "cpu", *argv])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    for frag in fragments:
+        assert frag in err, f"{frag!r} not in stderr:\n{err}"
+
+
+def test_cli_reads_config_file_and_rejects_its_bad_json(prepare, capsys, tmp_path):
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"a": }')
+    with pytest.raises(SystemExit):
+        prepare(["--model-path", str(DEFAULT_MODEL), "--sparse-config", f"@{bad}"])
+    assert f"--sparse-config file '{bad}' is not valid JSON" in capsys.readouterr().err
+
+
+def test_cli_accepts_off_and_resolves_config_to_canonical_json(prepare, default_model, tmp_path):
+    empty = tmp_path / "empty.json"
+    empty.write_text("{}")
+    args = prepare(["--model-path", str(default_model), "--device", "cpu", "--sparse", "off",
+                    "--sparse-config", f"@{empty}"])
+    assert type(args).__name__ == "SparseServerArgs"
+    assert args.sparse == "off" and args.sparse_config == "{}"
+
+
+def test_default_mode_is_off(prepare, default_model):
+    args = prepare(["--model-path", str(default_model), "--device", "cpu"])
+    assert args.sparse == "off" and args.sparse_config == "{}"
+
+
+CONFIG_BAD_INPUTS = [
+    (PsaConfig, {"epsilon": 1.5}, "field 'epsilon' of mode 'psa' = 1.5 is out of range; allowed range (0, 1]"),
+    (PsaConfig, {"epsilon": 0}, "field 'epsilon' of mode 'psa' = 0.0 is out of range; allowed range (0, 1]"),
+    (PsaConfig, {"epsilon": "high"}, "field 'epsilon' of mode 'psa' = 'high' has type str; expected a number"),
+    (PsaConfig, {"micro_batch_blocks": 2.5}, "'micro_batch_blocks' of mode 'psa' = 2.5 has type float; "
+                                             "expected an integer in [1, 4096]"),
+    (PsaConfig, {"sink_pages": True}, "'sink_pages' of mode 'psa' = True has type bool; expected an integer"),
+    (PsaConfig, {"local_pages": -1}, "'local_pages' of mode 'psa' = -1 is out of range; allowed range [0, 1024]"),
+    (PsaConfig, {"epsilon": float("nan")}, "'epsilon' of mode 'psa' = nan is not a finite number"),
+    (PsaConfig, {"eps": 0.9}, "unknown key(s) 'eps' for mode 'psa'; allowed keys: epsilon, local_pages"),
+    (LoopServeConfig, {"n_d": 0}, "'n_d' of mode 'loopserve' = 0 is out of range; allowed range [1, 4096]"),
+    (LoopServeConfig, {"alpha": None}, "'alpha' of mode 'loopserve' = None has type NoneType; expected a number"),
+    (SamKVConfig, {"fuse": "blend"}, "'fuse' of mode 'samkv' = 'blend' is not allowed; choose one of "
+                                     "['overwrite', 'fusion']"),
+    (SamKVConfig, {"block_size": 0}, "'block_size' of mode 'samkv' = 0 is out of range; allowed range [1, 4096]"),
+]
+
+
+@pytest.mark.parametrize("cls,raw,message", CONFIG_BAD_INPUTS, ids=[json.dumps(r)[:30] for _, r, _ in CONFIG_BAD_INPUTS])
+def test_mode_config_rejects_bad_value_naming_field_value_and_range(cls, raw, message):
+    with pytest.raises(SparseConfigError) as exc:
+        cls.from_dict(raw)
+    assert message in str(exc.value)
+
+
+def test_mode_configs_are_frozen_and_fill_defaults():
+    cfg = PsaConfig.from_dict({"epsilon": 1})
+    assert cfg.epsilon == 1.0 and isinstance(cfg.epsilon, float) and cfg.micro_batch_blocks == 8
+    with pytest.raises(Exception):
+        cfg.epsilon = 0.5  # frozen
+    assert json.loads(LoopServeConfig.from_dict({}).to_json())["alpha"] == 0.955
+
+
+def test_registry_lists_off_as_the_only_implemented_mode_and_every_config_matches_its_mode():
+    assert implemented_modes() == ["off"]
+    assert {"off", "psa", "loopserve", "samkv"} <= set(MODES)
+    for name, spec in MODES.items():
+        assert spec.config_cls.mode == name
+    with pytest.raises(TypeError):
+        MODES["x"] = MODES["off"]  # the registry is read-only
+
+
+def test_resolve_accepts_dict_json_and_none():
+    assert resolve_sparse("off", None).to_dict() == {"mode": "off", "config": {}}
+    assert resolve_sparse("off", {}).is_dense
+    assert load_config_arg('  {"a": 1} ') == {"a": 1}
+    with pytest.raises(SparseConfigError, match="must be a mode name"):
+        resolve_sparse(3, None)
+
+
+def test_engine_refuses_bad_mode_before_loading_the_model(prepare, default_model):
+    import sglang as sgl
+
+    from sglang_sparse.server_args import SparseServerArgs
+
+    assert sgl.Engine.server_args_class is SparseServerArgs
+    with pytest.raises(SparseConfigError, match="'samkv'.*not implemented yet; implemented modes: off"):
+        sgl.Engine(model_path=str(default_model), device="cpu", sparse="samkv")
+    with pytest.raises(SparseConfigError, match="unknown key"):
+        sgl.Engine(model_path=str(default_model), device="cpu", sparse="off", sparse_config={"budget": 3})
+
+
+@pytest.mark.parametrize("argv,fragment", [
+    (["--sparse", "psa"], "--sparse mode 'psa' (progressive threshold sparse decode (PSA)) is not implemented yet; "
+                          "implemented modes: off"),
+    (["--sparse-config", '{"alpha": 0.9}'], "unknown key(s) 'alpha' for mode 'off'"),
+])
+def test_launch_server_exits_nonzero_with_message_on_bad_sparse(default_model, argv, fragment):
+    proc = subprocess.run([sys.executable, "-m", "sglang.launch_server", "--model-path", str(default_model),
+                           "--device", "cpu", *argv], capture_output=True, text=True, timeout=120, env=server_env())
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert fragment in proc.stderr
+    assert "Load weight" not in proc.stderr + proc.stdout  # refused before the model loads
+
+
+def test_help_lists_both_flags(default_model):
+    proc = subprocess.run([sys.executable, "-m", "sglang.launch_server", "--help"], capture_output=True,
+                          text=True, timeout=120, env=server_env())
+    assert proc.returncode == 0
+    assert "--sparse SPARSE" in proc.stdout and "--sparse-config SPARSE_CONFIG" in proc.stdout
+    assert "'off': dense" in proc.stdout
