@@ -1,0 +1,236 @@
+"""Pure-torch fp32 references for every kernel in ``flashinfer_ext`` (slow, loop-based, exact).
+
+Supports: block metadata from scratch, cuboid/mean criticality with explicit GQA
+groups, dense decode, progressive (PSA Alg. 1) decode over per-(request, KV head)
+block lists with the same micro-batch / stop-test semantics as the Triton kernel,
+base-2 log-sum-exp state merging (FlashInfer's ``merge_state`` convention), and the
+true attention mass kept by a set of blocks (measured against full attention).
+
+Cautions: meant for tests and small benchmarks only (python loops over requests and
+heads). All log-sum-exps here are BASE 2: ``lse = log2(sum_j exp(q.k_j * sm_scale))``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+__all__ = ["gather_kv", "block_meta_reference", "criticality_reference", "forced_and_limit",
+           "dense_decode_reference", "progressive_decode_reference", "merge_states_reference",
+           "kept_mass_reference", "psa_decode_reference"]
+
+LOG2E = 1.0 / math.log(2.0)
+
+
+def gather_kv(buffer: torch.Tensor, req_to_token: torch.Tensor, req_pool_idx: int, seq_len: int) -> torch.Tensor:
+    """``[seq_len, num_kv_heads, head_dim]`` fp32 copy of one request's keys or values."""
+    slots = req_to_token[req_pool_idx, :seq_len].long()
+    return buffer[slots].float()
+
+
+def block_meta_reference(k_buffer, req_to_token, req_pool_indices, seq_lens, block_size):
+    """Per request ``(kmin, kmax, kmean)`` each ``[n_blocks, num_kv_heads, head_dim]`` fp32, from scratch."""
+    out = []
+    for r in range(len(req_pool_indices)):
+        k = gather_kv(k_buffer, req_to_token, int(req_pool_indices[r]), int(seq_lens[r]))
+        mins, maxs, means = [], [], []
+        for s in range(0, k.shape[0], block_size):
+            blk = k[s: s + block_size]
+            mins.append(blk.amin(0))
+            maxs.append(blk.amax(0))
+            means.append(blk.mean(0))
+        out.append((torch.stack(mins), torch.stack(maxs), torch.stack(means)))
+    return out
+
+
+def forced_and_limit(seq_len: int, block_size: int, sink_blocks: int, local_blocks: int, max_blocks: int):
+    """``(n_blocks, n_forced, limit)``: blocks of a request, forced (sink + local) count, read cap."""
+    n_blocks = -(-seq_len // block_size)
+    n_forced = min(n_blocks, sink_blocks + local_blocks)
+    limit = min(n_blocks, n_forced + max_blocks)
+    return n_blocks, n_forced, limit
+
+
+def criticality_reference(q, kmin, kmax, kmean, block_table, seq_lens, *, block_size, num_blocks,
+                          sink_blocks, local_blocks, criticality="cuboid", group_reduce="max"):
+    """Block scores ``[batch, num_kv_heads, num_blocks]`` fp32.
+
+    ``q``: ``[batch, num_qo_heads, head_dim]``; ``kmin/kmax/kmean``: ``[num_rows, num_kv_heads, head_dim]``;
+    ``block_table``: ``[batch, >= num_blocks]`` meta rows. Sink/local blocks score ``+inf``, blocks past the
+    end ``-inf``. GQA: each query head of the group gets its own bound, then ``max`` or ``sum`` over the group.
+    """
+    batch, num_qo_heads, _ = q.shape
+    num_kv_heads = kmin.shape[1]
+    group = num_qo_heads // num_kv_heads
+    scores = torch.full((batch, num_kv_heads, num_blocks), float("-inf"))
+    for r in range(batch):
+        n_blocks = -(-int(seq_lens[r]) // block_size)
+        rows = block_table[r, :n_blocks].long().cpu()
+        for h in range(num_kv_heads):
+            qg = q[r, h * group:(h + 1) * group].float().cpu()  # [G, d]
+            if criticality == "cuboid":
+                mn = kmin[rows, h].float().cpu()
+                mx = kmax[rows, h].float().cpu()
+                ub = torch.maximum(qg[:, None, :] * mn[None], qg[:, None, :] * mx[None]).sum(-1)  # [G, nb]
+            else:
+                ub = qg @ kmean[rows, h].float().cpu().T
+            s = ub.amax(0) if group_reduce == "max" else ub.sum(0)
+            forced = torch.zeros(n_blocks, dtype=torch.bool)
+            forced[:sink_blocks] = True
+            if local_blocks > 0:
+                forced[max(0, n_blocks - local_blocks):] = True
+            scores[r, h, :n_blocks] = torch.where(forced, torch.full_like(s, float("inf")), s)
+    return scores
+
+
+def _scores_base2(qg, k, sm_scale):
+    return (qg @ k.T) * (sm_scale * LOG2E)  # [G, L]
+
+
+def dense_decode_reference(q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, sm_scale):
+    """Full attention: ``o`` ``[batch, num_qo_heads, head_dim]`` fp32, ``lse`` ``[batch, num_qo_heads]`` base 2."""
+    batch, num_qo_heads, head_dim = q.shape
+    num_kv_heads = k_buffer.shape[1]
+    group = num_qo_heads // num_kv_heads
+    o = torch.zeros(batch, num_qo_heads, head_dim)
+    lse = torch.zeros(batch, num_qo_heads)
+    for r in range(batch):
+        k = gather_kv(k_buffer, req_to_token, int(req_pool_indices[r]), int(seq_lens[r])).cpu()
+        v = gather_kv(v_buffer, req_to_token, int(req_pool_indices[r]), int(seq_lens[r])).cpu()
+        for h in range(num_kv_heads):
+            s2 = _scores_base2(q[r, h * group:(h + 1) * group].float().cpu(), k[:, h], sm_scale)
+            l2 = torch.logsumexp(s2 / LOG2E, dim=-1) * LOG2E
+            o[r, h * group:(h + 1) * group] = torch.exp2(s2 - l2[:, None]) @ v[:, h]
+            lse[r, h * group:(h + 1) * group] = l2
+    return o, lse
+
+
+def progressive_decode_reference(q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens,
+                                 block_lists, list_lens, n_forced, *, block_size, sm_scale,
+                                 epsilon, micro_batch_blocks):
+    """PSA Alg. 1 over given rank orders, mirroring ``sparse_decode``'s semantics exactly.
+
+    ``block_lists``: ``[batch, num_kv_heads, L]`` logical block ids in attend order (forced first);
+    ``list_lens``: ``[batch, num_kv_heads]`` how many list entries may be read; ``n_forced``: ``[batch]``.
+    Micro-batches: ``[0, n_forced)`` in chunks of ``m``, then ``[n_forced, list_len)`` in chunks of ``m``;
+    after each ranked chunk, per query head of the group, AS_min = smallest mass of a full ranked block
+    read so far, N_left = n_blocks - read, and the pair stops once every head has
+    ``AS_acc / (AS_acc + AS_min * N_left) >= epsilon`` (never when ``epsilon >= 1``).
+    Returns ``(o fp32 [batch, num_qo_heads, head_dim], lse base 2 [batch, num_qo_heads], nread [batch, num_kv_heads])``.
+    """
+    batch, num_qo_heads, head_dim = q.shape
+    num_kv_heads = k_buffer.shape[1]
+    group = num_qo_heads // num_kv_heads
+    m = micro_batch_blocks
+    o = torch.zeros(batch, num_qo_heads, head_dim)
+    lse = torch.zeros(batch, num_qo_heads)
+    nread = torch.zeros(batch, num_kv_heads, dtype=torch.int32)
+    for r in range(batch):
+        seq_len = int(seq_lens[r])
+        n_blocks = -(-seq_len // block_size)
+        k = gather_kv(k_buffer, req_to_token, int(req_pool_indices[r]), seq_len).cpu()
+        v = gather_kv(v_buffer, req_to_token, int(req_pool_indices[r]), seq_len).cpu()
+        nf = int(n_forced[r])
+        for h in range(num_kv_heads):
+            s2 = _scores_base2(q[r, h * group:(h + 1) * group].float().cpu(), k[:, h], sm_scale)  # [G, L]
+            lst = [int(x) for x in block_lists[r, h, : int(list_lens[r, h])]]
+            # absolute base-2 log mass of every block, per query head
+            blk_lm = torch.stack([torch.logsumexp(s2[:, b * block_size:(b + 1) * block_size] / LOG2E, -1) * LOG2E
+                                  for b in range(n_blocks)], dim=1)  # [G, n_blocks]
+            full = [min(seq_len, (b + 1) * block_size) - b * block_size == block_size for b in range(n_blocks)]
+            cur = min(nf, len(lst))
+            lmin = torch.full((group,), float("inf"))
+            while cur < len(lst):
+                chunk = lst[cur: cur + m]
+                for b in chunk:
+                    if full[b]:
+                        lmin = torch.minimum(lmin, blk_lm[:, b])
+                cur += len(chunk)
+                if epsilon < 1.0:
+                    lse_acc = torch.logsumexp(blk_lm[:, lst[:cur]] / LOG2E, -1) * LOG2E
+                    n_left = n_blocks - cur
+                    if n_left <= 0:
+                        break
+                    ok = lse_acc + math.log2(1.0 - epsilon) >= math.log2(epsilon) + lmin + math.log2(n_left)
+                    if bool(ok.all()):
+                        break
+            read = lst[:cur]
+            nread[r, h] = cur
+            tok = torch.cat([torch.arange(b * block_size, min(seq_len, (b + 1) * block_size)) for b in read])
+            s_read = s2[:, tok]
+            l2 = torch.logsumexp(s_read / LOG2E, -1) * LOG2E
+            o[r, h * group:(h + 1) * group] = torch.exp2(s_read - l2[:, None]) @ v[tok, h]
+            lse[r, h * group:(h + 1) * group] = l2
+    return o, lse, nread
+
+
+def merge_states_reference(v_a, s_a, v_b, s_b):
+    """Merge two partial attention states (base-2 lse), as ``flashinfer.merge_state``.
+
+    ``v_*``: ``[n, num_heads, head_dim]``; ``s_*``: ``[n, num_heads]`` fp32. Returns fp32 ``(v, s)``.
+    """
+    s_a, s_b = s_a.float(), s_b.float()
+    s = torch.logaddexp2(s_a, s_b)
+    w_a = torch.exp2(s_a - s)[..., None]
+    w_b = torch.exp2(s_b - s)[..., None]
+    return v_a.float() * w_a + v_b.float() * w_b, s
+
+
+def kept_mass_reference(q, k_buffer, req_to_token, req_pool_indices, seq_lens, block_lists, nread,
+                        *, block_size, sm_scale):
+    """True softmax mass of the blocks read, ``[batch, num_qo_heads]`` fp32 (1.0 = everything kept)."""
+    batch, num_qo_heads, _ = q.shape
+    num_kv_heads = k_buffer.shape[1]
+    group = num_qo_heads // num_kv_heads
+    kept = torch.zeros(batch, num_qo_heads)
+    for r in range(batch):
+        seq_len = int(seq_lens[r])
+        k = gather_kv(k_buffer, req_to_token, int(req_pool_indices[r]), seq_len).cpu()
+        for h in range(num_kv_heads):
+            s2 = _scores_base2(q[r, h * group:(h + 1) * group].float().cpu(), k[:, h], sm_scale)
+            p = torch.exp2(s2 - s2.amax(-1, keepdim=True))
+            p = p / p.sum(-1, keepdim=True)
+            mask = torch.zeros(seq_len, dtype=torch.bool)
+            for b in block_lists[r, h, : int(nread[r, h])].tolist():
+                mask[b * block_size: (b + 1) * block_size] = True
+            kept[r, h * group:(h + 1) * group] = p[:, mask].sum(-1)
+    return kept
+
+
+def psa_decode_reference(q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, config, *,
+                         block_size, sm_scale):
+    """Whole PSA decode from scratch (metadata, scores, stable rank, progressive attention).
+
+    ``config``: a :class:`flashinfer_ext.config.PsaDecodeConfig`. Returns ``(o, lse, nread, order)``
+    with ``order`` ``[batch, num_kv_heads, max_n_blocks]`` int64.
+    """
+    batch = q.shape[0]
+    metas = block_meta_reference(k_buffer, req_to_token, req_pool_indices, seq_lens, block_size)
+    num_blocks = max(mm[0].shape[0] for mm in metas)
+    num_kv_heads, head_dim = k_buffer.shape[1], k_buffer.shape[2]
+    rows = torch.zeros(batch * num_blocks, num_kv_heads, head_dim)
+    kmin, kmax, kmean = rows.clone(), rows.clone(), rows.clone()
+    table = torch.arange(batch * num_blocks).view(batch, num_blocks)
+    for r, (mn, mx, me) in enumerate(metas):
+        n = mn.shape[0]
+        kmin[r * num_blocks: r * num_blocks + n] = mn
+        kmax[r * num_blocks: r * num_blocks + n] = mx
+        kmean[r * num_blocks: r * num_blocks + n] = me
+    scores = criticality_reference(q, kmin, kmax, kmean, table, seq_lens, block_size=block_size,
+                                   num_blocks=num_blocks, sink_blocks=config.sink_blocks,
+                                   local_blocks=config.local_blocks, criticality=config.criticality,
+                                   group_reduce=config.group_reduce)
+    order = torch.sort(scores, dim=-1, descending=True, stable=True).indices
+    list_lens = torch.zeros(batch, num_kv_heads, dtype=torch.int32)
+    n_forced = torch.zeros(batch, dtype=torch.int32)
+    for r in range(batch):
+        _, nf, limit = forced_and_limit(int(seq_lens[r]), block_size, config.sink_blocks,
+                                        config.local_blocks, config.max_blocks)
+        n_forced[r] = nf
+        list_lens[r] = limit
+    o, lse, nread = progressive_decode_reference(
+        q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, order, list_lens, n_forced,
+        block_size=block_size, sm_scale=sm_scale, epsilon=config.epsilon,
+        micro_batch_blocks=config.micro_batch_blocks)
+    return o, lse, nread, order

@@ -1,0 +1,218 @@
+"""Sparse-page decode over per-(request, KV head) block lists, with an optional PSA stop test.
+
+Supports: one decode query per request, GQA (the whole query-head group of a KV head
+in one program), SGLang's KV layout ``[num_slots, num_kv_heads, head_dim]`` reached
+through ``req_to_token``, block sizes 1..128 (page size, or logical blocks for page
+size 1), bf16/fp16 KV. Each (request, KV head) reads its own list of logical blocks
+in list order: first the ``n_forced`` forced blocks (sink + local), then ranked blocks
+micro-batch by micro-batch. With ``epsilon < 1`` it runs PSA Alg. 1 on the GPU: after
+every ranked micro-batch it estimates P_acc = AS_acc / (AS_acc + AS_min * N_left) per
+query head and stops the pair once every head of the group has P_acc >= epsilon.
+With ``epsilon == 1`` it attends the whole list: this is the plain sparse-page decode
+primitive shared with LoopServe (pass its per-head lists and lengths).
+
+One launch, grid ``[batch * num_kv_heads]``; the stop loop runs inside the program, so
+there is no host sync, no per-layer host planning and the launch is CUDA-graph
+capturable. Outputs: ``o`` and a BASE-2 ``lse`` (FlashInfer's ``return_lse``
+convention, so partial results merge with ``flashinfer.merge_state``), and the number
+of list entries read per pair.
+
+Cautions:
+  * Why Triton and not FlashInfer: FlashInfer's paged decode takes one page list per
+    request shared by all KV heads; PSA needs a different list (and a different stop
+    point) per KV head, and a stop test between micro-batches. The online-softmax merge
+    across micro-batches is the in-kernel equivalent of ``merge_state`` (same base-2 math).
+  * One program per (request, KV head): at ``batch * num_kv_heads`` well below the SM
+    count the kernel is latency-bound (see ``bench/psa_decode_bench.py``).
+  * AS_min only takes full, ranked blocks (forced and partial blocks are out of rank
+    order); block masses below 2^-100 of the running maximum are floored.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = ["sparse_decode"]
+
+
+@triton.jit
+def _attend_tile(q, k_ptr, v_ptr, stride_k_slot, stride_k_head, stride_v_slot, stride_v_head, h,
+                 rtt_row_ptr, lists_row_ptr, t0, t_end, nf, seq_len,
+                 m_i, l_i, acc, lmin, sm_scale_log2,
+                 G_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
+                 BLOCK_SIZE: tl.constexpr, SUB: tl.constexpr, DOT_FP32: tl.constexpr):
+    """Attend list ranks ``[t0, min(t0 + SUB, t_end))``; update the online-softmax state and AS_min."""
+    TOK: tl.constexpr = SUB * BLOCK_SIZE
+    d = tl.arange(0, D_PAD)
+    dmask = d < HEAD_DIM
+    tok = tl.arange(0, TOK)
+    rank_tok = t0 + tok // BLOCK_SIZE
+    lb_tok = tl.load(lists_row_ptr + rank_tok, mask=rank_tok < t_end, other=0).to(tl.int64)
+    pos = lb_tok * BLOCK_SIZE + tok % BLOCK_SIZE
+    tvalid = (rank_tok < t_end) & (pos < seq_len)
+    slot = tl.load(rtt_row_ptr + pos, mask=tvalid, other=0).to(tl.int64)
+    kv_mask = tvalid[:, None] & dmask[None, :]
+    k = tl.load(k_ptr + slot[:, None] * stride_k_slot + h * stride_k_head + d[None, :], mask=kv_mask, other=0.0)
+    if DOT_FP32:  # the Triton CPU interpreter mis-computes bf16 tl.dot: emulate in fp32 there
+        s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)))
+    else:
+        s = tl.dot(q, tl.trans(k))
+    s = s * sm_scale_log2  # [G_PAD, TOK] base-2 scores
+    s = tl.where(tvalid[None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(s - m_safe[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    v = tl.load(v_ptr + slot[:, None] * stride_v_slot + h * stride_v_head + d[None, :], mask=kv_mask, other=0.0)
+    if DOT_FP32:
+        pv = tl.dot(p.to(v.dtype).to(tl.float32), v.to(tl.float32))
+    else:
+        pv = tl.dot(p.to(v.dtype), v)
+    acc = acc * alpha[:, None] + pv
+    # AS_min over full, ranked blocks of this tile (absolute base-2 log mass per query head)
+    ranks = t0 + tl.arange(0, SUB)
+    lb = tl.load(lists_row_ptr + ranks, mask=ranks < t_end, other=0).to(tl.int64)
+    full = (ranks < t_end) & (ranks >= nf) & ((lb + 1) * BLOCK_SIZE <= seq_len)
+    pb = tl.sum(tl.reshape(p, (G_PAD, SUB, BLOCK_SIZE)), axis=2)  # [G_PAD, SUB]
+    lm = tl.log2(tl.maximum(pb, 1e-30)) + m_safe[:, None]
+    lmin = tl.minimum(lmin, tl.min(tl.where(full[None, :], lm, float("inf")), axis=1))
+    return m_new, l_i, acc, lmin
+
+
+@triton.jit
+def _sparse_decode_kernel(
+    q_ptr, stride_qb, stride_qh,
+    k_ptr, stride_k_slot, stride_k_head, v_ptr, stride_v_slot, stride_v_head,
+    rtt_ptr, stride_rtt, rpi_ptr, seq_lens_ptr,
+    lists_ptr, stride_lb, stride_lh, list_lens_ptr, stride_llb, n_forced_ptr,
+    o_ptr, stride_ob, stride_oh, lse_ptr, stride_lseb, nread_ptr, stride_nb,
+    sm_scale_log2, log2_eps, log2_1m_eps,
+    NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, G_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    SUB: tl.constexpr, MB: tl.constexpr, PROGRESSIVE: tl.constexpr, DOT_FP32: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    r = pid // NUM_KV_HEADS
+    h = pid % NUM_KV_HEADS
+    r64 = r.to(tl.int64)
+    seq_len = tl.load(seq_lens_ptr + r)
+    n_blocks = (seq_len + BLOCK_SIZE - 1) // BLOCK_SIZE
+    list_len = tl.load(list_lens_ptr + r64 * stride_llb + h)
+    nf = tl.minimum(tl.load(n_forced_ptr + r), list_len)
+    rpi = tl.load(rpi_ptr + r).to(tl.int64)
+    rtt_row_ptr = rtt_ptr + rpi * stride_rtt
+    lists_row_ptr = lists_ptr + r64 * stride_lb + h * stride_lh
+
+    g = tl.arange(0, G_PAD)
+    d = tl.arange(0, D_PAD)
+    gmask = g < GROUP
+    dmask = d < HEAD_DIM
+    q = tl.load(q_ptr + r64 * stride_qb + (h * GROUP + g)[:, None] * stride_qh + d[None, :],
+                mask=gmask[:, None] & dmask[None, :], other=0.0).to(k_ptr.dtype.element_ty)
+    m_i = tl.full([G_PAD], float("-inf"), tl.float32)
+    l_i = tl.zeros([G_PAD], tl.float32)
+    acc = tl.zeros([G_PAD, D_PAD], tl.float32)
+    lmin = tl.full([G_PAD], float("inf"), tl.float32)
+
+    # forced blocks (sink + local): always read, no stop test
+    for t0 in range(0, nf, SUB):
+        m_i, l_i, acc, lmin = _attend_tile(
+            q, k_ptr, v_ptr, stride_k_slot, stride_k_head, stride_v_slot, stride_v_head, h,
+            rtt_row_ptr, lists_row_ptr, t0, nf, nf, seq_len, m_i, l_i, acc, lmin, sm_scale_log2,
+            G_PAD, HEAD_DIM, D_PAD, BLOCK_SIZE, SUB, DOT_FP32)
+
+    # ranked blocks, micro-batch by micro-batch, stop test on the GPU after each one
+    cur = nf
+    done = (cur >= list_len).to(tl.int32)
+    while done == 0:
+        mb_end = tl.minimum(cur + MB, list_len)
+        for t0 in range(cur, mb_end, SUB):
+            m_i, l_i, acc, lmin = _attend_tile(
+                q, k_ptr, v_ptr, stride_k_slot, stride_k_head, stride_v_slot, stride_v_head, h,
+                rtt_row_ptr, lists_row_ptr, t0, mb_end, nf, seq_len, m_i, l_i, acc, lmin, sm_scale_log2,
+                G_PAD, HEAD_DIM, D_PAD, BLOCK_SIZE, SUB, DOT_FP32)
+        cur = mb_end
+        stop = (cur >= list_len).to(tl.int32)
+        if PROGRESSIVE:
+            n_left = n_blocks - cur
+            lse_acc = m_i + tl.log2(tl.maximum(l_i, 1e-30))
+            rhs = log2_eps + lmin + tl.log2(tl.maximum(n_left, 1).to(tl.float32))
+            ok = ((lse_acc + log2_1m_eps) >= rhs) | (g >= GROUP)
+            all_ok = tl.min(ok.to(tl.int32), axis=0)
+            stop = stop | all_ok | (n_left <= 0).to(tl.int32)
+        done = stop
+
+    has = l_i > 0.0
+    l_safe = tl.where(has, l_i, 1.0)
+    o = acc / l_safe[:, None]
+    lse = tl.where(has, m_i + tl.log2(l_safe), float("-inf"))
+    qo = h * GROUP + g
+    tl.store(o_ptr + r64 * stride_ob + qo[:, None] * stride_oh + d[None, :], o.to(o_ptr.dtype.element_ty),
+             mask=gmask[:, None] & dmask[None, :])
+    tl.store(lse_ptr + r64 * stride_lseb + qo, lse, mask=gmask)
+    tl.store(nread_ptr + r64 * stride_nb + h, cur)
+
+
+def sparse_decode(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor,
+                  req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor,
+                  block_lists: torch.Tensor, list_lens: torch.Tensor, n_forced: torch.Tensor, *,
+                  block_size: int, sm_scale: float, epsilon: float = 1.0, micro_batch_blocks: int = 8,
+                  out: torch.Tensor | None = None, lse_out: torch.Tensor | None = None,
+                  nread_out: torch.Tensor | None = None, tile_tokens: int = 64):
+    """Decode attention over per-(request, KV head) block lists; PSA stop test when ``epsilon < 1``.
+
+    Args:
+      q: ``[batch, num_qo_heads, head_dim]`` (post-RoPE), any float dtype (cast to the KV dtype).
+      k_buffer, v_buffer: ``[num_slots, num_kv_heads, head_dim]`` bf16/fp16 (one layer).
+      req_to_token: ``[max_reqs, max_context_len]`` int32; req_pool_indices: ``[batch]`` int.
+      seq_lens: ``[batch]`` int32 (a block's tokens past ``seq_len`` are masked: partial last block).
+      block_lists: ``[batch, num_kv_heads, L]`` int32/int64 logical block ids in attend order,
+        forced blocks first; entries must be distinct and ``< ceil(seq_len / block_size)``.
+      list_lens: ``[batch, num_kv_heads]`` int32 entries that may be read (<= L).
+      n_forced: ``[batch]`` int32 leading entries read before any stop test.
+      epsilon: kept-mass threshold; ``>= 1`` disables the stop test (attend the whole list).
+      out: ``[batch, num_qo_heads, head_dim]`` output (default: q's dtype), lse_out ``[batch, num_qo_heads]``
+        fp32 base 2, nread_out ``[batch, num_kv_heads]`` int32 entries read; allocated if None.
+
+    Returns ``(out, lse_out, nread_out)``. One launch; allocation-free when the outputs are given.
+    """
+    batch, num_qo_heads, head_dim = q.shape
+    num_kv_heads = k_buffer.shape[1]
+    if num_qo_heads % num_kv_heads:
+        raise ValueError(f"num_qo_heads={num_qo_heads} is not a multiple of num_kv_heads={num_kv_heads}")
+    if not 1 <= block_size <= 128 or block_size & (block_size - 1):
+        raise ValueError(f"block_size={block_size} must be a power of two in [1, 128]")
+    if out is None:
+        out = torch.empty_like(q)
+    if lse_out is None:
+        lse_out = torch.empty(batch, num_qo_heads, dtype=torch.float32, device=q.device)
+    if nread_out is None:
+        nread_out = torch.empty(batch, num_kv_heads, dtype=torch.int32, device=q.device)
+    if batch == 0:
+        return out, lse_out, nread_out
+    assert k_buffer.stride(2) == 1 and v_buffer.stride(2) == 1 and q.stride(2) == 1
+    assert block_lists.stride(2) == 1 and list_lens.stride(1) == 1 and out.stride(2) == 1
+    group = num_qo_heads // num_kv_heads
+    sub = max(1, triton.next_power_of_2(max(tile_tokens, 16)) // block_size)
+    progressive = epsilon < 1.0
+    log2_eps = math.log2(epsilon) if progressive else 0.0
+    log2_1m_eps = math.log2(1.0 - epsilon) if progressive else 0.0
+    _sparse_decode_kernel[(batch * num_kv_heads,)](
+        q, q.stride(0), q.stride(1),
+        k_buffer, k_buffer.stride(0), k_buffer.stride(1), v_buffer, v_buffer.stride(0), v_buffer.stride(1),
+        req_to_token, req_to_token.stride(0), req_pool_indices, seq_lens,
+        block_lists, block_lists.stride(0), block_lists.stride(1), list_lens, list_lens.stride(0), n_forced,
+        out, out.stride(0), out.stride(1), lse_out, lse_out.stride(0), nread_out, nread_out.stride(0),
+        float(sm_scale) / math.log(2.0), log2_eps, log2_1m_eps,
+        NUM_KV_HEADS=num_kv_heads, GROUP=group, G_PAD=max(16, triton.next_power_of_2(group)),
+        HEAD_DIM=head_dim, D_PAD=max(16, triton.next_power_of_2(head_dim)), BLOCK_SIZE=block_size,
+        SUB=sub, MB=micro_batch_blocks, PROGRESSIVE=progressive,
+        DOT_FP32=os.environ.get("TRITON_INTERPRET", "0") == "1",
+    )
+    return out, lse_out, nread_out
