@@ -1,0 +1,90 @@
+"""Run the task suite and the fidelity probes against one live server.
+
+Produces, for one mode, a JSON-able record: every turn's reply and timings, the
+fidelity probes' greedy output ids and teacher-forced top-k logprobs. Comparison with
+dense happens later (:mod:`bench.report`), so a mode's raw record stands on its own.
+"""
+
+from __future__ import annotations
+
+import time
+
+from bench import client, scoring
+from bench.tasks import Preset, Task
+
+PROGRESS_EVERY_S = 15.0
+
+
+def run_tasks(base_url: str, tasks: list[Task], model: str, max_tokens: int, log=print,
+              timeout: float = 600.0) -> list[dict]:
+    """Play every task as a real multi-turn conversation and score every turn."""
+    rows = []
+    t0 = last = time.monotonic()
+    for i, task in enumerate(tasks):
+        try:
+            turns = client.run_conversation(base_url, task, model, max_tokens, timeout)
+            err = None
+        except client.RequestError as e:
+            turns, err = [], str(e)
+        for rec, turn in zip(turns, task.turns):
+            rec.update(scoring.task_scores(rec["reply"], turn.answers, turn.metric))
+            rec.update({"answers": list(turn.answers), "position": turn.position,
+                        "sources": list(turn.sources), "metric": turn.metric})
+        rows.append({"task_id": task.task_id, "kind": task.kind, "position": task.position,
+                     "words": task.words, "docs": task.meta.get("docs", 0), "turns": turns, "error": err})
+        now = time.monotonic()
+        if now - last > PROGRESS_EVERY_S or i + 1 == len(tasks):
+            done = [r for r in rows if r["turns"]]
+            acc = sum(r["turns"][-1]["score"] for r in done) / max(1, len(done))
+            log(f"[tasks] {i + 1}/{len(tasks)} done in {now - t0:.0f}s, last-turn score so far {acc:.2f}")
+            last = now
+    return rows
+
+
+def run_fidelity(base_url: str, pairs: list[tuple[list[int], list[int]]], log=print,
+                 timeout: float = 600.0) -> list[dict]:
+    """For each (context ids, continuation ids): a 128-token greedy continuation and the
+    teacher-forced top-k logprobs over the real continuation. Sequential on purpose,
+    so batching cannot perturb the comparison."""
+    out = []
+    for i, (ctx, cont) in enumerate(pairs):
+        try:
+            g = client.greedy(base_url, ctx, scoring.GREEDY_TOKENS, timeout)
+            tf = client.teacher_forced(base_url, ctx, cont, timeout=timeout)
+            out.append({"prompt_tokens": len(ctx), "output_ids": g["output_ids"], "greedy_latency_s": g["latency_s"],
+                        "top": tf["top"], "kept_mass": g["kept_mass"], "kept_mass_tf": tf["kept_mass"],
+                        "error": None})
+        except (client.RequestError, ValueError) as e:
+            out.append({"prompt_tokens": len(ctx), "error": str(e)})
+    log(f"[fidelity] {len(pairs)} probes done, {sum(1 for o in out if o['error'])} errors")
+    return out
+
+
+def tokenize_pairs(tokenizer, pairs: list[tuple[str, str]]) -> list[tuple[list[int], list[int]]]:
+    """Tokenise (context, continuation) text pairs without special tokens, the
+    continuation separately so both runs see the same token boundary."""
+    out = []
+    for ctx, cont in pairs:
+        c = tokenizer.encode(ctx, add_special_tokens=False)
+        k = tokenizer.encode("\n\n" + cont, add_special_tokens=False)
+        out.append((c, k))
+    return out
+
+
+def warmup(base_url: str, model: str, timeout: float = 300.0) -> None:
+    """One short chat so first-request costs (JIT, graph capture) stay out of the timings."""
+    client._post(base_url + "/v1/chat/completions", {"model": model, "temperature": 0.0, "max_tokens": 4,
+                 "messages": [{"role": "user", "content": "Say OK."}]}, timeout)
+
+
+def run_mode(base_url: str, preset: Preset, tasks: list[Task], pairs, model: str, log=print) -> dict:
+    """The whole suite for one mode: warm-up, tasks, fidelity probes, wall times."""
+    rec: dict = {}
+    t = time.monotonic()
+    warmup(base_url, model)
+    rec["tasks"] = run_tasks(base_url, tasks, model, preset.max_tokens, log)
+    rec["tasks_wall_s"] = time.monotonic() - t
+    t = time.monotonic()
+    rec["fidelity"] = run_fidelity(base_url, pairs, log)
+    rec["fidelity_wall_s"] = time.monotonic() - t
+    return rec

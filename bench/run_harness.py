@@ -1,0 +1,132 @@
+"""Driver: run the offline multi-turn benchmark against one server per ``--sparse`` mode.
+
+    python -m bench.run_harness --modes off,loopserve --preset tiny --device cpu
+
+``off`` is always run first, in the same invocation, as the baseline. For every mode
+the driver starts ``python -m sglang.launch_server`` (CPU or GPU), plays every task
+through ``/v1/chat/completions`` as a real conversation, runs the fidelity probes on
+``/generate``, stops the server, and rewrites the report, so a failed mode still leaves
+the others' results. Output directory: report.md, accuracy_by_position.png,
+latency.png, summary.json, raw/<mode>.json, logs/<mode>.log and baseline_dense.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import sys
+import time
+from pathlib import Path
+
+from bench import envinfo, harness, report, tasks
+from bench.server import Server, ServerError, ServerSpec
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--modes", default="off", help="comma-separated --sparse modes; 'off' is always added first")
+    p.add_argument("--preset", default="tiny", choices=sorted(tasks.PRESETS))
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--python", default=sys.executable, help="interpreter that has sglang (server side)")
+    p.add_argument("--model", default=str(REPO / "models" / "SmolLM2-135M-Instruct"))
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--port", type=int, default=32000)
+    p.add_argument("--out", default=None, help="output dir (default bench/results/tmp/<preset>-<device>)")
+    p.add_argument("--sparse-config", action="append", default=[], metavar="MODE=JSON",
+                   help="per-mode --sparse-config, e.g. loopserve='{\"alpha\":0.98}' (repeatable)")
+    p.add_argument("--server-timeout", type=float, default=None,
+                   help="seconds to wait for a server to be ready (default 300 cpu / 900 cuda)")
+    p.add_argument("--server-args", default="", help="extra server args, one shell-quoted string, "
+                   "e.g. '--attention-backend flashinfer'")
+    p.add_argument("server_extra", nargs=argparse.REMAINDER,
+                   help="anything after '--' is passed to launch_server too")
+    a = p.parse_args(argv)
+    a.extra = shlex.split(a.server_args) + [x for x in a.server_extra if x != "--"]
+    modes = [m.strip() for m in a.modes.split(",") if m.strip()]
+    a.mode_list = ["off"] + [m for m in modes if m != "off"]
+    a.configs = {}
+    for item in a.sparse_config:
+        mode, sep, cfg = item.partition("=")
+        if not sep:
+            p.error(f"--sparse-config expects MODE=JSON, got '{item}'")
+        json.loads(cfg)  # fail fast on bad JSON
+        a.configs[mode] = cfg
+    if a.server_timeout is None:
+        a.server_timeout = 300.0 if a.device == "cpu" else 900.0
+    a.out = Path(a.out) if a.out else REPO / "bench" / "results" / "tmp" / f"{a.preset}-{a.device}"
+    return a
+
+
+def main(argv=None) -> int:
+    a = parse_args(argv)
+    out = a.out
+    (out / "raw").mkdir(parents=True, exist_ok=True)
+    (out / "logs").mkdir(parents=True, exist_ok=True)
+    logf = open(out / "driver.log", "a")
+
+    def log(msg: str) -> None:
+        line = f"{time.strftime('%H:%M:%S')} {msg}"
+        print(line, flush=True)
+        logf.write(line + "\n")
+        logf.flush()
+
+    if not Path(a.model).is_dir():
+        log(f"error: model folder '{a.model}' does not exist (build it: python -m sglang_sparse.tools.build_model)")
+        return 2
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(a.model)
+    preset = tasks.PRESETS[a.preset]
+    suite = tasks.generate(preset, a.seed)
+    pairs = harness.tokenize_pairs(tok, tasks.fidelity_prompts(preset, a.seed))
+    meta = envinfo.collect(a.python, [sys.executable, "-m", "bench.run_harness"] + (argv or sys.argv[1:]))
+    meta.update({"device": a.device, "model": a.model, "model_name": Path(a.model).name, "dtype": a.dtype,
+                 "preset": f"{preset.name} ({preset.description})", "seed": a.seed,
+                 "tasks": f"{len(suite)} tasks, {sum(len(t.turns) for t in suite)} turns; "
+                          f"{len(pairs)} fidelity probes of ~{_mean_len(pairs)} tokens",
+                 "corpus": tasks.corpus.source_description(), "modes": ", ".join(a.mode_list),
+                 "extra server args": " ".join(a.extra) or "(none)"})
+    log(f"[driver] {meta['tasks']}; modes {a.mode_list}; out {out}")
+    results: dict = {}
+    errors: dict = {}
+    for mode in a.mode_list:
+        spec = ServerSpec(a.python, a.model, a.device, a.port, mode, a.configs.get(mode), a.dtype, a.extra)
+        srv = Server(spec, out / "logs" / f"{mode}.log", a.server_timeout, log)
+        t0 = time.monotonic()
+        try:
+            with srv:
+                info = srv.server_info()
+                states = info.get("internal_states") or [{}]
+                rec = {"server": {"sparse": info.get("sparse"), "sparse_config": info.get("sparse_config"),
+                                  "attention_backend": info.get("attention_backend"),
+                                  "reported": (states[0] or {}).get("sparse")},
+                       "startup_s": srv.startup_s}
+                rec.update(harness.run_mode(srv.base_url, preset, suite, pairs, a.model, log))
+            results[mode] = rec
+            log(f"[driver] mode {mode} done in {time.monotonic() - t0:.0f}s")
+        except (ServerError, OSError, Exception) as e:  # keep going: partial results beat none
+            errors[mode] = f"{type(e).__name__}: {e}"
+            results.setdefault(mode, {})
+            log(f"[driver] mode {mode} FAILED: {errors[mode]}")
+        (out / "raw" / f"{mode}.json").write_text(json.dumps(results[mode], default=str))
+        path = report.write_report(out, results, preset, meta, errors)
+        log(f"[driver] report written: {path}")
+    for m in a.mode_list:
+        if m in results and results[m].get("tasks"):
+            h = report.headline(results[m], preset)
+            log(f"[driver] {m}: accuracy by position " +
+                ", ".join(f"{p} {v:.2f}" for p, v in h["accuracy_by_position"].items()))
+    return 1 if errors else 0
+
+
+def _mean_len(pairs) -> int:
+    return int(sum(len(c) for c, _ in pairs) / max(1, len(pairs)))
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    sys.exit(main())

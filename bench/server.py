@@ -1,0 +1,136 @@
+"""Start, probe and stop one SGLang server (``python -m sglang.launch_server``).
+
+The server runs in its own process group (``start_new_session``) and is stopped by
+that group id only. Readiness is polled with bounded timeouts; if the process dies
+first, the error carries the tail of its log.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import requests
+
+
+class ServerError(RuntimeError):
+    pass
+
+
+@dataclass
+class ServerSpec:
+    """How to launch one server for one ``--sparse`` mode."""
+
+    python: str
+    model: str
+    device: str                       # "cpu" or "cuda"
+    port: int
+    mode: str = "off"
+    sparse_config: str | None = None
+    dtype: str = "bfloat16"
+    extra_args: list[str] = field(default_factory=list)
+
+    def argv(self) -> list[str]:
+        a = [self.python, "-m", "sglang.launch_server", "--model-path", self.model,
+             "--dtype", self.dtype, "--port", str(self.port), "--host", "127.0.0.1",
+             "--sparse", self.mode]
+        if self.sparse_config:
+            a += ["--sparse-config", self.sparse_config]
+        if self.device == "cpu":
+            a += ["--device", "cpu", "--max-total-tokens", "16384"]
+        elif self.device != "cuda":
+            raise ValueError(f"device must be 'cpu' or 'cuda', got '{self.device}'")
+        return a + list(self.extra_args)
+
+
+def tail(path: Path, n: int = 30) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-n:])
+    except OSError:
+        return "(no log)"
+
+
+class Server:
+    """Context manager around one launched server."""
+
+    def __init__(self, spec: ServerSpec, log_path: Path, timeout_s: float = 600.0, log=print):
+        self.spec, self.log_path, self.timeout_s, self.log = spec, Path(log_path), timeout_s, log
+        self.proc: subprocess.Popen | None = None
+        self.base_url = f"http://127.0.0.1:{spec.port}"
+        self.startup_s: float | None = None
+
+    def _port_busy(self) -> bool:
+        try:
+            requests.get(self.base_url + "/health", timeout=2)
+            return True
+        except requests.RequestException:
+            return False
+
+    def start(self) -> "Server":
+        if self._port_busy():
+            raise ServerError(f"port {self.spec.port} already serves something; pick another --port")
+        env = dict(os.environ)
+        if self.spec.device == "cpu":
+            env.setdefault("OMP_NUM_THREADS", "1")
+        env.setdefault("HF_HUB_OFFLINE", "1")
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        argv = self.spec.argv()
+        self.log(f"[server] starting mode={self.spec.mode}: {' '.join(argv)} (log: {self.log_path})")
+        t0 = time.monotonic()
+        with open(self.log_path, "w") as fh:
+            self.proc = subprocess.Popen(argv, stdout=fh, stderr=subprocess.STDOUT, env=env,
+                                         start_new_session=True)
+        deadline = t0 + self.timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise ServerError(f"server (mode {self.spec.mode}) exited with code {self.proc.returncode} "
+                                  f"before becoming ready; log tail:\n{tail(self.log_path)}")
+            try:
+                r = requests.get(self.base_url + "/health_generate", timeout=30)
+                if r.status_code == 200:
+                    self.startup_s = time.monotonic() - t0
+                    self.log(f"[server] ready in {self.startup_s:.0f}s")
+                    return self
+            except requests.RequestException:
+                pass
+            time.sleep(2)
+        self.stop()
+        raise ServerError(f"server (mode {self.spec.mode}) not ready after {self.timeout_s:.0f}s; "
+                          f"log tail:\n{tail(self.log_path)}")
+
+    def server_info(self) -> dict:
+        r = requests.get(self.base_url + "/server_info", timeout=30)
+        r.raise_for_status()
+        return r.json()
+
+    def stop(self) -> None:
+        p, self.proc = self.proc, None
+        if p is None or p.poll() is not None:
+            return
+        pgid = p.pid  # start_new_session: the group id is the child's pid
+        for sig, wait in ((signal.SIGTERM, 30), (signal.SIGKILL, 10)):
+            try:
+                os.killpg(pgid, sig)
+            except ProcessLookupError:
+                return
+            try:
+                p.wait(timeout=wait)
+                break
+            except subprocess.TimeoutExpired:
+                continue
+        # children of the group may outlive the leader briefly; make sure the group is gone
+        try:
+            os.killpg(pgid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.log(f"[server] stopped mode={self.spec.mode}")
+
+    def __enter__(self) -> "Server":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

@@ -1,0 +1,132 @@
+"""Unit tests of the bench harness pieces that need no server: corpus, task generator,
+scorers, fidelity maths, report aggregation."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from bench import corpus, report, scoring, tasks
+
+
+def test_corpus_is_offline_real_prose():
+    paras = corpus.paragraphs()
+    assert len(paras) >= 200
+    assert all(p.endswith(".") and len(p.split()) >= 30 for p in paras)
+    assert not any(ch.isdigit() for p in paras for ch in p), "digits must be stripped so planted numbers are unique"
+    assert "pydoc_data" in corpus.source_description()
+
+
+def test_generator_is_deterministic_and_seeded():
+    a = tasks.generate("cpu", seed=0)
+    b = tasks.generate("cpu", seed=0)
+    c = tasks.generate("cpu", seed=1)
+    assert [t.to_json() for t in a] == [t.to_json() for t in b]
+    assert [t.to_json() for t in a] != [t.to_json() for t in c]
+
+
+@pytest.mark.parametrize("position", tasks.POSITIONS)
+def test_question_position_and_trailer(position):
+    t = tasks.make_task("needle", position, 200, 3)
+    user = t.turns[0].user
+    q = user.index("Question:")
+    assert user.endswith(tasks.TRAILER)
+    frac = q / len(user)
+    if position == "begin":
+        assert q == 0
+    elif position == "end":
+        assert user[q:].count("\n\n") == 1  # only the trailer follows
+    else:
+        assert 0.2 < frac < 0.8
+
+
+def test_answers_live_in_the_source_turns():
+    for kind in ("needle", "recall", "recall2"):
+        for pos in tasks.POSITIONS:
+            t = tasks.make_task(kind, pos, 80, 5)
+            for turn in t.turns:
+                for ans, src in zip(turn.answers, turn.sources):
+                    assert f"secret number is {ans}." in t.turns[src].user
+            last = t.turns[-1]
+            if kind != "needle":
+                # the last turn's answer comes only from earlier turns
+                assert all(s < len(t.turns) - 1 for s in last.sources)
+                assert not any(f"is {a}." in last.user for a in last.answers)
+    t = tasks.make_task("recall2", "middle", 80, 1)
+    assert len(t.turns[-1].answers) == 2 and t.turns[-1].metric == "f1"
+
+
+@pytest.mark.parametrize("kind,need", [("multidoc", 1), ("multidoc2", 2)])
+def test_multidoc(kind, need):
+    t = tasks.make_task(kind, "middle", 50, 2, docs=4)
+    user = t.turns[0].user
+    assert all(f"Document {i}:" in user for i in range(1, 5))
+    assert len(t.meta["needed_docs"]) == need == len(t.turns[0].answers)
+    docs = user.split("Document ")
+    for d, ans in zip(t.meta["needed_docs"], t.turns[0].answers):
+        assert any(part.startswith(f"{d}:") and f"is {ans}." in part for part in docs)
+    with pytest.raises(ValueError, match="docs"):
+        tasks.make_task(kind, "end", 50, 0, docs=1)
+
+
+def test_long_haystack_beyond_corpus_size():
+    t = tasks.make_task("needle", "end", 30000, 0)  # > corpus size: reshuffled reuse
+    assert len(t.turns[0].user.split()) > 30000
+
+
+def test_scorers():
+    assert scoring.exact_match("The answer is 2622.", ("2622",)) == 1.0
+    assert scoring.exact_match("26220", ("2622",)) == 0.0
+    assert scoring.f1("4370 and 3092", ("4370", "3092")) == 1.0
+    assert scoring.f1("4370", ("4370", "3092")) == pytest.approx(2 / 3)
+    assert scoring.rouge_l("w b c d", "b c x d") == pytest.approx(0.75)
+    assert scoring.task_scores("x 1", ("1",), "em")["score"] == 1.0
+    with pytest.raises(ValueError):
+        scoring.task_scores("x", ("1",), "bleu")
+
+
+def test_greedy_agreement():
+    assert scoring.greedy_agreement([1, 2, 3], [1, 2, 3])["exact"] == 1.0
+    g = scoring.greedy_agreement([1, 2, 3, 4], [1, 2, 9, 4])
+    assert g["prefix"] == 0.5 and g["positional"] == 0.75 and g["exact"] == 0.0
+    assert scoring.greedy_agreement([1, 2], [1, 2, 3])["prefix"] == pytest.approx(2 / 3)
+    assert scoring.greedy_agreement(list(range(200)), list(range(128)) + [0] * 72)["exact"] == 1.0
+
+
+def test_kl_top1():
+    e = [[-0.1, 5, None], [-2.5, 6, None]]
+    same = scoring.kl_top1([None, e], [None, e])
+    assert same["positions"] == 1 and same["kl"] == 0.0 and same["top1"] == 1.0
+    diff = scoring.kl_top1([e], [[[-0.5, 6, None], [-1.0, 5, None]]])
+    assert diff["top1"] == 0.0 and diff["kl"] > 0.1
+    assert math.isnan(scoring.kl_top1([], [])["kl"])
+
+
+def _fake_rec(scores):
+    return {"tasks": [{"task_id": f"needle-{p}-{i}", "kind": "needle", "position": p, "words": 100, "docs": 0,
+                       "turns": [{"turn": 0, "reply": "", "token_ids": [1, 2], "latency_s": 0.1, "prompt_tokens": 10,
+                                  "completion_tokens": 2, "cached_tokens": 0, "kept_mass": km, "em": s, "f1": s,
+                                  "rouge_l": s, "score": s, "answers": ["1"], "position": p, "sources": [0],
+                                  "metric": "em"}], "error": None}
+                      for p, ss, km in scores for i, s in enumerate(ss)], "fidelity": []}
+
+
+def test_report_headline_and_fidelity(tmp_path):
+    preset = tasks.PRESETS["tiny"]
+    dense = _fake_rec([("begin", [1, 0], None), ("middle", [1, 1], None), ("end", [1, 1], None)])
+    sparse = _fake_rec([("begin", [0, 0], 0.9), ("middle", [1, 1], 0.95), ("end", [1, 1], 1.0)])
+    h = report.headline(dense, preset)
+    assert h["tasks"] == 6 and h["accuracy_by_position"] == {"begin": 0.5, "middle": 1.0, "end": 1.0}
+    f = report.fidelity(dense, sparse)
+    assert f["reply_exact"] == 1.0 and f["kept_mass"] == pytest.approx(0.95)
+    assert math.isnan(report.kept(dense))
+    meta = {"gpu": "none", "model_name": "m", "dtype": "bfloat16"}
+    path = report.write_report(tmp_path, {"off": dense, "x": sparse}, preset, meta, {"y": "boom"})
+    text = path.read_text()
+    assert "| off | 6 | 0.50 | 1.00 | 1.00 |" in text and "boom" in text and "n/a" in text
+    assert (tmp_path / "accuracy_by_position.png").stat().st_size > 1000
+    import json
+    b = json.loads((tmp_path / "baseline_dense.json").read_text())
+    assert b == {"gpu": "none", "model": "m", "dtype": "bfloat16", "tasks": 6,
+                 "accuracy_by_position": {"begin": 0.5, "middle": 1.0, "end": 1.0}}
