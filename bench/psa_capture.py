@@ -1,0 +1,76 @@
+"""Capture post-RoPE decode attention inputs (q, k, v) of SmolLM2 on real text, on CPU.
+
+Used by the PSA kernel tests and ``bench/psa_decode_bench.py`` (no sglang import).
+The text is Python's own ``pydoc_data.topics`` (stdlib, always present). For each
+captured layer it returns the keys/values of every position and the queries of every
+position: treating query position ``t`` as a decode step over the context ``[0, t]``
+gives real decode attention with varied context lengths.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+DEFAULT_MODEL = Path(__file__).resolve().parent.parent / "models" / "SmolLM2-135M-Instruct"
+
+
+def real_text(num_chars: int = 60000) -> str:
+    """Deterministic English/technical text from the stdlib (pydoc topics, sorted by key)."""
+    from pydoc_data.topics import topics
+
+    text = "\n\n".join(topics[k] for k in sorted(topics))
+    return text[:num_chars]
+
+
+@torch.no_grad()
+def capture_qkv(model_dir: str | os.PathLike = DEFAULT_MODEL, num_tokens: int = 1536,
+                layers: tuple[int, ...] = (2, 10, 20, 28), text_offset: int = 0):
+    """Run the model once; return ``{layer: (q [L, num_qo_heads, d], k [L, num_kv_heads, d], v [...])}`` fp32.
+
+    ``q``/``k`` are after RoPE, exactly what SGLang writes to ``k_buffer`` / passes to decode.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    tok = AutoTokenizer.from_pretrained(str(model_dir))
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    model.eval()
+    ids = tok(real_text()[text_offset:], return_tensors="pt").input_ids[:, :num_tokens]
+    cfg = model.config
+    hq, hk, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    out: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+    hooks = []
+    last = max(layers)
+
+    class _Done(Exception):
+        pass
+
+    def make_hook(i, attn):
+        def hook(_mod, args, kwargs):
+            h = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
+            cos, sin = kwargs["position_embeddings"]
+            L = h.shape[1]
+            q = attn.q_proj(h).view(1, L, hq, d).transpose(1, 2)
+            k = attn.k_proj(h).view(1, L, hk, d).transpose(1, 2)
+            v = attn.v_proj(h).view(1, L, hk, d).transpose(1, 2)
+            q, k = apply_rotary_pos_emb(q, k, cos, sin)
+            out[i] = (q[0].transpose(0, 1).contiguous(), k[0].transpose(0, 1).contiguous(),
+                      v[0].transpose(0, 1).contiguous())
+            if i == last:
+                raise _Done  # skip the remaining layers and the LM head
+        return hook
+
+    for i in layers:
+        attn = model.model.layers[i].self_attn
+        hooks.append(attn.register_forward_pre_hook(make_hook(i, attn), with_kwargs=True))
+    try:
+        model.model(ids)
+    except _Done:
+        pass
+    finally:
+        for hk_ in hooks:
+            hk_.remove()
+    return out
