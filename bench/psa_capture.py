@@ -27,7 +27,7 @@ def real_text(num_chars: int = 60000) -> str:
 
 @torch.no_grad()
 def capture_qkv(model_dir: str | os.PathLike = DEFAULT_MODEL, num_tokens: int = 1536,
-                layers: tuple[int, ...] = (2, 10, 20, 28), text_offset: int = 0):
+                layers: tuple[int, ...] = (2, 10, 20, 28), text_offset: int = 0, device: str = "cpu"):
     """Run the model once; return ``{layer: (q [L, num_qo_heads, d], k [L, num_kv_heads, d], v [...])}`` fp32.
 
     ``q``/``k`` are after RoPE, exactly what SGLang writes to ``k_buffer`` / passes to decode.
@@ -37,8 +37,8 @@ def capture_qkv(model_dir: str | os.PathLike = DEFAULT_MODEL, num_tokens: int = 
 
     tok = AutoTokenizer.from_pretrained(str(model_dir))
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
-    model.eval()
-    ids = tok(real_text()[text_offset:], return_tensors="pt").input_ids[:, :num_tokens]
+    model.eval().to(device)
+    ids = tok(real_text()[text_offset:], return_tensors="pt").input_ids[:, :num_tokens].to(device)
     cfg = model.config
     hq, hk, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
     out: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}

@@ -1,0 +1,159 @@
+"""GPU contracts (marker ``gpu``; skipped without CUDA): compiled Triton kernels = fp32 reference,
+epsilon = 1 = FlashInfer dense decode, base-2 merge convention, CUDA-graph capture and replay."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from .kv_pool import make_pool
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+
+def _wrapper(pool, cfg, block_size, max_batch_size=None):
+    from flashinfer_ext.block_meta import BlockMetaPool, paged_block_table
+    from flashinfer_ext.psa_decode import PsaDecodeWrapper
+
+    hq, d = pool.q.shape[1], pool.q.shape[2]
+    hk, batch = pool.k_buffer.shape[1], pool.q.shape[0]
+    nb = -(-pool.req_to_token.shape[1] // block_size)
+    table = paged_block_table(pool.req_to_token, pool.req_pool_indices, pool.page_size, nb)
+    mp = BlockMetaPool(1, pool.k_buffer.shape[0] // pool.page_size, hk, d, block_size, dtype=pool.k_buffer.dtype,
+                       device="cuda")
+    zero = torch.zeros(batch, dtype=torch.int32, device="cuda")
+    mp.update(0, pool.k_buffer, pool.req_to_token, pool.req_pool_indices, table, zero, pool.seq_lens, nb)
+    w = PsaDecodeWrapper(cfg, num_qo_heads=hq, num_kv_heads=hk, head_dim=d, block_size=block_size,
+                         max_batch_size=max_batch_size or batch, max_blocks_per_req=nb, device="cuda",
+                         out_dtype=pool.q.dtype)
+    w.plan(pool.req_to_token, pool.req_pool_indices, pool.seq_lens, table)
+    return w, mp, table
+
+
+def _check_against_reference(w, pool, cfg, o, lse, nread, block_size):
+    from flashinfer_ext.reference import progressive_decode_reference
+
+    n_blocks = ((pool.seq_lens + block_size - 1) // block_size).cpu()
+    nf = torch.clamp(n_blocks, max=cfg.sink_blocks + cfg.local_blocks).to(torch.int32)
+    lens = torch.minimum(n_blocks, nf + cfg.max_blocks).to(torch.int32)[:, None].expand(-1, w.num_kv_heads)
+    ro, rlse, rnread = progressive_decode_reference(
+        pool.q, pool.k_buffer, pool.v_buffer, pool.req_to_token, pool.req_pool_indices, pool.seq_lens,
+        w.order.cpu(), lens.contiguous(), nf, block_size=block_size, sm_scale=pool.sm_scale,
+        epsilon=cfg.epsilon, micro_batch_blocks=cfg.micro_batch_blocks)
+    same = (nread.cpu() == rnread)  # fp32 summation order may flip a stop decision at the threshold edge
+    assert same.float().mean().item() >= 0.98, f"stop decisions differ on {(~same).sum()} pairs"
+    group = pool.q.shape[1] // w.num_kv_heads
+    mask = same.repeat_interleave(group, dim=1)
+    tol = 2e-2 if pool.q.dtype == torch.bfloat16 else 4e-3
+    torch.testing.assert_close(o.float().cpu()[mask], ro[mask], rtol=tol, atol=tol)
+    torch.testing.assert_close(lse.cpu()[mask], rlse[mask], rtol=1e-4, atol=2e-3)
+
+
+@pytest.mark.parametrize("hq,hk,d,dtype,page", [(32, 8, 128, torch.bfloat16, 16), (9, 3, 64, torch.float16, 32),
+                                                (32, 8, 128, torch.float16, 64)])
+@pytest.mark.parametrize("epsilon", [1.0, 0.9])
+def test_gpu_wrapper_matches_reference(hq, hk, d, dtype, page, epsilon):
+    from flashinfer_ext.config import PsaDecodeConfig
+
+    cfg = PsaDecodeConfig(epsilon=epsilon, micro_batch_blocks=4, sink_blocks=1, local_blocks=2)
+    pool = make_pool([2000, 37, 1500 + page // 2, 800], hq, hk, d, dtype, page, seed=21, device="cuda",
+                     planted=True)
+    w, mp, _ = _wrapper(pool, cfg, page)
+    o, lse, nread = w.run(pool.q, pool.k_buffer, pool.v_buffer, *mp.layer(0))
+    torch.cuda.synchronize()
+    _check_against_reference(w, pool, cfg, o, lse, nread, page)
+
+
+@pytest.mark.parametrize("page", [16, 1])
+def test_gpu_epsilon_one_equals_flashinfer_dense(page):
+    pytest.importorskip("flashinfer")
+    from flashinfer_ext.block_meta import BlockMetaPool, identity_block_table
+    from flashinfer_ext.config import PsaDecodeConfig
+    from flashinfer_ext.dense_decode import FlashInferDenseDecode, paged_kv_table
+    from flashinfer_ext.psa_decode import PsaDecodeWrapper
+
+    seq = [3000, 77, 1234]
+    pool = make_pool(seq, 32, 8, 128, torch.bfloat16, page, seed=22, device="cuda")
+    block = 16
+    nb = -(-pool.req_to_token.shape[1] // block)
+    table = identity_block_table(pool.req_pool_indices, nb)
+    mp = BlockMetaPool(1, int(table.max()) + 1, 8, 128, block, dtype=torch.bfloat16, device="cuda")
+    zero = torch.zeros(3, dtype=torch.int32, device="cuda")
+    mp.update(0, pool.k_buffer, pool.req_to_token, pool.req_pool_indices, table, zero, pool.seq_lens, nb)
+    w = PsaDecodeWrapper(PsaDecodeConfig(epsilon=1.0), num_qo_heads=32, num_kv_heads=8, head_dim=128,
+                         block_size=block, max_batch_size=3, max_blocks_per_req=nb, device="cuda")
+    w.plan(pool.req_to_token, pool.req_pool_indices, pool.seq_lens, table)
+    o, lse, _ = w.run(pool.q, pool.k_buffer, pool.v_buffer, *mp.layer(0))
+    dense = FlashInferDenseDecode(32, 8, 128, page)
+    dense.plan(*paged_kv_table(pool.req_to_token, pool.req_pool_indices.tolist(), seq, page))
+    do, dlse = dense.run(pool.q, pool.k_buffer, pool.v_buffer)
+    torch.testing.assert_close(o.float(), do.float(), rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(lse, dlse.float(), rtol=1e-3, atol=2e-2)
+
+
+def test_gpu_flashinfer_merge_state_is_base2_like_reference():
+    pytest.importorskip("flashinfer")
+    from flashinfer_ext.merge import merge_state
+    from flashinfer_ext.reference import merge_states_reference
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    va, vb = (torch.randn(5, 8, 128, device="cuda", generator=g).half() for _ in range(2))
+    sa, sb = (torch.randn(5, 8, device="cuda", generator=g) * 4 for _ in range(2))
+    v, s = merge_state(va, sa, vb, sb)
+    rv, rs = merge_states_reference(va, sa, vb, sb)
+    torch.testing.assert_close(v.float(), rv, rtol=4e-3, atol=4e-3)
+    torch.testing.assert_close(s.float(), rs, rtol=1e-4, atol=1e-4)
+
+
+def test_gpu_cuda_graph_capture_and_replay_matches_eager():
+    """Capture update_meta_decode + run once; re-plan a new decode step in place; replay = eager."""
+    from flashinfer_ext.config import PsaDecodeConfig
+
+    cfg = PsaDecodeConfig(epsilon=0.9, micro_batch_blocks=4)
+    pool = make_pool([1500, 900, 2100, 64], 32, 8, 128, torch.bfloat16, 16, seed=23, device="cuda",
+                     planted=True, max_context_len=2400)
+    w, mp, table = _wrapper(pool, cfg, 16)
+    static_q = pool.q.clone()
+    meta = mp.layer(0)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(2):
+            w.update_meta_decode(pool.k_buffer, *meta)
+            w.run(static_q, pool.k_buffer, pool.v_buffer, *meta)
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        w.update_meta_decode(pool.k_buffer, *meta)
+        g_o, g_lse, g_nread = w.run(static_q, pool.k_buffer, pool.v_buffer, *meta)
+    for step in range(3):  # next decode steps: one more token, new queries
+        pool.seq_lens += 1
+        pool.q = torch.randn_like(pool.q.float()).to(pool.q.dtype)
+        static_q.copy_(pool.q)
+        w.plan(pool.req_to_token, pool.req_pool_indices, pool.seq_lens, table)
+        graph.replay()
+        torch.cuda.synchronize()
+        got = (g_o.clone(), g_lse.clone(), g_nread.clone())
+        e_o, e_lse, e_nread = w.run(pool.q, pool.k_buffer, pool.v_buffer, *meta)
+        torch.cuda.synchronize()
+        assert torch.equal(got[2], e_nread)
+        torch.testing.assert_close(got[0], e_o, rtol=0, atol=0)
+        torch.testing.assert_close(got[1], e_lse, rtol=0, atol=0)
+        _check_against_reference(w, pool, cfg, e_o, e_lse, e_nread, 16)
+
+
+def test_gpu_kept_mass_on_planted_structure_8k():
+    from flashinfer_ext.config import PsaDecodeConfig
+    from flashinfer_ext.reference import kept_mass_reference
+
+    cfg = PsaDecodeConfig(epsilon=0.95, micro_batch_blocks=8)
+    pool = make_pool([8192, 6000, 8000, 7777], 32, 8, 128, torch.bfloat16, 16, seed=24, device="cuda",
+                     planted=True)
+    w, mp, _ = _wrapper(pool, cfg, 16)
+    _, _, nread = w.run(pool.q, pool.k_buffer, pool.v_buffer, *mp.layer(0))
+    kept = kept_mass_reference(pool.q, pool.k_buffer, pool.req_to_token, pool.req_pool_indices, pool.seq_lens,
+                               w.order, nread, block_size=16, sm_scale=pool.sm_scale)
+    n_blocks = ((pool.seq_lens + 15) // 16).float()
+    assert (kept >= 0.95).float().mean().item() >= 0.99
+    assert (nread.float() / n_blocks[:, None]).mean().item() < 0.6
