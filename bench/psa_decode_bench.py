@@ -245,7 +245,8 @@ def write_report(out: Path, meta: dict, results: list):
         fig, ax = plt.subplots(figsize=(7, 4))
         for b in sorted({r["batch"] for r in results if r.get("case") == "planted" and "error" not in r}):
             pts = sorted((r["ctx"], r["speedup"]) for r in results
-                         if r.get("case") == "planted" and r["batch"] == b and r["page"] == 16 and "error" not in r)
+                         if r.get("case") == "planted" and r["batch"] == b and r["page"] == 16 and "error" not in r
+                         and math.isfinite(r["speedup"]))
             if pts:
                 ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=f"batch {b}")
         ax.axhline(1.0, color="gray", lw=0.8)
