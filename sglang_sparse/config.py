@@ -111,7 +111,7 @@ def _check_field(mode: str, f: dataclasses.Field, value: Any) -> Any:
     if want is float and isinstance(value, int) and not isinstance(value, bool):
         value, ok = float(value), True
     if not ok:
-        allowed = f" in {rng}" if rng else (f" one of {list(choices)}" if choices else "")
+        allowed = f" in {rng}" if rng else (f", one of {list(choices)}" if choices else "")
         raise SparseConfigError(
             f"{where} = {value!r} has type {type(value).__name__}; expected {_TYPE_NAMES[want]}{allowed}")
     if want is float and not math.isfinite(value):
@@ -144,7 +144,10 @@ class PsaConfig(SparseConfig):
 
     mode: ClassVar[str] = "psa"
     epsilon: float = knob(0.95, doc="stop once the estimated kept attention mass >= epsilon", range=_UNIT)
-    micro_batch_blocks: int = knob(8, doc="KV blocks attended per progressive step", range=Range(1, 4096))
+    micro_batch_blocks: int = knob(8, doc="KV blocks attended per progressive step (a power of two)",
+                                   choices=tuple(1 << i for i in range(13)))
+    block_size: int = knob(16, doc="tokens per block when --page-size is 1 (else the page is the block)",
+                           range=Range(1, 1024))
     sink_pages: int = knob(1, doc="first pages always attended", range=Range(0, 1024))
     local_pages: int = knob(2, doc="last pages always attended", range=Range(0, 1024))
     min_context: int = knob(4096, doc="contexts shorter than this (tokens) decode densely", range=Range(0, 1 << 24))

@@ -29,16 +29,19 @@ from sglang_sparse.config import (
 class SparseModeSpec:
     """One ``--sparse`` mode.
 
-    ``attention_backend`` is the SGLang attention backend the mode runs on (``None``:
-    whatever the user chose, stock); ``implemented`` False means the name is reserved
-    for a planned mode and is refused at start-up.
+    ``implemented`` False means the name is reserved for a planned mode and is refused at
+    start-up; ``devices`` are the device types the mode runs on (others are refused).
+    ``backend_installer`` (``"module:function"``, called in the scheduler process as
+    ``fn(backend, config, page_size)``) turns the stock attention backend the server built
+    into the mode's variant; ``None`` keeps the stock backend.
     """
 
     name: str
     config_cls: type[SparseConfig]
     summary: str
     implemented: bool
-    attention_backend: str | None = None
+    devices: tuple[str, ...] = ("cpu", "cuda")
+    backend_installer: str | None = None
 
     def __post_init__(self) -> None:
         if self.config_cls.mode != self.name:
@@ -51,7 +54,8 @@ def _registry(*specs: SparseModeSpec) -> Mapping[str, SparseModeSpec]:
 
 MODES: Mapping[str, SparseModeSpec] = _registry(
     SparseModeSpec("off", OffConfig, "dense attention and the stock radix cache", implemented=True),
-    SparseModeSpec("psa", PsaConfig, "progressive threshold sparse decode (PSA)", implemented=False),
+    SparseModeSpec("psa", PsaConfig, "progressive threshold sparse decode (PSA)", implemented=True,
+                   devices=("cpu",), backend_installer="sglang_sparse.psa_backend:install"),
     SparseModeSpec("loopserve", LoopServeConfig, "online vertical/slash prefill + progressive decode (LoopServe)",
                    implemented=False),
     SparseModeSpec("samkv", SamKVConfig, "per-document KV reuse with selective recompute (SamKV)",
@@ -76,6 +80,14 @@ def check_mode(name: Any) -> str:
         raise SparseConfigError(f"--sparse mode '{name}' ({spec.summary}) is not implemented yet; "
                                 f"implemented modes: {impl}")
     return name
+
+
+def check_device(name: str, device: str) -> None:
+    """Refuse a mode on a device type it does not run on yet (never a silent dense fallback)."""
+    spec = MODES[name]
+    if device not in spec.devices:
+        raise SparseConfigError(f"--sparse mode '{name}' runs on {', '.join(spec.devices)} only so far; "
+                                f"this server's device is '{device}'")
 
 
 def load_config_arg(value: Any) -> dict[str, Any]:

@@ -7,6 +7,7 @@ so a client can check which mode, config and backend the scheduler process reall
 
 from __future__ import annotations
 
+import importlib
 import logging
 import os
 
@@ -23,10 +24,9 @@ def scheduler_init_hook(result, scheduler, *args, **kwargs):
     ctx = sparse_context_of(scheduler.server_args)
     scheduler.sparse_context = ctx
     backend = _attention_backend(scheduler)
-    want = ctx.spec.attention_backend
-    if want is not None and getattr(backend, "sparse_backend_name", None) != want:
-        raise RuntimeError(f"sglang-sparse: mode '{ctx.mode}' needs attention backend '{want}', "
-                           f"but the scheduler runs {type(backend).__name__}")
+    if ctx.spec.backend_installer and getattr(backend, "sparse_installed_mode", None) != ctx.mode:
+        raise RuntimeError(f"sglang-sparse: mode '{ctx.mode}' was not installed into the attention backend "
+                           f"({type(backend).__name__}); refusing to serve it densely")
     logger.info("sglang-sparse: scheduler pid %d runs mode=%s config=%s on %s", os.getpid(), ctx.mode,
                 ctx.config.to_json(), type(backend).__name__)
 
@@ -34,10 +34,19 @@ def scheduler_init_hook(result, scheduler, *args, **kwargs):
 def attention_backend_hook(result, model_runner, *args, **kwargs):
     """AFTER ``ModelRunner.init_attention_backends``: give the backend(s) the context."""
     ctx = sparse_context_of(model_runner.server_args)
+    install = None
+    if ctx.spec.backend_installer:
+        module, attr = ctx.spec.backend_installer.split(":")
+        install = getattr(importlib.import_module(module), attr)
+    seen = set()
     for name in ("attn_backend", "decode_attn_backend"):
         backend = getattr(model_runner, name, None)
-        if backend is not None:
-            backend.sparse_context = ctx
+        if backend is None or id(backend) in seen:
+            continue
+        seen.add(id(backend))
+        if install is not None:
+            install(backend, ctx.config, model_runner.server_args.page_size)
+        backend.sparse_context = ctx
 
 
 def internal_state_hook(result, scheduler, *args, **kwargs):
@@ -51,6 +60,7 @@ def internal_state_hook(result, scheduler, *args, **kwargs):
         "config": None if ctx is None else ctx.config.to_dict(),
         "attention_backend": type(backend).__name__,
         "attention_backend_mode": None if backend_ctx is None else backend_ctx.mode,
+        "stats": stats.to_dict() if (stats := getattr(backend, "sparse_stats", None)) is not None else None,
     }
     return result
 

@@ -26,6 +26,7 @@ from sglang_sparse.modes import (
     MODES,
     SparseConfigError,
     SparseContext,
+    check_device,
     check_mode,
     load_config_arg,
     modes_help,
@@ -76,9 +77,18 @@ class SparseServerArgs(_BaseServerArgs):
     def __post_init__(self):
         # Resolve first: a bad mode or config must fail before SGLang touches the model.
         ctx = resolve_sparse(self.sparse, self.sparse_config)
+        check_device(ctx.mode, _device_type(self.device))
         self.sparse_config = ctx.config.to_json()
         _check_hooks_applied()
         super().__post_init__()
+
+
+def _device_type(device: Optional[str]) -> str:
+    if device:
+        return str(device).split(":")[0]
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 @functools.lru_cache(maxsize=8)

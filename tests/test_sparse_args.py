@@ -27,10 +27,12 @@ def prepare():
 
 # (argv after --model-path, fragments the error message must contain)
 CLI_BAD_INPUTS = [
-    (["--sparse", "bogus"], ["unknown --sparse mode 'bogus'", "implemented modes: off"]),
-    (["--sparse", "psa"], ["'psa'", "not implemented yet", "implemented modes: off"]),
-    (["--sparse", "loopserve"], ["'loopserve'", "not implemented yet", "implemented modes: off"]),
-    (["--sparse", ""], ["unknown --sparse mode ''", "implemented modes: off"]),
+    (["--sparse", "bogus"], ["unknown --sparse mode 'bogus'", "implemented modes: off, psa"]),
+    (["--sparse", "samkv"], ["'samkv'", "not implemented yet", "implemented modes: off, psa"]),
+    (["--sparse", "loopserve"], ["'loopserve'", "not implemented yet", "implemented modes: off, psa"]),
+    (["--sparse", "psa", "--sparse-config", '{"epsilon": 2}'], ["field 'epsilon' of mode 'psa' = 2.0 is out of "
+                                                              "range; allowed range (0, 1]"]),
+    (["--sparse", ""], ["unknown --sparse mode ''", "implemented modes: off, psa"]),
     (["--sparse-config", "{not json"], ["--sparse-config is not valid JSON", "line 1 column 2"]),
     (["--sparse-config", "[1, 2]"], ["must be a JSON object", "got list"]),
     (["--sparse-config", "@/nonexistent/sparse.json"], ["'/nonexistent/sparse.json' cannot be read",
@@ -77,11 +79,13 @@ CONFIG_BAD_INPUTS = [
     (PsaConfig, {"epsilon": 0}, "field 'epsilon' of mode 'psa' = 0.0 is out of range; allowed range (0, 1]"),
     (PsaConfig, {"epsilon": "high"}, "field 'epsilon' of mode 'psa' = 'high' has type str; expected a number"),
     (PsaConfig, {"micro_batch_blocks": 2.5}, "'micro_batch_blocks' of mode 'psa' = 2.5 has type float; "
-                                             "expected an integer in [1, 4096]"),
+                                             "expected an integer, one of [1, 2, 4, 8"),
+    (PsaConfig, {"micro_batch_blocks": 6}, "'micro_batch_blocks' of mode 'psa' = 6 is not allowed; choose one of "
+                                           "[1, 2, 4, 8, 16"),
     (PsaConfig, {"sink_pages": True}, "'sink_pages' of mode 'psa' = True has type bool; expected an integer"),
     (PsaConfig, {"local_pages": -1}, "'local_pages' of mode 'psa' = -1 is out of range; allowed range [0, 1024]"),
     (PsaConfig, {"epsilon": float("nan")}, "'epsilon' of mode 'psa' = nan is not a finite number"),
-    (PsaConfig, {"eps": 0.9}, "unknown key(s) 'eps' for mode 'psa'; allowed keys: epsilon, local_pages"),
+    (PsaConfig, {"eps": 0.9}, "unknown key(s) 'eps' for mode 'psa'; allowed keys: block_size, epsilon, local_pages"),
     (LoopServeConfig, {"n_d": 0}, "'n_d' of mode 'loopserve' = 0 is out of range; allowed range [1, 4096]"),
     (LoopServeConfig, {"alpha": None}, "'alpha' of mode 'loopserve' = None has type NoneType; expected a number"),
     (SamKVConfig, {"fuse": "blend"}, "'fuse' of mode 'samkv' = 'blend' is not allowed; choose one of "
@@ -105,8 +109,8 @@ def test_mode_configs_are_frozen_and_fill_defaults():
     assert json.loads(LoopServeConfig.from_dict({}).to_json())["alpha"] == 0.955
 
 
-def test_registry_lists_off_as_the_only_implemented_mode_and_every_config_matches_its_mode():
-    assert implemented_modes() == ["off"]
+def test_registry_lists_implemented_modes_and_every_config_matches_its_mode():
+    assert implemented_modes() == ["off", "psa"]
     assert {"off", "psa", "loopserve", "samkv"} <= set(MODES)
     for name, spec in MODES.items():
         assert spec.config_cls.mode == name
@@ -122,21 +126,27 @@ def test_resolve_accepts_dict_json_and_none():
         resolve_sparse(3, None)
 
 
+def test_psa_is_refused_on_cuda_until_its_gpu_path_lands(prepare, default_model, capsys):
+    with pytest.raises(SystemExit):
+        prepare(["--model-path", str(default_model), "--device", "cuda", "--sparse", "psa"])
+    assert "--sparse mode 'psa' runs on cpu only so far; this server's device is 'cuda'" in capsys.readouterr().err
+
+
 def test_engine_refuses_bad_mode_before_loading_the_model(prepare, default_model):
     import sglang as sgl
 
     from sglang_sparse.server_args import SparseServerArgs
 
     assert sgl.Engine.server_args_class is SparseServerArgs
-    with pytest.raises(SparseConfigError, match="'samkv'.*not implemented yet; implemented modes: off"):
+    with pytest.raises(SparseConfigError, match="'samkv'.*not implemented yet; implemented modes: off, psa"):
         sgl.Engine(model_path=str(default_model), device="cpu", sparse="samkv")
     with pytest.raises(SparseConfigError, match="unknown key"):
         sgl.Engine(model_path=str(default_model), device="cpu", sparse="off", sparse_config={"budget": 3})
 
 
 @pytest.mark.parametrize("argv,fragment", [
-    (["--sparse", "psa"], "--sparse mode 'psa' (progressive threshold sparse decode (PSA)) is not implemented yet; "
-                          "implemented modes: off"),
+    (["--sparse", "loopserve"], "--sparse mode 'loopserve' (online vertical/slash prefill + progressive decode "
+                                "(LoopServe)) is not implemented yet; implemented modes: off, psa"),
     (["--sparse-config", '{"alpha": 0.9}'], "unknown key(s) 'alpha' for mode 'off'"),
 ])
 def test_launch_server_exits_nonzero_with_message_on_bad_sparse(default_model, argv, fragment):
