@@ -32,7 +32,7 @@ class SparseModeSpec:
     ``implemented`` False means the name is reserved for a planned mode and is refused at
     start-up; ``devices`` are the device types the mode runs on (others are refused).
     ``backend_installer`` (``"module:function"``, called in the scheduler process as
-    ``fn(backend, config, page_size)``) turns the stock attention backend the server built
+    ``fn(backend, config, page_size, enable_metrics)``) turns the stock attention backend the server built
     into the mode's variant; ``None`` keeps the stock backend.
     """
 

@@ -55,8 +55,9 @@ class PsaDecodeMixin:
     stock implementation through ``self._psa_base`` rather than ``super()``.
     """
 
-    def _psa_setup(self, config: PsaConfig, page_size: int) -> None:
+    def _psa_setup(self, config: PsaConfig, page_size: int, metrics: "PsaMetrics | None") -> None:
         self._psa_cfg = config
+        self._psa_metrics = metrics
         self._psa_kernel_cfg = kernel_config(config)
         self._psa_block_size = page_size if page_size > 1 else config.block_size
         self._psa_rows: torch.Tensor | None = None  # batch rows decoded sparsely (this batch)
@@ -71,9 +72,13 @@ class PsaDecodeMixin:
         rows = torch.nonzero(lens >= self._psa_cfg.min_context).flatten() if lens is not None else None
         if rows is None or rows.numel() == 0:
             self.sparse_stats.dense_decode_steps += 1
+            if self._psa_metrics is not None:
+                self._psa_metrics.dense_steps.inc()
             return
         self._psa_rows = rows
         self.sparse_stats.sparse_decode_steps += 1
+        if self._psa_metrics is not None:
+            self._psa_metrics.sparse_steps.inc()
 
     def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True):
         # stock path first: writes the new K/V and gives dense outputs for every row
@@ -94,18 +99,36 @@ class PsaDecodeMixin:
         o.view(-1, num_qo, d)[rows] = o_sparse.to(o.dtype)
         lens = forward_batch.seq_lens_cpu[rows]
         n_blocks = (lens + self._psa_block_size - 1) // self._psa_block_size
-        self.sparse_stats.blocks_read += int(nread.sum())
-        self.sparse_stats.blocks_total += int(n_blocks.sum()) * nread.shape[1]
+        read, total = int(nread.sum()), int(n_blocks.sum()) * nread.shape[1]
+        self.sparse_stats.blocks_read += read
+        self.sparse_stats.blocks_total += total
+        if self._psa_metrics is not None:
+            self._psa_metrics.blocks_read.inc(read)
+            self._psa_metrics.blocks_total.inc(total)
         return o
 
 
-def install(backend, config: PsaConfig, page_size: int):
+class PsaMetrics:
+    """Prometheus counters of the scheduler process (exported by ``/metrics`` with ``--enable-metrics``)."""
+
+    def __init__(self, registry=None):
+        from prometheus_client import REGISTRY, Counter
+
+        reg = REGISTRY if registry is None else registry
+        mk = lambda name, doc: Counter(f"sglang_sparse:psa_{name}", doc, registry=reg)  # noqa: E731
+        self.sparse_steps = mk("sparse_decode_steps", "decode batches with at least one PSA-sparse request")
+        self.dense_steps = mk("dense_decode_steps", "decode batches entirely below min_context (dense)")
+        self.blocks_read = mk("blocks_read", "KV blocks read by PSA decode (layers x KV heads x requests)")
+        self.blocks_total = mk("blocks_dense", "KV blocks a dense decode would have read for the same")
+
+
+def install(backend, config: PsaConfig, page_size: int, enable_metrics: bool = False):
     """Turn ``backend`` (a constructed stock backend) into its PSA variant, in place."""
     base = type(backend)
     if getattr(backend, "sparse_installed_mode", None) == "psa":
         return backend
     methods = {k: v for k, v in vars(PsaDecodeMixin).items() if not k.startswith("__")}
     backend.__class__ = type(f"Psa{base.__name__}", (base,), {**methods, "__module__": __name__, "_psa_base": base})
-    backend._psa_setup(config, page_size)
+    backend._psa_setup(config, page_size, PsaMetrics() if enable_metrics else None)
     backend.sparse_installed_mode = "psa"
     return backend

@@ -45,7 +45,8 @@ def attention_backend_hook(result, model_runner, *args, **kwargs):
             continue
         seen.add(id(backend))
         if install is not None:
-            install(backend, ctx.config, model_runner.server_args.page_size)
+            args = model_runner.server_args
+            install(backend, ctx.config, args.page_size, bool(args.enable_metrics))
         backend.sparse_context = ctx
 
 

@@ -31,3 +31,15 @@ def test_install_swaps_class_in_place_and_keeps_stock_methods():
     assert b.sparse_installed_mode == "psa" and b._psa_block_size == 16
     assert install(b, PsaConfig(), page_size=1) is b and type(b).__mro__[1] is _StockBackend  # idempotent
     assert install(_StockBackend(), PsaConfig(), page_size=32)._psa_block_size == 32
+
+
+def test_metrics_counters_register_under_the_sglang_sparse_prefix():
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from sglang_sparse.psa_backend import PsaMetrics
+
+    reg = CollectorRegistry()
+    m = PsaMetrics(reg)
+    m.blocks_read.inc(5)
+    text = generate_latest(reg).decode()
+    assert "sglang_sparse:psa_blocks_read_total 5.0" in text

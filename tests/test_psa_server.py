@@ -21,7 +21,8 @@ def psa_server(default_model, tmp_path_factory):
     port = free_port()
     log = tmp_path_factory.mktemp("psa") / "server.log"
     handle = start_server(cpu_server_args(default_model, port, "--sparse", "psa", "--sparse-config",
-                                          f'{{"min_context": {MIN_CONTEXT}, "epsilon": 0.95}}'), log)
+                                          f'{{"min_context": {MIN_CONTEXT}, "epsilon": 0.95}}',
+                                          "--enable-metrics"), log)
     try:
         handle.wait_ready(240)
         yield handle
@@ -68,3 +69,8 @@ def test_psa_above_min_context_reads_fewer_blocks_and_still_retrieves_the_fact(p
     total = after["blocks_total"] - before["blocks_total"]
     assert steps >= r["usage"]["completion_tokens"] - 1 > 0
     assert 0 < read < total, (read, total)
+    metrics = requests.get(psa_server.url + "/metrics", timeout=30).text
+    exported = {line.split()[0]: float(line.split()[1]) for line in metrics.splitlines()
+                if line.startswith("sglang_sparse:psa_blocks_")}
+    assert exported["sglang_sparse:psa_blocks_read_total"] == after["blocks_read"]
+    assert exported["sglang_sparse:psa_blocks_dense_total"] == after["blocks_total"]
