@@ -15,6 +15,8 @@ mkdir -p "$out" "$rep"
 # shellcheck disable=SC1091
 source /tmp/kit/env.sh
 export PYTHONUNBUFFERED=1
+# the repo-relative default model path (models/ is not carried) -> the kit's converted model
+mkdir -p models && ln -sfn "$KIT_MODEL" models/SmolLM2-135M-Instruct
 say() { echo "[gpu_session $(date +%H:%M:%S)] $*"; }
 rc=0
 step() {  # step NAME CMD...: run with its log in the report folder; a failure is recorded, not fatal
@@ -29,17 +31,18 @@ step() {  # step NAME CMD...: run with its log in the report folder; a failure i
 case $part in
   foundation)
     step gpu_check env OUT="$rep" bash scripts/gpu_check.sh
+    bash /tmp/kit/device.sh save-cache || true   # kernels compiled here -> $OUT/kcache_N.tgz
     ;;
   bench)
     if [ -f bench/harness_driver_cmd.sh ]; then step harness_dense bash bench/harness_driver_cmd.sh "$rep"; fi
     if [ -f bench/psa_decode_bench.py ]; then
-      step psa_decode python3 bench/psa_decode_bench.py --out "$rep" ${PSA_BENCH_ARGS:-}
+      step psa_decode timeout "${PSA_BENCH_TIMEOUT:-300}" python3 bench/psa_decode_bench.py --out "$rep" ${PSA_BENCH_ARGS:-}
     fi
+    bash /tmp/kit/device.sh save-cache || true   # kernels compiled here -> $OUT/kcache_N.tgz
     ;;
   *) say "unknown part $part"; exit 2 ;;
 esac
 tar czf "$out/${part}_reports.tgz" -C /tmp/gpu_reports "$part"
-cp "$rep"/*.log "$out/" 2>/dev/null | head -0
 ls -la "$out"
 say "part $part done: exit $rc"
 exit $rc
