@@ -3,7 +3,9 @@ teacher-forced / greedy probes through SGLang's native ``/generate``.
 
 Multi-turn tasks are sent as real conversations: turn j's request carries the system
 prompt, all earlier user turns and the server's own earlier replies, so the radix cache
-serves the shared prefix (``cached_tokens`` is recorded per turn).
+serves the shared prefix (``cached_tokens`` is recorded per turn). The assistant turn is
+opened with the task's generic ``answer_prefix`` (``continue_final_message``); the
+reply recorded and scored is the generated continuation only.
 
 Attention mass kept: a sparse mode reports it per request as
 ``meta_info["sparse"]["kept_mass"]`` (a float in [0, 1], the fraction of softmax mass
@@ -60,6 +62,9 @@ def run_conversation(base_url: str, task: Task, model: str, max_tokens: int,
         messages.append({"role": "user", "content": turn.user})
         payload = {"model": model, "messages": messages, "temperature": 0.0, "max_tokens": max_tokens,
                    "return_meta_info": True, "return_token_ids": True}
+        if task.answer_prefix:
+            payload["messages"] = messages + [{"role": "assistant", "content": task.answer_prefix}]
+            payload["continue_final_message"] = True
         t0 = time.perf_counter()
         resp = _post(base_url + "/v1/chat/completions", payload, timeout)
         latency = time.perf_counter() - t0
@@ -75,7 +80,7 @@ def run_conversation(base_url: str, task: Task, model: str, max_tokens: int,
             "cached_tokens": meta.get("cached_tokens", details.get("cached_tokens")),
             "kept_mass": kept_mass(meta),
         })
-        messages.append({"role": "assistant", "content": reply})
+        messages.append({"role": "assistant", "content": (task.answer_prefix or "") + reply})
     return out
 
 

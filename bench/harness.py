@@ -8,6 +8,7 @@ dense happens later (:mod:`bench.report`), so a mode's raw record stands on its 
 from __future__ import annotations
 
 import time
+from concurrent.futures import ThreadPoolExecutor, as_completed
 
 from bench import client, scoring
 from bench.tasks import Preset, Task
@@ -15,29 +16,43 @@ from bench.tasks import Preset, Task
 PROGRESS_EVERY_S = 15.0
 
 
+def _one_task(base_url: str, task: Task, model: str, max_tokens: int, timeout: float) -> dict:
+    try:
+        turns = client.run_conversation(base_url, task, model, max_tokens, timeout)
+        err = None
+    except client.RequestError as e:
+        turns, err = [], str(e)
+    for rec, turn in zip(turns, task.turns):
+        rec.update(scoring.task_scores(rec["reply"], turn.answers, turn.metric))
+        rec.update({"answers": list(turn.answers), "position": turn.position,
+                    "sources": list(turn.sources), "metric": turn.metric})
+    return {"task_id": task.task_id, "kind": task.kind, "position": task.position,
+            "words": task.words, "docs": task.meta.get("docs", 0), "turns": turns, "error": err}
+
+
 def run_tasks(base_url: str, tasks: list[Task], model: str, max_tokens: int, log=print,
-              timeout: float = 600.0) -> list[dict]:
-    """Play every task as a real multi-turn conversation and score every turn."""
-    rows = []
+              timeout: float = 600.0, concurrency: int = 1) -> list[dict]:
+    """Play every task as a real multi-turn conversation and score every turn.
+
+    ``concurrency`` > 1 plays that many conversations at once (turns within one
+    conversation stay sequential); results keep the task order.
+    """
+    rows: list = [None] * len(tasks)
     t0 = last = time.monotonic()
-    for i, task in enumerate(tasks):
-        try:
-            turns = client.run_conversation(base_url, task, model, max_tokens, timeout)
-            err = None
-        except client.RequestError as e:
-            turns, err = [], str(e)
-        for rec, turn in zip(turns, task.turns):
-            rec.update(scoring.task_scores(rec["reply"], turn.answers, turn.metric))
-            rec.update({"answers": list(turn.answers), "position": turn.position,
-                        "sources": list(turn.sources), "metric": turn.metric})
-        rows.append({"task_id": task.task_id, "kind": task.kind, "position": task.position,
-                     "words": task.words, "docs": task.meta.get("docs", 0), "turns": turns, "error": err})
-        now = time.monotonic()
-        if now - last > PROGRESS_EVERY_S or i + 1 == len(tasks):
-            done = [r for r in rows if r["turns"]]
-            acc = sum(r["turns"][-1]["score"] for r in done) / max(1, len(done))
-            log(f"[tasks] {i + 1}/{len(tasks)} done in {now - t0:.0f}s, last-turn score so far {acc:.2f}")
-            last = now
+    done = 0
+    with ThreadPoolExecutor(max_workers=max(1, concurrency)) as pool:
+        futs = {pool.submit(_one_task, base_url, t, model, max_tokens, timeout): i for i, t in enumerate(tasks)}
+        for fut in as_completed(futs):
+            rows[futs[fut]] = fut.result()
+            done += 1
+            now = time.monotonic()
+            if now - last > PROGRESS_EVERY_S or done == len(tasks):
+                ok = [r for r in rows if r and r["turns"]]
+                acc = sum(r["turns"][-1]["score"] for r in ok) / max(1, len(ok))
+                errs = sum(1 for r in rows if r and r["error"])
+                log(f"[tasks] {done}/{len(tasks)} done in {now - t0:.0f}s, last-turn score so far {acc:.2f}, "
+                    f"{errs} failed")
+                last = now
     return rows
 
 
@@ -77,12 +92,14 @@ def warmup(base_url: str, model: str, timeout: float = 300.0) -> None:
                  "messages": [{"role": "user", "content": "Say OK."}]}, timeout)
 
 
-def run_mode(base_url: str, preset: Preset, tasks: list[Task], pairs, model: str, log=print) -> dict:
+def run_mode(base_url: str, preset: Preset, tasks: list[Task], pairs, model: str, log=print,
+             concurrency: int = 1) -> dict:
     """The whole suite for one mode: warm-up, tasks, fidelity probes, wall times."""
     rec: dict = {}
     t = time.monotonic()
     warmup(base_url, model)
-    rec["tasks"] = run_tasks(base_url, tasks, model, preset.max_tokens, log)
+    rec["tasks"] = run_tasks(base_url, tasks, model, preset.max_tokens, log, concurrency=concurrency)
+    rec["concurrency"] = concurrency
     rec["tasks_wall_s"] = time.monotonic() - t
     t = time.monotonic()
     rec["fidelity"] = run_fidelity(base_url, pairs, log)

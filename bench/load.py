@@ -45,7 +45,7 @@ def write_dataset(path: Path, n: int, words: int, seed: int) -> Path:
 
 def bench_cmd(a, dataset: Path, concurrency: int, out_file: Path) -> list[str]:
     n = max(a.min_prompts, a.prompts_per_concurrency * concurrency)
-    return [a.python, "-m", "sglang.benchmark.serving", "--backend", "sglang", "--host", "127.0.0.1",
+    return [a.python, "-m", "bench.serving_entry", "--backend", "sglang", "--host", "127.0.0.1",
             "--port", str(a.port), "--model", a.model, "--tokenizer", a.model, "--dataset-name", "random",
             "--dataset-path", str(dataset), "--random-input-len", str(a.input_len),
             "--random-output-len", str(a.output_len), "--random-range-ratio", str(a.range_ratio),

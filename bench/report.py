@@ -162,9 +162,14 @@ def write_report(out_dir: Path, results: dict, preset: Preset, meta: dict, error
     baseline_dense.json when the dense run completed). Returns the report path."""
     out_dir.mkdir(parents=True, exist_ok=True)
     done = {m: r for m, r in results.items() if r.get("tasks")}
+    plot_note = ""
     if done:
-        plot_accuracy(done, preset, out_dir / "accuracy_by_position.png")
-        plot_latency(done, out_dir / "latency.png")
+        try:
+            plot_accuracy(done, preset, out_dir / "accuracy_by_position.png")
+            plot_latency(done, out_dir / "latency.png")
+        except ImportError as e:  # e.g. a GPU image without matplotlib: rerender later
+            plot_note = (f"(plots not rendered here: {e}; rebuild them elsewhere with "
+                         f"`python -m bench.run_harness --rerender <this dir>`)")
     md = [f"# Multi-turn long-context harness: preset `{preset.name}`", ""]
     md += [f"- {k}: {v}" for k, v in meta.items()]
     md += ["", "## Headline accuracy by question position",
@@ -177,7 +182,7 @@ def write_report(out_dir: Path, results: dict, preset: Preset, meta: dict, error
         summary["modes"][m] = {"headline": h, "by_kind": by_kind(r), "latency": latency(r) if r.get("tasks") else None,
                                "server": r.get("server")}
         rows.append([m, h["tasks"]] + [_fmt(h["accuracy_by_position"][p]) for p in POSITIONS])
-    md += [_table(["mode", "tasks", *POSITIONS], rows), "", "![accuracy](accuracy_by_position.png)", ""]
+    md += [_table(["mode", "tasks", *POSITIONS], rows), "", plot_note or "![accuracy](accuracy_by_position.png)", ""]
     md += ["## Scores by task kind (last turn; score = the kind's metric)", ""]
     rows = []
     for m, r in results.items():
@@ -206,8 +211,9 @@ def write_report(out_dir: Path, results: dict, preset: Preset, meta: dict, error
                         _fmt(km, 3)])
     md += [_table(["mode", "reply prefix agr", "reply exact", "greedy128 prefix agr", "greedy128 positional",
                    "TF positions", "top-1 agr", "KL mean", "KL max", "kept mass"], rows), ""]
-    md += ["## Latency", "", "Sequential requests (one at a time); multi-turn tasks are real conversations, so "
-           "later turns hit the radix cache.", ""]
+    md += ["## Latency", "", f"Task conversations run {meta.get('task concurrency', 1)} at a time (turns of one "
+           "conversation in order); multi-turn tasks are real conversations, so later turns hit the radix cache. "
+           "greedy128: one request at a time.", ""]
     rows = []
     for m, r in done.items():
         lt = latency(r)
@@ -215,7 +221,7 @@ def write_report(out_dir: Path, results: dict, preset: Preset, meta: dict, error
                      _fmt(1000 * lt["median_s"], 1), _fmt(1000 * lt["p90_s"], 1), _fmt(lt["cached_frac_later_turns"]),
                      _fmt(1000 * lt["greedy128_s"], 1), _fmt(lt["tasks_wall_s"], 1), _fmt(lt["startup_s"], 0)])
     md += [_table(["mode", "turns", "mean prompt tok", "mean ms", "median ms", "p90 ms", "cached frac (turn>1)",
-                   "greedy128 ms", "tasks wall s", "server start s"], rows), "", "![latency](latency.png)", ""]
+                   "greedy128 ms", "tasks wall s", "server start s"], rows), "", plot_note or "![latency](latency.png)", ""]
     md += ["## Servers", ""]
     for m, r in results.items():
         md.append(f"- `{m}`: {json.dumps(r.get('server'))}")
@@ -228,5 +234,7 @@ def write_report(out_dir: Path, results: dict, preset: Preset, meta: dict, error
         h = headline(done["off"], preset)
         (out_dir / "baseline_dense.json").write_text(json.dumps({
             "gpu": meta.get("gpu", "none"), "model": meta.get("model_name", ""), "dtype": meta.get("dtype", ""),
-            "tasks": h["tasks"], "accuracy_by_position": h["accuracy_by_position"]}, indent=1) + "\n")
+            "tasks": h["tasks"], "accuracy_by_position": {p: (None if math.isnan(v) else round(v, 4))
+                                                          for p, v in h["accuracy_by_position"].items()}},
+            indent=1) + "\n")
     return path

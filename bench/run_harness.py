@@ -37,12 +37,18 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--port", type=int, default=32000)
     p.add_argument("--out", default=None, help="output dir (default bench/results/tmp/<preset>-<device>)")
+    p.add_argument("--concurrency", type=int, default=None,
+                   help="conversations in flight at once (default 1 on cpu, 8 on cuda); fidelity probes "
+                        "always run one at a time")
     p.add_argument("--sparse-config", action="append", default=[], metavar="MODE=JSON",
                    help="per-mode --sparse-config, e.g. loopserve='{\"alpha\":0.98}' (repeatable)")
     p.add_argument("--server-timeout", type=float, default=None,
                    help="seconds to wait for a server to be ready (default 300 cpu / 900 cuda)")
     p.add_argument("--server-args", default="", help="extra server args, one shell-quoted string, "
                    "e.g. '--attention-backend flashinfer'")
+    p.add_argument("--rerender", default=None, metavar="DIR",
+                   help="only rebuild report/plots/baseline JSON of an earlier run from DIR/run.json and "
+                        "DIR/raw/*.json (e.g. on a machine with matplotlib); starts no server")
     p.add_argument("server_extra", nargs=argparse.REMAINDER,
                    help="anything after '--' is passed to launch_server too")
     a = p.parse_args(argv)
@@ -56,14 +62,28 @@ def parse_args(argv=None) -> argparse.Namespace:
             p.error(f"--sparse-config expects MODE=JSON, got '{item}'")
         json.loads(cfg)  # fail fast on bad JSON
         a.configs[mode] = cfg
+    if a.concurrency is None:
+        a.concurrency = 1 if a.device == "cpu" else 8
     if a.server_timeout is None:
         a.server_timeout = 300.0 if a.device == "cpu" else 900.0
     a.out = Path(a.out) if a.out else REPO / "bench" / "results" / "tmp" / f"{a.preset}-{a.device}"
     return a
 
 
+def rerender(run_dir: Path) -> int:
+    """Rebuild the report of an earlier run from its saved records."""
+    run = json.loads((run_dir / "run.json").read_text())
+    results = {m: json.loads((run_dir / "raw" / f"{m}.json").read_text())
+               for m in run["modes"] if (run_dir / "raw" / f"{m}.json").is_file()}
+    path = report.write_report(run_dir, results, tasks.PRESETS[run["preset"]], run["meta"], run["errors"])
+    print(f"report rebuilt: {path}")
+    return 0
+
+
 def main(argv=None) -> int:
     a = parse_args(argv)
+    if a.rerender:
+        return rerender(Path(a.rerender))
     out = a.out
     (out / "raw").mkdir(parents=True, exist_ok=True)
     (out / "logs").mkdir(parents=True, exist_ok=True)
@@ -88,7 +108,7 @@ def main(argv=None) -> int:
                  "preset": f"{preset.name} ({preset.description})", "seed": a.seed,
                  "tasks": f"{len(suite)} tasks, {sum(len(t.turns) for t in suite)} turns; "
                           f"{len(pairs)} fidelity probes of ~{_mean_len(pairs)} tokens",
-                 "corpus": tasks.corpus.source_description(), "modes": ", ".join(a.mode_list),
+                 "corpus": tasks.corpus.source_description(), "modes": ", ".join(a.mode_list), "task concurrency": a.concurrency,
                  "extra server args": " ".join(a.extra) or "(none)"})
     log(f"[driver] {meta['tasks']}; modes {a.mode_list}; out {out}")
     results: dict = {}
@@ -105,7 +125,7 @@ def main(argv=None) -> int:
                                   "attention_backend": info.get("attention_backend"),
                                   "reported": (states[0] or {}).get("sparse")},
                        "startup_s": srv.startup_s}
-                rec.update(harness.run_mode(srv.base_url, preset, suite, pairs, a.model, log))
+                rec.update(harness.run_mode(srv.base_url, preset, suite, pairs, a.model, log, a.concurrency))
             results[mode] = rec
             log(f"[driver] mode {mode} done in {time.monotonic() - t0:.0f}s")
         except (ServerError, OSError, Exception) as e:  # keep going: partial results beat none
@@ -113,6 +133,8 @@ def main(argv=None) -> int:
             results.setdefault(mode, {})
             log(f"[driver] mode {mode} FAILED: {errors[mode]}")
         (out / "raw" / f"{mode}.json").write_text(json.dumps(results[mode], default=str))
+        (out / "run.json").write_text(json.dumps({"preset": preset.name, "modes": a.mode_list, "meta": meta,
+                                                  "errors": errors}, indent=1, default=str))
         path = report.write_report(out, results, preset, meta, errors)
         log(f"[driver] report written: {path}")
     for m in a.mode_list:

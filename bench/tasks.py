@@ -32,6 +32,12 @@ KINDS = ("needle", "recall", "recall2", "multidoc", "multidoc2")
 SYSTEM_PROMPT = ("You answer questions about texts the user sends. The question can appear anywhere "
                  "in a message and can be about an earlier message. Reply with the number only.")
 TRAILER = "Answer the question above with the number only."
+# The assistant turn is opened with this generic text (SGLang ``continue_final_message``);
+# it names neither person nor number. Measured on dense SmolLM2-135M (CPU, n=10-12 per
+# position): without it the model often summarises the haystack instead of answering
+# (recall begin/middle 0.40/0.40, multidoc 0.50/0.40); with it recall 0.6/0.8/1.0,
+# multidoc 0.7/0.6/1.0, needle (60 words) 1.0/1.0/1.0.
+ANSWER_PREFIX = "The answer is"
 
 NAMES = ("Alice", "Bruno", "Carmen", "Dmitri", "Elena", "Farid", "Greta", "Hiro", "Ingrid", "Jonas",
          "Kofi", "Lucia", "Marek", "Nadia", "Oscar", "Priya", "Quentin", "Rosa", "Stefan", "Tamara")
@@ -61,6 +67,7 @@ class Task:
     words: int
     turns: tuple[Turn, ...]
     system: str = SYSTEM_PROMPT
+    answer_prefix: str = ANSWER_PREFIX
     meta: dict = field(default_factory=dict)
 
     def to_json(self) -> dict:
@@ -90,25 +97,27 @@ class Preset:
 
 
 PRESETS: dict[str, Preset] = {
-    # CI: trivially short contexts, a handful of requests, < 1 min of CPU requests.
+    # CI: trivially short contexts, a handful of requests, well under a minute of CPU requests.
     "tiny": Preset("tiny", (KindSpec("needle", 2, 40), KindSpec("recall", 1, 40),
                             KindSpec("multidoc", 1, 20, docs=2)),
-                   accuracy_kinds=("needle", "recall", "multidoc"), fidelity_prompts=2, fidelity_words=60,
+                   accuracy_kinds=("needle", "recall", "multidoc"), fidelity_prompts=1, fidelity_words=60,
                    description="CI smoke: short haystacks"),
-    # CPU measurement preset: lengths at which dense SmolLM2-135M scores >= 0.6 everywhere.
-    "cpu": Preset("cpu", (KindSpec("needle", 10, 200), KindSpec("recall", 6, 150),
-                          KindSpec("recall2", 4, 120), KindSpec("multidoc", 6, 70, docs=3),
-                          KindSpec("multidoc2", 4, 70, docs=3)),
+    # CPU measurement preset: the lengths at which dense SmolLM2-135M was measured to
+    # score >= 0.6 at every question position (bench/results/cpu_dense/report.md).
+    "cpu": Preset("cpu", (KindSpec("needle", 12, 60), KindSpec("recall", 10, 40),
+                          KindSpec("recall2", 4, 40), KindSpec("multidoc", 10, 30, docs=3),
+                          KindSpec("multidoc2", 4, 30, docs=3)),
                   accuracy_kinds=("needle", "recall", "multidoc"), fidelity_prompts=6, fidelity_words=300,
                   description="CPU dense measurement"),
     # GPU baseline: the accuracy suite at the CPU-validated lengths with more seeds, plus
-    # long-context variants (accuracy reported, compared mainly through fidelity).
-    "full": Preset("full", (KindSpec("needle", 40, 200), KindSpec("recall", 30, 150),
-                            KindSpec("recall2", 20, 120), KindSpec("multidoc", 30, 70, docs=3),
-                            KindSpec("multidoc2", 20, 70, docs=3),
-                            KindSpec("needle", 15, 1500), KindSpec("needle", 15, 5000),
-                            KindSpec("recall", 10, 2500), KindSpec("multidoc", 10, 1000, docs=5)),
-                   accuracy_kinds=("needle", "recall", "multidoc"), fidelity_prompts=40, fidelity_words=2000,
+    # long-context variants up to ~7k tokens (accuracy reported; compared mainly through
+    # the fidelity metrics, since a 135M model is unreliable there).
+    "full": Preset("full", (KindSpec("needle", 30, 60), KindSpec("recall", 20, 40),
+                            KindSpec("recall2", 10, 40), KindSpec("multidoc", 20, 30, docs=3),
+                            KindSpec("multidoc2", 10, 30, docs=3),
+                            KindSpec("needle", 10, 1000), KindSpec("needle", 10, 5000),
+                            KindSpec("recall", 8, 2400), KindSpec("multidoc", 8, 800, docs=5)),
+                   accuracy_kinds=("needle", "recall", "multidoc"), fidelity_prompts=30, fidelity_words=2000,
                    description="GPU baseline"),
 }
 # Headline accuracy uses only the short (validated) lengths of accuracy_kinds.
@@ -209,8 +218,10 @@ def make_task(kind: str, position: str, words: int, seed: int, docs: int = 0) ->
                 ask, src = facts, tuple(range(n_numbers))
             else:
                 ask, src = [facts[j]], (j,)
-            # the scored position applies to the first and the last turn
-            pos = position if (j == 0 or last) else "end"
+            # the task's question position applies to its scored (last) turn; earlier
+            # turns ask about their own fact with the question at the end, so the fact
+            # is established in the conversation the way a user would do it
+            pos = position if last else "end"
             user = _place_question(paras, _question([a[0] for a in ask]), pos)
             turns.append(Turn(user, tuple(a[1] for a in ask), pos, src, "em" if len(ask) == 1 else "f1"))
     else:
@@ -218,12 +229,15 @@ def make_task(kind: str, position: str, words: int, seed: int, docs: int = 0) ->
             raise ValueError(f"{kind} needs docs >= 2, got {docs}")
         need = 1 if kind == "multidoc" else 2
         titles = rng.sample(DOC_TITLES, docs)
-        facts = [(d.name(), d.number()) for _ in range(docs)]
+        picked = sorted(rng.sample(range(docs), need))
+        # the needed documents hold secret numbers; the others hold a fact of another
+        # type about another person, so every document carries a planted fact
+        facts = {i: (d.name(), d.number()) for i in picked}
         blocks = []
         for i in range(docs):
-            paras = _turn_text(words, [_fact(*facts[i])], rng)
+            planted = _fact(*facts[i]) if i in facts else _distractor(d.name(), rng.choice(COLOURS))
+            paras = _turn_text(words, [planted], rng)
             blocks.append(f"Document {i + 1}: {titles[i]}\n" + " ".join(paras))
-        picked = sorted(rng.sample(range(docs), need))
         ask = [facts[i] for i in picked]
         user = _place_question(blocks, _question([a[0] for a in ask]), position)
         turns.append(Turn(user, tuple(a[1] for a in ask), position, (0,), "em" if need == 1 else "f1"))
