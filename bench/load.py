@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import shlex
 import subprocess
@@ -58,7 +59,7 @@ def run_one(a, dataset: Path, concurrency: int, out_dir: Path, log) -> dict:
     out_file.unlink(missing_ok=True)
     cmd = bench_cmd(a, dataset, concurrency, out_file)
     log(f"[load] {' '.join(shlex.quote(c) for c in cmd)}")
-    env = {**__import__("os").environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
     with open(out_dir / f"c{concurrency}.log", "w") as fh:
         r = subprocess.run(cmd, stdout=fh, stderr=subprocess.STDOUT, timeout=a.bench_timeout, env=env)
     if r.returncode != 0 or not out_file.exists():

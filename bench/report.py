@@ -157,9 +157,11 @@ def _table(header: list[str], rows: list[list]) -> str:
     return "\n".join(lines)
 
 
-def write_report(out_dir: Path, results: dict, preset: Preset, meta: dict, errors: dict) -> Path:
-    """Write report.md, accuracy_by_position.png, latency.png, summary.json (and
-    baseline_dense.json when the dense run completed). Returns the report path."""
+def write_report(out_dir: Path, results: dict, preset: Preset, meta: dict, errors: dict,
+                 baseline_json: Path | None = None) -> Path:
+    """Write report.md, accuracy_by_position.png, latency.png, summary.json (and the
+    headline ``baseline_json``, default ``out_dir/baseline_dense.json``, when the dense
+    run completed). Returns the report path."""
     out_dir.mkdir(parents=True, exist_ok=True)
     done = {m: r for m, r in results.items() if r.get("tasks")}
     plot_note = ""
@@ -195,7 +197,9 @@ def write_report(out_dir: Path, results: dict, preset: Preset, meta: dict, error
     md += ["## Fidelity against dense (`off`) on the same prompts", "",
            "reply: greedy task replies (<= max_tokens); greedy128: 128-token greedy continuation of raw "
            "corpus text; top-1 / KL: teacher-forced over the real next paragraph, KL(dense||mode) estimated "
-           f"from top-{20} logprobs; kept mass: as reported by the mode (`meta_info.sparse.kept_mass`).", ""]
+           f"from top-{20} logprobs; kept mass: as reported by the mode (`meta_info.sparse.kept_mass`). "
+           "Teacher-forced positions go through the prefill (extend) path, greedy outputs through decode: "
+           "a decode-only sparse mode shows its difference in the greedy columns.", ""]
     rows = []
     if "off" in done:
         for m, r in done.items():
@@ -232,7 +236,7 @@ def write_report(out_dir: Path, results: dict, preset: Preset, meta: dict, error
     (out_dir / "summary.json").write_text(json.dumps(summary, indent=1, default=str))
     if "off" in done:
         h = headline(done["off"], preset)
-        (out_dir / "baseline_dense.json").write_text(json.dumps({
+        Path(baseline_json or out_dir / "baseline_dense.json").write_text(json.dumps({
             "gpu": meta.get("gpu", "none"), "model": meta.get("model_name", ""), "dtype": meta.get("dtype", ""),
             "tasks": h["tasks"], "accuracy_by_position": {p: (None if math.isnan(v) else round(v, 4))
                                                           for p, v in h["accuracy_by_position"].items()}},

@@ -49,6 +49,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--rerender", default=None, metavar="DIR",
                    help="only rebuild report/plots/baseline JSON of an earlier run from DIR/run.json and "
                         "DIR/raw/*.json (e.g. on a machine with matplotlib); starts no server")
+    p.add_argument("--baseline-json", default=None, metavar="PATH",
+                   help="where the dense headline JSON goes (default OUT/baseline_dense.json)")
     p.add_argument("server_extra", nargs=argparse.REMAINDER,
                    help="anything after '--' is passed to launch_server too")
     a = p.parse_args(argv)
@@ -70,12 +72,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     return a
 
 
-def rerender(run_dir: Path) -> int:
+def rerender(run_dir: Path, baseline_json: str | None = None) -> int:
     """Rebuild the report of an earlier run from its saved records."""
     run = json.loads((run_dir / "run.json").read_text())
     results = {m: json.loads((run_dir / "raw" / f"{m}.json").read_text())
                for m in run["modes"] if (run_dir / "raw" / f"{m}.json").is_file()}
-    path = report.write_report(run_dir, results, tasks.PRESETS[run["preset"]], run["meta"], run["errors"])
+    path = report.write_report(run_dir, results, tasks.PRESETS[run["preset"]], run["meta"], run["errors"],
+                               Path(baseline_json) if baseline_json else None)
     print(f"report rebuilt: {path}")
     return 0
 
@@ -83,7 +86,7 @@ def rerender(run_dir: Path) -> int:
 def main(argv=None) -> int:
     a = parse_args(argv)
     if a.rerender:
-        return rerender(Path(a.rerender))
+        return rerender(Path(a.rerender), a.baseline_json)
     out = a.out
     (out / "raw").mkdir(parents=True, exist_ok=True)
     (out / "logs").mkdir(parents=True, exist_ok=True)
@@ -135,7 +138,8 @@ def main(argv=None) -> int:
         (out / "raw" / f"{mode}.json").write_text(json.dumps(results[mode], default=str))
         (out / "run.json").write_text(json.dumps({"preset": preset.name, "modes": a.mode_list, "meta": meta,
                                                   "errors": errors}, indent=1, default=str))
-        path = report.write_report(out, results, preset, meta, errors)
+        path = report.write_report(out, results, preset, meta, errors,
+                                   Path(a.baseline_json) if a.baseline_json else None)
         log(f"[driver] report written: {path}")
     for m in a.mode_list:
         if m in results and results[m].get("tasks"):
