@@ -21,6 +21,7 @@ import json
 import os
 import random
 import shlex
+import signal
 import subprocess
 import sys
 import time
@@ -156,6 +157,11 @@ def main(argv=None) -> int:
                  "extra server args": a.server_args or "(none)"})
     results: dict = {}
     errors: dict = {}
+
+    def _sigterm(signum, frame):
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, _sigterm)
     for mode in modes:
         spec = ServerSpec(a.python, a.model, a.device, a.port, mode, configs.get(mode), a.dtype,
                           shlex.split(a.server_args))
@@ -168,6 +174,10 @@ def main(argv=None) -> int:
                     r = results[mode][c]
                     log(f"[load] {mode} c={c}: {r['output_throughput']:.1f} out tok/s, TTFT {r['mean_ttft_ms']:.1f} ms,"
                         f" TPOT {r['mean_tpot_ms']:.2f} ms")
+        except KeyboardInterrupt:  # Ctrl-C or SIGTERM: the server was stopped by the context manager
+            errors[mode] = "interrupted (SIGINT/SIGTERM); later modes not run"
+            write_report(out, results, meta, errors, conc)
+            break
         except (ServerError, RuntimeError, subprocess.TimeoutExpired, OSError) as e:
             errors[mode] = f"{type(e).__name__}: {e}"
             log(f"[load] mode {mode} FAILED: {errors[mode]}")

@@ -16,6 +16,7 @@ import argparse
 import json
 import os
 import shlex
+import signal
 import sys
 import time
 from pathlib import Path
@@ -116,6 +117,8 @@ def main(argv=None) -> int:
     log(f"[driver] {meta['tasks']}; modes {a.mode_list}; out {out}")
     results: dict = {}
     errors: dict = {}
+    interrupted = False
+    signal.signal(signal.SIGTERM, _sigterm)
     for mode in a.mode_list:
         spec = ServerSpec(a.python, a.model, a.device, a.port, mode, a.configs.get(mode), a.dtype, a.extra)
         srv = Server(spec, out / "logs" / f"{mode}.log", a.server_timeout, log)
@@ -129,9 +132,14 @@ def main(argv=None) -> int:
                                   "reported": (states[0] or {}).get("sparse")},
                        "startup_s": srv.startup_s}
                 rec.update(harness.run_mode(srv.base_url, preset, suite, pairs, a.model, log, a.concurrency))
-            results[mode] = rec
+                results[mode] = rec  # kept even if stopping the server is interrupted
             log(f"[driver] mode {mode} done in {time.monotonic() - t0:.0f}s")
-        except (ServerError, OSError, Exception) as e:  # keep going: partial results beat none
+        except KeyboardInterrupt:  # Ctrl-C or SIGTERM (e.g. `timeout`): server already stopped
+            errors[mode] = "interrupted (SIGINT/SIGTERM); later modes not run"
+            results.setdefault(mode, {})
+            log(f"[driver] mode {mode} INTERRUPTED")
+            interrupted = True
+        except Exception as e:  # keep going: partial results beat none
             errors[mode] = f"{type(e).__name__}: {e}"
             results.setdefault(mode, {})
             log(f"[driver] mode {mode} FAILED: {errors[mode]}")
@@ -141,12 +149,19 @@ def main(argv=None) -> int:
         path = report.write_report(out, results, preset, meta, errors,
                                    Path(a.baseline_json) if a.baseline_json else None)
         log(f"[driver] report written: {path}")
+        if interrupted:
+            break
     for m in a.mode_list:
         if m in results and results[m].get("tasks"):
             h = report.headline(results[m], preset)
             log(f"[driver] {m}: accuracy by position " +
                 ", ".join(f"{p} {v:.2f}" for p, v in h["accuracy_by_position"].items()))
     return 1 if errors else 0
+
+
+def _sigterm(signum, frame):
+    """Turn SIGTERM into KeyboardInterrupt so the running server is stopped on the way out."""
+    raise KeyboardInterrupt
 
 
 def _mean_len(pairs) -> int:
