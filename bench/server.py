@@ -63,6 +63,15 @@ class Server:
         self.base_url = f"http://127.0.0.1:{spec.port}"
         self.startup_s: float | None = None
 
+    @property
+    def url(self) -> str:
+        return self.base_url
+
+    @property
+    def pid(self) -> int | None:
+        """PID of the launched server, which is also its process-group id."""
+        return None if self.proc is None else self.proc.pid
+
     def _port_busy(self) -> bool:
         try:
             requests.get(self.base_url + "/health", timeout=2)

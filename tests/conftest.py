@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from tests.serverproc import DEFAULT_MODEL, cpu_server_args, free_port, start_server
+from tests.serverproc import DEFAULT_MODEL, start_cpu_server
 
 SERVER_READY_TIMEOUT_S = float(os.environ.get("SPARSE_TEST_SERVER_TIMEOUT", "240"))
 
@@ -42,12 +42,10 @@ def cpu_server(default_model, tmp_path_factory):
     """One `--sparse off` CPU server for the whole run; always stopped by its process group."""
     if _has_cuda():
         pytest.skip("CPU server tests run on the CPU machine (the GPU script covers the GPU server)")
-    port = free_port()
     log = tmp_path_factory.mktemp("server") / "server.log"
-    handle = start_server(cpu_server_args(default_model, port, "--sparse", "off"), log)
+    handle = start_cpu_server(default_model, log, mode="off", timeout_s=SERVER_READY_TIMEOUT_S)
     try:
-        handle.wait_ready(SERVER_READY_TIMEOUT_S)
-        print(f"\n[cpu_server] ready in {handle.ready_after_s:.1f}s on {handle.url} (pid {handle.pid}, log {log})")
+        print(f"\n[cpu_server] ready in {handle.startup_s:.1f}s on {handle.url} (pid {handle.pid}, log {log})")
         yield handle
     finally:
         handle.stop()

@@ -8,7 +8,7 @@ import pytest
 import requests
 from pydoc_data.topics import topics
 
-from tests.serverproc import cpu_server_args, free_port, start_server
+from tests.serverproc import start_cpu_server
 from tests.test_server_e2e import PROMPT
 
 pytestmark = pytest.mark.server
@@ -18,13 +18,11 @@ MIN_CONTEXT = 256
 
 @pytest.fixture(scope="module")
 def psa_server(default_model, tmp_path_factory):
-    port = free_port()
     log = tmp_path_factory.mktemp("psa") / "server.log"
-    handle = start_server(cpu_server_args(default_model, port, "--sparse", "psa", "--sparse-config",
-                                          f'{{"min_context": {MIN_CONTEXT}, "epsilon": 0.95}}',
-                                          "--enable-metrics"), log)
+    handle = start_cpu_server(default_model, log, mode="psa",
+                              sparse_config=f'{{"min_context": {MIN_CONTEXT}, "epsilon": 0.95}}',
+                              extra_args=("--enable-metrics",))
     try:
-        handle.wait_ready(240)
         yield handle
     finally:
         handle.stop()
