@@ -40,7 +40,8 @@ def test_plugin_is_active_in_main_and_scheduler_process(cpu_server):
     info = requests.get(cpu_server.url + "/server_info", timeout=30).json()
     # main process: the flags were parsed by the plugin's ServerArgs and resolved
     assert info["sparse"] == "off" and info["sparse_config"] == "{}"
-    # scheduler process: hooks ran there and the attention backend got the context
+    # scheduler process: sglang_sparse.runtime_hooks ran there (scheduler_init_hook,
+    # attention_backend_hook, internal_state_hook) and the attention backend got the context
     state = info["internal_states"][0]["sparse"]
     assert state["mode"] == "off" and state["config"] == {}
     assert state["attention_backend_mode"] == "off"
