@@ -46,7 +46,7 @@ import torch
 
 from .vs_estimate import VSLineSums
 
-__all__ = ["VSSelectConfig", "VSSelection", "vs_select"]
+__all__ = ["VSSelectConfig", "VSSelection", "vs_select", "decode_topb"]
 
 
 @dataclass(frozen=True)
@@ -172,3 +172,24 @@ def vs_select(lines: VSLineSums, *, prefix_len: int, config: VSSelectConfig = VS
     s_idx, s_cnt = _compact(sel_s)
     covered_lb = torch.where(total > 0, cov / total.clamp(min=1e-30), torch.ones_like(total)).clamp(max=1.0)
     return VSSelection(v_idx, v_cnt, s_idx, s_cnt, covered_lb.to(torch.float32))
+
+
+def decode_topb(obs_lines: VSLineSums, budget: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Progressive decode re-selection (LoopServe Alg. 3 / Eq. 7): top-``budget`` positions per KV head.
+
+    ``obs_lines`` is :func:`flashinfer_ext.vs_estimate.vs_estimate` run with the last ``n_d``
+    queries as the sampled rows (their positions, causal): its ``v_sum[h, k]`` is exactly Eq. 7's
+    score of token ``k`` (attention summed over the observation queries and the group's query heads).
+    Returns ``(lists [num_kv_heads, B] int32 ascending, lens [num_kv_heads] int32)`` with
+    ``B = min(budget, seq_len)``; for one request, ``lists[None]`` / ``lens[None]`` are the
+    ``block_lists`` / ``list_lens`` of :func:`flashinfer_ext.sparse_decode.sparse_decode` with
+    ``block_size=1``, ``epsilon=1.0`` (union it with the stored lines and the recent tokens first).
+    ``torch.topk`` on the device, no host sync; ties break arbitrarily.
+    """
+    if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
+        raise ValueError(f"budget={budget!r} is out of range: expected an integer >= 1")
+    hk, n = obs_lines.v_sum.shape
+    b = min(budget, n)
+    top = torch.topk(obs_lines.v_sum, b, dim=1, sorted=False).indices
+    lists = top.sort(dim=1).values.to(torch.int32)
+    return lists, torch.full((hk,), b, dtype=torch.int32, device=lists.device)

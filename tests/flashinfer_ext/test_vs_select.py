@@ -102,3 +102,37 @@ def test_gpu_select_32k_same_as_cpu():
                   config=cfg)
     assert torch.equal(a.v_cnt, b.v_cnt.cpu()) and torch.equal(a.s_cnt, b.s_cnt.cpu())
     assert bool((b.covered_lb >= 0.955 - 1e-4).all())
+
+
+def test_decode_topb_matches_eq7_reference_and_drives_sparse_decode():
+    """Alg. 3: top-B per KV head from the last n_d queries; the lists feed sparse_decode (block_size 1)."""
+    from flashinfer_ext.loopserve_reference import decode_topb_reference
+    from flashinfer_ext.sparse_decode import sparse_decode
+    from flashinfer_ext.vs_estimate import vs_estimate
+    from flashinfer_ext.vs_select import decode_topb
+
+    seq_len, n_d, hq, hk, d, budget = 120, 16, 9, 3, 64, 24
+    pool = make_pool([seq_len], hq, hk, d, torch.bfloat16, 1, seed=13)
+    slots = pool.req_to_token[pool.req_pool_indices[0].long()]
+    obs_pos = torch.arange(seq_len - n_d, seq_len)
+    q_obs = torch.randn(n_d, hq, d, generator=torch.Generator().manual_seed(14)).to(torch.bfloat16)
+    lists, lens = decode_topb(vs_estimate(q_obs, obs_pos, pool.k_buffer, slots, seq_len, sm_scale=d ** -0.5), budget)
+    ref, score = decode_topb_reference(q_obs, obs_pos, pool.k_buffer, slots, seq_len, d ** -0.5, budget)
+    assert lists.shape == (hk, budget) and lens.tolist() == [budget] * hk
+    for h in range(hk):  # same set, or a swap among (fp32-)tied scores at the boundary
+        got, want = set(lists[h].tolist()), set(ref[h].tolist())
+        kth = score[h, ref[h]].min()
+        assert all(abs(float(score[h, x]) - float(kth)) < 1e-5 for x in got ^ want), (got ^ want)
+    q = torch.randn(1, hq, d, generator=torch.Generator().manual_seed(15)).to(torch.bfloat16)
+    o, lse, nread = sparse_decode(q, pool.k_buffer, pool.v_buffer, pool.req_to_token, pool.req_pool_indices,
+                                  pool.seq_lens, lists[None], lens[None], torch.zeros(1, dtype=torch.int32),
+                                  block_size=1, sm_scale=d ** -0.5)
+    assert nread.tolist() == [[budget] * hk]
+    k = pool.k_buffer[slots.long()].float()
+    v = pool.v_buffer[slots.long()].float()
+    for h in range(hk):  # attention over exactly the listed tokens
+        idx = lists[h].long()
+        for g in range(hq // hk):
+            s = (q[0, h * (hq // hk) + g].float() @ k[idx, h].T) * d ** -0.5
+            want = torch.softmax(s, 0) @ v[idx, h]
+            torch.testing.assert_close(o[0, h * (hq // hk) + g].float(), want, rtol=2e-2, atol=2e-2)
