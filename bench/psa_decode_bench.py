@@ -1,19 +1,27 @@
 """PSA progressive decode kernel vs FlashInfer dense decode, on one GPU.
 
 Measures, per case (Llama-3.1-8B attention shapes: 32 qo / 8 kv heads, d=128, bf16):
-time of ``PsaDecodeWrapper.run`` (criticality + sort + progressive decode) and of
-``flashinfer.BatchDecodeWithPagedKVCacheWrapper.run``; bytes read (KV of the blocks
-read + block metadata) and achieved TB/s against the measured peak (a large device
-copy); blocks read; true kept mass (against full attention); and a fixed top-k
-(Quest-style, same cuboid ranking, same sink/local blocks) baseline at equal mean kept
-mass, as a bytes-read ratio and a time (same kernel, fixed list length). Workloads:
-(a) planted power-law structure, (b) Q/K/V captured from SmolLM2-135M on real text
-(its own shapes: 9/3 heads, d=64), plus the dense-fallback overhead at 4k context.
+time of one layer of ``PsaDecodeWrapper.run`` (criticality + sort + bound suffix + waves of
+chunk attention and merge), replayed from a CUDA graph as the server runs it (eager time
+too), and of ``flashinfer.BatchDecodeWithPagedKVCacheWrapper.run``; bytes read (KV of the
+blocks the kernels actually read, incl. the over-read of the last wave, + kmin/kmax of
+all blocks) and achieved TB/s against the measured peak (a large device copy); blocks in
+the result; true kept mass (against full attention); a fixed top-k (Quest-style, same
+cuboid ranking, same sink/local blocks) baseline at equal mean kept mass, as a bytes
+ratio and a time (same wave kernels, list capped at k); and the server's short-context
+path (dense FlashInfer + the block-metadata update it keeps doing below ``min_context``).
 
-Writes ``psa_decode.md``, ``psa_decode.json`` and ``psa_decode.png`` into ``--out``.
-Every case runs under try/except: a failure is recorded and the rest still runs.
+Workloads: (a) planted structure (:func:`plant_structure`, parameters in ``PLANT``),
+(b) Q/K/V captured from SmolLM2-135M on real text (its own shapes: 9/3 heads, d=64).
+The same pools feed PSA, dense and top-k.
 
-    python bench/psa_decode_bench.py --out bench/results --quick
+Writes ``psa_decode.md``, ``psa_decode.json`` (top-level summary keys + every row) and
+``psa_decode.png`` into ``--out``. Every case runs under try/except: a failure is recorded
+and the rest still runs. ``--smoke`` runs two tiny cases on the CPU (Triton interpreter, no
+FlashInfer, timings meaningless) to check the script end to end.
+
+    python bench/psa_decode_bench.py --out bench/results            # full, ~4 min on an H100
+    python bench/psa_decode_bench.py --out /tmp/b --quick           # subset
 """
 
 from __future__ import annotations
@@ -21,6 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import platform
 import sys
 import time
@@ -29,6 +38,9 @@ from pathlib import Path
 
 import torch
 
+if not torch.cuda.is_available():  # the kernels run under the Triton interpreter on a CPU machine
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
@@ -36,15 +48,51 @@ from flashinfer_ext.block_meta import BlockMetaPool, paged_block_table  # noqa: 
 from flashinfer_ext.config import PsaDecodeConfig  # noqa: E402
 from flashinfer_ext.dense_decode import FlashInferDenseDecode, paged_kv_table  # noqa: E402
 from flashinfer_ext.psa_decode import PsaDecodeWrapper  # noqa: E402
-from flashinfer_ext.sparse_decode import sparse_decode  # noqa: E402
 
-PLANT = dict(alpha=1.2, group_tokens=16, strength=6.0, noise=0.3)  # planted-structure parameters
+# Planted structure: per (request, KV head) the 16-token groups get a random rank i (a random
+# permutation) and every query head of the group sees the logit offset top_logit - alpha*ln(1+i)
+# on them (mass ~ (1+i)^-alpha: a power law in *mass*, so a few groups hold most of it; with
+# alpha = 2, 95 % of the mass sits in ~13 groups whatever the context), plus per-token noise
+# (key noise std `noise` -> logit noise std ~ noise nats). The old structure (alpha 1.2 on the
+# *logit*) left ~70 % of the mass in one group and a flat tail that made 95 % unreachable without
+# reading ~90 % of the blocks.
+PLANT = dict(alpha=2.0, group_tokens=16, top_logit=8.0, noise=0.5)
 EPS = 0.95
+
+
+def plant_structure(q, k, req_to_token, req_pool_indices, seq_lens, *, sm_scale, generator, alpha=PLANT["alpha"],
+                    group_tokens=PLANT["group_tokens"], top_logit=PLANT["top_logit"], noise=PLANT["noise"]):
+    """Overwrite the keys of every request in place with the planted power law (see ``PLANT``).
+
+    ``q`` ``[batch, num_qo_heads, d]``, ``k`` ``[num_slots, num_kv_heads, d]``; per KV head the planted
+    direction ``u`` is the minimum-norm vector with ``q_g . u = 1`` for every query head ``g`` of its
+    group, so all heads of a group see the same offsets. Device-agnostic (uses ``generator``'s device).
+    """
+    batch, hq, d = q.shape
+    hk = k.shape[1]
+    grp = hq // hk
+    dev = k.device
+    for r in range(batch):
+        L = int(seq_lens[r])
+        slots = req_to_token[int(req_pool_indices[r]), :L].long()
+        ng = -(-L // group_tokens)
+        rank = torch.argsort(torch.rand(hk, ng, device=dev, generator=generator), dim=1).float()
+        target = top_logit - alpha * torch.log1p(rank)  # [hk, ng] nats
+        Q = q[r].float().view(hk, grp, d)
+        A = Q @ Q.transpose(1, 2) + 1e-4 * torch.eye(grp, device=dev)
+        u = (Q.transpose(1, 2) @ torch.linalg.solve(A, torch.ones(hk, grp, 1, device=dev))).squeeze(-1)  # [hk, d]
+        tok = target.repeat_interleave(group_tokens, dim=1)[:, :L]  # [hk, L]
+        base = torch.randn(L, hk, d, device=dev, generator=generator) * noise
+        k[slots] = (base + (tok.T[:, :, None] / sm_scale) * u[None]).to(k.dtype)
 
 
 def timed(fn, iters=20, warmup=3):
     for _ in range(warmup):
         fn()
+    if not torch.cuda.is_available():
+        t = time.perf_counter()
+        fn()
+        return time.perf_counter() - t
     torch.cuda.synchronize()
     ts = []
     for _ in range(iters):
@@ -58,6 +106,22 @@ def timed(fn, iters=20, warmup=3):
     return ts[len(ts) // 2] * 1e-3  # median seconds
 
 
+def graph_of(fn):
+    """CUDA graph replaying ``fn`` (as the server's decode graphs do); None on CPU."""
+    if not torch.cuda.is_available():
+        return None
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    return g
+
+
 def measure_peak_bw():
     x = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")  # 1 GiB
     y = torch.empty_like(x)
@@ -66,38 +130,24 @@ def measure_peak_bw():
     return 2 * (1 << 30) / t
 
 
-def build_pool(batch, ctx, hq, hk, d, page, planted, seed=0, kv=None, q=None):
-    """KV pool on the GPU with shuffled pages; optional planted power-law mass over 16-token groups."""
-    g = torch.Generator(device="cuda").manual_seed(seed)
+def build_pool(batch, ctx, hq, hk, d, page, planted, seed=0, dev="cuda"):
+    """KV pool with shuffled pages; optional planted structure (same pool for PSA, dense and top-k)."""
+    g = torch.Generator(device=dev).manual_seed(seed)
     pages_per_req = -(-ctx // page)
     num_pages = batch * pages_per_req
-    perm = torch.randperm(num_pages, device="cuda", generator=g)
+    perm = torch.randperm(num_pages, device=dev, generator=g)
     req_to_token = (perm.view(batch, pages_per_req, 1) * page
-                    + torch.arange(page, device="cuda")).view(batch, -1)[:, :ctx].to(torch.int32).contiguous()
-    if kv is None:
-        k = torch.randn(num_pages * page, hk, d, device="cuda", generator=g, dtype=torch.bfloat16)
-        v = torch.randn_like(k)
-        q = torch.randn(batch, hq, d, device="cuda", generator=g, dtype=torch.bfloat16)
-        if planted:
-            gt = PLANT["group_tokens"]
-            ng = -(-ctx // gt)
-            grp = hq // hk
-            for r in range(batch):
-                rank = torch.randperm(ng, device="cuda", generator=g).float()
-                strength = (1.0 / (1.0 + rank) ** PLANT["alpha"]).repeat_interleave(gt)[:ctx]
-                qdir = q[r].float().view(hk, grp, d).mean(1)
-                qdir = qdir / qdir.norm(dim=-1, keepdim=True)
-                slots = req_to_token[r].long()
-                c = PLANT["strength"] * d ** 0.25
-                k[slots] = (PLANT["noise"] * k[slots].float()
-                            + c * strength[:, None, None] * qdir[None]).to(torch.bfloat16)
-    else:
-        k, v = kv
-    rpi = torch.arange(batch, dtype=torch.int32, device="cuda")
+                    + torch.arange(page, device=dev)).view(batch, -1)[:, :ctx].to(torch.int32).contiguous()
+    k = torch.randn(num_pages * page, hk, d, device=dev, generator=g, dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    q = torch.randn(batch, hq, d, device=dev, generator=g, dtype=torch.bfloat16)
+    rpi = torch.arange(batch, dtype=torch.int32, device=dev)
+    if planted:
+        plant_structure(q, k, req_to_token, rpi, [ctx] * batch, sm_scale=d ** -0.5, generator=g)
     return q, k, v, req_to_token, rpi
 
 
-def kept_mass(q, k, req_to_token, seq_lens_host, order, nread, page, sm_scale):
+def kept_mass(q, k, req_to_token, rpi, seq_lens_host, order, nread, page, sm_scale):
     """True kept mass per (request, qo head) and per-pair block-mass cumsum along the order."""
     batch, hq, d = q.shape
     hk = k.shape[1]
@@ -105,7 +155,7 @@ def kept_mass(q, k, req_to_token, seq_lens_host, order, nread, page, sm_scale):
     kept, cums = [], []
     for r in range(batch):
         L = seq_lens_host[r]
-        kk = k[req_to_token[r, :L].long()].float()  # [L, hk, d]
+        kk = k[req_to_token[int(rpi[r]), :L].long()].float()  # [L, hk, d]
         s = torch.einsum("hgd,lhd->hgl", q[r].float().view(hk, grp, d), kk) * sm_scale
         p = torch.softmax(s, -1)
         nb = -(-L // page)
@@ -119,11 +169,10 @@ def kept_mass(q, k, req_to_token, seq_lens_host, order, nread, page, sm_scale):
     return torch.stack(kept), cums
 
 
-def quest_k_at_equal_mass(cums, target_mean):
+def topk_at_equal_mass(cums, target_mean):
     """Smallest fixed k whose mean kept mass (over all (request, qo head)) >= target_mean."""
     nbmax = max(c.shape[1] for c in cums)
-    full = torch.stack([torch.nn.functional.pad(c, (0, nbmax - c.shape[1]), value=1.0) if c.shape[1] < nbmax
-                        else c for c in cums])
+    full = torch.stack([torch.nn.functional.pad(c, (0, nbmax - c.shape[1])) for c in cums])
     for c, f in zip(cums, full):  # pad with the request's total (its last cumsum value)
         f[:, c.shape[1]:] = c[:, -1:]
     mean_k = full.mean(dim=(0, 1))  # [nbmax]
@@ -131,38 +180,65 @@ def quest_k_at_equal_mass(cums, target_mean):
     return int(ok[0]) + 1 if ok.numel() else nbmax
 
 
+def blocks_actually_read(w, nread, list_lens, n_forced):
+    """Blocks the chunk kernels read: every chunk of the waves run for a pair (up to the one it stopped in)."""
+    cfg = w.config
+    ends = [0] + cfg.ranked_chunk_ends(w.max_blocks_per_req)
+    total = 0
+    nread_h, lens_h, nf_h = nread.cpu().tolist(), list_lens.cpu().tolist(), n_forced.cpu().tolist()
+    for r, row in enumerate(nread_h):
+        for h, n in enumerate(row):
+            nf, L = min(nf_h[r], lens_h[r][h]), lens_h[r][h]
+            got = n
+            for c0, nc in w.waves:
+                last = c0 + nc - 1
+                wave_end = min(L, nf + ends[last]) if last >= 1 else nf
+                if wave_end >= n:
+                    got = wave_end
+                    break
+            total += got
+    return total
+
+
 def run_case(name, batch, ctx, page, planted=True, capture=None, hq=32, hk=8, d=128, eps=EPS, seed=0,
-             with_quest=True):
-    torch.cuda.empty_cache()
+             with_topk=True, estimator="calibrated", dev="cuda"):
+    if dev == "cuda":
+        torch.cuda.empty_cache()
     if capture is not None:
         q, k, v, req_to_token, rpi, seq_host = capture
         batch, hq, d = q.shape
         hk = k.shape[1]
     else:
-        q, k, v, req_to_token, rpi = build_pool(batch, ctx, hq, hk, d, page, planted, seed)
+        q, k, v, req_to_token, rpi = build_pool(batch, ctx, hq, hk, d, page, planted, seed, dev=dev)
         seq_host = [ctx] * batch
-    seq_lens = torch.tensor(seq_host, dtype=torch.int32, device="cuda")
+    seq_lens = torch.tensor(seq_host, dtype=torch.int32, device=dev)
     sm_scale = d ** -0.5
     nb = -(-max(seq_host) // page)
     table = paged_block_table(req_to_token, rpi, page, nb)
-    num_rows = k.shape[0] // page
-    meta = BlockMetaPool(1, num_rows, hk, d, page, dtype=torch.bfloat16, device="cuda")
+    num_rows = k.shape[0] // page + 1
+    meta = BlockMetaPool(1, num_rows, hk, d, page, dtype=torch.bfloat16, device=dev)
     if capture is None:
         meta.update(0, k, req_to_token, rpi, table, torch.zeros_like(seq_lens), seq_lens, nb)
-    else:  # requests share pages (same layer): write shorter ones first so full pages win
+    else:  # requests of one layer share pages: write shorter ones first so the full pages win (a superset
+        # of a shorter request's partial page still bounds its keys)
         for r in sorted(range(batch), key=lambda i: seq_host[i]):
             meta.update(0, k, req_to_token, rpi[r:r + 1], table[r:r + 1], torch.zeros_like(seq_lens[r:r + 1]),
                         seq_lens[r:r + 1], nb)
-    cfg = PsaDecodeConfig(epsilon=eps, micro_batch_blocks=8, sink_blocks=1, local_blocks=2, max_blocks=1 << 20)
+    cfg = PsaDecodeConfig(epsilon=min(eps, 1.0), micro_batch_blocks=8, sink_blocks=1, local_blocks=2,
+                          max_blocks=1 << 20, estimator=estimator)
     w = PsaDecodeWrapper(cfg, num_qo_heads=hq, num_kv_heads=hk, head_dim=d, block_size=page,
-                         max_batch_size=batch, max_blocks_per_req=nb, device="cuda", sm_scale=sm_scale)
+                         max_batch_size=batch, max_blocks_per_req=nb, device=dev, sm_scale=sm_scale)
     w.plan(req_to_token, rpi, seq_lens, table)
     ml = meta.layer(0)
-    t_psa = timed(lambda: w.run(q, k, v, *ml))
+    t_eager = timed(lambda: w.run(q, k, v, *ml), iters=5, warmup=1)
+    g = graph_of(lambda: w.run(q, k, v, *ml))
+    t_psa = timed(g.replay) if g is not None else t_eager
     o, lse, nread = w.run(q, k, v, *ml)
-    torch.cuda.synchronize()
+    kept_est = w.kept_est.clone()
+    if dev == "cuda":
+        torch.cuda.synchronize()
     try:
-        dense = FlashInferDenseDecode(hq, hk, d, page)
+        dense = FlashInferDenseDecode(hq, hk, d, page, device=dev)
         dense.plan(*paged_kv_table(req_to_token, rpi.tolist(), seq_host, page), sm_scale=sm_scale)
         t_dense = timed(lambda: dense.run(q, k, v))
         do, _ = dense.run(q, k, v)
@@ -171,70 +247,119 @@ def run_case(name, batch, ctx, page, planted=True, capture=None, hq=32, hk=8, d=
     blk_bytes = page * d * 2 * 2  # K + V, bf16, one KV head
     total_blocks = sum(-(-L // page) for L in seq_host) * hk
     blocks_read = int(nread.sum())
+    actual = blocks_actually_read(w, nread, w._list_lens_buf[:batch], w._n_forced_buf[:batch])
     meta_bytes = total_blocks * 2 * d * 2  # kmin + kmax, bf16
-    psa_bytes = blocks_read * blk_bytes + meta_bytes
+    psa_bytes = actual * blk_bytes + meta_bytes
     dense_bytes = sum(seq_host) * hk * d * 2 * 2
-    kept, cums = kept_mass(q, k, req_to_token, seq_host, w.order, nread, page, sm_scale)
-    res = dict(case=name, batch=batch, ctx=max(seq_host), page=page, heads=f"{hq}/{hk}", head_dim=d, eps=eps,
-               planted=planted, t_psa_us=t_psa * 1e6, t_dense_us=t_dense * 1e6, speedup=t_dense / t_psa,
-               blocks_read=blocks_read, blocks_total=total_blocks, read_frac=blocks_read / total_blocks,
+    kept, cums = kept_mass(q, k, req_to_token, rpi, seq_host, w.order, nread, page, sm_scale)
+    res = dict(case=name, estimator=estimator, batch=batch, ctx=max(seq_host), page=page, heads=f"{hq}/{hk}",
+               head_dim=d, eps=eps, planted=planted, waves=len(w.waves), t_psa_us=t_psa * 1e6,
+               t_psa_eager_us=t_eager * 1e6, t_dense_us=t_dense * 1e6, speedup=t_dense / t_psa,
+               blocks_read=blocks_read, blocks_read_by_kernels=actual, blocks_total=total_blocks,
+               read_frac=blocks_read / total_blocks, kernel_read_frac=actual / total_blocks,
                psa_bytes=psa_bytes, dense_bytes=dense_bytes, psa_tbps=psa_bytes / t_psa / 1e12,
                dense_tbps=dense_bytes / t_dense / 1e12, kept_mean=float(kept.mean()), kept_min=float(kept.min()),
-               kept_ge_eps=float((kept >= eps).float().mean()),
+               kept_ge_eps=float((kept >= eps).float().mean()), kept_est_mean=float(kept_est.mean()),
                max_abs_err_vs_dense=float((o.float() - do.float()).abs().max()))
-    if with_quest:
-        kq = quest_k_at_equal_mass(cums, res["kept_mean"])
+    if with_topk and eps < 1.0:
+        kq = topk_at_equal_mass(cums, res["kept_mean"])
         n_forced = min(nb, 3)
-        nb_r = (seq_lens + page - 1) // page
-        lens = torch.clamp(nb_r, max=kq)[:, None].expand(batch, hk).to(torch.int32).contiguous()
-        forced = torch.full((batch,), n_forced, dtype=torch.int32, device="cuda")
-        order = w.order.clone()
-        t_q = timed(lambda: sparse_decode(q, k, v, req_to_token, rpi, seq_lens, order, lens, forced,
-                                          block_size=page, sm_scale=sm_scale, epsilon=1.0))
-        quest_blocks = int(lens.sum())
-        res.update(quest_k=kq, quest_blocks=quest_blocks, quest_over_psa_bytes=(quest_blocks * blk_bytes + meta_bytes)
-                   / psa_bytes, t_quest_us=t_q * 1e6)
-    del meta, w, dense, k, v
+        # top-k = the same wave kernels with the list capped at k; 'bound' with eps ~ 1 never stops earlier
+        tcfg = PsaDecodeConfig(epsilon=1.0 - 1e-6, micro_batch_blocks=8, sink_blocks=1, local_blocks=2,
+                               max_blocks=max(1, kq - n_forced), estimator="bound")
+        wt = PsaDecodeWrapper(tcfg, num_qo_heads=hq, num_kv_heads=hk, head_dim=d, block_size=page,
+                              max_batch_size=batch, max_blocks_per_req=nb, device=dev, sm_scale=sm_scale)
+        wt.plan(req_to_token, rpi, seq_lens, table)
+        gt = graph_of(lambda: wt.run(q, k, v, *ml))
+        t_q = timed(gt.replay if gt is not None else (lambda: wt.run(q, k, v, *ml)))
+        topk_blocks = sum(min(-(-L // page), kq) for L in seq_host) * hk
+        res.update(topk_k=kq, topk_blocks=topk_blocks,
+                   topk_over_psa_bytes=(topk_blocks * blk_bytes + meta_bytes) / psa_bytes,
+                   topk_over_psa_bytes_result=(topk_blocks * blk_bytes + meta_bytes)
+                   / (blocks_read * blk_bytes + meta_bytes), t_topk_us=t_q * 1e6)
+        del wt, gt
+    if eps >= 1.0 and dense is not None:  # the server's short-context path: dense + metadata upkeep
+        gm = graph_of(lambda: w.update_meta_decode(k, *ml))
+        t_meta = timed(gm.replay if gm is not None else (lambda: w.update_meta_decode(k, *ml)))
+        res.update(t_meta_update_us=t_meta * 1e6, t_server_short_us=(t_dense + t_meta) * 1e6,
+                   dense_over_server_short=t_dense / (t_dense + t_meta))
+    del meta, w, dense, k, v, g
     return res
 
 
-def capture_smollm(num_tokens, layers, positions):
+def capture_smollm(num_tokens, layers, positions, dev="cuda"):
     sys.path.insert(0, str(ROOT / "bench"))
     from psa_capture import capture_qkv  # noqa: E402
 
-    cap = capture_qkv(num_tokens=num_tokens, layers=layers, device="cuda")
+    cap = capture_qkv(num_tokens=num_tokens, layers=layers, device=dev)
     L = num_tokens
-    k = torch.cat([cap[i][1] for i in layers]).bfloat16().cuda()
-    v = torch.cat([cap[i][2] for i in layers]).bfloat16().cuda()
+    k = torch.cat([cap[i][1] for i in layers]).bfloat16().to(dev)
+    v = torch.cat([cap[i][2] for i in layers]).bfloat16().to(dev)
     reqs = [(li, t) for li in range(len(layers)) for t in positions]
-    q = torch.stack([cap[layers[li]][0][t] for li, t in reqs]).bfloat16().cuda()
-    rows = torch.stack([li * L + torch.arange(L) for li, _ in reqs]).to(torch.int32).cuda()
-    return q, k, v, rows, torch.arange(len(reqs), dtype=torch.int32, device="cuda"), [t + 1 for _, t in reqs]
+    q = torch.stack([cap[layers[li]][0][t] for li, t in reqs]).bfloat16().to(dev)
+    rtt = torch.stack([li * L + torch.arange(L) for li in range(len(layers))]).to(torch.int32).to(dev)
+    rpi = torch.tensor([li for li, _ in reqs], dtype=torch.int32, device=dev)
+    # one req_to_token row per request (rows of one layer share slots but need their own metadata rows)
+    rows = rtt[rpi.long()].contiguous()
+    return q, k, v, rows, torch.arange(len(reqs), dtype=torch.int32, device=dev), [t + 1 for _, t in reqs]
+
+
+def summary(meta: dict, results: list) -> dict:
+    def find(**kw):
+        for r in results:
+            if "error" not in r and all(r.get(a) == b for a, b in kw.items()):
+                return r
+        return None
+
+    def num(x):
+        return None if x is None or not math.isfinite(x) else float(x)
+
+    main = find(case="planted", batch=8, ctx=131072, page=16, estimator="calibrated")
+    smol = find(case="smollm2 real text", estimator="calibrated")
+    short = find(case="server short path (4k)", batch=8) or find(case="server short path (4k)")
+    return {"gpu": meta["gpu"],
+            "speedup_128k_b8_eps095": num(main["speedup"]) if main else None,
+            "fraction_of_bytes_limit": num(main["psa_tbps"] * 1e12 / meta["peak_bps"])
+            if main and meta.get("peak_bps") else None,
+            "bytes_ratio_topk_over_psa": num(smol.get("topk_over_psa_bytes")) if smol else None,
+            "dense_over_psa_time_4k": num(short.get("dense_over_server_short")) if short else None}
 
 
 def write_report(out: Path, meta: dict, results: list):
     out.mkdir(parents=True, exist_ok=True)
-    (out / "psa_decode.json").write_text(json.dumps(dict(meta=meta, results=results), indent=1))
+    top = summary(meta, results)
+    (out / "psa_decode.json").write_text(json.dumps(dict(**top, meta=meta, results=results), indent=1))
     lines = ["# PSA progressive decode vs FlashInfer dense decode", "",
-             f"- command: `{meta['command']}`", f"- GPU: {meta['gpu']}; peak copy bandwidth "
-             f"{meta.get('peak_tbps', float('nan')):.2f} TB/s (1 GiB device copy, read+write)",
-             f"- versions: {meta['versions']}", f"- planted structure: {meta['plant']}",
-             f"- PSA: eps={EPS}, micro-batch 8 blocks, sink 1, local 2 blocks, cuboid criticality, group max; "
-             "metadata bf16; times are medians of 20 CUDA-event timed runs of one layer",
-             "- bytes: PSA = K+V of blocks read + kmin/kmax of all blocks; dense = all K+V", "",
-             "| case | batch | ctx | page | heads | t PSA us | t dense us | dense/PSA | read frac | kept mean |"
-             " kept>=eps | PSA TB/s | dense TB/s | Quest k | Quest/PSA bytes | t Quest us | err vs dense |",
-             "|" + "---|" * 17]
+             f"- command: `{meta['command']}`", f"- device: {meta['gpu']}; peak copy bandwidth "
+             f"{meta.get('peak_bps', float('nan')) / 1e12:.2f} TB/s (1 GiB device copy, read+write)",
+             f"- versions: {meta['versions']}", f"- planted structure: {meta['plant']} (see PLANT in the script)",
+             f"- PSA: eps={EPS}, micro-batch 8 blocks (chunks grow past 128 ranks, <= 1/16 overshoot), sink 1, "
+             "local 2 blocks, cuboid criticality, group max, metadata bf16; t PSA = median of 20 CUDA-graph "
+             "replays of one layer (eager in its own column)",
+             "- bytes: PSA = K+V of the blocks the kernels read (incl. last-wave over-read) + kmin/kmax of all "
+             "blocks; dense = all K+V; top-k at equal mean kept mass (same ranking, same wave kernels)", "",
+             "## Summary", "", "```", json.dumps(top, indent=1), "```", "",
+             "| case | est | batch | ctx | page | heads | waves | t PSA us | t eager us | t dense us | dense/PSA |"
+             " result frac | kernel frac | kept mean | kept min | kept>=eps | PSA TB/s | dense TB/s | top-k k |"
+             " top-k/PSA bytes | t top-k us | err vs dense |",
+             "|" + "---|" * 22]
     for r in results:
         if "error" in r:
-            lines.append(f"| {r['case']} | FAILED: {r['error'][:120]} |" + " |" * 15)
+            lines.append(f"| {r['case']} | FAILED: {r['error'][:160]} |" + " |" * 20)
             continue
         lines.append(
-            f"| {r['case']} | {r['batch']} | {r['ctx']} | {r['page']} | {r['heads']} | {r['t_psa_us']:.1f} | "
-            f"{r['t_dense_us']:.1f} | {r['speedup']:.2f} | {r['read_frac']:.3f} | {r['kept_mean']:.4f} | "
-            f"{r['kept_ge_eps']:.3f} | {r['psa_tbps']:.2f} | {r['dense_tbps']:.2f} | {r.get('quest_k', '-')} | "
-            f"{r.get('quest_over_psa_bytes', float('nan')):.2f} | {r.get('t_quest_us', float('nan')):.1f} | "
-            f"{r['max_abs_err_vs_dense']:.3g} |")
+            f"| {r['case']} | {r['estimator']} | {r['batch']} | {r['ctx']} | {r['page']} | {r['heads']} | "
+            f"{r['waves']} | {r['t_psa_us']:.1f} | {r['t_psa_eager_us']:.1f} | {r['t_dense_us']:.1f} | "
+            f"{r['speedup']:.2f} | {r['read_frac']:.4f} | {r['kernel_read_frac']:.4f} | {r['kept_mean']:.4f} | "
+            f"{r['kept_min']:.4f} | {r['kept_ge_eps']:.3f} | {r['psa_tbps']:.2f} | {r['dense_tbps']:.2f} | "
+            f"{r.get('topk_k', '-')} | {r.get('topk_over_psa_bytes', float('nan')):.2f} | "
+            f"{r.get('t_topk_us', float('nan')):.1f} | {r['max_abs_err_vs_dense']:.3g} |")
+    short = [r for r in results if "t_server_short_us" in r]
+    if short:
+        lines += ["", "Server short-context path (dense FlashInfer + block-metadata update, graph-replayed):", ""]
+        for r in short:
+            lines.append(f"- batch {r['batch']}, ctx {r['ctx']}: dense {r['t_dense_us']:.1f} us + meta update "
+                         f"{r['t_meta_update_us']:.1f} us -> dense / server path = {r['dense_over_server_short']:.3f}")
     (out / "psa_decode.md").write_text("\n".join(lines) + "\n")
     try:
         import matplotlib
@@ -246,7 +371,7 @@ def write_report(out: Path, meta: dict, results: list):
         for b in sorted({r["batch"] for r in results if r.get("case") == "planted" and "error" not in r}):
             pts = sorted((r["ctx"], r["speedup"]) for r in results
                          if r.get("case") == "planted" and r["batch"] == b and r["page"] == 16 and "error" not in r
-                         and math.isfinite(r["speedup"]))
+                         and r["estimator"] == "calibrated" and math.isfinite(r["speedup"]))
             if pts:
                 ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=f"batch {b}")
         ax.axhline(1.0, color="gray", lw=0.8)
@@ -257,6 +382,7 @@ def write_report(out: Path, meta: dict, results: list):
         ax.legend()
         fig.tight_layout()
         fig.savefig(out / "psa_decode.png", dpi=120)
+        plt.close(fig)
     except Exception as e:  # plotting is optional
         print("plot failed:", e)
 
@@ -264,7 +390,8 @@ def write_report(out: Path, meta: dict, results: list):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True, type=Path)
-    ap.add_argument("--quick", action="store_true", help="a subset of cases that fits ~3 minutes")
+    ap.add_argument("--quick", action="store_true", help="a subset of cases (~1.5 minutes)")
+    ap.add_argument("--smoke", action="store_true", help="two tiny cases on the CPU (Triton interpreter)")
     ap.add_argument("--no-smollm", action="store_true")
     args = ap.parse_args()
     t0 = time.time()
@@ -275,47 +402,60 @@ def main():
     except ImportError:
         flashinfer = None
         print("flashinfer is not installed: dense baseline columns will be NaN")
-
-    meta = dict(command=" ".join([sys.executable.split("/")[-1]] + sys.argv), gpu=torch.cuda.get_device_name(),
+    dev = "cuda" if torch.cuda.is_available() and not args.smoke else "cpu"
+    meta = dict(command=" ".join([sys.executable.split("/")[-1]] + sys.argv),
+                gpu=torch.cuda.get_device_name() if dev == "cuda" else f"CPU ({platform.processor() or 'cpu'}, "
+                "Triton interpreter: timings meaningless)",
                 versions=f"torch {torch.__version__}, triton {triton.__version__}, flashinfer "
                          f"{getattr(flashinfer, '__version__', '?')}, python {platform.python_version()}",
                 plant=PLANT, shapes="Llama-3.1-8B attention: 32 qo / 8 kv heads, head_dim 128, bf16")
     results = []
-    try:
-        meta["peak_tbps"] = measure_peak_bw() / 1e12
-    except Exception as e:
-        meta["peak_tbps"] = float("nan")
-        print("peak measurement failed:", e)
-    if args.quick:
-        grid = [(1, 32768, 16), (8, 32768, 16), (32, 8192, 16), (8, 131072, 16), (8, 32768, 32), (8, 32768, 64)]
-        fallback = [8]
+    meta["peak_bps"] = float("nan")
+    if dev == "cuda":
+        try:
+            meta["peak_bps"] = measure_peak_bw()
+        except Exception as e:
+            print("peak measurement failed:", e)
+    if args.smoke:
+        cases = [("planted", dict(batch=2, ctx=300, page=16, hq=8, hk=2, d=64)),
+                 ("server short path (4k)", dict(batch=1, ctx=100, page=16, hq=4, hk=1, d=64, eps=1.0,
+                                                 with_topk=False))]
     else:
-        grid = [(b, c, p) for p in (16, 32, 64) for b in (1, 8, 32) for c in (8192, 32768, 131072)]
-        fallback = [1, 8, 32]
-    cases = [("planted", dict(batch=b, ctx=c, page=p)) for b, c, p in grid]
-    cases += [("fallback eps=1 (4k)", dict(batch=b, ctx=4096, page=16, eps=1.0, with_quest=False)) for b in fallback]
-    cases += [("fallback random keys (4k)", dict(batch=b, ctx=4096, page=16, planted=False)) for b in fallback]
+        if args.quick:
+            grid = [(8, 131072, 16), (1, 32768, 16), (8, 32768, 16), (32, 8192, 16), (8, 32768, 64)]
+            short = [8]
+        else:
+            grid = [(b, c, p) for p in (16, 32, 64) for b in (1, 8, 32) for c in (8192, 32768, 131072)]
+            grid.sort(key=lambda x: (x != (8, 131072, 16),))  # the headline case first
+            short = [1, 8, 32]
+        cases = [("planted", dict(batch=b, ctx=c, page=p)) for b, c, p in grid]
+        cases.insert(1, ("planted", dict(batch=8, ctx=131072, page=16, estimator="paper")))
+        cases += [("server short path (4k)", dict(batch=b, ctx=4096, page=16, eps=1.0, with_topk=False))
+                  for b in short]
+        cases += [("random keys (4k)", dict(batch=8, ctx=4096, page=16, planted=False))]
     for name, kw in cases:
         try:
-            r = run_case(name, **kw)
+            r = run_case(name, dev=dev, **kw)
             print(json.dumps(r), flush=True)
             results.append(r)
         except Exception as e:
             traceback.print_exc()
             results.append(dict(case=name, **kw, error=f"{type(e).__name__}: {e}"))
         write_report(args.out, meta, results)
-    if not args.no_smollm:
-        for page in (16,):
+    if not args.no_smollm and not args.smoke:
+        cap = None
+        for est in ("calibrated", "paper"):
             try:
-                cap = capture_smollm(8192, (3, 9, 15, 21, 27), (4095, 6000, 8191))
-                r = run_case("smollm2 real text", 0, 0, page, capture=cap)
+                cap = cap or capture_smollm(8192, (3, 9, 15, 21, 27), (4095, 6000, 8191), dev=dev)
+                r = run_case("smollm2 real text", 0, 0, 16, capture=cap, estimator=est, dev=dev)
                 print(json.dumps(r), flush=True)
                 results.append(r)
             except Exception as e:
                 traceback.print_exc()
-                results.append(dict(case="smollm2 real text", page=page, error=f"{type(e).__name__}: {e}"))
+                results.append(dict(case="smollm2 real text", estimator=est, page=16, error=f"{type(e).__name__}: {e}"))
     meta["wall_s"] = time.time() - t0
     write_report(args.out, meta, results)
+    print(json.dumps(summary(meta, results)))
     print(f"wrote {args.out}/psa_decode.md in {meta['wall_s']:.0f}s")
 
 

@@ -1,7 +1,9 @@
 """Kernel-side PSA decode knobs: one frozen dataclass, validated field by field.
 
 Supports: the knobs :class:`flashinfer_ext.psa_decode.PsaDecodeWrapper` needs
-(epsilon, micro-batch size, sink/local blocks, read cap, criticality options).
+(epsilon, micro-batch size, sink/local blocks, read cap, criticality options, the
+kept-mass estimator of the stop test and the chunk schedule that fixes where the stop
+test is applied: :meth:`PsaDecodeConfig.ranked_chunk_ends`).
 Cautions: this is the *kernel* config. ``sglang_sparse`` maps its user-facing
 ``PsaConfig`` onto it; nothing here imports sglang. Validation raises
 ``ValueError`` naming the field, the bad value and the allowed range.
@@ -11,7 +13,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["PsaDecodeConfig"]
+__all__ = ["PsaDecodeConfig", "ESTIMATORS"]
+
+ESTIMATORS = ("paper", "bound", "calibrated")
 
 
 def _is_pow2(n: int) -> bool:
@@ -40,6 +44,21 @@ class PsaDecodeConfig:
     """block score: 'cuboid' = sum_d max(q_d*min_d, q_d*max_d) (an upper bound), 'mean' = q . mean."""
     group_reduce: str = "max"
     """how the query heads of one KV head's group combine into one score: 'max' or 'sum'."""
+    estimator: str = "calibrated"
+    """remaining-mass estimate R of the stop test P = AS_acc / (AS_acc + R) >= epsilon:
+    'paper' = AS_min * N_left (PSA Alg. 1; not conservative on real attention),
+    'bound' = sum over unread blocks of block_size * 2^(scale * cuboid score) (a true upper
+    bound: kept mass >= epsilon guaranteed, but the cuboid bound is loose, so it reads nearly
+    everything), 'calibrated' = that bound times 2^min(0, delta + calib_slack), delta = the
+    largest log2(true block mass / block bound) seen among the ranked blocks read so far
+    (per query head). 'bound' and 'calibrated' need criticality 'cuboid' and group_reduce 'max'."""
+    calib_slack: float = 2.0
+    """log2 safety factor added to the observed bound tightness of the 'calibrated' estimator."""
+    chunk_growth: int = 16
+    """stop-test granularity: ranked chunks are micro_batch_blocks long until 16 * m ranks, then
+    the largest power of two <= ranks_read / chunk_growth (<= max_chunk_blocks); 0 = always m."""
+    max_chunk_blocks: int = 256
+    """largest chunk (power of two >= micro_batch_blocks)."""
 
     def __post_init__(self) -> None:
         def bad(name: str, rng: str) -> ValueError:
@@ -60,3 +79,38 @@ class PsaDecodeConfig:
             raise bad("criticality", "one of 'cuboid', 'mean'")
         if self.group_reduce not in ("max", "sum"):
             raise bad("group_reduce", "one of 'max', 'sum'")
+        if self.estimator not in ESTIMATORS:
+            raise bad("estimator", "one of " + ", ".join(repr(e) for e in ESTIMATORS))
+        if self.estimator != "paper" and (self.criticality != "cuboid" or self.group_reduce != "max"):
+            raise ValueError(f"PsaDecodeConfig.estimator={self.estimator!r} needs criticality='cuboid' and "
+                             f"group_reduce='max' (the score must bound every key of the group); got "
+                             f"criticality={self.criticality!r}, group_reduce={self.group_reduce!r}")
+        if isinstance(self.calib_slack, bool) or not isinstance(self.calib_slack, (int, float)) \
+                or not (0.0 <= float(self.calib_slack) <= 64.0):
+            raise bad("calib_slack", "a number in [0, 64]")
+        object.__setattr__(self, "calib_slack", float(self.calib_slack))
+        v = self.chunk_growth
+        if isinstance(v, bool) or not isinstance(v, int) or not (v == 0 or 2 <= v <= 1024):
+            raise bad("chunk_growth", "0 or an integer in [2, 1024]")
+        v = self.max_chunk_blocks
+        if isinstance(v, bool) or not isinstance(v, int) or not _is_pow2(v) \
+                or not (self.micro_batch_blocks <= v <= 1 << 16):
+            raise bad("max_chunk_blocks", f"a power of two in [micro_batch_blocks={self.micro_batch_blocks}, 65536]")
+
+    def ranked_chunk_ends(self, n_ranked: int) -> list[int]:
+        """Cumulative ends (in ranks after the forced blocks) of the ranked chunks covering ``n_ranked``.
+
+        The stop test runs after each chunk. Chunk sizes: ``micro_batch_blocks`` while fewer than
+        ``chunk_growth * micro_batch_blocks`` ranks were read, then the largest power of two
+        ``<= ranks_read / chunk_growth`` capped at ``max_chunk_blocks`` (so the test overshoots the
+        needed reads by at most ~1/chunk_growth). Independent of batch and wave layout.
+        """
+        m, div, cap = self.micro_batch_blocks, self.chunk_growth, self.max_chunk_blocks
+        ends, pos = [], 0
+        while pos < n_ranked:
+            c = m
+            if div and pos >= div * m:
+                c = min(cap, max(m, 1 << ((pos // div).bit_length() - 1)))
+            pos += c
+            ends.append(pos)
+        return ends

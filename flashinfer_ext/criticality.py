@@ -5,19 +5,28 @@ Supports: the cuboid upper bound ``sum_d max(q_d*min_d, q_d*max_d)`` (computed a
 head's group, combined by ``max`` or ``sum`` over the group (never an average of the
 query heads); sink and local blocks forced to ``+inf`` so a descending sort puts them
 first, blocks past a request's end ``-inf``. One Triton launch; ranking is a device
-``torch.sort`` into preallocated outputs (no host sync).
+``torch.sort`` into preallocated outputs (no host sync). :func:`bound_suffix` turns the
+sorted scores into the base-2 log of the remaining-mass upper bound
+``sum_{j >= e} block_size * 2^(scale_log2 * s_j)`` at every rank ``e`` (one program per
+(request, KV head), a reverse log-space cumulative sum in tiles).
 
 Cautions: scores are in raw ``q.k`` units (no softmax scale; ranking is invariant to
 it). ``head_dim`` and the group size are padded to powers of two inside the kernel.
+The bound suffix is a true upper bound on the unread softmax numerator only for the
+cuboid score with group ``max`` (partial blocks are counted as full: conservative).
+The full sort of every score is kept for simplicity; at 128k context it costs a few
+tens of microseconds per layer (a partial selection would save part of it).
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 import triton
 import triton.language as tl
 
-__all__ = ["block_criticality", "rank_blocks"]
+__all__ = ["block_criticality", "rank_blocks", "bound_suffix"]
 
 
 @triton.jit
@@ -117,3 +126,51 @@ def rank_blocks(scores: torch.Tensor, sorted_out: torch.Tensor, order_out: torch
     """
     torch.sort(scores, dim=-1, descending=True, out=(sorted_out, order_out))
     return order_out
+
+
+@triton.jit
+def _bound_suffix_kernel(sorted_ptr, stride_sb, stride_sh, out_ptr, stride_ob, stride_oh, num_cols,
+                         scale_log2, log2_block, NUM_KV_HEADS: tl.constexpr, TILE: tl.constexpr):
+    pid = tl.program_id(0)
+    r = (pid // NUM_KV_HEADS).to(tl.int64)
+    h = pid % NUM_KV_HEADS
+    s_row = sorted_ptr + r * stride_sb + h * stride_sh
+    o_row = out_ptr + r * stride_ob + h * stride_oh
+    tl.store(o_row + num_cols, float("-inf"))
+    run = tl.full([1], float("-inf"), tl.float32)  # log2 suffix sum past the current tile
+    n_tiles = tl.cdiv(num_cols, TILE)
+    for it in range(0, n_tiles):
+        start = (n_tiles - 1 - it) * TILE
+        j = start + tl.arange(0, TILE)
+        s = tl.load(s_row + j, mask=j < num_cols, other=float("-inf"))
+        x = tl.where(s == float("inf"), float("-inf"), s * scale_log2 + log2_block)  # forced blocks excluded
+        mx = tl.maximum(tl.max(x, axis=0), tl.max(run, axis=0))
+        mxs = tl.where(mx == float("-inf"), 0.0, mx)
+        cs = tl.cumsum(tl.exp2(x - mxs), axis=0, reverse=True) + tl.sum(tl.exp2(run - mxs), axis=0)
+        suf = tl.log2(cs) + mxs
+        tl.store(o_row + j, suf, mask=j < num_cols)
+        run = tl.full([1], 0.0, tl.float32) + tl.max(tl.where(j == start, suf, float("-inf")), axis=0)
+
+
+def bound_suffix(sorted_scores: torch.Tensor, suffix_out: torch.Tensor, *, sm_scale: float, block_size: int,
+                 tile: int = 1024) -> torch.Tensor:
+    """Base-2 log of the remaining-mass upper bound at every rank.
+
+    Args:
+      sorted_scores: ``[batch, num_kv_heads, num_cols]`` fp32 descending (cuboid, group max; ``+inf``
+        forced blocks first, ``-inf`` past the end), last dim contiguous.
+      suffix_out: ``[batch, num_kv_heads, >= num_cols + 1]`` fp32; entry ``e`` =
+        ``log2 sum_{j >= e, s_j finite} block_size * exp(sm_scale * s_j)`` (``-inf`` when empty).
+
+    One launch over ``batch * num_kv_heads`` programs; no allocation.
+    """
+    batch, num_kv_heads, num_cols = sorted_scores.shape
+    if batch == 0:
+        return suffix_out
+    assert sorted_scores.stride(2) == 1 and suffix_out.stride(2) == 1 and suffix_out.shape[2] >= num_cols + 1
+    _bound_suffix_kernel[(batch * num_kv_heads,)](
+        sorted_scores, sorted_scores.stride(0), sorted_scores.stride(1),
+        suffix_out, suffix_out.stride(0), suffix_out.stride(1), num_cols,
+        float(sm_scale) / math.log(2.0), math.log2(block_size),
+        NUM_KV_HEADS=num_kv_heads, TILE=min(tile, triton.next_power_of_2(max(num_cols, 16))))
+    return suffix_out

@@ -18,7 +18,8 @@ import torch
 
 __all__ = ["gather_kv", "block_meta_reference", "criticality_reference", "forced_and_limit",
            "dense_decode_reference", "progressive_decode_reference", "merge_states_reference",
-           "kept_mass_reference", "psa_decode_reference"]
+           "kept_mass_reference", "psa_decode_reference",
+           "bound_suffix_reference"]
 
 LOG2E = 1.0 / math.log(2.0)
 
@@ -106,18 +107,46 @@ def dense_decode_reference(q, k_buffer, v_buffer, req_to_token, req_pool_indices
     return o, lse
 
 
+def bound_suffix_reference(sorted_row, *, sm_scale, block_size):
+    """``[n + 1]`` fp32: entry ``e`` = ``log2 sum_{j >= e} block_size * exp(sm_scale * s_j)`` over finite scores."""
+    s = sorted_row.float().cpu()
+    x = torch.where(torch.isfinite(s), s * (sm_scale * LOG2E) + math.log2(block_size),
+                    torch.full_like(s, float("-inf")))
+    out = torch.full((s.numel() + 1,), float("-inf"))
+    run = float("-inf")
+    for e in range(s.numel() - 1, -1, -1):
+        run = float(torch.logaddexp2(torch.tensor(run), x[e]))
+        out[e] = run
+    return out
+
+
+def _eps_of(epsilon, r):
+    if isinstance(epsilon, (int, float)):
+        return float(epsilon)
+    return float(epsilon[r])
+
+
 def progressive_decode_reference(q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens,
                                  block_lists, list_lens, n_forced, *, block_size, sm_scale,
-                                 epsilon, micro_batch_blocks):
-    """PSA Alg. 1 over given rank orders, mirroring ``sparse_decode``'s semantics exactly.
+                                 epsilon, micro_batch_blocks, chunk_ends=None, estimator="paper",
+                                 sorted_scores=None, calib_slack=2.0, return_kept_est=False):
+    """PSA Alg. 1 over given rank orders, chunk-granular: the semantics of the Triton decode paths.
 
     ``block_lists``: ``[batch, num_kv_heads, L]`` logical block ids in attend order (forced first);
     ``list_lens``: ``[batch, num_kv_heads]`` how many list entries may be read; ``n_forced``: ``[batch]``.
-    Micro-batches: ``[0, n_forced)`` in chunks of ``m``, then ``[n_forced, list_len)`` in chunks of ``m``;
-    after each ranked chunk, per query head of the group, AS_min = smallest mass of a full ranked block
-    read so far, N_left = n_blocks - read, and the pair stops once every head has
-    ``AS_acc / (AS_acc + AS_min * N_left) >= epsilon`` (never when ``epsilon >= 1``).
-    Returns ``(o fp32 [batch, num_qo_heads, head_dim], lse base 2 [batch, num_qo_heads], nread [batch, num_kv_heads])``.
+    ``epsilon``: a float or a per-request sequence (``>= 1``: no stop test for that row).
+    Chunks: ``[0, n_forced)`` (no test), then ranked chunks ending at ``n_forced + chunk_ends[i]``
+    (default: every ``micro_batch_blocks``; the PSA wrapper passes ``config.ranked_chunk_ends``).
+    After each ranked chunk, per query head of the group: AS_acc = mass read, and the remaining-mass
+    estimate R (``estimator``): 'paper' AS_min * N_left (AS_min = smallest mass of a full ranked block
+    read, N_left = n_blocks - read); 'bound' U(read) (:func:`bound_suffix_reference` of
+    ``sorted_scores`` ``[batch, num_kv_heads, >= L]``, the cuboid scores in rank order); 'calibrated'
+    U(read) * 2^min(0, delta + calib_slack) with delta = max over ranked blocks read of
+    log2(block mass) - log2(block_size * exp(sm_scale * score)) (0 while none). The pair stops once
+    every head has ``AS_acc / (AS_acc + R) >= epsilon``, or at the end of its list / context.
+    Returns ``(o fp32 [batch, num_qo_heads, head_dim], lse base 2 [batch, num_qo_heads], nread
+    [batch, num_kv_heads])`` and, with ``return_kept_est``, ``kept_est [batch, num_kv_heads]`` (the
+    smallest estimate over the group at the stop chunk; 1.0 when nothing is left unread).
     """
     batch, num_qo_heads, head_dim = q.shape
     num_kv_heads = k_buffer.shape[1]
@@ -126,35 +155,60 @@ def progressive_decode_reference(q, k_buffer, v_buffer, req_to_token, req_pool_i
     o = torch.zeros(batch, num_qo_heads, head_dim)
     lse = torch.zeros(batch, num_qo_heads)
     nread = torch.zeros(batch, num_kv_heads, dtype=torch.int32)
+    kept_est = torch.ones(batch, num_kv_heads)
+    sl2 = sm_scale * LOG2E
     for r in range(batch):
         seq_len = int(seq_lens[r])
         n_blocks = -(-seq_len // block_size)
         k = gather_kv(k_buffer, req_to_token, int(req_pool_indices[r]), seq_len).cpu()
         v = gather_kv(v_buffer, req_to_token, int(req_pool_indices[r]), seq_len).cpu()
-        nf = int(n_forced[r])
+        eps = _eps_of(epsilon, r)
         for h in range(num_kv_heads):
             s2 = _scores_base2(q[r, h * group:(h + 1) * group].float().cpu(), k[:, h], sm_scale)  # [G, L]
             lst = [int(x) for x in block_lists[r, h, : int(list_lens[r, h])]]
+            nf = min(int(n_forced[r]), len(lst))
+            ends = chunk_ends if chunk_ends is not None else list(range(m, max(len(lst) - nf, 0) + m, m))
+            bounds = [nf + e for e in ends]
             # absolute base-2 log mass of every block, per query head
             blk_lm = torch.stack([torch.logsumexp(s2[:, b * block_size:(b + 1) * block_size] / LOG2E, -1) * LOG2E
                                   for b in range(n_blocks)], dim=1)  # [G, n_blocks]
             full = [min(seq_len, (b + 1) * block_size) - b * block_size == block_size for b in range(n_blocks)]
-            cur = min(nf, len(lst))
+            srt = sorted_scores[r, h].float().cpu() if sorted_scores is not None else None
+            sfx = (bound_suffix_reference(srt, sm_scale=sm_scale, block_size=block_size)
+                   if estimator != "paper" else None)
+            cur = nf
             lmin = torch.full((group,), float("inf"))
-            while cur < len(lst):
-                chunk = lst[cur: cur + m]
-                for b in chunk:
+            dmax = torch.full((group,), float("-inf"))
+            est = 1.0
+            for end in bounds:
+                if cur >= len(lst):
+                    break
+                end = min(end, len(lst))
+                for rank in range(cur, end):
+                    b = lst[rank]
                     if full[b]:
                         lmin = torch.minimum(lmin, blk_lm[:, b])
-                cur += len(chunk)
-                if epsilon < 1.0:
-                    lse_acc = torch.logsumexp(blk_lm[:, lst[:cur]] / LOG2E, -1) * LOG2E
-                    n_left = n_blocks - cur
-                    if n_left <= 0:
-                        break
-                    ok = lse_acc + math.log2(1.0 - epsilon) >= math.log2(epsilon) + lmin + math.log2(n_left)
-                    if bool(ok.all()):
-                        break
+                    if estimator != "paper":
+                        dmax = torch.maximum(dmax, blk_lm[:, b] - (float(srt[rank]) * sl2 + math.log2(block_size)))
+                cur = end
+                lse_acc = torch.logsumexp(blk_lm[:, lst[:cur]] / LOG2E, -1) * LOG2E
+                n_left = n_blocks - cur
+                if n_left <= 0:
+                    rem = torch.full((group,), float("-inf"))
+                elif estimator == "paper":
+                    rem = lmin + math.log2(n_left)
+                else:
+                    rem = torch.full((group,), float(sfx[cur]))
+                    if estimator == "calibrated":
+                        rem = rem + torch.where(dmax == float("-inf"), torch.zeros_like(dmax),
+                                                torch.clamp(dmax + calib_slack, max=0.0))
+                p = torch.exp2(lse_acc - torch.logaddexp2(lse_acc, rem))
+                est = float(torch.nan_to_num(p, nan=0.0).min())
+                if n_left <= 0 or cur >= len(lst):
+                    break
+                if eps < 1.0 and bool((lse_acc + math.log2(1.0 - eps) >= math.log2(eps) + rem).all()):
+                    break
+            kept_est[r, h] = est
             read = lst[:cur]
             nread[r, h] = cur
             tok = torch.cat([torch.arange(b * block_size, min(seq_len, (b + 1) * block_size)) for b in read])
@@ -162,6 +216,8 @@ def progressive_decode_reference(q, k_buffer, v_buffer, req_to_token, req_pool_i
             l2 = torch.logsumexp(s_read / LOG2E, -1) * LOG2E
             o[r, h * group:(h + 1) * group] = torch.exp2(s_read - l2[:, None]) @ v[tok, h]
             lse[r, h * group:(h + 1) * group] = l2
+    if return_kept_est:
+        return o, lse, nread, kept_est
     return o, lse, nread
 
 
@@ -199,11 +255,13 @@ def kept_mass_reference(q, k_buffer, req_to_token, req_pool_indices, seq_lens, b
 
 
 def psa_decode_reference(q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, config, *,
-                         block_size, sm_scale):
-    """Whole PSA decode from scratch (metadata, scores, stable rank, progressive attention).
+                         block_size, sm_scale, epsilon=None, return_kept_est=False):
+    """Whole PSA decode from scratch (metadata, scores, stable rank, chunk-granular progressive attention).
 
-    ``config``: a :class:`flashinfer_ext.config.PsaDecodeConfig`. Returns ``(o, lse, nread, order)``
-    with ``order`` ``[batch, num_kv_heads, max_n_blocks]`` int64.
+    ``config``: a :class:`flashinfer_ext.config.PsaDecodeConfig` (estimator, chunk schedule, caps);
+    ``epsilon``: ``None`` (``config.epsilon``) or a per-request sequence (``>= 1``: every block, no cap).
+    Returns ``(o, lse, nread, order)`` with ``order`` ``[batch, num_kv_heads, max_n_blocks]`` int64, plus
+    ``kept_est`` with ``return_kept_est``.
     """
     batch = q.shape[0]
     metas = block_meta_reference(k_buffer, req_to_token, req_pool_indices, seq_lens, block_size)
@@ -221,16 +279,22 @@ def psa_decode_reference(q, k_buffer, v_buffer, req_to_token, req_pool_indices, 
                                    num_blocks=num_blocks, sink_blocks=config.sink_blocks,
                                    local_blocks=config.local_blocks, criticality=config.criticality,
                                    group_reduce=config.group_reduce)
-    order = torch.sort(scores, dim=-1, descending=True, stable=True).indices
+    srt = torch.sort(scores, dim=-1, descending=True, stable=True)
+    order = srt.indices
+    eps = [config.epsilon] * batch if epsilon is None else [float(e) for e in epsilon]
     list_lens = torch.zeros(batch, num_kv_heads, dtype=torch.int32)
     n_forced = torch.zeros(batch, dtype=torch.int32)
     for r in range(batch):
-        _, nf, limit = forced_and_limit(int(seq_lens[r]), block_size, config.sink_blocks,
-                                        config.local_blocks, config.max_blocks)
+        n_blocks, nf, limit = forced_and_limit(int(seq_lens[r]), block_size, config.sink_blocks,
+                                               config.local_blocks, config.max_blocks)
         n_forced[r] = nf
-        list_lens[r] = limit
-    o, lse, nread = progressive_decode_reference(
+        list_lens[r] = n_blocks if eps[r] >= 1.0 else limit
+    out = progressive_decode_reference(
         q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, order, list_lens, n_forced,
-        block_size=block_size, sm_scale=sm_scale, epsilon=config.epsilon,
-        micro_batch_blocks=config.micro_batch_blocks)
+        block_size=block_size, sm_scale=sm_scale, epsilon=eps, micro_batch_blocks=config.micro_batch_blocks,
+        chunk_ends=config.ranked_chunk_ends(num_blocks), estimator=config.estimator, sorted_scores=srt.values,
+        calib_slack=config.calib_slack, return_kept_est=True)
+    o, lse, nread, kept_est = out
+    if return_kept_est:
+        return o, lse, nread, order, kept_est
     return o, lse, nread, order

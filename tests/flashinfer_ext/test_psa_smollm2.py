@@ -1,13 +1,18 @@
 """Contract on real attention: PSA decode over SmolLM2-135M's captured post-RoPE q/k/v (9/3 heads, d=64).
 
 Each (layer, query position t) is one decode request over the real context ``[0, t]``; the
-kernel must match the fp32 reference exactly in its stop decisions. The issue's criterion
-"true kept mass >= epsilon for >= 99 % of (request, head) pairs" does NOT hold on this real
-attention with PSA Alg. 1's estimator (AS_min * N_left underestimates the tail when block
-masses are flat and the cuboid ranking is imperfect): it is a strict xfail, so the day it
-holds the suite says so. Measured with the torch reference (4 layers x 4 positions, 16-token
-blocks, eps 0.95, m 4): 60 % of pairs reach eps, mean kept 0.93, 46 % of blocks read; with an
-oracle ranking 91 %.
+kernel must match the fp32 reference exactly in its stop decisions, for every estimator.
+The issue's criterion "true kept mass >= epsilon for >= 99 % of (request, head) pairs":
+
+  * ``paper`` (PSA Alg. 1, AS_min * N_left) does NOT meet it (strict xfail): AS_min * N_left
+    underestimates the tail when block masses are flat and the cuboid ranking is imperfect.
+    Measured (3 layers x 3 positions, 16-token blocks, eps 0.95, m 4): 70 % of pairs reach eps,
+    39 % of blocks read.
+  * ``bound`` (sum of block_size * 2^(scale * cuboid score) over unread blocks) meets it by
+    construction but the cuboid bound at d=64 is loose: it reads every block here.
+  * ``calibrated`` (the default: bound x 2^min(0, delta + 2), delta = tightest observed
+    log2(block mass / bound)) meets it: 100 % of pairs, 83 % of blocks read. For scale: stopping
+    with perfect knowledge of the true mass on the same cuboid ranking needs 55 %.
 """
 
 from __future__ import annotations
@@ -58,8 +63,8 @@ def smollm_pool():
 EPSILON = 0.95
 
 
-@pytest.fixture(scope="module")
-def psa_run(smollm_pool):
+@pytest.fixture(scope="module", params=["paper", "bound", "calibrated"])
+def psa_run(request, smollm_pool):
     q, k, v, req_to_token, rpi, seq_lens = smollm_pool
     batch, hk, d = q.shape[0], k.shape[1], k.shape[2]
     nb = -(-NUM_TOKENS // BLOCK)
@@ -67,45 +72,53 @@ def psa_run(smollm_pool):
     table = identity_block_table(torch.arange(batch, dtype=torch.int32), nb)
     mp = BlockMetaPool(1, batch * nb, hk, d, BLOCK, dtype=torch.bfloat16)
     mp.update(0, k, req_to_token, rpi, table, torch.zeros(batch, dtype=torch.int32), seq_lens, nb)
-    cfg = PsaDecodeConfig(epsilon=EPSILON, micro_batch_blocks=4, sink_blocks=1, local_blocks=2)
+    cfg = PsaDecodeConfig(epsilon=EPSILON, micro_batch_blocks=4, sink_blocks=1, local_blocks=2,
+                          estimator=request.param)
     w = PsaDecodeWrapper(cfg, num_qo_heads=q.shape[1], num_kv_heads=hk, head_dim=d, block_size=BLOCK,
-                         max_batch_size=batch, max_blocks_per_req=nb, device="cpu")
+                         max_batch_size=batch, max_blocks_per_req=nb, device="cpu", wave_programs=9 * 3 * 4)
     w.plan(req_to_token, rpi, seq_lens, table)
     o, lse, nread = w.run(q, k, v, *mp.layer(0))
     kept = kept_mass_reference(q, k, req_to_token, rpi, seq_lens, w.order, nread, block_size=BLOCK,
                                sm_scale=d ** -0.5)
     n_blocks = ((seq_lens + BLOCK - 1) // BLOCK).to(torch.int32)
-    print(f"\n[smollm2] eps={EPSILON}: kept>=eps for {(kept >= EPSILON).float().mean():.3f} of {kept.numel()} "
-          f"pairs, min kept {kept.min():.4f}, mean kept {kept.mean():.4f}, mean fraction of blocks read "
-          f"{(nread.float() / n_blocks[:, None]).mean():.3f}")
-    return dict(cfg=cfg, o=o.clone(), lse=lse.clone(), nread=nread.clone(), order=w.order.clone(), kept=kept,
-                n_blocks=n_blocks)
+    print(f"\n[smollm2] estimator={request.param} eps={EPSILON}: kept>=eps for {(kept >= EPSILON).float().mean():.3f} "
+          f"of {kept.numel()} pairs, min kept {kept.min():.4f}, mean kept {kept.mean():.4f}, mean fraction of "
+          f"blocks read {(nread.float() / n_blocks[:, None]).mean():.3f}")
+    return dict(cfg=cfg, o=o.clone(), lse=lse.clone(), nread=nread.clone(), order=w.order.clone(),
+                sorted=w.sorted_scores.clone(), kept_est=w.kept_est.clone(), kept=kept, n_blocks=n_blocks)
 
 
 def test_kernel_matches_reference_on_captured_smollm2_attention(smollm_pool, psa_run):
     q, k, v, req_to_token, rpi, seq_lens = smollm_pool
     hk, d = k.shape[1], k.shape[2]
+    cfg = psa_run["cfg"]
     nb = psa_run["n_blocks"]
     nf = torch.clamp(nb, max=3)
-    lens = torch.minimum(nb, nf + psa_run["cfg"].max_blocks)[:, None].expand(-1, hk).contiguous()
-    ro, rlse, rnread = progressive_decode_reference(
+    lens = torch.minimum(nb, nf + cfg.max_blocks)[:, None].expand(-1, hk).contiguous()
+    ro, rlse, rnread, rkept = progressive_decode_reference(
         q, k, v, req_to_token, rpi, seq_lens, psa_run["order"], lens, nf, block_size=BLOCK, sm_scale=d ** -0.5,
-        epsilon=EPSILON, micro_batch_blocks=psa_run["cfg"].micro_batch_blocks)
+        epsilon=EPSILON, micro_batch_blocks=cfg.micro_batch_blocks, chunk_ends=cfg.ranked_chunk_ends(int(nb.max())),
+        estimator=cfg.estimator, sorted_scores=psa_run["sorted"], calib_slack=cfg.calib_slack, return_kept_est=True)
     assert torch.equal(psa_run["nread"], rnread)
-    assert bool((psa_run["nread"] < lens).any()), "the stop test never fired on real attention"
+    if cfg.estimator != "bound":
+        assert bool((psa_run["nread"] < lens).any()), "the stop test never fired on real attention"
     torch.testing.assert_close(psa_run["o"].float(), ro, rtol=2e-2, atol=2e-2)
     torch.testing.assert_close(psa_run["lse"], rlse, rtol=1e-4, atol=1e-3)
+    torch.testing.assert_close(psa_run["kept_est"], rkept, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.xfail(strict=True, reason="PSA Alg. 1's AS_min * N_left tail estimate is not conservative on "
-                   "SmolLM2 attention (see module docstring); the issue's >= 99 % criterion is not met")
-def test_true_kept_mass_reaches_epsilon_for_99_percent_of_pairs(psa_run):
+def test_true_kept_mass_reaches_epsilon_for_99_percent_of_pairs(request, psa_run):
+    if psa_run["cfg"].estimator == "paper":
+        request.applymarker(pytest.mark.xfail(
+            strict=True, reason="PSA Alg. 1's AS_min * N_left tail estimate is not conservative on SmolLM2 "
+            "attention (see module docstring); the 'calibrated' default and 'bound' meet the criterion"))
     frac_ok = (psa_run["kept"] >= EPSILON).float().mean().item()
     assert frac_ok >= 0.99, f"kept >= eps for only {frac_ok:.3f} of pairs"
 
 
 def test_kept_mass_is_high_on_average_and_reads_are_saved(psa_run):
-    """Weaker, measured contract: mean kept mass >= eps - 0.05 while reading < 90 % of the blocks."""
+    """Measured contract: mean kept mass >= eps - 0.05; paper and calibrated read < 90 % of the blocks."""
     read_frac = (psa_run["nread"].float() / psa_run["n_blocks"][:, None]).mean().item()
     assert psa_run["kept"].mean().item() >= EPSILON - 0.05
-    assert read_frac < 0.9
+    if psa_run["cfg"].estimator != "bound":
+        assert read_frac < 0.9
