@@ -152,6 +152,8 @@ class PsaConfig(SparseConfig):
     local_pages: int = knob(2, doc="last pages always attended", range=Range(0, 1024))
     min_context: int = knob(4096, doc="contexts shorter than this (tokens) decode densely", range=Range(0, 1 << 24))
     max_blocks: int = knob(4096, doc="upper bound on blocks read per (request, KV head)", range=Range(1, 1 << 24))
+    min_request_epsilon: float = knob(0.5, doc="floor for a request's own epsilon (custom_params.sparse.epsilon); "
+                                      "lower requested values are clamped up to it", range=_UNIT)
 
 
 @dataclass(frozen=True)

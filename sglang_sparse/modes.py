@@ -32,7 +32,7 @@ class SparseModeSpec:
     ``implemented`` False means the name is reserved for a planned mode and is refused at
     start-up; ``devices`` are the device types the mode runs on (others are refused).
     ``backend_installer`` (``"module:function"``, called in the scheduler process as
-    ``fn(backend, config, page_size, enable_metrics)``) turns the stock attention backend the server built
+    ``fn(backend, config, page_size, enable_metrics, model_runner=...)``) turns the stock attention backend the server built
     into the mode's variant; ``None`` keeps the stock backend.
     """
 
@@ -55,7 +55,7 @@ def _registry(*specs: SparseModeSpec) -> Mapping[str, SparseModeSpec]:
 MODES: Mapping[str, SparseModeSpec] = _registry(
     SparseModeSpec("off", OffConfig, "dense attention and the stock radix cache", implemented=True),
     SparseModeSpec("psa", PsaConfig, "progressive threshold sparse decode (PSA)", implemented=True,
-                   devices=("cpu",), backend_installer="sglang_sparse.psa_backend:install"),
+                   devices=("cpu", "cuda"), backend_installer="sglang_sparse.psa_backend:install"),
     SparseModeSpec("loopserve", LoopServeConfig, "online vertical/slash prefill + progressive decode (LoopServe)",
                    implemented=False),
     SparseModeSpec("samkv", SamKVConfig, "per-document KV reuse with selective recompute (SamKV)",

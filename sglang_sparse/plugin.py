@@ -23,6 +23,14 @@ _HOOKS = (
      "sglang_sparse.runtime_hooks:internal_state_hook"),
     ("sglang.srt.model_executor.model_runner.ModelRunner.init_attention_backends", "AFTER",
      "sglang_sparse.runtime_hooks:attention_backend_hook"),
+    ("sglang.srt.model_executor.forward_batch_info.ForwardBatch.init_new", "AFTER",
+     "sglang_sparse.api_hooks:forward_batch_hook"),
+    ("sglang.srt.model_executor.model_runner.ModelRunner.forward", "AFTER", "sglang_sparse.api_hooks:model_forward_hook"),
+    ("sglang.srt.sampling.sampling_params.SamplingParams.verify", "AFTER", "sglang_sparse.api_hooks:verify_hook"),
+    ("sglang.srt.entrypoints.openai.serving_chat.OpenAIServingChat._build_chat_response", "AFTER",
+     "sglang_sparse.api_hooks:chat_response_hook"),
+    ("sglang.srt.entrypoints.openai.serving_completions.OpenAIServingCompletion._build_completion_response", "AFTER",
+     "sglang_sparse.api_hooks:completion_response_hook"),
 )
 
 

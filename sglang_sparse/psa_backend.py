@@ -1,50 +1,30 @@
 """``--sparse psa``: PSA progressive threshold decode inside SGLang's own attention backend.
 
 The mode keeps the attention backend the server would use anyway (``torch_native`` on
-CPU, ``flashinfer`` on the GPU) and mixes :class:`PsaDecodeMixin` into its class once, in
-the scheduler process (``runtime_hooks.attention_backend_hook``): prefill/extend and every
-other backend method stay stock; ``forward_decode`` attends sparsely for the requests whose
-context reached ``min_context`` and densely for the rest.
+CPU, ``flashinfer`` on the GPU) and turns that object into a direct subclass carrying the
+methods of :class:`PsaDecodeMixin`, once, in the scheduler process
+(``runtime_hooks.attention_backend_hook``). Stock names stay intact, so SGLang's name-based
+checks keep working. Per batch the device-specific runner of :mod:`sglang_sparse.psa_runner`
+plans; per layer ``forward_extend`` keeps the block metadata current after the stock write and
+``forward_decode`` attends sparsely for the rows whose context reached ``min_context``.
 
-Path per device:
-  * CPU: the fp32 torch reference of :mod:`flashinfer_ext.reference` (metadata from scratch,
-    cuboid criticality with the GQA group explicit, stable rank, PSA Alg. 1 stop test).
-    Correctness path for tests; no speed claim.
-  * CUDA: not wired yet (the mode is refused on CUDA at start-up, see ``modes.py``).
-
-Host work: one ``seq_lens_cpu`` comparison per batch in :meth:`init_forward_metadata`
-(plan); nothing per layer on the host beyond the CPU reference itself.
+Statistics leave the forward as one device tensor of step rows (:mod:`sglang_sparse.psa_stats`),
+handed to SGLang's ``customized_info`` by ``api_hooks.model_forward_hook``.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import logging
 
 import torch
 
-from flashinfer_ext.config import PsaDecodeConfig
 from sglang_sparse.config import PsaConfig
+from sglang_sparse.psa_runner import AttnShape, PsaCpuRunner, PsaCudaRunner, kernel_config
+from sglang_sparse.psa_stats import PsaMetrics, PsaStats, StepRows, account_rows
 
+__all__ = ["install", "kernel_config", "PsaDecodeMixin"]
 
-def kernel_config(cfg: PsaConfig) -> PsaDecodeConfig:
-    """Map the user-facing :class:`PsaConfig` onto the kernel's :class:`PsaDecodeConfig`."""
-    return PsaDecodeConfig(epsilon=cfg.epsilon, micro_batch_blocks=cfg.micro_batch_blocks,
-                           sink_blocks=cfg.sink_pages, local_blocks=cfg.local_pages, max_blocks=cfg.max_blocks)
-
-
-@dataclass
-class PsaStats:
-    """Counters since start-up (reported under ``/server_info`` -> internal_states -> sparse)."""
-
-    sparse_decode_steps: int = 0   # decode batches with at least one sparse request
-    dense_decode_steps: int = 0    # decode batches entirely below min_context
-    blocks_read: int = 0           # sum over layers, sparse requests, KV heads
-    blocks_total: int = 0          # what dense attention would have read for the same
-
-    def to_dict(self) -> dict:
-        d = dict(self.__dict__)
-        d["read_fraction"] = self.blocks_read / self.blocks_total if self.blocks_total else None
-        return d
+logger = logging.getLogger("sglang_sparse")
 
 
 class PsaDecodeMixin:
@@ -55,80 +35,77 @@ class PsaDecodeMixin:
     stock implementation through ``self._psa_base`` rather than ``super()``.
     """
 
-    def _psa_setup(self, config: PsaConfig, page_size: int, metrics: "PsaMetrics | None") -> None:
-        self._psa_cfg = config
-        self._psa_metrics = metrics
-        self._psa_kernel_cfg = kernel_config(config)
-        self._psa_block_size = page_size if page_size > 1 else config.block_size
-        self._psa_rows: torch.Tensor | None = None  # batch rows decoded sparsely (this batch)
-        self.sparse_stats = PsaStats()
-
     def init_forward_metadata(self, forward_batch):
         self._psa_base.init_forward_metadata(self, forward_batch)
-        self._psa_rows = None
-        if not forward_batch.forward_mode.is_decode():
-            return
-        lens = forward_batch.seq_lens_cpu
-        rows = torch.nonzero(lens >= self._psa_cfg.min_context).flatten() if lens is not None else None
-        if rows is None or rows.numel() == 0:
-            self.sparse_stats.dense_decode_steps += 1
+        runner = self._psa_runner
+        runner.begin_batch(self, forward_batch)
+        if runner.is_decode and runner.bs:
+            self.sparse_stats.sparse_decode_steps += int(runner.sparse_batch)
+            self.sparse_stats.dense_decode_steps += int(not runner.sparse_batch)
             if self._psa_metrics is not None:
-                self._psa_metrics.dense_steps.inc()
-            return
-        self._psa_rows = rows
-        self.sparse_stats.sparse_decode_steps += 1
-        if self._psa_metrics is not None:
-            self._psa_metrics.sparse_steps.inc()
+                (self._psa_metrics.sparse_steps if runner.sparse_batch else self._psa_metrics.dense_steps).inc()
 
-    def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True):
-        # stock path first: writes the new K/V and gives dense outputs for every row
-        o = self._psa_base.forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache)
-        rows = self._psa_rows
-        if rows is None:
-            return o
-        from flashinfer_ext.reference import psa_decode_reference
-
-        num_qo, d = layer.tp_q_head_num, layer.head_dim
-        q3 = q.reshape(-1, num_qo, d)[rows]
-        dev = forward_batch.seq_lens.device
-        o_sparse, _, nread, _ = psa_decode_reference(
-            q3, self.token_to_kv_pool.get_key_buffer(layer.layer_id),
-            self.token_to_kv_pool.get_value_buffer(layer.layer_id), self.req_to_token_pool.req_to_token,
-            forward_batch.req_pool_indices[rows.to(dev)], forward_batch.seq_lens[rows.to(dev)],
-            self._psa_kernel_cfg, block_size=self._psa_block_size, sm_scale=layer.scaling)
-        o.view(-1, num_qo, d)[rows] = o_sparse.to(o.dtype)
-        lens = forward_batch.seq_lens_cpu[rows]
-        n_blocks = (lens + self._psa_block_size - 1) // self._psa_block_size
-        read, total = int(nread.sum()), int(n_blocks.sum()) * nread.shape[1]
-        self.sparse_stats.blocks_read += read
-        self.sparse_stats.blocks_total += total
-        if self._psa_metrics is not None:
-            self._psa_metrics.blocks_read.inc(read)
-            self._psa_metrics.blocks_total.inc(total)
+    def forward_extend(self, q, k, v, layer, forward_batch, *args, **kwargs):
+        o = self._psa_base.forward_extend(self, q, k, v, layer, forward_batch, *args, **kwargs)
+        self._psa_runner.after_extend(self, layer, forward_batch)
         return o
 
+    def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, *args, **kwargs):
+        if args or kwargs:  # a stock call signature this mode does not know: stay exact, stay stock
+            raise TypeError(f"sglang-sparse psa: unexpected forward_decode arguments {args} {list(kwargs)}")
+        return self._psa_runner.decode(self, q, k, v, layer, forward_batch, save_kv_cache)
 
-class PsaMetrics:
-    """Prometheus counters of the scheduler process (exported by ``/metrics`` with ``--enable-metrics``)."""
-
-    def __init__(self, registry=None):
-        from prometheus_client import REGISTRY, Counter
-
-        reg = REGISTRY if registry is None else registry
-        mk = lambda name, doc: Counter(f"sglang_sparse:psa_{name}", doc, registry=reg)  # noqa: E731
-        self.sparse_steps = mk("sparse_decode_steps", "decode batches with at least one PSA-sparse request")
-        self.dense_steps = mk("dense_decode_steps", "decode batches entirely below min_context (dense)")
-        self.blocks_read = mk("blocks_read", "KV blocks read by PSA decode (layers x KV heads x requests)")
-        self.blocks_total = mk("blocks_dense", "KV blocks a dense decode would have read for the same")
+    def psa_step_rows(self) -> StepRows | None:
+        """This forward's per-row statistics as SGLang ``customized_info`` (None when nothing ran)."""
+        runner = self._psa_runner
+        if runner.step_rows is None or runner.bs == 0:
+            return None
+        rows = runner.step_rows[: runner.bs]
+        host = rows if rows.device.type == "cpu" else rows.to("cpu", non_blocking=True)
+        stats, metrics = self.sparse_stats, self._psa_metrics
+        return StepRows(host, lambda r: account_rows(r, stats, metrics))
 
 
-def install(backend, config: PsaConfig, page_size: int, enable_metrics: bool = False):
-    """Turn ``backend`` (a constructed stock backend) into its PSA variant, in place."""
-    base = type(backend)
+def _attn_shape(model_runner) -> AttnShape:
+    mc = model_runner.model_config
+    tp = int(getattr(model_runner, "tp_size", 1) or 1)
+    pool = model_runner.token_to_kv_pool
+    return AttnShape(num_layers=int(pool.layer_num), num_qo_heads=int(mc.num_attention_heads) // tp,
+                     num_kv_heads=int(mc.get_num_kv_heads(tp)), head_dim=int(mc.head_dim))
+
+
+def make_runner(config: PsaConfig, page_size: int, model_runner):
+    """The device's runner: CUDA (metadata pool + Triton/FlashInfer kernels) or CPU (fp32 reference)."""
+    device = torch.device(model_runner.device) if isinstance(model_runner.device, str) else model_runner.device
+    shape = _attn_shape(model_runner)
+    if device.type == "cuda":
+        if page_size != config.block_size:
+            raise RuntimeError(f"sglang-sparse psa on CUDA needs --page-size == block_size ({config.block_size}); "
+                               f"got page size {page_size}")
+        runner = PsaCudaRunner(
+            config, page_size, shape, device, token_to_kv_pool=model_runner.token_to_kv_pool,
+            req_to_token=model_runner.req_to_token_pool.req_to_token,
+            max_batch_size=int(model_runner.req_to_token_pool.size), sm_scale=shape.head_dim ** -0.5,
+            out_dtype=model_runner.dtype)
+        logger.info("sglang-sparse psa: block metadata %.1f MiB (%d layers, page %d), max batch %d",
+                    runner.meta_bytes() / 2**20, shape.num_layers, page_size, model_runner.req_to_token_pool.size)
+        return runner
+    block = page_size if page_size > 1 else config.block_size
+    return PsaCpuRunner(config, block, shape, device)
+
+
+def install(backend, config: PsaConfig, page_size: int, enable_metrics: bool = False, model_runner=None):
+    """Turn ``backend`` (a constructed stock backend) into its PSA variant, in place (idempotent)."""
     if getattr(backend, "sparse_installed_mode", None) == "psa":
         return backend
+    if model_runner is None:
+        raise ValueError("sglang-sparse psa: install() needs the model_runner")
+    base = type(backend)
     methods = {k: v for k, v in vars(PsaDecodeMixin).items() if not k.startswith("__")}
     backend.__class__ = type(f"Psa{base.__name__}", (base,), {**methods, "__module__": __name__, "_psa_base": base})
-    backend._psa_setup(config, page_size, PsaMetrics() if enable_metrics else None)
+    backend._psa_cfg = config
+    backend._psa_runner = make_runner(config, page_size, model_runner)
+    backend._psa_metrics = PsaMetrics() if enable_metrics else None
+    backend.sparse_stats = PsaStats()
     backend.sparse_installed_mode = "psa"
     return backend

@@ -46,7 +46,7 @@ def attention_backend_hook(result, model_runner, *args, **kwargs):
         seen.add(id(backend))
         if install is not None:
             args = model_runner.server_args
-            install(backend, ctx.config, args.page_size, bool(args.enable_metrics))
+            install(backend, ctx.config, args.page_size, bool(args.enable_metrics), model_runner=model_runner)
         backend.sparse_context = ctx
 
 

@@ -79,8 +79,37 @@ class SparseServerArgs(_BaseServerArgs):
         ctx = resolve_sparse(self.sparse, self.sparse_config)
         check_device(ctx.mode, _device_type(self.device))
         self.sparse_config = ctx.config.to_json()
+        _apply_mode_requirements(self, ctx)
         _check_hooks_applied()
         super().__post_init__()
+
+
+def _apply_mode_requirements(args, ctx: SparseContext) -> None:
+    """Server settings a mode needs, set before SGLang resolves them (logged, never silent).
+
+    psa on CUDA: the page is the PSA block, so ``--page-size`` defaults to ``block_size`` (another
+    explicit page size is refused); CUDA graphs are off, because the dense/sparse row split and
+    the ranking width are decided per batch on the host (the kernels themselves are graph-safe).
+    """
+    if ctx.mode != "psa" or _device_type(args.device) != "cuda":
+        return
+    import logging
+
+    log = logging.getLogger("sglang_sparse")
+    block = ctx.config.block_size
+    if args.page_size in (None, 1):
+        log.info("sglang-sparse psa: --page-size %s -> %d (block_size; the page is the PSA block)",
+                 args.page_size, block)
+        args.page_size = block
+    elif args.page_size != block:
+        raise SparseConfigError(f"--sparse psa on CUDA uses the page as its block: --page-size {args.page_size} "
+                                f"must equal block_size {block} (set it in --sparse-config)")
+    if block not in (16, 32, 64):
+        raise SparseConfigError(f"--sparse-config: field 'block_size' of mode 'psa' = {block} on CUDA must be "
+                                "one of [16, 32, 64] (the KV page size)")
+    if not args.disable_cuda_graph:
+        log.info("sglang-sparse psa: CUDA graphs disabled for this mode (per-batch host planning)")
+        args.disable_cuda_graph = True
 
 
 def _device_type(device: Optional[str]) -> str:

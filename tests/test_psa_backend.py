@@ -1,10 +1,17 @@
-"""Contract: the psa mode maps its user-facing knobs onto the kernel config one to one, and its
-installer turns a stock backend object into the PSA variant in place (idempotently)."""
+"""Contract: the psa mode maps its user-facing knobs onto the kernel config one to one; per-request
+options are validated and clamped to the server's limits; step rows summarise into the per-request
+report and the server counters (the installer itself is exercised through the real server in
+tests/test_psa_server.py)."""
 
 from __future__ import annotations
 
+import pytest
+import torch
+
 from sglang_sparse.config import PsaConfig
-from sglang_sparse.psa_backend import install, kernel_config
+from sglang_sparse.psa_runner import kernel_config
+from sglang_sparse.psa_stats import STEP_COLS, PsaStats, StepRows, account_rows, summarize_steps
+from sglang_sparse.request_params import RequestParamsError, normalize_request_options, request_epsilon
 
 
 def test_kernel_config_maps_user_knobs():
@@ -13,33 +20,68 @@ def test_kernel_config_maps_user_knobs():
     assert (k.epsilon, k.micro_batch_blocks, k.sink_blocks, k.local_blocks, k.max_blocks) == (0.9, 4, 2, 3, 77)
 
 
-class _StockBackend:
-    def __init__(self):
-        self.calls = []
+def test_request_epsilon_is_validated_and_clamped_to_the_server_floor():
+    cfg = PsaConfig.from_dict({"epsilon": 0.95, "min_request_epsilon": 0.8})
+    assert normalize_request_options("psa", cfg, {"sparse": {"epsilon": 0.9}}) == {"epsilon": 0.9}
+    assert normalize_request_options("psa", cfg, {"sparse": {"epsilon": 0.3}}) == {"epsilon": 0.8}
+    assert normalize_request_options("psa", cfg, {"sparse": {"epsilon": 1}}) == {"epsilon": 1.0}
+    assert normalize_request_options("psa", cfg, {"other": 1}) is None
+    assert normalize_request_options("psa", cfg, None) is None
+    assert request_epsilon(cfg, {"sparse": {"epsilon": 0.85}}) == 0.85
+    assert request_epsilon(cfg, None) == 0.95
 
-    def init_forward_metadata(self, forward_batch):
-        self.calls.append("init")
 
-    def forward_decode(self, *a, **k):
-        return "dense"
+@pytest.mark.parametrize("params, needle", [
+    ({"sparse": {"epsilon": 0}}, "custom_params.sparse.epsilon = 0 is out of range"),
+    ({"sparse": {"epsilon": 1.5}}, "expected a number in (0, 1]"),
+    ({"sparse": {"epsilon": "high"}}, "custom_params.sparse.epsilon = 'high'"),
+    ({"sparse": {"epsilon": True}}, "custom_params.sparse.epsilon = True"),
+    ({"sparse": {"epsilon": float("nan")}}, "custom_params.sparse.epsilon = nan"),
+    ({"sparse": {"alpha": 0.9}}, "unknown key(s) 'alpha' for mode 'psa'; allowed: epsilon"),
+    ({"sparse": 0.9}, "custom_params.sparse must be an object"),
+])
+def test_bad_request_options_name_the_field_and_range(params, needle):
+    with pytest.raises(RequestParamsError) as e:
+        normalize_request_options("psa", PsaConfig(), params)
+    assert needle in str(e.value)
 
 
-def test_install_swaps_class_in_place_and_keeps_stock_methods():
-    b = _StockBackend()
-    same = install(b, PsaConfig(), page_size=1)
-    assert same is b and type(b).__name__ == "Psa_StockBackend" and isinstance(b, _StockBackend)
-    assert b.sparse_installed_mode == "psa" and b._psa_block_size == 16
-    assert install(b, PsaConfig(), page_size=1) is b and type(b).__mro__[1] is _StockBackend  # idempotent
-    assert install(_StockBackend(), PsaConfig(), page_size=32)._psa_block_size == 32
+def test_dense_server_refuses_request_options():
+    from sglang_sparse.config import OffConfig
+
+    with pytest.raises(RequestParamsError, match="runs --sparse off, which takes no per-request options"):
+        normalize_request_options("off", OffConfig(), {"sparse": {"epsilon": 0.9}})
+
+
+def _row(sparse, read, total, kept, units, eps):
+    r = [0.0] * STEP_COLS
+    r[0], r[1], r[2], r[3], r[4], r[5] = sparse, read, total, kept, units, eps
+    return r
+
+
+def test_step_rows_fold_into_counters_once_and_summarise_per_request():
+    host = torch.tensor([_row(1, 30, 120, 5.7, 6, 0.9), _row(0, 0, 0, 0, 0, 0.95)])
+    stats, seen = PsaStats(), []
+    rows = StepRows(host, lambda r: (seen.append(len(r)), account_rows(r, stats, None)))
+    assert rows[0] == (1.0, 30.0, 120.0, pytest.approx(5.7), 6.0, pytest.approx(0.9)) and rows[1][0] == 0
+    assert seen == [2] and len(rows) == 2  # materialised once
+    assert (stats.sparse_rows, stats.blocks_read, stats.blocks_total) == (1, 30, 120)
+    s = summarize_steps([rows[1], rows[0], list(rows[0])])
+    assert s["steps"] == 3 and s["sparse_decode_steps"] == 2
+    assert s["blocks_read"] == 60 and s["blocks_total"] == 240 and s["read_fraction"] == 0.25
+    assert s["kept_mass"] == pytest.approx(5.7 / 6) and s["epsilon"] == pytest.approx(0.9)
+    assert summarize_steps([]) is None and summarize_steps(None) is None
 
 
 def test_metrics_counters_register_under_the_sglang_sparse_prefix():
     from prometheus_client import CollectorRegistry, generate_latest
 
-    from sglang_sparse.psa_backend import PsaMetrics
+    from sglang_sparse.psa_stats import PsaMetrics
 
     reg = CollectorRegistry()
     m = PsaMetrics(reg)
-    m.blocks_read.inc(5)
+    account_rows([_row(1, 5, 10, 0.97, 1, 0.95)], PsaStats(), m)
     text = generate_latest(reg).decode()
     assert "sglang_sparse:psa_blocks_read_total 5.0" in text
+    assert 'sglang_sparse:psa_kept_mass_bucket{le="0.97"} 1.0' in text
+    assert 'sglang_sparse:psa_read_fraction_bucket{le="0.5"} 1.0' in text

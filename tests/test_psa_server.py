@@ -28,12 +28,18 @@ def psa_server(default_model, tmp_path_factory):
         handle.stop()
 
 
-def _chat(server, content, max_tokens):
+def _chat(server, content, max_tokens, **extra):
     r = requests.post(server.url + "/v1/chat/completions", timeout=300, json={
         "model": "default", "messages": [{"role": "user", "content": content}],
-        "max_tokens": max_tokens, "temperature": 0})
+        "max_tokens": max_tokens, "temperature": 0, **extra})
     r.raise_for_status()
     return r.json()
+
+
+def _long_prompt():
+    text = topics["assignment"][:2600]
+    return (f"Read this text.\n\n{text[:1300]}\n\nThe secret number is 4817.\n\n{text[1300:]}\n\n"
+            "What is the secret number? Answer with the number only.")
 
 
 def _stats(server):
@@ -54,9 +60,7 @@ def test_psa_below_min_context_equals_dense(psa_server, cpu_server):
 
 
 def test_psa_above_min_context_reads_fewer_blocks_and_still_retrieves_the_fact(psa_server):
-    text = topics["assignment"][:2600]
-    content = (f"Read this text.\n\n{text[:1300]}\n\nThe secret number is 4817.\n\n{text[1300:]}\n\n"
-               "What is the secret number? Answer with the number only.")
+    content = _long_prompt()
     before = _stats(psa_server)["stats"]
     r = _chat(psa_server, content, 16)
     after = _stats(psa_server)["stats"]
@@ -72,3 +76,45 @@ def test_psa_above_min_context_reads_fewer_blocks_and_still_retrieves_the_fact(p
                 if line.startswith("sglang_sparse:psa_blocks_")}
     assert exported["sglang_sparse:psa_blocks_read_total"] == after["blocks_read"]
     assert exported["sglang_sparse:psa_blocks_dense_total"] == after["blocks_total"]
+    # the per-request report: response metadata, consistent with the server counters
+    rep = r["metadata"]["sparse"]
+    assert rep["mode"] == "psa" and rep["epsilon"] == 0.95
+    # one report row per output token; the first token comes from prefill. The server counters may
+    # hold one more step (the overlap scheduler decodes once past a request's last token).
+    assert rep["steps"] == r["usage"]["completion_tokens"]
+    assert rep["sparse_decode_steps"] == r["usage"]["completion_tokens"] - 1
+    assert 0 < rep["blocks_read"] <= read and rep["blocks_total"] <= total
+    assert 0 < rep["read_fraction"] < 1 and 0.5 < rep["kept_mass"] <= 1.0
+    assert "sglang_sparse:psa_kept_mass_count" in metrics
+
+
+def test_per_request_epsilon_is_clamped_reported_and_reads_more_when_higher(psa_server):
+    content = _long_prompt()
+    low = _chat(psa_server, content, 6, custom_params={"sparse": {"epsilon": 0.01}})["metadata"]["sparse"]
+    high = _chat(psa_server, content, 6, custom_params={"sparse": {"epsilon": 0.999}})["metadata"]["sparse"]
+    dense = _chat(psa_server, content, 6, custom_params={"sparse": {"epsilon": 1.0}})["metadata"]["sparse"]
+    assert low["epsilon"] == 0.5  # clamped to the server's min_request_epsilon
+    assert high["epsilon"] == 0.999 and high["blocks_read"] >= low["blocks_read"] > 0
+    assert dense["epsilon"] == 1.0 and dense["sparse_decode_steps"] == 0  # epsilon 1: dense decode
+    # the same request options through the native /generate door: per-token step rows in meta_info
+    g = requests.post(psa_server.url + "/generate", timeout=300, json={
+        "text": content, "sampling_params": {"max_new_tokens": 4, "temperature": 0,
+                                             "custom_params": {"sparse": {"epsilon": 0.9}}}}).json()
+    rows = g["meta_info"]["sparse_psa_steps"]
+    assert len(rows) == g["meta_info"]["completion_tokens"] and rows[-1][0] == 1
+    assert rows[-1][5] == pytest.approx(0.9)  # fp32 step rows
+
+
+@pytest.mark.parametrize("bad, needle", [
+    ({"epsilon": 0}, "custom_params.sparse.epsilon = 0 is out of range"),
+    ({"epsilon": 2}, "expected a number in (0, 1]"),
+    ({"epsilon": "x"}, "custom_params.sparse.epsilon = 'x'"),
+    ({"budget": 3}, "unknown key(s) 'budget'"),
+])
+def test_bad_per_request_options_get_a_400_and_the_server_keeps_serving(psa_server, bad, needle):
+    r = requests.post(psa_server.url + "/v1/chat/completions", timeout=120, json={
+        "model": "default", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2,
+        "custom_params": {"sparse": bad}})
+    assert r.status_code == 400, r.text
+    assert needle in r.text
+    assert _chat(psa_server, "Hi", 2)["choices"][0]["message"]["content"] is not None

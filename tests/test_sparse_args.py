@@ -126,10 +126,27 @@ def test_resolve_accepts_dict_json_and_none():
         resolve_sparse(3, None)
 
 
-def test_psa_is_refused_on_cuda_until_its_gpu_path_lands(prepare, default_model, capsys):
+def test_psa_on_cuda_takes_the_block_as_page_and_turns_cuda_graphs_off():
+    from types import SimpleNamespace
+
+    from sglang_sparse.modes import resolve_sparse
+    from sglang_sparse.server_args import _apply_mode_requirements
+
+    args = SimpleNamespace(device="cuda", page_size=None, disable_cuda_graph=False)
+    _apply_mode_requirements(args, resolve_sparse("psa", '{"block_size": 32}'))
+    assert (args.page_size, args.disable_cuda_graph) == (32, True)
+    cpu = SimpleNamespace(device="cpu", page_size=None, disable_cuda_graph=False)
+    _apply_mode_requirements(cpu, resolve_sparse("psa", None))
+    assert (cpu.page_size, cpu.disable_cuda_graph) == (None, False)  # CPU: logical blocks, stock settings
+    with pytest.raises(SparseConfigError, match="must be one of \\[16, 32, 64\\]"):
+        _apply_mode_requirements(SimpleNamespace(device="cuda", page_size=None, disable_cuda_graph=False),
+                                 resolve_sparse("psa", '{"block_size": 8}'))
+
+
+def test_psa_on_cuda_refuses_a_page_size_other_than_its_block(prepare, default_model, capsys):
     with pytest.raises(SystemExit):
-        prepare(["--model-path", str(default_model), "--device", "cuda", "--sparse", "psa"])
-    assert "--sparse mode 'psa' runs on cpu only so far; this server's device is 'cuda'" in capsys.readouterr().err
+        prepare(["--model-path", str(default_model), "--device", "cuda", "--sparse", "psa", "--page-size", "64"])
+    assert "--page-size 64 must equal block_size 16" in capsys.readouterr().err
 
 
 def test_engine_refuses_bad_mode_before_loading_the_model(prepare, default_model):

@@ -1,0 +1,89 @@
+"""Hooks on SGLang's request path: per-request options in, per-request statistics out.
+
+* ``SamplingParams.verify`` (main process, every front door): validates and clamps
+  ``custom_params["sparse"]`` against the server's mode (:mod:`sglang_sparse.request_params`);
+  a ``ValueError`` there is SGLang's HTTP 400.
+* ``ForwardBatch.init_new`` (scheduler process): each row's ``custom_params`` into its sampling info.
+* ``ModelRunner.forward`` (scheduler process): hands the attention backend's step rows to
+  SGLang as ``logits_output.customized_info`` (see :mod:`sglang_sparse.psa_stats`); SGLang
+  carries them to the request's ``meta_info[STEP_KEY]`` (one row per output token).
+* ``OpenAIServingChat._build_chat_response`` / ``OpenAIServingCompletion._build_completion_response``
+  (main process): add the per-request summary as ``metadata["sparse"]`` of the response (a list
+  when ``n > 1``), and as ``meta_info["sparse"]`` of each choice when ``return_meta_info`` is set.
+"""
+
+from __future__ import annotations
+
+from sglang_sparse.psa_stats import STEP_KEY, summarize_steps
+from sglang_sparse.request_params import normalize_request_options
+
+
+def verify_hook(result, sampling_params, *args, **kwargs):
+    """AFTER ``SamplingParams.verify``: check ``custom_params.sparse``; write back the clamped values."""
+    from sglang.srt.server_args import get_global_server_args
+
+    from sglang_sparse.server_args import sparse_context_of
+
+    custom = getattr(sampling_params, "custom_params", None)
+    if not isinstance(custom, dict) or "sparse" not in custom:
+        return result
+    ctx = sparse_context_of(get_global_server_args())
+    opts = normalize_request_options(ctx.mode, ctx.config, custom)
+    sampling_params.custom_params = {**custom, "sparse": opts}
+    return result
+
+
+def forward_batch_hook(result, *args, **kwargs):
+    """AFTER ``ForwardBatch.init_new``: make each row's ``custom_params`` visible to the attention
+    backend as ``forward_batch.sampling_info.custom_params`` (SGLang fills that list itself only when
+    custom logit processors are on; it keeps it aligned with the rows on filter and merge)."""
+    batch = next((a for a in args if hasattr(a, "reqs") and hasattr(a, "forward_mode")), None)
+    info = getattr(result, "sampling_info", None)
+    if batch is None or info is None or batch.reqs is None or info.custom_params is not None:
+        return result
+    params = [getattr(r.sampling_params, "custom_params", None) for r in batch.reqs]
+    if any(isinstance(p, dict) and "sparse" in p for p in params):
+        info.custom_params = params
+    return result
+
+
+def model_forward_hook(result, model_runner, *args, **kwargs):
+    """AFTER ``ModelRunner.forward``: attach the PSA step rows of this forward to the logits output."""
+    backend = getattr(model_runner, "attn_backend", None)
+    fn = getattr(backend, "psa_step_rows", None)
+    if fn is None:
+        return result
+    logits = getattr(result, "logits_output", None)
+    if logits is None or not hasattr(logits, "customized_info"):
+        return result
+    rows = fn()
+    if rows is not None:
+        if logits.customized_info is None:
+            logits.customized_info = {}
+        logits.customized_info[STEP_KEY] = rows
+    return result
+
+
+def _attach(response, ret, request):
+    metadata = getattr(response, "metadata", None)
+    if not hasattr(response, "choices") or not ret:
+        return response
+    summaries = [summarize_steps((item.get("meta_info") or {}).get(STEP_KEY)) for item in ret]
+    if all(s is None for s in summaries):
+        return response
+    response.metadata = {**(metadata or {}), "sparse": summaries[0] if len(summaries) == 1 else summaries}
+    if getattr(request, "return_meta_info", False):
+        for choice, s in zip(response.choices, summaries):
+            if isinstance(getattr(choice, "meta_info", None), dict) and s is not None:
+                choice.meta_info = {**choice.meta_info, "sparse": s}
+    return response
+
+
+def chat_response_hook(result, serving, request, ret, *args, **kwargs):
+    """AFTER ``OpenAIServingChat._build_chat_response``."""
+    return _attach(result, ret, request)
+
+
+def completion_response_hook(result, serving, request, ret, *args, **kwargs):
+    """AFTER ``OpenAIServingCompletion._build_completion_response``."""
+    return _attach(result, ret, request)

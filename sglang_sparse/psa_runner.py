@@ -1,0 +1,235 @@
+"""The PSA decode path per device, behind one small interface used by :mod:`sglang_sparse.psa_backend`.
+
+* :class:`PsaCudaRunner` (GPU): block metadata (min/max/mean per page and KV head, one
+  :class:`flashinfer_ext.block_meta.BlockMetaPool` beside the KV pool; the page is the block)
+  kept current on every KV write (extend and decode), and decode through
+  :class:`flashinfer_ext.psa_decode.PsaDecodeWrapper` (Triton criticality, device ranking,
+  progressive decode with the stop test on the GPU).
+* :class:`PsaCpuRunner` (CPU): the fp32 torch reference of :mod:`flashinfer_ext.reference`
+  (metadata from scratch each step). A correctness path for tests; no speed claim.
+
+Where the host work goes (nothing per layer, no sync inside a step):
+  * :meth:`begin_batch` (once per batch, SGLang's ``init_forward_metadata``): reads the host
+    ``seq_lens_cpu`` / extend lengths and each request's epsilon (``custom_params``), builds the
+    page table on the device and plans the wrapper (a few small host->device copies).
+  * per layer: one metadata-update launch, then (sparse batches) criticality + sort + progressive
+    decode, and two in-place adds into the step-statistics buffer. No ``.item()``.
+Rows of a decode batch below ``min_context`` (or with epsilon 1.0) attend their whole context:
+if every row is such a row, the stock FlashInfer decode runs; in a mixed batch those rows run the
+sparse kernel with epsilon 1.0 (all blocks), which is exact but not FlashInfer-fast.
+CUDA graphs: the server turns them off for this mode (see ``server_args``): the dense/sparse
+decision and the sort width are taken per batch on the host.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from flashinfer_ext.config import PsaDecodeConfig
+from sglang_sparse.config import PsaConfig
+from sglang_sparse.psa_stats import COL_EPS, COL_KEPT, COL_READ, COL_SPARSE, COL_TOTAL, COL_UNITS, STEP_COLS
+from sglang_sparse.request_params import request_epsilon
+
+
+def kernel_config(cfg: PsaConfig) -> PsaDecodeConfig:
+    """Map the user-facing :class:`PsaConfig` onto the kernel's :class:`PsaDecodeConfig`."""
+    return PsaDecodeConfig(epsilon=cfg.epsilon, micro_batch_blocks=cfg.micro_batch_blocks,
+                           sink_blocks=cfg.sink_pages, local_blocks=cfg.local_pages, max_blocks=cfg.max_blocks)
+
+
+@dataclasses.dataclass(frozen=True)
+class AttnShape:
+    """Attention shape of the model served (per TP rank)."""
+
+    num_layers: int
+    num_qo_heads: int
+    num_kv_heads: int
+    head_dim: int
+
+    @property
+    def units(self) -> int:
+        """(layer, KV head) pairs: the unit of blocks-read accounting."""
+        return self.num_layers * self.num_kv_heads
+
+
+def _row_epsilons(cfg: PsaConfig, forward_batch, bs: int) -> list[float]:
+    info = getattr(forward_batch, "sampling_info", None)  # custom_params: see api_hooks.forward_batch_hook
+    params = getattr(info, "custom_params", None) if info is not None else None
+    if not params:
+        return [cfg.epsilon] * bs
+    return [request_epsilon(cfg, params[i] if i < len(params) else None) for i in range(bs)]
+
+
+class _RunnerBase:
+    """Shared batch bookkeeping: which rows decode sparsely, their epsilons, the step rows."""
+
+    def __init__(self, cfg: PsaConfig, block_size: int, shape: AttnShape, device: torch.device):
+        self.cfg = cfg
+        self.kernel_cfg = kernel_config(cfg)
+        self.block_size = block_size
+        self.shape = shape
+        self.device = device
+        self.bs = 0
+        self.is_decode = False
+        self.sparse_batch = False
+        self._sparse_host: torch.Tensor | None = None
+        self._eps_host: torch.Tensor | None = None
+        self.step_rows: torch.Tensor | None = None  # [bs, STEP_COLS] fp32 on self.device
+
+    def _plan_rows(self, forward_batch, decode: bool) -> None:
+        bs = int(forward_batch.batch_size)
+        self.bs, self.is_decode = bs, decode
+        eps = torch.tensor(_row_epsilons(self.cfg, forward_batch, bs), dtype=torch.float32)
+        lens = forward_batch.seq_lens_cpu
+        if decode and lens is not None:
+            sparse = (lens.to(torch.int64) >= self.cfg.min_context) & (eps < 1.0)
+        else:
+            sparse = torch.zeros(bs, dtype=torch.bool)
+        self.sparse_batch = bool(sparse.any())
+        self._sparse_host, self._eps_host = sparse, eps
+        host = torch.zeros(bs, STEP_COLS, dtype=torch.float32)
+        host[:, COL_EPS] = eps
+        if self.sparse_batch:
+            n_blocks = (lens.to(torch.int64) + self.block_size - 1) // self.block_size
+            units = self.shape.units
+            host[:, COL_SPARSE] = sparse.float()
+            host[:, COL_UNITS] = torch.where(sparse, float(units), 0.0)
+            host[:, COL_TOTAL] = torch.where(sparse, (n_blocks * units).float(), 0.0)
+        self.step_rows = host.to(self.device, non_blocking=True) if self.device.type != "cpu" else host
+
+
+class PsaCpuRunner(_RunnerBase):
+    """CPU: the fp32 reference (metadata from scratch, stable rank, PSA Alg. 1) for the sparse rows."""
+
+    def begin_batch(self, backend, forward_batch) -> None:
+        self._plan_rows(forward_batch, forward_batch.forward_mode.is_decode())
+
+    def after_extend(self, backend, layer, forward_batch) -> None:
+        return None  # metadata is rebuilt from the KV pool at each decode step
+
+    def decode(self, backend, q, k, v, layer, forward_batch, save_kv_cache):
+        # stock path first: writes the new K/V and gives dense outputs for every row
+        o = backend._psa_base.forward_decode(backend, q, k, v, layer, forward_batch, save_kv_cache)
+        if not self.sparse_batch:
+            return o
+        from flashinfer_ext.reference import kept_mass_reference, psa_decode_reference
+
+        num_qo, d = layer.tp_q_head_num, layer.head_dim
+        q3 = q.reshape(-1, num_qo, d)
+        k_buf = backend.token_to_kv_pool.get_key_buffer(layer.layer_id)
+        v_buf = backend.token_to_kv_pool.get_value_buffer(layer.layer_id)
+        rtt = backend.req_to_token_pool.req_to_token
+        rows_all = torch.nonzero(self._sparse_host).flatten()
+        for eps in torch.unique(self._eps_host[rows_all]).tolist():
+            rows = rows_all[self._eps_host[rows_all] == eps]
+            cfg = dataclasses.replace(self.kernel_cfg, epsilon=float(eps))
+            rpi, lens = forward_batch.req_pool_indices[rows], forward_batch.seq_lens[rows]
+            o_s, _, nread, order = psa_decode_reference(q3[rows], k_buf, v_buf, rtt, rpi, lens, cfg,
+                                                        block_size=self.block_size, sm_scale=layer.scaling)
+            o.view(-1, num_qo, d)[rows] = o_s.to(o.dtype)
+            kept = kept_mass_reference(q3[rows], k_buf, rtt, rpi, lens, order, nread,
+                                       block_size=self.block_size, sm_scale=layer.scaling)
+            group = num_qo // k_buf.shape[1]
+            self.step_rows[rows, COL_READ] += nread.sum(1).float()
+            self.step_rows[rows, COL_KEPT] += kept.view(len(rows), -1, group).amin(-1).sum(1)
+        return o
+
+
+class PsaCudaRunner(_RunnerBase):
+    """GPU: block metadata beside the KV pool + :class:`PsaDecodeWrapper`; the page is the block."""
+
+    def __init__(self, cfg: PsaConfig, block_size: int, shape: AttnShape, device: torch.device, *,
+                 token_to_kv_pool, req_to_token: torch.Tensor, max_batch_size: int, sm_scale: float,
+                 out_dtype: torch.dtype):
+        super().__init__(cfg, block_size, shape, device)
+        from flashinfer_ext.block_meta import BlockMetaPool
+        from flashinfer_ext.psa_decode import PsaDecodeWrapper
+
+        k0 = token_to_kv_pool.get_key_buffer(0)
+        num_rows = -(-k0.shape[0] // block_size) + 1
+        self.meta = BlockMetaPool(shape.num_layers, num_rows, shape.num_kv_heads, shape.head_dim, block_size,
+                                  dtype=k0.dtype, device=device)
+        self.max_blocks_per_req = -(-req_to_token.shape[1] // block_size)
+        self.wrapper = PsaDecodeWrapper(
+            self.kernel_cfg, num_qo_heads=shape.num_qo_heads, num_kv_heads=shape.num_kv_heads,
+            head_dim=shape.head_dim, block_size=block_size, max_batch_size=max_batch_size,
+            max_blocks_per_req=self.max_blocks_per_req, device=device, sm_scale=sm_scale, out_dtype=out_dtype)
+        self.sm_scale = sm_scale
+        self._ext_start = self._ext_end = self._ext_rpi = self._ext_table = None
+        self._ext_max_new_blocks = 0
+
+    def meta_bytes(self) -> int:
+        return 3 * self.meta.kmin.numel() * self.meta.kmin.element_size()
+
+    def _block_table(self, backend, forward_batch, max_len: int) -> torch.Tensor:
+        from flashinfer_ext.block_meta import paged_block_table
+
+        width = max(1, -(-int(max_len) // self.block_size))
+        return paged_block_table(backend.req_to_token_pool.req_to_token, forward_batch.req_pool_indices,
+                                 self.block_size, width)
+
+    def begin_batch(self, backend, forward_batch) -> None:
+        mode = forward_batch.forward_mode
+        if mode.is_idle() or int(forward_batch.batch_size) == 0:
+            self.bs, self.sparse_batch, self.is_decode = 0, False, False
+            return
+        decode = mode.is_decode()
+        self._plan_rows(forward_batch, decode)
+        rtt = backend.req_to_token_pool.req_to_token
+        lens_host = forward_batch.seq_lens_cpu
+        max_len = int(lens_host.max())
+        table = self._block_table(backend, forward_batch, max_len)
+        if decode:
+            eps_dev = torch.where(self._sparse_host, self._eps_host, 1.0).to(self.device, non_blocking=True)
+            self.wrapper.plan(rtt, forward_batch.req_pool_indices, forward_batch.seq_lens.to(torch.int32), table,
+                              max_seq_len=max_len, epsilon=eps_dev)
+            return
+        # extend / mixed: the metadata of positions [prefix_len, seq_len) is folded in after each layer's write
+        prefix = forward_batch.extend_prefix_lens_cpu
+        ext = forward_batch.extend_seq_lens_cpu
+        prefix = list(prefix) if prefix is not None else [0] * self.bs
+        ends = [int(p) + int(e) for p, e in zip(prefix, ext)]
+        from flashinfer_ext.block_meta import blocks_touched
+
+        self._ext_max_new_blocks = blocks_touched(prefix, ends, self.block_size)
+        self._ext_start = torch.tensor(prefix, dtype=torch.int32).to(self.device, non_blocking=True)
+        self._ext_end = torch.tensor(ends, dtype=torch.int32).to(self.device, non_blocking=True)
+        self._ext_rpi = forward_batch.req_pool_indices
+        self._ext_table = table
+
+    def after_extend(self, backend, layer, forward_batch) -> None:
+        if self.bs == 0 or self.is_decode or self._ext_max_new_blocks == 0:
+            return
+        k_buf = backend.token_to_kv_pool.get_key_buffer(layer.layer_id)
+        self.meta.update(layer.layer_id, k_buf, backend.req_to_token_pool.req_to_token, self._ext_rpi,
+                         self._ext_table, self._ext_start, self._ext_end, self._ext_max_new_blocks)
+
+    def decode(self, backend, q, k, v, layer, forward_batch, save_kv_cache):
+        pool = backend.token_to_kv_pool
+        lid = layer.layer_id
+        if not self.sparse_batch:
+            o = backend._psa_base.forward_decode(backend, q, k, v, layer, forward_batch, save_kv_cache)
+            self.wrapper.update_meta_decode(pool.get_key_buffer(lid), *self.meta.layer(lid))
+            return o
+        if k is not None and save_kv_cache:
+            _write_kv(backend, pool, layer, forward_batch, k, v)
+        k_buf, v_buf = pool.get_key_buffer(lid), pool.get_value_buffer(lid)
+        kmin, kmax, kmean = self.meta.layer(lid)
+        self.wrapper.update_meta_decode(k_buf, kmin, kmax, kmean)
+        num_qo, d = layer.tp_q_head_num, layer.head_dim
+        o, _, nread = self.wrapper.run(q.reshape(-1, num_qo, d), k_buf, v_buf, kmin, kmax, kmean)
+        rows = self.step_rows
+        rows[:, COL_READ].add_(nread.sum(1, dtype=torch.float32))
+        rows[:, COL_KEPT].add_(self.wrapper.kept_est.sum(1))
+        return o.reshape(-1, num_qo * d)
+
+
+def _write_kv(backend, pool, layer, forward_batch, k, v) -> None:
+    """Write the decode token's K/V exactly as the stock FlashInfer backend does."""
+    from sglang.srt.mem_cache.memory_pool import KVWriteLoc
+
+    swa = getattr(getattr(backend, "forward_metadata", None), "swa_out_cache_loc", None)
+    scales = backend._kv_write_scales(layer) if hasattr(backend, "_kv_write_scales") else (layer.k_scale, layer.v_scale)
+    pool.set_kv_buffer(layer, KVWriteLoc(forward_batch.out_cache_loc, swa), k, v, *scales)
