@@ -4,11 +4,14 @@
 #
 #   bash scripts/gpu_session.sh foundation   # gpu_check.sh: server with flashinfer, chat, pytest -m gpu
 #   bash scripts/gpu_session.sh bench        # dense harness baseline + PSA kernel benchmark
+#   bash scripts/gpu_session.sh psa_tests    # pytest -m gpu (kernels + the psa server on FlashInfer)
+#   bash scripts/gpu_session.sh psa_bench    # PSA kernel benchmark + harness fidelity off vs psa
+#   bash scripts/gpu_session.sh psa_load     # SGLang serving benchmark, off vs psa, long inputs
 #
 # Reports land in /tmp/gpu_reports/<part>/ and are packed into $OUT/<part>_reports.tgz
 # (the device returns at most 8 files from $OUT); each part's log is also copied to $OUT.
 set -uo pipefail
-part=${1:?usage: gpu_session.sh foundation|bench}
+part=${1:?usage: gpu_session.sh foundation|bench|psa_tests|psa_bench|psa_load}
 out=${OUT:-$PWD/gpu_out}
 rep=/tmp/gpu_reports/$part
 mkdir -p "$out" "$rep"
@@ -39,6 +42,26 @@ case $part in
       step psa_decode timeout "${PSA_BENCH_TIMEOUT:-300}" python3 bench/psa_decode_bench.py --out "$rep" ${PSA_BENCH_ARGS:-}
     fi
     bash /tmp/kit/device.sh save-cache || true   # kernels compiled here -> $OUT/kcache_N.tgz
+    ;;
+  psa_tests)
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$rep/gpu.txt"
+    step pytest_gpu timeout "${PSA_TEST_TIMEOUT:-420}" python3 -m pytest -m gpu -q -p no:cacheprovider -rA \
+        --junitxml="$rep/junit_gpu.xml" tests
+    bash /tmp/kit/device.sh save-cache || true
+    ;;
+  psa_bench)
+    step psa_decode timeout "${PSA_BENCH_TIMEOUT:-240}" python3 bench/psa_decode_bench.py --out "$rep" ${PSA_BENCH_ARGS:-}
+    step harness_psa timeout "${PSA_HARNESS_TIMEOUT:-300}" python3 -m bench.run_harness --preset "${BENCH_PRESET:-full}" \
+        --modes off,psa --sparse-config "psa={\"min_context\": ${PSA_MIN_CONTEXT:-256}}" --device cuda \
+        --python python3 --model "$KIT_MODEL" --port 30000 --out "$rep/gpu_psa" \
+        --server-args "--attention-backend flashinfer --page-size 16"
+    step psa_fidelity python3 -m bench.psa_fidelity --run "$rep/gpu_psa" --out "$rep/psa_fidelity.json"
+    ;;
+  psa_load)
+    step load_psa timeout "${PSA_LOAD_TIMEOUT:-420}" python3 -m bench.load --modes off,psa --device cuda \
+        --python python3 --model "$KIT_MODEL" --port 30001 --concurrency "${BENCH_LOAD_CONCURRENCY:-1,8,32}" \
+        --input-len "${PSA_LOAD_INPUT:-6000}" --output-len 128 --out "$rep/gpu_load_psa" \
+        --sparse-config "psa={\"min_context\": 2048}" --server-args "--attention-backend flashinfer --page-size 16"
     ;;
   *) say "unknown part $part"; exit 2 ;;
 esac

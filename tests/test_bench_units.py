@@ -130,3 +130,28 @@ def test_report_headline_and_fidelity(tmp_path):
     b = json.loads((tmp_path / "baseline_dense.json").read_text())
     assert b == {"gpu": "none", "model": "m", "dtype": "bfloat16", "tasks": 6,
                  "accuracy_by_position": {"begin": 0.5, "middle": 1.0, "end": 1.0}}
+
+
+def test_psa_fidelity_figures_are_ratios_computed_from_the_run():
+    import json
+    from pathlib import Path
+
+    from bench.psa_fidelity import fidelity_figures
+
+    summary = json.loads((Path(__file__).parents[1] / "bench/results/cpu_tiny_off_vs_psa/summary.json").read_text())
+    figs = fidelity_figures(summary)
+    dense = summary["modes"]["off"]["headline"]["accuracy_by_position"]
+    sparse = summary["modes"]["psa"]["headline"]["accuracy_by_position"]
+    for pos in ("begin", "middle", "end"):
+        assert figs["accuracy_ratio_by_position"][pos] == sparse[pos] / dense[pos]
+    assert figs["output_agreement"] == summary["modes"]["psa"]["fidelity"]["reply_exact"]
+    assert figs["gpu"] == summary["meta"]["gpu"]
+
+
+def test_kept_mass_reads_the_chat_summary_and_the_generate_step_rows():
+    from bench.client import kept_mass
+
+    assert kept_mass({"sparse": {"kept_mass": 0.97}}) == 0.97
+    rows = [[0, 0, 0, 0, 0, 0.95], [1, 3, 10, 1.9, 2, 0.95], [1, 3, 10, 1.7, 2, 0.95]]
+    assert abs(kept_mass({"sparse_psa_steps": rows}) - 0.9) < 1e-9
+    assert kept_mass({}) is None and kept_mass(None) is None

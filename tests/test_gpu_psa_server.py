@@ -1,0 +1,119 @@
+"""Contract (GPU): `--sparse psa` serves through stock SGLang's FlashInfer backend on CUDA — below
+`min_context` its greedy output equals `--sparse off` on the same backend and page size; above it
+decode is sparse (fewer blocks read than dense, counted per request in the response and by the
+scheduler), still retrieves a planted fact, honours per-request epsilon, and leaves SGLang's idle
+KV-leak check silent."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import requests
+from pydoc_data.topics import topics
+
+from bench.server import Server, ServerSpec
+from tests.serverproc import DEFAULT_MODEL, free_port
+from tests.test_server_e2e import PROMPT
+
+pytestmark = [pytest.mark.gpu, pytest.mark.server]
+
+MIN_CONTEXT = 512
+ARGS = ["--attention-backend", "flashinfer", "--mem-fraction-static", "0.2", "--enable-metrics"]
+
+
+def _server(mode, log, sparse_config=None, extra=()):
+    spec = ServerSpec(python=sys.executable, model=str(DEFAULT_MODEL), device="cuda", port=free_port(),
+                      mode=mode, sparse_config=sparse_config, extra_args=ARGS + list(extra))
+    return Server(spec, log, timeout_s=600).start()
+
+
+@pytest.fixture(scope="module")
+def gpu_servers(tmp_path_factory):
+    d = tmp_path_factory.mktemp("gpu_psa")
+    # same page size on both sides: psa on CUDA uses the page as its block (16)
+    dense = _server("off", d / "off.log", extra=("--page-size", "16"))
+    try:
+        sparse = _server("psa", d / "psa.log", sparse_config=f'{{"min_context": {MIN_CONTEXT}}}')
+    except Exception:
+        dense.stop()
+        raise
+    try:
+        yield dense, sparse, d
+    finally:
+        sparse.stop()
+        dense.stop()
+
+
+def _chat(server, content, max_tokens, **extra):
+    r = requests.post(server.url + "/v1/chat/completions", timeout=300, json={
+        "model": "default", "messages": [{"role": "user", "content": content}],
+        "max_tokens": max_tokens, "temperature": 0, **extra})
+    r.raise_for_status()
+    return r.json()
+
+
+def _long_prompt(n_chars=6000):
+    text = topics["assignment"][:n_chars]
+    half = len(text) // 2
+    return (f"Read this text.\n\n{text[:half]}\n\nThe secret number is 4817.\n\n{text[half:]}\n\n"
+            "What is the secret number? Answer with the number only.")
+
+
+def test_gpu_psa_reports_its_backend_and_page(gpu_servers):
+    _, sparse, _ = gpu_servers
+    info = sparse.server_info()
+    state = info["internal_states"][0]["sparse"]
+    assert state["mode"] == "psa" and state["attention_backend"] == "PsaFlashInferAttnBackend"
+    assert info["page_size"] == 16
+
+
+def test_gpu_psa_below_min_context_equals_dense(gpu_servers):
+    dense, sparse, _ = gpu_servers
+    a = _chat(sparse, PROMPT[0]["content"], 32)
+    b = _chat(dense, PROMPT[0]["content"], 32)
+    assert a["usage"]["prompt_tokens"] < MIN_CONTEXT
+    assert a["choices"][0]["message"]["content"] == b["choices"][0]["message"]["content"]
+    assert a["metadata"]["sparse"]["sparse_decode_steps"] == 0
+
+
+def test_gpu_psa_above_min_context_reads_fewer_blocks_and_retrieves_the_fact(gpu_servers):
+    dense, sparse, _ = gpu_servers
+    r = _chat(sparse, _long_prompt(), 16)
+    d = _chat(dense, _long_prompt(), 16)
+    assert r["usage"]["prompt_tokens"] > MIN_CONTEXT
+    rep = r["metadata"]["sparse"]
+    print("psa report:", rep, "| sparse:", r["choices"][0]["message"]["content"],
+          "| dense:", d["choices"][0]["message"]["content"])
+    assert rep["sparse_decode_steps"] == r["usage"]["completion_tokens"] - 1 > 0
+    assert 0 < rep["blocks_read"] < rep["blocks_total"] and 0.5 < rep["kept_mass"] <= 1.0 + 1e-6
+    if "4817" in d["choices"][0]["message"]["content"]:
+        assert "4817" in r["choices"][0]["message"]["content"]
+    stats = sparse.server_info()["internal_states"][0]["sparse"]["stats"]
+    assert stats["blocks_read"] >= rep["blocks_read"] and stats["sparse_rows"] >= rep["sparse_decode_steps"]
+
+
+def test_gpu_psa_per_request_epsilon_one_is_dense_and_matches_off(gpu_servers):
+    dense, sparse, _ = gpu_servers
+    a = _chat(sparse, _long_prompt(), 24, custom_params={"sparse": {"epsilon": 1.0}})
+    b = _chat(dense, _long_prompt(), 24)
+    assert a["metadata"]["sparse"]["sparse_decode_steps"] == 0
+    assert a["choices"][0]["message"]["content"] == b["choices"][0]["message"]["content"]
+    lo = _chat(sparse, _long_prompt(), 8, custom_params={"sparse": {"epsilon": 0.6}})["metadata"]["sparse"]
+    hi = _chat(sparse, _long_prompt(), 8, custom_params={"sparse": {"epsilon": 0.99}})["metadata"]["sparse"]
+    assert lo["epsilon"] == 0.6 and hi["epsilon"] == 0.99
+    assert hi["blocks_read"] >= lo["blocks_read"] > 0
+
+
+def test_gpu_psa_concurrent_mixed_batch_serves_every_request(gpu_servers):
+    from concurrent.futures import ThreadPoolExecutor
+
+    _, sparse, d = gpu_servers
+    prompts = [PROMPT[0]["content"], _long_prompt(3000), _long_prompt(6000), _long_prompt(9000)] * 4
+    with ThreadPoolExecutor(16) as ex:
+        outs = list(ex.map(lambda p: _chat(sparse, p, 24), prompts))
+    assert all(o["choices"][0]["message"]["content"] for o in outs)
+    reps = [o["metadata"]["sparse"] for o in outs]
+    assert any(r["sparse_decode_steps"] > 0 for r in reps) and any(r["sparse_decode_steps"] == 0 for r in reps)
+    log = (d / "psa.log").read_text(errors="replace").lower()
+    assert "leak" not in log and "traceback" not in log
