@@ -74,11 +74,19 @@ def _attn_shape(model_runner) -> AttnShape:
                      num_kv_heads=int(mc.get_num_kv_heads(tp)), head_dim=int(mc.head_dim))
 
 
+RUNNER_ENV = "SPARSE_PSA_RUNNER"
+"""``kernel`` runs the GPU runner's code (metadata pool + Triton kernels) on a CPU server too, through
+Triton's interpreter (the scheduler process must have ``TRITON_INTERPRET=1``): a test switch that lets
+CI drive the GPU path end to end, slowly. Unset: the device decides."""
+
+
 def make_runner(config: PsaConfig, page_size: int, model_runner):
     """The device's runner: CUDA (metadata pool + Triton/FlashInfer kernels) or CPU (fp32 reference)."""
+    import os
+
     device = torch.device(model_runner.device) if isinstance(model_runner.device, str) else model_runner.device
     shape = _attn_shape(model_runner)
-    if device.type == "cuda":
+    if device.type == "cuda" or os.environ.get(RUNNER_ENV) == "kernel":
         if page_size != config.block_size:
             raise RuntimeError(f"sglang-sparse psa on CUDA needs --page-size == block_size ({config.block_size}); "
                                f"got page size {page_size}")
