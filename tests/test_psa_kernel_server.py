@@ -1,0 +1,68 @@
+"""Contract (CPU, Triton interpreter): the GPU runner's code path of `--sparse psa` — block metadata
+pool kept current on every KV write, page = block, criticality + ranking + progressive decode
+kernels — serves end to end through the stock server: below `min_context` the answer equals
+`--sparse off`, above it decode reads fewer blocks and the per-request report adds up.
+(`SPARSE_PSA_RUNNER=kernel` selects that runner on CPU; the interpreter makes it slow, so the
+requests are short.)"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import requests
+
+from tests.serverproc import start_cpu_server
+from tests.test_psa_server import _long_prompt
+from tests.test_server_e2e import PROMPT
+
+pytestmark = pytest.mark.server
+
+MIN_CONTEXT = 256
+
+
+@pytest.fixture(scope="module")
+def kernel_server(default_model, tmp_path_factory):
+    log = tmp_path_factory.mktemp("psa_kernel") / "server.log"
+    saved = {k: os.environ.get(k) for k in ("SPARSE_PSA_RUNNER", "TRITON_INTERPRET")}
+    os.environ.update(SPARSE_PSA_RUNNER="kernel", TRITON_INTERPRET="1")
+    try:
+        handle = start_cpu_server(default_model, log, mode="psa",
+                                  sparse_config=f'{{"min_context": {MIN_CONTEXT}}}',
+                                  extra_args=("--page-size", "16", "--max-running-requests", "4"))
+    finally:
+        for k, v in saved.items():
+            os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
+    try:
+        yield handle, log
+    finally:
+        handle.stop()
+
+
+def _chat(server, content, max_tokens, **extra):
+    r = requests.post(server.url + "/v1/chat/completions", timeout=600, json={
+        "model": "default", "messages": [{"role": "user", "content": content}],
+        "max_tokens": max_tokens, "temperature": 0, **extra})
+    r.raise_for_status()
+    return r.json()
+
+
+def test_kernel_runner_below_min_context_equals_dense(kernel_server, cpu_server):
+    server, log = kernel_server
+    assert "block metadata" in log.read_text()  # the kernel runner, not the reference
+    a = _chat(server, PROMPT[0]["content"], 12)
+    b = _chat(cpu_server, PROMPT[0]["content"], 12)
+    assert a["usage"]["prompt_tokens"] < MIN_CONTEXT
+    assert a["choices"][0]["message"]["content"] == b["choices"][0]["message"]["content"]
+    assert a["metadata"]["sparse"]["sparse_decode_steps"] == 0
+
+
+def test_kernel_runner_above_min_context_decodes_sparsely(kernel_server):
+    server, _ = kernel_server
+    r = _chat(server, _long_prompt(), 4, custom_params={"sparse": {"epsilon": 0.9}})
+    rep = r["metadata"]["sparse"]
+    assert r["usage"]["prompt_tokens"] > MIN_CONTEXT
+    assert rep["epsilon"] == 0.9 and rep["sparse_decode_steps"] == r["usage"]["completion_tokens"] - 1 > 0
+    assert 0 < rep["blocks_read"] < rep["blocks_total"] and 0.5 < rep["kept_mass"] <= 1.0 + 1e-6
+    d = _chat(server, _long_prompt(), 4, custom_params={"sparse": {"epsilon": 1.0}})
+    assert d["metadata"]["sparse"]["sparse_decode_steps"] == 0
