@@ -5,8 +5,10 @@ Supports: the cuboid upper bound ``sum_d max(q_d*min_d, q_d*max_d)`` (computed a
 head's group, combined by ``max`` or ``sum`` over the group (never an average of the
 query heads); sink and local blocks forced to ``+inf`` so a descending sort puts them
 first, blocks past a request's end ``-inf``. One Triton launch; ranking is a device
-``torch.sort`` into preallocated outputs (no host sync). :func:`bound_suffix` turns the
-sorted scores into the base-2 log of the remaining-mass upper bound
+``torch.sort`` into preallocated outputs (no host sync), of the fp32 scores or of
+order-preserving int16 keys the kernel can write beside them (a 2-pass radix sort; ties
+within a bf16 step of the score rank arbitrarily). :func:`bound_suffix` turns the
+scores in rank order into the base-2 log of the remaining-mass upper bound
 ``sum_{j >= e} block_size * 2^(scale_log2 * s_j)`` at every rank ``e`` (one program per
 (request, KV head), a reverse log-space cumulative sum in tiles).
 
@@ -14,8 +16,8 @@ Cautions: scores are in raw ``q.k`` units (no softmax scale; ranking is invarian
 it). ``head_dim`` and the group size are padded to powers of two inside the kernel.
 The bound suffix is a true upper bound on the unread softmax numerator only for the
 cuboid score with group ``max`` (partial blocks are counted as full: conservative).
-The full sort of every score is kept for simplicity; at 128k context it costs a few
-tens of microseconds per layer (a partial selection would save part of it).
+Every score is sorted (no partial selection); at 128k context, batch 8, the int16
+sort costs a few tens of microseconds per layer.
 """
 
 from __future__ import annotations
@@ -34,11 +36,11 @@ def _criticality_kernel(
     q_ptr, stride_qb, stride_qh,
     kmin_ptr, kmax_ptr, kmean_ptr, stride_m_row, stride_m_head,
     block_table_ptr, stride_bt, seq_lens_ptr,
-    scores_ptr, stride_sb, stride_sh,
+    scores_ptr, stride_sb, stride_sh, keys_ptr,
     num_cols, sink_blocks, local_blocks,
-    NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, G_PAD: tl.constexpr,
+    NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE_B: tl.constexpr,
-    CUBOID: tl.constexpr, REDUCE_MAX: tl.constexpr,
+    CUBOID: tl.constexpr, REDUCE_MAX: tl.constexpr, WRITE_KEYS: tl.constexpr,
 ):
     pid = tl.program_id(0)
     r = pid // NUM_KV_HEADS
@@ -49,38 +51,46 @@ def _criticality_kernel(
     in_cols = b < num_cols
     valid = b < n_blocks
     rows = tl.load(block_table_ptr + r.to(tl.int64) * stride_bt + b, mask=valid, other=0).to(tl.int64)
-
-    g = tl.arange(0, G_PAD)
     d = tl.arange(0, D_PAD)
-    gmask = g < GROUP
     dmask = d < HEAD_DIM
-    q = tl.load(q_ptr + r.to(tl.int64) * stride_qb + (h * GROUP + g)[:, None] * stride_qh + d[None, :],
-                mask=gmask[:, None] & dmask[None, :], other=0.0).to(tl.float32)  # [G_PAD, D_PAD]
     m_off = rows[:, None] * stride_m_row + h * stride_m_head + d[None, :]
     m_mask = valid[:, None] & dmask[None, :]
     if CUBOID:
         mx = tl.load(kmax_ptr + m_off, mask=m_mask, other=0.0).to(tl.float32)  # [TILE_B, D_PAD]
         mn = tl.load(kmin_ptr + m_off, mask=m_mask, other=0.0).to(tl.float32)
-        qp = tl.maximum(q, 0.0)
-        qn = tl.minimum(q, 0.0)
-        ub = tl.sum(qp[:, None, :] * mx[None, :, :] + qn[:, None, :] * mn[None, :, :], axis=2)
     else:
         me = tl.load(kmean_ptr + m_off, mask=m_mask, other=0.0).to(tl.float32)
-        ub = tl.sum(q[:, None, :] * me[None, :, :], axis=2)  # [G_PAD, TILE_B]
+    q_row = q_ptr + r.to(tl.int64) * stride_qb + (h * GROUP) * stride_qh
     if REDUCE_MAX:
-        s = tl.max(tl.where(gmask[:, None], ub, float("-inf")), axis=0)
+        s = tl.full([TILE_B], float("-inf"), tl.float32)
     else:
-        s = tl.sum(tl.where(gmask[:, None], ub, 0.0), axis=0)
+        s = tl.zeros([TILE_B], tl.float32)
+    for gi in tl.static_range(GROUP):  # one query head of the group at a time: 2D tiles only
+        qg = tl.load(q_row + gi * stride_qh + d, mask=dmask, other=0.0).to(tl.float32)
+        if CUBOID:
+            ub = tl.sum(tl.maximum(qg, 0.0)[None, :] * mx + tl.minimum(qg, 0.0)[None, :] * mn, axis=1)
+        else:
+            ub = tl.sum(qg[None, :] * me, axis=1)
+        if REDUCE_MAX:
+            s = tl.maximum(s, ub)
+        else:
+            s = s + ub
     forced = (b < sink_blocks) | (b >= n_blocks - local_blocks)
     s = tl.where(forced, float("inf"), s)
     s = tl.where(valid, s, float("-inf"))
-    tl.store(scores_ptr + r.to(tl.int64) * stride_sb + h * stride_sh + b, s, mask=in_cols)
+    off = r.to(tl.int64) * stride_sb + h * stride_sh + b
+    tl.store(scores_ptr + off, s, mask=in_cols)
+    if WRITE_KEYS:  # order-preserving int16 sort key: the top 16 bits of the fp32 (bf16 truncation)
+        bits = s.to(tl.int32, bitcast=True) >> 16
+        key = bits ^ ((bits >> 15) & 0x7FFF)
+        tl.store(keys_ptr + off, key.to(tl.int16), mask=in_cols)
 
 
 def block_criticality(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, kmean: torch.Tensor,
                       block_table: torch.Tensor, seq_lens: torch.Tensor, scores_out: torch.Tensor, *,
                       block_size: int, sink_blocks: int, local_blocks: int,
-                      criticality: str = "cuboid", group_reduce: str = "max") -> torch.Tensor:
+                      criticality: str = "cuboid", group_reduce: str = "max",
+                      keys_out: torch.Tensor | None = None) -> torch.Tensor:
     """Score every block of every request for every KV head.
 
     Args:
@@ -89,6 +99,8 @@ def block_criticality(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, k
       block_table: ``[batch, >= num_cols]`` int32 logical block -> meta row.
       seq_lens: ``[batch]`` int32 tokens per request (incl. the current one).
       scores_out: ``[batch, num_kv_heads, num_cols]`` fp32, written (last dim contiguous).
+      keys_out: optional int16 tensor with ``scores_out``'s shape and strides: an order-preserving
+        16-bit key of each score (bf16 truncation), for a 2-pass radix sort (:func:`rank_blocks`).
 
     Returns ``scores_out``. One launch, no allocation.
     """
@@ -101,40 +113,47 @@ def block_criticality(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, k
     if batch == 0 or num_cols == 0:
         return scores_out
     assert q.stride(2) == 1 and kmin.stride(2) == 1 and scores_out.stride(2) == 1
-    g_pad = triton.next_power_of_2(group)
+    if keys_out is not None:
+        assert keys_out.dtype == torch.int16 and keys_out.stride() == scores_out.stride()
     d_pad = triton.next_power_of_2(head_dim)
-    tile_b = max(1, min(64, 4096 // (g_pad * d_pad)))
+    tile_b = max(16, min(128, 8192 // d_pad))
     grid = (batch * num_kv_heads, triton.cdiv(num_cols, tile_b))
     _criticality_kernel[grid](
         q, q.stride(0), q.stride(1),
         kmin, kmax, kmean, kmin.stride(0), kmin.stride(1),
         block_table, block_table.stride(0), seq_lens,
         scores_out, scores_out.stride(0), scores_out.stride(1),
+        keys_out if keys_out is not None else scores_out,
         num_cols, sink_blocks, local_blocks,
-        NUM_KV_HEADS=num_kv_heads, GROUP=group, G_PAD=g_pad, HEAD_DIM=head_dim, D_PAD=d_pad,
+        NUM_KV_HEADS=num_kv_heads, GROUP=group, HEAD_DIM=head_dim, D_PAD=d_pad,
         BLOCK_SIZE=block_size, TILE_B=tile_b,
-        CUBOID=criticality == "cuboid", REDUCE_MAX=group_reduce == "max",
+        CUBOID=criticality == "cuboid", REDUCE_MAX=group_reduce == "max", WRITE_KEYS=keys_out is not None,
+        num_warps=8 if tile_b * d_pad >= 8192 else 4,
     )
     return scores_out
 
 
-def rank_blocks(scores: torch.Tensor, sorted_out: torch.Tensor, order_out: torch.Tensor) -> torch.Tensor:
-    """Descending rank order of ``scores`` ``[batch, num_kv_heads, num_cols]`` into ``order_out`` (int64).
+def rank_blocks(keys: torch.Tensor, sorted_out: torch.Tensor, order_out: torch.Tensor) -> torch.Tensor:
+    """Descending rank order of ``keys`` ``[batch, num_kv_heads, num_cols]`` into ``order_out`` (int64).
 
-    Device sort into preallocated, contiguous outputs; forced blocks (``+inf``) come first,
-    blocks past the end (``-inf``) last.
+    ``keys``: the fp32 scores, or their int16 keys from :func:`block_criticality` (``keys_out``: a
+    2-pass instead of a 4-pass radix sort; ties within a bf16 step of the score rank arbitrarily).
+    Device sort into preallocated, contiguous outputs; forced blocks (``+inf``) come first, blocks
+    past the end (``-inf``) last.
     """
-    torch.sort(scores, dim=-1, descending=True, out=(sorted_out, order_out))
+    torch.sort(keys, dim=-1, descending=True, out=(sorted_out, order_out))
     return order_out
 
 
 @triton.jit
-def _bound_suffix_kernel(sorted_ptr, stride_sb, stride_sh, out_ptr, stride_ob, stride_oh, num_cols,
-                         scale_log2, log2_block, NUM_KV_HEADS: tl.constexpr, TILE: tl.constexpr):
+def _bound_suffix_kernel(scores_ptr, order_ptr, stride_sb, stride_sh, out_ptr, stride_ob, stride_oh, num_cols,
+                         scale_log2, log2_block, NUM_KV_HEADS: tl.constexpr, TILE: tl.constexpr,
+                         GATHER: tl.constexpr):
     pid = tl.program_id(0)
     r = (pid // NUM_KV_HEADS).to(tl.int64)
     h = pid % NUM_KV_HEADS
-    s_row = sorted_ptr + r * stride_sb + h * stride_sh
+    s_row = scores_ptr + r * stride_sb + h * stride_sh
+    ord_row = order_ptr + r * stride_sb + h * stride_sh
     o_row = out_ptr + r * stride_ob + h * stride_oh
     tl.store(o_row + num_cols, float("-inf"))
     run = tl.full([1], float("-inf"), tl.float32)  # log2 suffix sum past the current tile
@@ -142,7 +161,11 @@ def _bound_suffix_kernel(sorted_ptr, stride_sb, stride_sh, out_ptr, stride_ob, s
     for it in range(0, n_tiles):
         start = (n_tiles - 1 - it) * TILE
         j = start + tl.arange(0, TILE)
-        s = tl.load(s_row + j, mask=j < num_cols, other=float("-inf"))
+        if GATHER:
+            idx = tl.load(ord_row + j, mask=j < num_cols, other=0)
+        else:
+            idx = j
+        s = tl.load(s_row + idx, mask=j < num_cols, other=float("-inf"))
         x = tl.where(s == float("inf"), float("-inf"), s * scale_log2 + log2_block)  # forced blocks excluded
         mx = tl.maximum(tl.max(x, axis=0), tl.max(run, axis=0))
         mxs = tl.where(mx == float("-inf"), 0.0, mx)
@@ -152,25 +175,29 @@ def _bound_suffix_kernel(sorted_ptr, stride_sb, stride_sh, out_ptr, stride_ob, s
         run = tl.full([1], 0.0, tl.float32) + tl.max(tl.where(j == start, suf, float("-inf")), axis=0)
 
 
-def bound_suffix(sorted_scores: torch.Tensor, suffix_out: torch.Tensor, *, sm_scale: float, block_size: int,
-                 tile: int = 1024) -> torch.Tensor:
+def bound_suffix(scores: torch.Tensor, suffix_out: torch.Tensor, *, sm_scale: float, block_size: int,
+                 order: torch.Tensor | None = None, tile: int = 4096) -> torch.Tensor:
     """Base-2 log of the remaining-mass upper bound at every rank.
 
     Args:
-      sorted_scores: ``[batch, num_kv_heads, num_cols]`` fp32 descending (cuboid, group max; ``+inf``
-        forced blocks first, ``-inf`` past the end), last dim contiguous.
+      scores: ``[batch, num_kv_heads, num_cols]`` fp32 cuboid scores (group max; ``+inf`` forced, ``-inf``
+        past the end), last dim contiguous: in rank order, or in block order with ``order`` given.
       suffix_out: ``[batch, num_kv_heads, >= num_cols + 1]`` fp32; entry ``e`` =
-        ``log2 sum_{j >= e, s_j finite} block_size * exp(sm_scale * s_j)`` (``-inf`` when empty).
+        ``log2 sum_{j >= e, s_j finite} block_size * exp(sm_scale * s_j)`` over ranks (``-inf`` when empty).
+      order: optional ``[batch, num_kv_heads, num_cols]`` int64 rank -> block (same strides as ``scores``).
 
     One launch over ``batch * num_kv_heads`` programs; no allocation.
     """
-    batch, num_kv_heads, num_cols = sorted_scores.shape
+    batch, num_kv_heads, num_cols = scores.shape
     if batch == 0:
         return suffix_out
-    assert sorted_scores.stride(2) == 1 and suffix_out.stride(2) == 1 and suffix_out.shape[2] >= num_cols + 1
+    assert scores.stride(2) == 1 and suffix_out.stride(2) == 1 and suffix_out.shape[2] >= num_cols + 1
+    if order is not None:
+        assert order.stride() == scores.stride()
     _bound_suffix_kernel[(batch * num_kv_heads,)](
-        sorted_scores, sorted_scores.stride(0), sorted_scores.stride(1),
+        scores, order if order is not None else scores, scores.stride(0), scores.stride(1),
         suffix_out, suffix_out.stride(0), suffix_out.stride(1), num_cols,
         float(sm_scale) / math.log(2.0), math.log2(block_size),
-        NUM_KV_HEADS=num_kv_heads, TILE=min(tile, triton.next_power_of_2(max(num_cols, 16))))
+        NUM_KV_HEADS=num_kv_heads, TILE=min(tile, triton.next_power_of_2(max(num_cols, 16))),
+        GATHER=order is not None, num_warps=8 if num_cols >= 2048 else 4)
     return suffix_out

@@ -43,7 +43,7 @@ def _chunk_kernel(
     q_ptr, stride_qb, stride_qh,
     k_ptr, stride_k_slot, stride_k_head, v_ptr, stride_v_slot, stride_v_head,
     rtt_ptr, stride_rtt, rpi_ptr, seq_lens_ptr,
-    order_ptr, sorted_ptr, stride_ob, stride_oh, list_lens_ptr, n_forced_ptr, ends_ptr, done_ptr,
+    order_ptr, scores_ptr, stride_ob, stride_oh, list_lens_ptr, n_forced_ptr, ends_ptr, done_ptr,
     po_ptr, plse_ptr, pmin_ptr, pdmax_ptr, wmax,
     chunk0, n_chunks, sm_scale_log2, log2_block,
     NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, G_PAD: tl.constexpr,
@@ -70,7 +70,7 @@ def _chunk_kernel(
     rpi = tl.load(rpi_ptr + r).to(tl.int64)
     rtt_row = rtt_ptr + rpi * stride_rtt
     order_row = order_ptr + r64 * stride_ob + h * stride_oh
-    sorted_row = sorted_ptr + r64 * stride_ob + h * stride_oh
+    scores_row = scores_ptr + r64 * stride_ob + h * stride_oh
     g = tl.arange(0, G_PAD)
     d = tl.arange(0, D_PAD)
     gmask = g < GROUP
@@ -117,7 +117,7 @@ def _chunk_kernel(
         pb = tl.sum(tl.reshape(p, (G_PAD, SUB, BLOCK_SIZE)), axis=2)  # [G_PAD, SUB]
         lm = tl.log2(tl.maximum(pb, 1e-30)) + m_safe[:, None]
         lmin = tl.minimum(lmin, tl.min(tl.where(full[None, :], lm, float("inf")), axis=1))
-        bnd = tl.load(sorted_row + ranks, mask=in_rank, other=0.0) * sm_scale_log2 + log2_block
+        bnd = tl.load(scores_row + lb, mask=in_rank, other=0.0) * sm_scale_log2 + log2_block
         dmax = tl.maximum(dmax, tl.max(tl.where(in_rank[None, :], lm - bnd[None, :], float("-inf")), axis=1))
 
     has = l_i > 0.0
@@ -132,7 +132,7 @@ def _chunk_kernel(
     tl.store(pdmax_ptr + base * GROUP + g, dmax, mask=gm)
 
 
-def psa_chunk_attention(q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, order, sorted_scores,
+def psa_chunk_attention(q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, order, scores,
                         list_lens, n_forced, chunk_ends, done, partials, *, chunk0: int, n_chunks: int,
                         block_size: int, sm_scale: float, check_done: bool, tile_tokens: int = 64) -> None:
     """Attend chunks ``[chunk0, chunk0 + n_chunks)`` of every (request, KV head); one launch.
@@ -140,8 +140,8 @@ def psa_chunk_attention(q, k_buffer, v_buffer, req_to_token, req_pool_indices, s
     Args:
       q: ``[batch, num_qo_heads, head_dim]``; k_buffer, v_buffer: ``[num_slots, num_kv_heads, head_dim]``.
       req_to_token: ``[max_reqs, max_context_len]`` int32; req_pool_indices, seq_lens: ``[batch]`` int32.
-      order: ``[batch, num_kv_heads, num_cols]`` int64 rank -> logical block; sorted_scores: same shape
-        and strides, fp32 scores in rank order.
+      order: ``[batch, num_kv_heads, num_cols]`` int64 rank -> logical block; scores: same shape
+        and strides, fp32 criticality scores in block order.
       list_lens: ``[batch, num_kv_heads]`` int32 (contiguous) ranks that may be read; n_forced: ``[batch]`` int32.
       chunk_ends: int32 device ``[>= chunk0 + n_chunks]`` = ``[0] + ranked_chunk_ends(...)``.
       done: ``[batch, num_kv_heads]`` int32 (read only when ``check_done``).
@@ -155,14 +155,14 @@ def psa_chunk_attention(q, k_buffer, v_buffer, req_to_token, req_pool_indices, s
         return
     po, plse, pmin, pdmax = partials
     assert q.stride(2) == 1 and k_buffer.stride(2) == 1 and v_buffer.stride(2) == 1
-    assert order.stride() == sorted_scores.stride() and order.stride(2) == 1 and list_lens.is_contiguous()
+    assert order.stride() == scores.stride() and order.stride(2) == 1 and list_lens.is_contiguous()
     assert po.shape[1] >= n_chunks and po.shape[2] == group and po.shape[3] == head_dim
     sub = max(1, triton.next_power_of_2(max(tile_tokens, 16)) // block_size)
     _chunk_kernel[(batch * num_kv_heads * n_chunks,)](
         q, q.stride(0), q.stride(1),
         k_buffer, k_buffer.stride(0), k_buffer.stride(1), v_buffer, v_buffer.stride(0), v_buffer.stride(1),
         req_to_token, req_to_token.stride(0), req_pool_indices, seq_lens,
-        order, sorted_scores, order.stride(0), order.stride(1), list_lens, n_forced, chunk_ends, done,
+        order, scores, order.stride(0), order.stride(1), list_lens, n_forced, chunk_ends, done,
         po, plse, pmin, pdmax, po.shape[1],
         chunk0, n_chunks, float(sm_scale) / math.log(2.0), math.log2(block_size),
         NUM_KV_HEADS=num_kv_heads, GROUP=group, G_PAD=max(16, triton.next_power_of_2(group)),

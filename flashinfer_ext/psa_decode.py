@@ -8,7 +8,9 @@ criticality bound explicitly, bf16/fp16, a per-request epsilon (a row with
 ``epsilon >= 1`` attends every block of its context: the dense result).
 
 Per layer, :meth:`PsaDecodeWrapper.run` launches a fixed sequence of device ops:
-criticality (Triton) -> descending device sort -> remaining-mass bound suffix (Triton;
+criticality (Triton; fp32 scores + int16 sort keys) -> ranking (:mod:`flashinfer_ext.rank_select`:
+exact top-``sorted_prefix_blocks`` then block order; or a full device sort) ->
+remaining-mass bound suffix (Triton;
 'bound'/'calibrated' estimators only) -> for each *wave* of the host plan: chunk
 attention (:mod:`flashinfer_ext.psa_chunks`, one program per (request, KV head, chunk),
 pairs already done exit at once) + merge with the stop test chunk by chunk
@@ -38,6 +40,7 @@ from .block_meta import update_block_meta
 from .config import PsaDecodeConfig
 from .criticality import block_criticality, bound_suffix, rank_blocks
 from .psa_chunks import plan_waves, psa_chunk_attention
+from .rank_select import rank_select
 from .wave_merge import wave_merge
 
 __all__ = ["PsaDecodeWrapper"]
@@ -94,8 +97,11 @@ class PsaDecodeWrapper:
         self._list_lens_buf = torch.zeros(mb, hk, **i32)
         self._block_table_buf = torch.zeros(mb, cols, **i32)
         self._scores_buf = torch.empty(n, **f32)
-        self._sorted_buf = torch.empty(n, **f32)
+        self._keys_buf = torch.empty(n, dtype=torch.int16, device=dev)
+        self._sorted_keys_buf = torch.empty(n, dtype=torch.int16, device=dev)
         self._order_buf = torch.empty(n, dtype=torch.int64, device=dev)
+        self._prefix = config.sorted_prefix_blocks if cols <= 65536 else 0
+        self._select_scratch_buf = torch.empty(max(1, mb * hk * self._prefix), dtype=torch.int64, device=dev)
         self._suffix_buf = torch.empty(mb * hk * (cols + 1), **f32)
         ends = config.ranked_chunk_ends(cols)
         self._chunk_ends_buf = torch.tensor([0] + ends, **i32)
@@ -185,8 +191,8 @@ class PsaDecodeWrapper:
     def _views(self):
         bs, h, c = self._bs, self.num_kv_heads, self._num_cols
         n = bs * h * c
-        return (self._scores_buf[:n].view(bs, h, c), self._sorted_buf[:n].view(bs, h, c),
-                self._order_buf[:n].view(bs, h, c))
+        return (self._scores_buf[:n].view(bs, h, c), self._keys_buf[:n].view(bs, h, c),
+                self._sorted_keys_buf[:n].view(bs, h, c), self._order_buf[:n].view(bs, h, c))
 
     def run(self, q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor, kmin: torch.Tensor,
             kmax: torch.Tensor, kmean: torch.Tensor):
@@ -205,17 +211,21 @@ class PsaDecodeWrapper:
         o, lse, nread, kept = self._o_buf[:bs], self._lse_buf[:bs], self._nread_buf[:bs], self._kept_buf[:bs]
         if bs == 0:
             return o, lse, nread
-        scores, sorted_scores, order = self._views()
+        scores, keys, sorted_keys, order = self._views()
         seq_lens, n_forced, list_lens = self._seq_lens_buf[:bs], self._n_forced_buf[:bs], self._list_lens_buf[:bs]
         block_criticality(q, kmin, kmax, kmean, self._block_table_buf[:bs], seq_lens, scores,
                           block_size=self.block_size, sink_blocks=cfg.sink_blocks,
                           local_blocks=cfg.local_blocks, criticality=cfg.criticality,
-                          group_reduce=cfg.group_reduce)
-        rank_blocks(scores, sorted_scores, order)
+                          group_reduce=cfg.group_reduce, keys_out=keys)
         c = self._num_cols
+        if self._prefix:  # exact top-K prefix + block-order tail (one Triton launch)
+            rank_select(keys, order, self._select_scratch_buf,
+                        prefix=max(16, min(self._prefix, 1 << (c - 1).bit_length())))
+        else:
+            rank_blocks(keys, sorted_keys, order)
         suffix = self._suffix_buf[: bs * hk * (c + 1)].view(bs, hk, c + 1)
         if cfg.estimator != "paper":
-            bound_suffix(sorted_scores, suffix, sm_scale=self.sm_scale, block_size=self.block_size)
+            bound_suffix(scores, suffix, sm_scale=self.sm_scale, block_size=self.block_size, order=order)
         pairs = bs * hk
         wmax = max(nc for _, nc in self._wave_plan)
         partials = (self._po_buf[: pairs * wmax * g * d].view(pairs, wmax, g, d),
@@ -227,7 +237,7 @@ class PsaDecodeWrapper:
                  self._st_min_buf[: pairs * g].view(pairs, g), self._st_dmax_buf[: pairs * g].view(pairs, g), done)
         rpi = self._req_pool_indices_buf[:bs]
         for k, (chunk0, n_chunks) in enumerate(self._wave_plan):
-            psa_chunk_attention(q, k_buffer, v_buffer, self._req_to_token, rpi, seq_lens, order, sorted_scores,
+            psa_chunk_attention(q, k_buffer, v_buffer, self._req_to_token, rpi, seq_lens, order, scores,
                                 list_lens, n_forced, self._chunk_ends_buf, done, partials, chunk0=chunk0,
                                 n_chunks=n_chunks, block_size=self.block_size, sm_scale=self.sm_scale,
                                 check_done=k > 0, tile_tokens=self.tile_tokens)
@@ -239,12 +249,14 @@ class PsaDecodeWrapper:
     @property
     def order(self) -> torch.Tensor:
         """``[batch, num_kv_heads, num_cols]`` int64 rank order of the last :meth:`run` (a view)."""
-        return self._views()[2]
+        return self._views()[3]
 
     @property
     def sorted_scores(self) -> torch.Tensor:
-        """``[batch, num_kv_heads, num_cols]`` fp32 criticality scores in rank order of the last :meth:`run`."""
-        return self._views()[1]
+        """``[batch, num_kv_heads, num_cols]`` fp32 criticality scores in the rank order of the last :meth:`run`
+        (a new tensor: for tests and tools, not for the hot path)."""
+        scores, _, _, order = self._views()
+        return torch.gather(scores, 2, order)
 
     @property
     def kept_est(self) -> torch.Tensor:

@@ -19,7 +19,7 @@ import torch
 __all__ = ["gather_kv", "block_meta_reference", "criticality_reference", "forced_and_limit",
            "dense_decode_reference", "progressive_decode_reference", "merge_states_reference",
            "kept_mass_reference", "psa_decode_reference",
-           "bound_suffix_reference"]
+           "bound_suffix_reference", "rank_reference"]
 
 LOG2E = 1.0 / math.log(2.0)
 
@@ -254,6 +254,17 @@ def kept_mass_reference(q, k_buffer, req_to_token, req_pool_indices, seq_lens, b
     return kept
 
 
+def rank_reference(scores, prefix):
+    """Rank order ``[batch, num_kv_heads, n]`` int64: the top ``prefix`` blocks by descending score (stable),
+    then the others in block order (``prefix == 0``: a full stable descending sort)."""
+    full = torch.sort(scores, dim=-1, descending=True, stable=True).indices
+    if not prefix or prefix >= scores.shape[-1]:
+        return full
+    top = full[..., :prefix]
+    rest = torch.sort(full[..., prefix:], dim=-1).values
+    return torch.cat([top, rest], dim=-1)
+
+
 def psa_decode_reference(q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, config, *,
                          block_size, sm_scale, epsilon=None, return_kept_est=False):
     """Whole PSA decode from scratch (metadata, scores, stable rank, chunk-granular progressive attention).
@@ -279,8 +290,7 @@ def psa_decode_reference(q, k_buffer, v_buffer, req_to_token, req_pool_indices, 
                                    num_blocks=num_blocks, sink_blocks=config.sink_blocks,
                                    local_blocks=config.local_blocks, criticality=config.criticality,
                                    group_reduce=config.group_reduce)
-    srt = torch.sort(scores, dim=-1, descending=True, stable=True)
-    order = srt.indices
+    order = rank_reference(scores, config.sorted_prefix_blocks)
     eps = [config.epsilon] * batch if epsilon is None else [float(e) for e in epsilon]
     list_lens = torch.zeros(batch, num_kv_heads, dtype=torch.int32)
     n_forced = torch.zeros(batch, dtype=torch.int32)
@@ -292,7 +302,8 @@ def psa_decode_reference(q, k_buffer, v_buffer, req_to_token, req_pool_indices, 
     out = progressive_decode_reference(
         q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, order, list_lens, n_forced,
         block_size=block_size, sm_scale=sm_scale, epsilon=eps, micro_batch_blocks=config.micro_batch_blocks,
-        chunk_ends=config.ranked_chunk_ends(num_blocks), estimator=config.estimator, sorted_scores=srt.values,
+        chunk_ends=config.ranked_chunk_ends(num_blocks), estimator=config.estimator,
+        sorted_scores=torch.gather(scores, 2, order),
         calib_slack=config.calib_slack, return_kept_est=True)
     o, lse, nread, kept_est = out
     if return_kept_est:

@@ -23,7 +23,10 @@ Cautions:
     point) per KV head, and a stop test between micro-batches. The online-softmax merge
     across micro-batches is the in-kernel equivalent of ``merge_state`` (same base-2 math).
   * One program per (request, KV head): at ``batch * num_kv_heads`` well below the SM
-    count the kernel is latency-bound (see ``bench/psa_decode_bench.py``).
+    count the kernel is latency-bound. :class:`flashinfer_ext.psa_decode.PsaDecodeWrapper`
+    no longer uses it: PSA runs split-K waves (:mod:`flashinfer_ext.psa_chunks` +
+    :mod:`flashinfer_ext.wave_merge`) with a chunk-granular stop test and a choice of
+    estimator; this module stays the plain per-list primitive (and Alg. 1 with a fixed m).
   * AS_min only takes full, ranked blocks (forced and partial blocks are out of rank
     order); block masses below 2^-100 of the running maximum are floored.
 """

@@ -63,3 +63,50 @@ def test_cuboid_score_bounds_every_query_head_key_product():
     for b in range(nb):
         blk_max = qk[:, :, b * B:(b + 1) * B].amax(-1).amax(-1)  # [hk]
         assert bool((scores[0, :, b] >= blk_max - 1e-3).all())
+
+
+def test_int16_sort_keys_preserve_score_order():
+    """keys_out: the top 16 bits of the fp32 score, order-preserving (+inf > finite > -inf, signs handled)."""
+    pool, table, (kmin, kmax, kmean), nb = _pool_and_meta([200, 77], 9, 3, 64, torch.bfloat16, 16, 16, seed=5)
+    scores = torch.empty(2, 3, nb + 3)
+    keys = torch.empty(2, 3, nb + 3, dtype=torch.int16)
+    block_criticality(pool.q, kmin, kmax, kmean, table, pool.seq_lens, scores, block_size=16, sink_blocks=1,
+                      local_blocks=2, keys_out=keys)
+    trunc = (scores.view(torch.int32) & ~0xFFFF).view(torch.float32)  # bf16 truncation of the scores
+    a, b = trunc.flatten()[:, None], trunc.flatten()[None, :]
+    ka, kb = keys.flatten()[:, None].int(), keys.flatten()[None, :].int()
+    assert bool(((a < b) == (ka < kb)).all()) and bool(((a == b) == (ka == kb)).all())
+    assert bool((scores < 0).any() & (scores > 0).any() & torch.isinf(scores).any())
+    order = torch.empty(2, 3, nb + 3, dtype=torch.int64)
+    rank_blocks(keys, torch.empty_like(keys), order)
+    ranked = torch.gather(trunc, 2, order)
+    assert bool((ranked[..., :-1] >= ranked[..., 1:]).all())
+
+
+@pytest.mark.parametrize("cols,prefix", [(100, 16), (3000, 256), (40, 64), (700, 64)])
+def test_rank_select_sorted_prefix_then_block_order(cols, prefix):
+    """Exact top-prefix by key (ties at the threshold in block order), the rest in block order: a permutation."""
+    from flashinfer_ext.rank_select import rank_select
+
+    g = torch.Generator().manual_seed(cols)
+    keys = torch.randint(-300, 300, (2, 3, cols), generator=g, dtype=torch.int16)  # many ties
+    keys[..., :2] = 32640  # +inf (forced) keys
+    keys[0, :, cols - 5:] = -32641  # -inf (past the end) keys
+    order = torch.empty(2, 3, cols, dtype=torch.int64)
+    rank_select(keys, order, torch.empty(6 * prefix, dtype=torch.int64), prefix=prefix, tile=256)
+    n = min(prefix, cols)
+    for r in range(2):
+        for h in range(3):
+            o, kk = order[r, h], keys[r, h].int()
+            assert sorted(o.tolist()) == list(range(cols))
+            assert torch.equal(kk[o[:n]], kk.sort(descending=True).values[:n])
+            assert o[n:].tolist() == sorted(o[n:].tolist())
+            assert set(o[:2].tolist()) == {0, 1}
+
+
+def test_rank_reference_prefix_semantics():
+    from flashinfer_ext.reference import rank_reference
+
+    s = torch.tensor([[[1.0, 5.0, 3.0, float("inf"), 2.0, 4.0, float("-inf")]]])
+    assert rank_reference(s, 0)[0, 0].tolist() == [3, 1, 5, 2, 4, 0, 6]
+    assert rank_reference(s, 3)[0, 0].tolist() == [3, 1, 5, 0, 2, 4, 6]
