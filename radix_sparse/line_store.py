@@ -224,14 +224,18 @@ class LineStore:
                         self.evicted_entries += 1
 
     # --- lookup ------------------------------------------------------------------------------------
-    def lines_for_path(self, nodes: Iterable[Hashable]):
+    def lines_for_path(self, nodes: Iterable[Hashable], complete_to: int | None = None):
         """Union of the lines owned by ``nodes`` (a matched prefix), per (layer, head); marks them used.
 
+        ``complete_to`` (optional): only turns that end at or before this position (turns the prefix
+        holds completely, i.e. earlier turns of the same conversation) contribute.
         Returns ``(v_idx, v_cnt, s_idx, s_cnt)`` (``[L, H, W]`` int32 ascending, ``-1``-padded, and
         ``[L, H]`` counts), or None when no node on the path owns lines."""
         parts = []
         for n in nodes:
             for turn, ln in self._entries.get(n, {}).items():
+                if complete_to is not None and ln.turn_end > complete_to:
+                    continue
                 parts.append(ln)
                 self._lru.move_to_end((n, turn))
         if not parts:

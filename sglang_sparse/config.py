@@ -166,6 +166,14 @@ class LoopServeConfig(SparseConfig):
     budget: int = knob(1024, doc="top-B tokens kept per KV head in decode", range=Range(1, 1 << 24))
     sampled_rows: int = knob(64, doc="query rows sampled for line estimation", range=Range(1, 8192))
     min_context: int = knob(4096, doc="segments over contexts shorter than this run dense", range=Range(0, 1 << 24))
+    sink_tokens: int = knob(4, doc="first key positions always attended (vertical lines)", range=Range(0, 1 << 20))
+    local_window: int = knob(64, doc="slash offsets 0..local_window-1 always attended", range=Range(1, 1 << 20))
+    min_request_alpha: float = knob(0.5, doc="floor for a request's own alpha (custom_params.sparse.alpha); "
+                                    "lower requested values are clamped up to it", range=_UNIT)
+    max_request_budget: int = knob(1 << 16, doc="ceiling for a request's own budget (custom_params.sparse.budget)",
+                                   range=Range(1, 1 << 24))
+    line_store_mb: int = knob(256, doc="memory bound of the per-turn line sets kept on radix nodes (MiB)",
+                              range=Range(0, 1 << 20))
 
 
 @dataclass(frozen=True)

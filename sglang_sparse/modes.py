@@ -57,7 +57,8 @@ MODES: Mapping[str, SparseModeSpec] = _registry(
     SparseModeSpec("psa", PsaConfig, "progressive threshold sparse decode (PSA)", implemented=True,
                    devices=("cpu", "cuda"), backend_installer="sglang_sparse.psa_backend:install"),
     SparseModeSpec("loopserve", LoopServeConfig, "online vertical/slash prefill + progressive decode (LoopServe)",
-                   implemented=False),
+                   implemented=True, devices=("cpu", "cuda"),
+                   backend_installer="sglang_sparse.loopserve_backend:install"),
     SparseModeSpec("samkv", SamKVConfig, "per-document KV reuse with selective recompute (SamKV)",
                    implemented=False),
 )

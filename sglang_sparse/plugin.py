@@ -31,6 +31,23 @@ _HOOKS = (
      "sglang_sparse.api_hooks:chat_response_hook"),
     ("sglang.srt.entrypoints.openai.serving_completions.OpenAIServingCompletion._build_completion_response", "AFTER",
      "sglang_sparse.api_hooks:completion_response_hook"),
+    # --sparse loopserve (no-ops under other modes)
+    ("sglang.srt.model_executor.forward_batch_info.ForwardBatch.init_new", "AFTER",
+     "sglang_sparse.loopserve_backend:forward_batch_hook"),
+    ("sglang.srt.model_executor.model_runner.ModelRunner.forward", "AFTER",
+     "sglang_sparse.loopserve_backend:model_forward_hook"),
+    ("sglang.srt.entrypoints.openai.serving_chat.OpenAIServingChat._build_chat_response", "AFTER",
+     "sglang_sparse.loopserve_backend:chat_response_hook"),
+    ("sglang.srt.entrypoints.openai.serving_completions.OpenAIServingCompletion._build_completion_response", "AFTER",
+     "sglang_sparse.loopserve_backend:completion_response_hook"),
+    ("sglang.srt.mem_cache.radix_cache.RadixCache.cache_unfinished_req", "AFTER",
+     "sglang_sparse.loopserve_radix:cache_req_hook"),
+    ("sglang.srt.mem_cache.radix_cache.RadixCache.cache_finished_req", "AFTER",
+     "sglang_sparse.loopserve_radix:cache_req_hook"),
+    ("sglang.srt.mem_cache.radix_cache.RadixCache._split_node", "AFTER", "sglang_sparse.loopserve_radix:split_hook"),
+    ("sglang.srt.mem_cache.radix_cache.RadixCache._delete_leaf", "AFTER",
+     "sglang_sparse.loopserve_radix:delete_leaf_hook"),
+    ("sglang.srt.mem_cache.radix_cache.RadixCache.reset", "AFTER", "sglang_sparse.loopserve_radix:reset_hook"),
 )
 
 

@@ -31,12 +31,20 @@ class RequestOption:
     hi: float
     floor_field: str | None = None
     doc: str = ""
+    ceil_field: str | None = None
+    integer: bool = False
 
 
 # mode -> the per-request knobs it accepts (registry, no if-chains)
 REQUEST_OPTIONS: Mapping[str, tuple[RequestOption, ...]] = {
     "psa": (RequestOption("epsilon", 0.0, 1.0, "min_request_epsilon",
                           "kept-mass threshold in (0, 1]; 1.0 = dense decode for this request"),),
+    "loopserve": (
+        RequestOption("alpha", 0.0, 1.0, "min_request_alpha",
+                      "covered fraction of the sampled attention mass in (0, 1]; 1.0 = dense for this request"),
+        RequestOption("budget", 0, 1 << 24, doc="top-B tokens per KV head in decode, an integer >= 1",
+                      ceil_field="max_request_budget", integer=True),
+    ),
 }
 
 
@@ -72,9 +80,13 @@ def normalize_request_options(mode: str, config: SparseConfig, custom_params: An
                 or not (opt.lo < value <= opt.hi):
             raise RequestParamsError(f"custom_params.sparse.{name} = {value!r} is out of range: expected a "
                                      f"number in ({opt.lo:g}, {opt.hi:g}] ({opt.doc})")
-        value = float(value)
+        if opt.integer and not float(value).is_integer():
+            raise RequestParamsError(f"custom_params.sparse.{name} = {value!r} is not an integer ({opt.doc})")
+        value = int(value) if opt.integer else float(value)
         if opt.floor_field is not None:
-            value = max(value, float(getattr(config, opt.floor_field)))
+            value = max(value, type(value)(getattr(config, opt.floor_field)))
+        if opt.ceil_field is not None:
+            value = min(value, type(value)(getattr(config, opt.ceil_field)))
         out[name] = value
     return out
 

@@ -1,0 +1,393 @@
+"""The LoopServe prefill and decode paths (LoopServe Alg. 2 and 3) behind :mod:`sglang_sparse.loopserve_backend`.
+
+One runner per attention backend. Two compute paths with the same planning:
+  * kernels (CUDA, or a CPU server with ``SPARSE_LOOPSERVE_RUNNER=kernel`` + ``TRITON_INTERPRET=1``):
+    :func:`flashinfer_ext.vs_estimate.vs_estimate`, :func:`flashinfer_ext.vs_prefill.vs_prefill` and
+    :func:`flashinfer_ext.sparse_decode.sparse_decode` (``block_size=1``, ``epsilon=1.0``);
+  * references (CPU default): the fp32 torch references of :mod:`flashinfer_ext.loopserve_reference`
+    and a masked fp32 decode. A correctness path; no speed claim.
+Selection (:func:`flashinfer_ext.vs_select.vs_select`, :func:`~flashinfer_ext.vs_select.decode_topb`)
+is pure torch and shared by both.
+
+Per request, state lives on SGLang's ``Req`` object (``req.sparse_loopserve``, freed with it):
+the union of its line sets per layer and KV head (the earlier turns' lines found on the radix path
++ every prefill chunk's selection; bool masks during prefill, compacted index lists after), the
+last ``n_d`` queries per layer (a ring indexed by ``position % n_d``), the current top-B per layer
+and KV head, and the position from which generated tokens are always attended.
+
+Where the host work goes (nothing per layer needs a sync; no ``.item()``):
+  * :meth:`begin_batch` (once per batch, SGLang's ``init_forward_metadata``): reads the host
+    lengths, each request's options (``custom_params``), decides per row dense / sparse and
+    whether Alg. 3 re-selects at this step, samples the estimation rows, looks earlier turns'
+    lines up in the line store, compacts the line masks of requests whose prefill just finished
+    (one device->host read of their counts), and pads the per-row line lists of a decode batch
+    into batch tensors (small host->device copies).
+  * per layer: estimation + selection + sparse prefill per sparse extend row (one request per
+    kernel call: the kernels are single-request), or one masked batch decode for the sparse
+    decode rows; statistics are in-place adds into the device step rows.
+The stock backend computes the dense rows (and, on the reference path and in mixed batches, all
+rows first; sparse rows are then overwritten). A mixed batch (``--enable-mixed-chunk``) treats
+its decode rows as 1-token extend rows.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import torch
+
+from flashinfer_ext.vs_select import VSSelectConfig, _compact, decode_topb, vs_select
+from sglang_sparse.config import LoopServeConfig
+from sglang_sparse.loopserve_stats import (
+    COL_ALPHA, COL_COV, COL_KIND, COL_LTOT, COL_READ, COL_RESEL, COL_REUSED, COL_S, COL_TTOT, COL_UNITS, COL_V,
+    KIND_DECODE, KIND_PREFILL, STEP_COLS,
+)
+
+FIRST_RESELECT = 16  # Alg. 3: the first re-selection at the 16th generated token
+
+STATE_ATTR = "sparse_loopserve"
+
+
+def request_options(cfg: LoopServeConfig, req) -> tuple[float, int]:
+    """(alpha, budget) of a request: its validated ``custom_params.sparse`` values, else the server's."""
+    custom = getattr(getattr(req, "sampling_params", None), "custom_params", None)
+    opts = custom.get("sparse") if isinstance(custom, dict) else None
+    opts = opts if isinstance(opts, dict) else {}
+    return float(opts.get("alpha", cfg.alpha)), int(opts.get("budget", cfg.budget))
+
+
+@dataclasses.dataclass
+class ReqState:
+    """LoopServe state of one request (see the module docstring)."""
+
+    alpha: float
+    budget: int
+    turn_start: int                 # first position this request prefilled
+    prompt_len: int                 # positions of the prompt (prefill ends here)
+    vmask: torch.Tensor | None      # [L, Hk, prompt_len + 1] bool during prefill (last column: padding sink)
+    smask: torch.Tensor | None
+    acc: torch.Tensor               # [STEP_COLS] fp32 cumulative prefill statistics
+    ring: torch.Tensor              # [L, n_d, Hq, D] last queries by position % n_d
+    ring_lo: int = 1 << 62          # lowest position whose query is in the ring
+    prefill_done: bool = False
+    lines: tuple | None = None      # (v_idx [L,Hk,Wv], v_cnt [L,Hk], s_idx [L,Hk,Ws], s_cnt) after prefill
+    topb: torch.Tensor | None = None  # [L, Hk, B] int32 positions (-1 padded) after the first re-selection
+    since: int = 0                  # positions >= since are always attended (tokens generated since)
+    attached: bool = False          # lines stored on a radix node
+
+    def finalize(self) -> None:
+        """Compact the prefill masks into index lists (one host read of the counts)."""
+        if self.lines is not None or self.vmask is None:
+            return
+        n = self.vmask.shape[2] - 1
+        v_idx, v_cnt = _compact_3d(self.vmask[:, :, :n])
+        s_idx, s_cnt = _compact_3d(self.smask[:, :, :n])
+        self.lines = (v_idx, v_cnt, s_idx, s_cnt)
+        self.vmask = self.smask = None
+
+
+def _compact_3d(mask: torch.Tensor):
+    """bool ``[L, H, n]`` -> ascending int32 indices ``[L, H, W]`` (-1 padded, W = max count) and counts."""
+    n = mask.shape[2]
+    cnt = mask.sum(2, dtype=torch.int32)
+    w = int(cnt.max()) if cnt.numel() else 0
+    ar = torch.arange(n, device=mask.device, dtype=torch.int32)
+    idx = torch.where(mask, ar, n).sort(dim=2).values[:, :, :w]
+    return torch.where(idx >= n, -1, idx).contiguous(), cnt
+
+
+@dataclasses.dataclass
+class _ExtRow:
+    row: int
+    state: ReqState
+    q_lo: int
+    prefix: int
+    seq: int
+    rpi: int
+    sample: torch.Tensor      # [R] int64 local indices of the sampled rows (device)
+    last_chunk: bool
+
+
+class LoopServeRunner:
+    def __init__(self, cfg: LoopServeConfig, shape, device: torch.device, *, use_kernels: bool, store=None):
+        self.cfg = cfg
+        self.shape = shape
+        self.device = device
+        self.use_kernels = use_kernels
+        self.store = store
+        self.bs = 0
+        self.is_decode = False
+        self.step_rows: torch.Tensor | None = None
+        self.ext_rows: list[_ExtRow] = []
+        self.dec: dict | None = None
+        self.n_sparse_prefill_rows = 0
+
+    # ------------------------------------------------------------------ planning (once per batch)
+    def begin_batch(self, backend, forward_batch) -> None:
+        mode = forward_batch.forward_mode
+        self.ext_rows, self.dec = [], None
+        bs = int(forward_batch.batch_size) if not mode.is_idle() else 0
+        self.bs = bs
+        self.is_decode = mode.is_decode()
+        host = torch.zeros(bs, STEP_COLS, dtype=torch.float32)
+        reqs = getattr(getattr(forward_batch, "sampling_info", None), "sparse_reqs", None)
+        if bs == 0 or reqs is None or len(reqs) != bs:
+            self.step_rows = host
+            return
+        host[:, COL_ALPHA] = torch.tensor([request_options(self.cfg, r)[0] for r in reqs])
+        if self.is_decode:
+            self._plan_decode(backend, forward_batch, reqs, host)
+        elif mode.is_extend():
+            self._plan_extend(backend, forward_batch, reqs)
+        self.step_rows = host.to(self.device) if self.device.type != "cpu" else host
+
+    def _new_state(self, req, alpha, budget, prefix, backend) -> ReqState:
+        sh, dev = self.shape, self.device
+        plen = len(req.origin_input_ids)
+        st = ReqState(alpha=alpha, budget=budget, turn_start=prefix, prompt_len=plen,
+                      vmask=torch.zeros(sh.num_layers, sh.num_kv_heads, plen + 1, dtype=torch.bool, device=dev),
+                      smask=torch.zeros(sh.num_layers, sh.num_kv_heads, plen + 1, dtype=torch.bool, device=dev),
+                      acc=torch.zeros(STEP_COLS, dtype=torch.float32, device=dev),
+                      ring=torch.zeros(sh.num_layers, self.cfg.n_d, sh.num_qo_heads, sh.head_dim,
+                                       dtype=backend.token_to_kv_pool.get_key_buffer(0).dtype, device=dev))
+        st.acc[COL_KIND] = KIND_PREFILL
+        st.acc[COL_ALPHA] = alpha
+        if self.store is not None and prefix > 0:
+            reused = self.store.lookup(req, prefix)
+            if reused is not None:
+                v_idx, v_cnt, s_idx, s_cnt = (t.to(dev) for t in reused)
+                for idx, cnt, mask, lim in ((v_idx, v_cnt, st.vmask, prefix), (s_idx, s_cnt, st.smask, plen)):
+                    ok = (torch.arange(idx.shape[2], device=dev)[None, None, :] < cnt[:, :, None].long()) \
+                        & (idx >= 0) & (idx < lim)
+                    mask.scatter_(2, torch.where(ok, idx.long(), plen), True)
+                    st.acc[COL_REUSED] += ok.sum()
+        return st
+
+    def _plan_extend(self, backend, fb, reqs) -> None:
+        cfg = self.cfg
+        prefix = [int(x) for x in fb.extend_prefix_lens_cpu] if fb.extend_prefix_lens_cpu is not None \
+            else [0] * self.bs
+        ext = [int(x) for x in fb.extend_seq_lens_cpu]
+        q_lo = 0
+        for i, req in enumerate(reqs):
+            p, e = prefix[i], ext[i]
+            seq = p + e
+            st = getattr(req, STATE_ATTR, None)
+            alpha, budget = request_options(cfg, req)
+            if e > 0 and seq >= cfg.min_context and alpha < 1.0 and seq <= len(req.origin_input_ids):
+                if st is None or st.prefill_done:
+                    st = self._new_state(req, alpha, budget, p, backend)
+                    setattr(req, STATE_ATTR, st)
+                r = min(cfg.sampled_rows, e)
+                n_last = min(r, max(1, r // 2))
+                rest = torch.linspace(0, e - n_last - 1, r - n_last).round().long() if r > n_last else \
+                    torch.zeros(0, dtype=torch.long)
+                sample = torch.unique(torch.cat([rest, torch.arange(e - n_last, e)]))
+                self.ext_rows.append(_ExtRow(i, st, q_lo, p, seq, int(fb.req_pool_indices_cpu[i])
+                                             if getattr(fb, "req_pool_indices_cpu", None) is not None
+                                             else int(req.req_pool_idx), sample.to(self.device),
+                                             seq >= len(req.origin_input_ids)))
+            q_lo += e
+
+    def _plan_decode(self, backend, fb, reqs, host) -> None:
+        cfg, sh = self.cfg, self.shape
+        lens = [int(x) for x in fb.seq_lens_cpu]
+        rows, fire = [], []
+        for i, req in enumerate(reqs):
+            st = getattr(req, STATE_ATTR, None)
+            if st is None or not st.prefill_done:
+                continue
+            st.finalize()
+            pos = lens[i] - 1
+            if st.since == 0:
+                st.since = st.prompt_len
+            n_o = pos - st.prompt_len + 1  # tokens generated so far (the first one came from prefill)
+            f = n_o >= FIRST_RESELECT and (n_o - FIRST_RESELECT) % cfg.n_d == 0
+            rows.append(i)
+            fire.append(f)
+        if not rows:
+            return
+        dev = self.device
+        states = [getattr(reqs[i], STATE_ATTR) for i in rows]
+        bwidth = 0
+        for st, i, f in zip(states, rows, fire):
+            w = min(st.budget, lens[i]) if f else (0 if st.topb is None else st.topb.shape[2])
+            bwidth = max(bwidth, w)
+
+        def pad(ts, width):
+            out = torch.full((len(ts), sh.num_layers, sh.num_kv_heads, max(width, 1)), -1, dtype=torch.int32,
+                             device=dev)
+            for j, t in enumerate(ts):
+                if t is not None and t.shape[2]:
+                    out[j, :, :, : t.shape[2]] = t
+            return out
+
+        v = pad([s.lines[0] for s in states], max(s.lines[0].shape[2] for s in states))
+        s_ = pad([s.lines[2] for s in states], max(s.lines[2].shape[2] for s in states))
+        tb = pad([s.topb for s in states], bwidth)
+        for st, i, f in zip(states, rows, fire):
+            if f:
+                st.since = lens[i] - 1
+        rows_t = torch.tensor(rows)
+        seq = torch.tensor([lens[i] for i in rows])
+        self.dec = dict(rows=rows, rows_dev=rows_t.to(dev), states=states, fire=fire, v=v, s=s_, topb=tb,
+                        seq=seq.to(dev), pos=(seq - 1).to(dev), max_len=max(lens[i] for i in rows),
+                        since=torch.tensor([st.since for st in states]).to(dev),
+                        seq_host=[lens[i] for i in rows],
+                        rpi=fb.req_pool_indices[rows_t.to(fb.req_pool_indices.device)])
+        units = sh.num_layers * sh.num_kv_heads
+        host[rows_t, COL_KIND] = float(KIND_DECODE)
+        host[rows_t, COL_TTOT] = seq.float() * units
+        host[rows_t, COL_RESEL] = torch.tensor(fire, dtype=torch.float32)
+
+    # ------------------------------------------------------------------ per layer
+    @property
+    def any_sparse(self) -> bool:
+        return bool(self.ext_rows) or self.dec is not None
+
+    def extend(self, backend, o3, q3, layer) -> None:
+        """Overwrite the sparse rows of ``o3 [T, Hq, D]`` with their vertical/slash sparse prefill."""
+        cfg = self.cfg
+        lid = layer.layer_id
+        pool = backend.token_to_kv_pool
+        k_buf, v_buf = pool.get_key_buffer(lid), pool.get_value_buffer(lid)
+        rtt = backend.req_to_token_pool.req_to_token
+        sel_cfg = VSSelectConfig(alpha=1.0, sink_tokens=cfg.sink_tokens, local_window=cfg.local_window)
+        hk = k_buf.shape[1]
+        for r in self.ext_rows:
+            st = r.state
+            slots = rtt[r.rpi]
+            q_seg = q3[r.q_lo: r.q_lo + r.seq - r.prefix]
+            pos = r.sample + r.prefix
+            lines = self._estimate(q_seg[r.sample], pos, k_buf, slots, r.seq, layer.scaling)
+            sel = vs_select(lines, prefix_len=r.prefix, config=dataclasses.replace(sel_cfg, alpha=st.alpha))
+            n = st.vmask.shape[2] - 1
+            for idx, mask in ((sel.v_idx, st.vmask[lid]), (sel.s_idx, st.smask[lid])):
+                mask.scatter_(1, torch.where(idx >= 0, idx.long(), n), True)
+            # lines used: this chunk's selection U earlier chunks U earlier turns (reused)
+            v_idx, v_cnt = _compact(st.vmask[lid, :, : r.seq])
+            s_idx, s_cnt = _compact(st.smask[lid, :, : r.seq])
+            o_seg = self._prefill(q_seg, k_buf, v_buf, slots, r.prefix, r.seq, v_idx, v_cnt, s_idx, s_cnt,
+                                  layer.scaling)
+            o3[r.q_lo: r.q_lo + r.seq - r.prefix] = o_seg.to(o3.dtype)
+            acc = st.acc
+            acc[COL_V] += sel.v_cnt.sum()
+            acc[COL_S] += sel.s_cnt.sum()
+            acc[COL_LTOT] += 2.0 * r.seq * hk
+            acc[COL_COV] += sel.covered_lb.sum()
+            acc[COL_UNITS] += hk
+            if r.last_chunk:  # the prompt's last queries seed Alg. 3's observation window
+                t = r.seq - r.prefix
+                k = min(cfg.n_d, t)
+                ring_pos = torch.arange(r.seq - k, r.seq, device=q3.device)
+                st.ring[lid, ring_pos % cfg.n_d] = q_seg[t - k:].to(st.ring.dtype)
+
+    def finish_extend(self) -> None:
+        """After the forward (host bookkeeping only): mark finished prefills, publish cumulative rows."""
+        for r in self.ext_rows:
+            self.step_rows[r.row] = r.state.acc
+            if r.last_chunk:
+                r.state.prefill_done = True
+                r.state.ring_lo = max(r.seq - min(self.cfg.n_d, r.seq - r.prefix), 0)
+
+    def decode(self, backend, o3, q3, layer) -> None:
+        """Overwrite the sparse decode rows of ``o3 [bs, Hq, D]`` (the current K/V already written)."""
+        d, cfg = self.dec, self.cfg
+        lid = layer.layer_id
+        pool = backend.token_to_kv_pool
+        k_buf, v_buf = pool.get_key_buffer(lid), pool.get_value_buffer(lid)
+        rtt = backend.req_to_token_pool.req_to_token
+        n_d = cfg.n_d
+        for j, (i, st, f) in enumerate(zip(d["rows"], d["states"], d["fire"])):
+            pos = d["seq_host"][j] - 1
+            st.ring[lid, pos % n_d] = q3[i].to(st.ring.dtype)
+            if f:  # Alg. 3 / Eq. 7: top-B per KV head from the last n_d queries' attention
+                lo = max(st.ring_lo, pos - n_d + 1)
+                obs_pos = torch.arange(lo, pos + 1, device=q3.device)
+                slots = rtt[d["rpi"][j]]
+                lines = self._estimate(st.ring[lid, obs_pos % n_d], obs_pos, k_buf, slots, pos + 1, layer.scaling)
+                lists, _ = decode_topb(lines, st.budget)
+                if st.topb is None or st.topb.shape[2] != lists.shape[1]:
+                    st.topb = torch.full((self.shape.num_layers, lists.shape[0], lists.shape[1]), -1,
+                                         dtype=torch.int32, device=lists.device)
+                st.topb[lid] = lists
+                d["topb"][j, lid, :, : lists.shape[1]] = lists
+        mask = self._decode_mask(d, lid)  # [nS, Hk, N]
+        rows = d["rows_dev"]
+        q_s = q3[rows]
+        o_s = self._masked_decode(q_s, k_buf, v_buf, rtt, d["rpi"], d["seq"], mask, layer.scaling)
+        o3[rows] = o_s.to(o3.dtype)
+        self.step_rows[rows, COL_READ] += mask.sum((1, 2), dtype=torch.float32)
+
+    def _decode_mask(self, d, lid) -> torch.Tensor:
+        n = d["max_len"]
+        ns, hk = d["v"].shape[0], d["v"].shape[2]
+        m = torch.zeros(ns, hk, n + 1, dtype=torch.bool, device=self.device)
+        v = d["v"][:, lid].long()
+        m.scatter_(2, torch.where(v >= 0, v, n), True)
+        s = d["s"][:, lid].long()
+        sp = d["pos"][:, None, None] - s
+        m.scatter_(2, torch.where((s >= 0) & (sp >= 0), sp, n), True)
+        tb = d["topb"][:, lid].long()
+        m.scatter_(2, torch.where(tb >= 0, tb, n), True)
+        ar = torch.arange(n + 1, device=self.device)[None, None, :]
+        m |= ar < self.cfg.sink_tokens
+        m |= ar >= d["since"][:, None, None]
+        return (m & (ar < d["seq"][:, None, None]))[:, :, :n]
+
+    # ------------------------------------------------------------------ compute, per path
+    def _estimate(self, q_rows, pos, k_buf, slots, seq, scale):
+        from flashinfer_ext.vs_estimate import VSLineSums, vs_estimate
+
+        if self.use_kernels:
+            return vs_estimate(q_rows.contiguous(), pos, k_buf, slots, seq, sm_scale=scale)
+        from flashinfer_ext.loopserve_reference import vs_estimate_reference
+
+        v_sum, v_max, s_sum, s_max = vs_estimate_reference(q_rows, pos.cpu(), k_buf, slots, seq, scale)
+        return VSLineSums(v_sum, v_max, s_sum, s_max, q_rows.shape[1] // k_buf.shape[1], q_rows.shape[0])
+
+    def _prefill(self, q_seg, k_buf, v_buf, slots, prefix, seq, v_idx, v_cnt, s_idx, s_cnt, scale):
+        if self.use_kernels:
+            from flashinfer_ext.vs_prefill import vs_prefill
+
+            o, _ = vs_prefill(q_seg.contiguous(), k_buf, v_buf, slots, prefix_len=prefix, seq_len=seq,
+                              v_idx=v_idx, v_cnt=v_cnt, s_idx=s_idx, s_cnt=s_cnt, sm_scale=scale)
+            return o
+        from flashinfer_ext.loopserve_reference import vs_prefill_reference
+
+        o, _ = vs_prefill_reference(q_seg, k_buf, v_buf, slots, prefix_len=prefix, seq_len=seq, v_idx=v_idx,
+                                    v_cnt=v_cnt, s_idx=s_idx, s_cnt=s_cnt, sm_scale=scale)
+        return o
+
+    def _masked_decode(self, q, k_buf, v_buf, rtt, rpi, seq, mask, scale):
+        """Decode of rows ``q [nS, Hq, D]`` over the per-(row, KV head) token sets ``mask [nS, Hk, N]``."""
+        ns, hk, n = mask.shape
+        if self.use_kernels:
+            from flashinfer_ext.sparse_decode import sparse_decode
+
+            ar = torch.arange(n, device=mask.device, dtype=torch.int32)
+            lists = torch.where(mask, ar, n).sort(dim=2).values.to(torch.int32).contiguous()
+            lens = mask.sum(2, dtype=torch.int32).contiguous()
+            o, _, _ = sparse_decode(q.contiguous(), k_buf, v_buf, rtt, rpi, seq.to(torch.int32), lists, lens,
+                                    torch.zeros(ns, dtype=torch.int32, device=q.device), block_size=1,
+                                    sm_scale=scale, epsilon=1.0)
+            return o
+        hq, dim = q.shape[1], q.shape[2]
+        g = hq // hk
+        slots = rtt[rpi.long(), :n].long()                      # [nS, N]
+        k = k_buf[slots].float()                                # [nS, N, Hk, D]
+        v = v_buf[slots].float()
+        s = torch.einsum("bkgd,bnkd->bkgn", q.float().view(ns, hk, g, dim), k) * scale
+        s = s.masked_fill(~mask[:, :, None, :], float("-inf"))
+        p = torch.softmax(s, dim=-1)
+        return torch.einsum("bkgn,bnkd->bkgd", p, v).reshape(ns, hq, dim)
+
+
+def use_kernels_for(device: torch.device) -> bool:
+    return device.type == "cuda" or os.environ.get(RUNNER_ENV) == "kernel"
+
+
+RUNNER_ENV = "SPARSE_LOOPSERVE_RUNNER"
+"""``kernel`` runs the GPU code path (Triton kernels) on a CPU server through Triton's interpreter
+(the scheduler process needs ``TRITON_INTERPRET=1``): a test switch. Unset: the device decides."""

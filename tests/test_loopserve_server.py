@@ -1,0 +1,172 @@
+"""Contract (CPU): `--sparse loopserve` serves through the stock server.
+
+* below `min_context`, and with alpha = 1.0 at any context, the greedy output equals `--sparse off`;
+* above it, prefill runs on the selected vertical/slash lines (fewer lines than dense, covered mass
+  >= the selection's bound), decode attends the lines of all turns + top-B re-selected every n_d
+  tokens (Alg. 3), and the answer still retrieves a fact planted in real text;
+* a multi-turn `@sgl.function` program: turn 2's radix prefix hit reuses turn 1's lines, read from
+  /metrics (`sglang_sparse:loopserve_reused_lines_total`);
+* per-request `alpha` / `budget` through `custom_params.sparse` (clamped to the server limits, 400 on
+  bad values), reported in the response's `metadata["sparse"]`.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import requests
+from pydoc_data.topics import topics
+
+from tests.serverproc import start_cpu_server
+from tests.test_psa_server import _long_prompt
+from tests.test_server_e2e import PROMPT
+
+pytestmark = pytest.mark.server
+
+MIN_CONTEXT = 256
+ALPHA = 0.97
+
+
+@pytest.fixture(scope="module")
+def ls_server(default_model, tmp_path_factory):
+    log = tmp_path_factory.mktemp("loopserve") / "server.log"
+    handle = start_cpu_server(default_model, log, mode="loopserve",
+                              sparse_config=f'{{"min_context": {MIN_CONTEXT}, "alpha": {ALPHA}, "budget": 256, '
+                                            '"max_request_budget": 512}',
+                              extra_args=("--enable-metrics",))
+    try:
+        yield handle, log
+    finally:
+        handle.stop()
+
+
+def _chat(server, content, max_tokens, **extra):
+    r = requests.post(server.url + "/v1/chat/completions", timeout=600, json={
+        "model": "default", "messages": [{"role": "user", "content": content}],
+        "max_tokens": max_tokens, "temperature": 0, **extra})
+    r.raise_for_status()
+    return r.json()
+
+
+def _stats(server):
+    return requests.get(server.url + "/server_info", timeout=30).json()["internal_states"][0]["sparse"]
+
+
+def _metrics(server) -> dict[str, float]:
+    text = requests.get(server.url + "/metrics", timeout=30).text
+    return {line.split()[0].split("{")[0]: float(line.split()[1]) for line in text.splitlines()
+            if line.startswith("sglang_sparse:loopserve_")}
+
+
+def _metrics_when(server, key, pred, timeout_s=30.0):
+    """/metrics of the scheduler are exported through files: poll until ``pred(value)`` (bounded)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        m = _metrics(server)
+        if pred(m.get(key, 0.0)) or time.monotonic() > deadline:
+            return m
+        time.sleep(0.5)
+
+
+def test_below_min_context_and_alpha_one_equal_dense(ls_server, cpu_server):
+    server, _ = ls_server
+    state = _stats(server)
+    assert state["mode"] == "loopserve" and state["attention_backend"] == "LoopServeTorchNativeAttnBackend"
+    short = _chat(server, PROMPT[0]["content"], 24)
+    assert short["usage"]["prompt_tokens"] < MIN_CONTEXT
+    assert short["choices"][0]["message"]["content"] == _chat(cpu_server, PROMPT[0]["content"], 24)[
+        "choices"][0]["message"]["content"]
+    assert short["metadata"]["sparse"]["sparse_prefill"] is False
+    content = "Alpha one. " + _long_prompt()
+    a1 = _chat(server, content, 16, custom_params={"sparse": {"alpha": 1.0}})
+    dense = _chat(cpu_server, content, 16)
+    assert a1["usage"]["prompt_tokens"] > MIN_CONTEXT
+    assert a1["choices"][0]["message"]["content"] == dense["choices"][0]["message"]["content"]
+    rep = a1["metadata"]["sparse"]
+    assert rep["alpha"] == 1.0 and rep["sparse_prefill"] is False and rep["sparse_decode_steps"] == 0
+
+
+def test_sparse_prefill_and_decode_above_min_context_retrieve_the_fact(ls_server):
+    server, log = ls_server
+    before = _stats(server)["stats"]
+    r = _chat(server, "Sparse run. " + _long_prompt(), 24)
+    assert r["usage"]["prompt_tokens"] > MIN_CONTEXT
+    assert "4817" in r["choices"][0]["message"]["content"]
+    rep = r["metadata"]["sparse"]
+    assert rep["mode"] == "loopserve" and rep["alpha"] == ALPHA and rep["sparse_prefill"] is True
+    assert rep["vertical_lines"] > 0 and rep["slash_lines"] > 0
+    assert 0 < rep["line_fraction"] < 1.0                      # fewer lines than dense prefill
+    assert ALPHA - 1e-4 <= rep["covered_mass"] <= 1.0 + 1e-6   # Alg. 2's bound, mean over layers x heads
+    n_out = r["usage"]["completion_tokens"]
+    assert rep["steps"] == n_out and rep["sparse_decode_steps"] == n_out - 1
+    assert 0 < rep["decode_tokens_read"] < rep["decode_tokens_total"]
+    after = _stats(server)["stats"]
+    assert after["sparse_prefills"] == before["sparse_prefills"] + 1
+    assert after["vertical_lines"] - before["vertical_lines"] == rep["vertical_lines"]
+    m = _metrics_when(server, "sglang_sparse:loopserve_sparse_prefills_total", lambda v: v >= after["sparse_prefills"])
+    assert m["sglang_sparse:loopserve_sparse_prefills_total"] == after["sparse_prefills"]
+    assert m["sglang_sparse:loopserve_vertical_lines_total"] == after["vertical_lines"]
+    assert m["sglang_sparse:loopserve_slash_lines_total"] == after["slash_lines"]
+    assert "sglang_sparse:loopserve_covered_mass_count" in m
+    text = log.read_text(errors="replace").lower()
+    assert "traceback" not in text and "leak" not in text
+
+
+def test_progressive_decode_reselects_top_b_every_n_d_tokens(ls_server):
+    server, _ = ls_server
+    content = "Decode run. " + _long_prompt().replace("Answer with the number only.",
+                                                      "Then explain the text in detail.")
+    r = _chat(server, content, 40, custom_params={"sparse": {"budget": 64}}, ignore_eos=True)
+    rep = r["metadata"]["sparse"]
+    n_out = r["usage"]["completion_tokens"]
+    assert n_out == 40
+    # Alg. 3: the 16th generated token and every n_d = 16 after: tokens 16 and 32
+    assert rep["reselections"] == 2
+    assert rep["decode_read_fraction"] < 1.0
+    big = _chat(server, content, 4, custom_params={"sparse": {"budget": 100000, "alpha": 0.1}})
+    assert big["metadata"]["sparse"]["alpha"] == 0.5  # clamped to min_request_alpha
+
+
+def test_multi_turn_dsl_reuses_turn_one_lines_in_turn_two(ls_server):
+    import sglang as sgl
+
+    server, _ = ls_server
+    text = topics["assignment"][:1500]
+
+    @sgl.function
+    def conversation(s):
+        s += sgl.system("You are a helpful assistant. Answer briefly.")
+        s += sgl.user(f"Read this text.\n\n{text}\n\nThe secret number is 4817. What is the secret number?")
+        s += sgl.assistant(sgl.gen("a0", max_tokens=12, temperature=0))
+        s += sgl.user("Repeat the secret number.")
+        s += sgl.assistant(sgl.gen("a1", max_tokens=12, temperature=0))
+
+    before_stats = _stats(server)["stats"]
+    before = _metrics(server)
+    state = conversation.run(backend=sgl.RuntimeEndpoint(server.url, chat_template_name="chatml"))
+    assert state.get_meta_info("a1")["cached_tokens"] > MIN_CONTEXT  # turn 2 is a radix prefix hit
+    after_stats = _stats(server)["stats"]
+    assert after_stats["sparse_prefills"] == before_stats["sparse_prefills"] + 2
+    assert after_stats["stored_turns"] >= before_stats["stored_turns"] + 1
+    key = "sglang_sparse:loopserve_reused_lines_total"
+    after = _metrics_when(server, key, lambda v: v >= after_stats["reused_lines"])
+    reused = after[key] - before.get(key, 0.0)
+    assert reused > 0, (before, after)
+    assert after[key] == after_stats["reused_lines"]
+    assert after["sglang_sparse:loopserve_line_store_bytes"] > 0
+
+
+@pytest.mark.parametrize("bad, needle", [
+    ({"alpha": 0}, "custom_params.sparse.alpha = 0 is out of range"),
+    ({"alpha": 1.5}, "expected a number in (0, 1]"),
+    ({"budget": 2.5}, "custom_params.sparse.budget = 2.5 is not an integer"),
+    ({"epsilon": 0.9}, "unknown key(s) 'epsilon'"),
+])
+def test_bad_per_request_options_get_a_400(ls_server, bad, needle):
+    server, _ = ls_server
+    r = requests.post(server.url + "/v1/chat/completions", timeout=120, json={
+        "model": "default", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2,
+        "custom_params": {"sparse": bad}})
+    assert r.status_code == 400, r.text
+    assert needle in r.text
