@@ -4,6 +4,8 @@
   ``custom_params["sparse"]`` against the server's mode (:mod:`sglang_sparse.request_params`);
   a ``ValueError`` there is SGLang's HTTP 400.
 * ``ForwardBatch.init_new`` (scheduler process): each row's ``custom_params`` into its sampling info.
+* ``DecodeCudaGraphRunner.can_run_graph`` (scheduler process): psa replays decode graphs only for
+  batches with a sparse row (see :mod:`sglang_sparse.psa_runner`).
 * ``ModelRunner.forward`` (scheduler process): hands the attention backend's step rows to
   SGLang as ``logits_output.customized_info`` (see :mod:`sglang_sparse.psa_stats`); SGLang
   carries them to the request's ``meta_info[STEP_KEY]`` (one row per output token).
@@ -45,6 +47,17 @@ def forward_batch_hook(result, *args, **kwargs):
     if any(isinstance(p, dict) and "sparse" in p for p in params):
         info.custom_params = params
     return result
+
+
+def graph_gate_hook(result, graph_runner, forward_batch, *args, **kwargs):
+    """AFTER ``DecodeCudaGraphRunner.can_run_graph``: under psa, replay a decode graph only for
+    batches with at least one sparse row (those graphs were captured over the PSA path); other
+    batches run eagerly through the stock decode."""
+    if not result:
+        return result
+    backend = getattr(getattr(graph_runner, "model_runner", None), "attn_backend", None)
+    wants = getattr(backend, "psa_wants_graph", None)
+    return result if wants is None else bool(wants(forward_batch))
 
 
 def model_forward_hook(result, model_runner, *args, **kwargs):

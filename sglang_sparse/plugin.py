@@ -25,6 +25,8 @@ _HOOKS = (
      "sglang_sparse.runtime_hooks:attention_backend_hook"),
     ("sglang.srt.model_executor.forward_batch_info.ForwardBatch.init_new", "AFTER",
      "sglang_sparse.api_hooks:forward_batch_hook"),
+    ("sglang.srt.model_executor.runner.decode_cuda_graph_runner.DecodeCudaGraphRunner.can_run_graph", "AFTER",
+     "sglang_sparse.api_hooks:graph_gate_hook"),
     ("sglang.srt.model_executor.model_runner.ModelRunner.forward", "AFTER", "sglang_sparse.api_hooks:model_forward_hook"),
     ("sglang.srt.sampling.sampling_params.SamplingParams.verify", "AFTER", "sglang_sparse.api_hooks:verify_hook"),
     ("sglang.srt.entrypoints.openai.serving_chat.OpenAIServingChat._build_chat_response", "AFTER",
@@ -34,6 +36,8 @@ _HOOKS = (
     # --sparse loopserve (no-ops under other modes)
     ("sglang.srt.model_executor.forward_batch_info.ForwardBatch.init_new", "AFTER",
      "sglang_sparse.loopserve_backend:forward_batch_hook"),
+    ("sglang.srt.model_executor.runner.decode_cuda_graph_runner.DecodeCudaGraphRunner.can_run_graph", "AFTER",
+     "sglang_sparse.api_hooks:graph_gate_hook"),
     ("sglang.srt.model_executor.model_runner.ModelRunner.forward", "AFTER",
      "sglang_sparse.loopserve_backend:model_forward_hook"),
     ("sglang.srt.entrypoints.openai.serving_chat.OpenAIServingChat._build_chat_response", "AFTER",

@@ -36,7 +36,11 @@ class PsaDecodeMixin:
     """
 
     def init_forward_metadata(self, forward_batch):
-        self._psa_base.init_forward_metadata(self, forward_batch)
+        self._psa_in_eager_init = True  # a base that routes through _out_graph must not graph-plan
+        try:
+            self._psa_base.init_forward_metadata(self, forward_batch)
+        finally:
+            self._psa_in_eager_init = False
         runner = self._psa_runner
         runner.begin_batch(self, forward_batch)
         if runner.is_decode and runner.bs:
@@ -44,6 +48,23 @@ class PsaDecodeMixin:
             self.sparse_stats.dense_decode_steps += int(not runner.sparse_batch)
             if self._psa_metrics is not None:
                 (self._psa_metrics.sparse_steps if runner.sparse_batch else self._psa_metrics.dense_steps).inc()
+
+    def init_forward_metadata_out_graph(self, forward_batch, in_capture=False):
+        """Decode CUDA graph capture / replay preparation (SGLang calls it outside the graph)."""
+        self._psa_base.init_forward_metadata_out_graph(self, forward_batch, in_capture)
+        runner = self._psa_runner
+        if getattr(self, "_psa_in_eager_init", False) or not hasattr(runner, "begin_graph_batch"):
+            return
+        if not forward_batch.forward_mode.is_decode():
+            return
+        runner.begin_graph_batch(self, forward_batch, in_capture)
+        if not in_capture:
+            self.sparse_stats.sparse_decode_steps += 1
+            if self._psa_metrics is not None:
+                self._psa_metrics.sparse_steps.inc()
+
+    def psa_wants_graph(self, forward_batch) -> bool:
+        return self._psa_runner.wants_graph(forward_batch)
 
     def forward_extend(self, q, k, v, layer, forward_batch, *args, **kwargs):
         o = self._psa_base.forward_extend(self, q, k, v, layer, forward_batch, *args, **kwargs)

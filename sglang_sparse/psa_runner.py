@@ -17,8 +17,13 @@ Where the host work goes (nothing per layer, no sync inside a step):
 Rows of a decode batch below ``min_context`` (or with epsilon 1.0) attend their whole context:
 if every row is such a row, the stock FlashInfer decode runs; in a mixed batch those rows run the
 sparse kernel with epsilon 1.0 (all blocks), which is exact but not FlashInfer-fast.
-CUDA graphs: the server turns them off for this mode (see ``server_args``): the dense/sparse
-decision and the sort width are taken per batch on the host.
+
+CUDA graphs (decode): a batch with at least one sparse row replays a graph captured over the PSA
+path (:meth:`PsaCudaRunner.begin_graph_batch` plans into the wrapper's fixed ``_buf`` tensors with
+the full ranking width before each replay; short rows get epsilon 1.0 there); a batch with no
+sparse row runs eagerly through the stock FlashInfer decode (``api_hooks.graph_gate_hook``), so
+short contexts keep the stock numerics. Prefill graphs are off for this mode (the metadata update
+after an extend takes a host bound on the blocks touched).
 """
 
 from __future__ import annotations
@@ -77,10 +82,20 @@ class _RunnerBase:
         self._sparse_host: torch.Tensor | None = None
         self._eps_host: torch.Tensor | None = None
         self.step_rows: torch.Tensor | None = None  # [bs, STEP_COLS] fp32 on self.device
+        self.graph_mode = False  # the current batch replays (or captures) a decode CUDA graph
+
+    def wants_graph(self, forward_batch) -> bool:
+        """Host test before a decode graph replay: graphs only for batches with a sparse row."""
+        lens = forward_batch.seq_lens_cpu
+        if lens is None:
+            return False
+        bs = int(forward_batch.batch_size)
+        eps = torch.tensor(_row_epsilons(self.cfg, forward_batch, bs), dtype=torch.float32)
+        return bool(((lens[:bs].to(torch.int64) >= self.cfg.min_context) & (eps < 1.0)).any())
 
     def _plan_rows(self, forward_batch, decode: bool) -> None:
         bs = int(forward_batch.batch_size)
-        self.bs, self.is_decode = bs, decode
+        self.bs, self.is_decode, self.graph_mode = bs, decode, False
         eps = torch.tensor(_row_epsilons(self.cfg, forward_batch, bs), dtype=torch.float32)
         lens = forward_batch.seq_lens_cpu
         if decode and lens is not None:
@@ -157,6 +172,7 @@ class PsaCudaRunner(_RunnerBase):
             head_dim=shape.head_dim, block_size=block_size, max_batch_size=max_batch_size,
             max_blocks_per_req=self.max_blocks_per_req, device=device, sm_scale=sm_scale, out_dtype=out_dtype)
         self.sm_scale = sm_scale
+        self._step_buf = torch.zeros(max_batch_size, STEP_COLS, dtype=torch.float32, device=device)
         self._ext_start = self._ext_end = self._ext_rpi = self._ext_table = None
         self._ext_max_new_blocks = 0
 
@@ -173,7 +189,7 @@ class PsaCudaRunner(_RunnerBase):
     def begin_batch(self, backend, forward_batch) -> None:
         mode = forward_batch.forward_mode
         if mode.is_idle() or int(forward_batch.batch_size) == 0:
-            self.bs, self.sparse_batch, self.is_decode = 0, False, False
+            self.bs, self.sparse_batch, self.is_decode, self.graph_mode = 0, False, False, False
             return
         decode = mode.is_decode()
         self._plan_rows(forward_batch, decode)
@@ -199,6 +215,22 @@ class PsaCudaRunner(_RunnerBase):
         self._ext_rpi = forward_batch.req_pool_indices
         self._ext_table = table
 
+    def begin_graph_batch(self, backend, forward_batch, in_capture: bool) -> None:
+        """Plan a decode batch that captures or replays a CUDA graph (host side, before the graph).
+
+        Fixed shapes: the full ranking width (``max_blocks_per_req``) and the fixed ``_step_buf``;
+        every row takes the PSA path inside the graph, rows that are not sparse with epsilon 1.0.
+        """
+        self._plan_rows(forward_batch, True)
+        bs = self.bs
+        self.graph_mode, self.sparse_batch = True, True
+        self._step_buf[:bs].copy_(self.step_rows, non_blocking=True)
+        self.step_rows = self._step_buf[:bs]
+        table = self._block_table(backend, forward_batch, self.max_blocks_per_req * self.block_size)
+        eps_dev = torch.where(self._sparse_host, self._eps_host, 1.0).to(self.device, non_blocking=True)
+        self.wrapper.plan(backend.req_to_token_pool.req_to_token, forward_batch.req_pool_indices,
+                          forward_batch.seq_lens.to(torch.int32), table, max_seq_len=None, epsilon=eps_dev)
+
     def after_extend(self, backend, layer, forward_batch) -> None:
         if self.bs == 0 or self.is_decode or self._ext_max_new_blocks == 0:
             return
@@ -209,7 +241,7 @@ class PsaCudaRunner(_RunnerBase):
     def decode(self, backend, q, k, v, layer, forward_batch, save_kv_cache):
         pool = backend.token_to_kv_pool
         lid = layer.layer_id
-        if not self.sparse_batch:
+        if not self.sparse_batch and not self.graph_mode:
             o = backend._psa_base.forward_decode(backend, q, k, v, layer, forward_batch, save_kv_cache)
             self.wrapper.update_meta_decode(pool.get_key_buffer(lid), *self.meta.layer(lid))
             return o

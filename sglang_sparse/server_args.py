@@ -87,11 +87,22 @@ class SparseServerArgs(_BaseServerArgs):
 def _apply_mode_requirements(args, ctx: SparseContext) -> None:
     """Server settings a mode needs, set before SGLang resolves them (logged, never silent).
 
+    loopserve on CUDA: CUDA graphs off (line sets are planned per request on the host).
     psa on CUDA: the page is the PSA block, so ``--page-size`` defaults to ``block_size`` (another
-    explicit page size is refused); CUDA graphs are off, because the dense/sparse row split and
-    the ranking width are decided per batch on the host (the kernels themselves are graph-safe).
+    explicit page size is refused); prefill CUDA graphs are off (the block-metadata update after an
+    extend takes a host bound); decode graphs stay on unless the config's ``cuda_graph`` is false.
     """
-    if ctx.mode != "psa" or _device_type(args.device) != "cuda":
+    if _device_type(args.device) != "cuda":
+        return
+    if ctx.mode == "loopserve":
+        if not args.disable_cuda_graph:
+            import logging
+
+            logging.getLogger("sglang_sparse").info(
+                "sglang-sparse loopserve: CUDA graphs disabled (per-request host planning of line sets)")
+            args.disable_cuda_graph = True
+        return
+    if ctx.mode != "psa":
         return
     import logging
 
@@ -107,8 +118,11 @@ def _apply_mode_requirements(args, ctx: SparseContext) -> None:
     if block not in (16, 32, 64):
         raise SparseConfigError(f"--sparse-config: field 'block_size' of mode 'psa' = {block} on CUDA must be "
                                 "one of [16, 32, 64] (the KV page size)")
-    if not args.disable_cuda_graph:
-        log.info("sglang-sparse psa: CUDA graphs disabled for this mode (per-batch host planning)")
+    if not args.disable_prefill_cuda_graph:
+        log.info("sglang-sparse psa: prefill CUDA graphs disabled for this mode")
+        args.disable_prefill_cuda_graph = True
+    if not ctx.config.cuda_graph and not args.disable_cuda_graph:
+        log.info("sglang-sparse psa: CUDA graphs disabled (--sparse-config cuda_graph=false)")
         args.disable_cuda_graph = True
 
 

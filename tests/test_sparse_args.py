@@ -84,7 +84,7 @@ CONFIG_BAD_INPUTS = [
     (PsaConfig, {"sink_pages": True}, "'sink_pages' of mode 'psa' = True has type bool; expected an integer"),
     (PsaConfig, {"local_pages": -1}, "'local_pages' of mode 'psa' = -1 is out of range; allowed range [0, 1024]"),
     (PsaConfig, {"epsilon": float("nan")}, "'epsilon' of mode 'psa' = nan is not a finite number"),
-    (PsaConfig, {"eps": 0.9}, "unknown key(s) 'eps' for mode 'psa'; allowed keys: block_size, epsilon, local_pages"),
+    (PsaConfig, {"eps": 0.9}, "unknown key(s) 'eps' for mode 'psa'; allowed keys: block_size, cuda_graph, epsilon, local_pages"),
     (LoopServeConfig, {"n_d": 0}, "'n_d' of mode 'loopserve' = 0 is out of range; allowed range [1, 4096]"),
     (LoopServeConfig, {"alpha": None}, "'alpha' of mode 'loopserve' = None has type NoneType; expected a number"),
     (SamKVConfig, {"fuse": "blend"}, "'fuse' of mode 'samkv' = 'blend' is not allowed; choose one of "
@@ -125,21 +125,30 @@ def test_resolve_accepts_dict_json_and_none():
         resolve_sparse(3, None)
 
 
-def test_psa_on_cuda_takes_the_block_as_page_and_turns_cuda_graphs_off():
+def test_psa_on_cuda_takes_the_block_as_page_and_turns_prefill_graphs_off():
     from types import SimpleNamespace
 
     from sglang_sparse.modes import resolve_sparse
     from sglang_sparse.server_args import _apply_mode_requirements
 
-    args = SimpleNamespace(device="cuda", page_size=None, disable_cuda_graph=False)
-    _apply_mode_requirements(args, resolve_sparse("psa", '{"block_size": 32}'))
-    assert (args.page_size, args.disable_cuda_graph) == (32, True)
-    cpu = SimpleNamespace(device="cpu", page_size=None, disable_cuda_graph=False)
+    def args(device="cuda"):
+        return SimpleNamespace(device=device, page_size=None, disable_cuda_graph=False,
+                               disable_prefill_cuda_graph=False)
+
+    a = args()
+    _apply_mode_requirements(a, resolve_sparse("psa", '{"block_size": 32}'))
+    assert (a.page_size, a.disable_prefill_cuda_graph, a.disable_cuda_graph) == (32, True, False)
+    a = args()
+    _apply_mode_requirements(a, resolve_sparse("psa", '{"cuda_graph": false}'))
+    assert (a.page_size, a.disable_cuda_graph) == (16, True)
+    cpu = args("cpu")
     _apply_mode_requirements(cpu, resolve_sparse("psa", None))
-    assert (cpu.page_size, cpu.disable_cuda_graph) == (None, False)  # CPU: logical blocks, stock settings
+    assert (cpu.page_size, cpu.disable_cuda_graph, cpu.disable_prefill_cuda_graph) == (None, False, False)
+    a = args()
+    _apply_mode_requirements(a, resolve_sparse("loopserve", None))
+    assert a.disable_cuda_graph and a.page_size is None
     with pytest.raises(SparseConfigError, match="must be one of \\[16, 32, 64\\]"):
-        _apply_mode_requirements(SimpleNamespace(device="cuda", page_size=None, disable_cuda_graph=False),
-                                 resolve_sparse("psa", '{"block_size": 8}'))
+        _apply_mode_requirements(args(), resolve_sparse("psa", '{"block_size": 8}'))
 
 
 def test_psa_on_cuda_refuses_a_page_size_other_than_its_block(prepare, default_model, capsys):
