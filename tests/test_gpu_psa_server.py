@@ -19,7 +19,8 @@ from tests.test_server_e2e import PROMPT
 pytestmark = [pytest.mark.gpu, pytest.mark.server]
 
 MIN_CONTEXT = 512
-ARGS = ["--attention-backend", "flashinfer", "--mem-fraction-static", "0.2", "--enable-metrics"]
+ARGS = ["--attention-backend", "flashinfer", "--mem-fraction-static", "0.2", "--enable-metrics",
+        "--cuda-graph-max-bs", "16"]
 
 
 def _server(mode, log, sparse_config=None, extra=()):
@@ -33,16 +34,17 @@ def gpu_servers(tmp_path_factory):
     d = tmp_path_factory.mktemp("gpu_psa")
     # same page size on both sides: psa on CUDA uses the page as its block (16)
     dense = _server("off", d / "off.log", extra=("--page-size", "16"))
+    started = [dense]
     try:
         sparse = _server("psa", d / "psa.log", sparse_config=f'{{"min_context": {MIN_CONTEXT}}}')
-    except Exception:
-        dense.stop()
-        raise
-    try:
-        yield dense, sparse, d
+        started.append(sparse)
+        eager = _server("psa", d / "psa_eager.log",
+                        sparse_config=f'{{"min_context": {MIN_CONTEXT}, "cuda_graph": false}}')
+        started.append(eager)
+        yield dense, sparse, d, eager
     finally:
-        sparse.stop()
-        dense.stop()
+        for server in reversed(started):
+            server.stop()
 
 
 def _chat(server, content, max_tokens, **extra):
@@ -61,7 +63,7 @@ def _long_prompt(n_chars=6000):
 
 
 def test_gpu_psa_reports_its_backend_and_page(gpu_servers):
-    _, sparse, _ = gpu_servers
+    _, sparse, _, _ = gpu_servers
     info = sparse.server_info()
     state = info["internal_states"][0]["sparse"]
     assert state["mode"] == "psa" and state["attention_backend"] == "PsaFlashInferAttnBackend"
@@ -69,7 +71,7 @@ def test_gpu_psa_reports_its_backend_and_page(gpu_servers):
 
 
 def test_gpu_psa_below_min_context_equals_dense(gpu_servers):
-    dense, sparse, _ = gpu_servers
+    dense, sparse, _, _ = gpu_servers
     a = _chat(sparse, PROMPT[0]["content"], 32)
     b = _chat(dense, PROMPT[0]["content"], 32)
     assert a["usage"]["prompt_tokens"] < MIN_CONTEXT
@@ -78,7 +80,7 @@ def test_gpu_psa_below_min_context_equals_dense(gpu_servers):
 
 
 def test_gpu_psa_above_min_context_reads_fewer_blocks_and_retrieves_the_fact(gpu_servers):
-    dense, sparse, _ = gpu_servers
+    dense, sparse, _, _ = gpu_servers
     r = _chat(sparse, _long_prompt(), 16)
     d = _chat(dense, _long_prompt(), 16)
     assert r["usage"]["prompt_tokens"] > MIN_CONTEXT
@@ -94,7 +96,7 @@ def test_gpu_psa_above_min_context_reads_fewer_blocks_and_retrieves_the_fact(gpu
 
 
 def test_gpu_psa_per_request_epsilon_one_is_dense_and_matches_off(gpu_servers):
-    dense, sparse, _ = gpu_servers
+    dense, sparse, _, _ = gpu_servers
     a = _chat(sparse, _long_prompt(), 24, custom_params={"sparse": {"epsilon": 1.0}})
     b = _chat(dense, _long_prompt(), 24)
     assert a["metadata"]["sparse"]["sparse_decode_steps"] == 0
@@ -108,7 +110,7 @@ def test_gpu_psa_per_request_epsilon_one_is_dense_and_matches_off(gpu_servers):
 def test_gpu_psa_concurrent_mixed_batch_serves_every_request(gpu_servers):
     from concurrent.futures import ThreadPoolExecutor
 
-    _, sparse, d = gpu_servers
+    _, sparse, d, _ = gpu_servers
     prompts = [PROMPT[0]["content"], _long_prompt(3000), _long_prompt(6000), _long_prompt(9000)] * 4
     with ThreadPoolExecutor(16) as ex:
         outs = list(ex.map(lambda p: _chat(sparse, p, 24), prompts))
@@ -117,3 +119,17 @@ def test_gpu_psa_concurrent_mixed_batch_serves_every_request(gpu_servers):
     assert any(r["sparse_decode_steps"] > 0 for r in reps) and any(r["sparse_decode_steps"] == 0 for r in reps)
     log = (d / "psa.log").read_text(errors="replace").lower()
     assert "leak" not in log and "traceback" not in log
+
+
+def test_gpu_psa_decode_graph_replay_matches_eager(gpu_servers):
+    _, graph, d, eager = gpu_servers
+    for n in (3000, 9000):
+        a = _chat(graph, _long_prompt(n), 24)
+        b = _chat(eager, _long_prompt(n), 24)
+        ra, rb = a["metadata"]["sparse"], b["metadata"]["sparse"]
+        print(f"ctx {a['usage']['prompt_tokens']}: graph {ra} | eager {rb}")
+        assert ra["sparse_decode_steps"] == rb["sparse_decode_steps"] > 0
+        assert a["choices"][0]["message"]["content"] == b["choices"][0]["message"]["content"]
+        assert ra["blocks_read"] == rb["blocks_read"]
+    log = (d / "psa.log").read_text(errors="replace")
+    assert "Capture" in log and "cuda graph" in log.lower()
