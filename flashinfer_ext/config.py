@@ -62,7 +62,7 @@ class PsaDecodeConfig:
     sorted_prefix_blocks: int = 1024
     """ranking: the top ``sorted_prefix_blocks`` blocks exactly sorted, the others after them in block
     order (:mod:`flashinfer_ext.rank_select`; only pairs reading more blocks see the difference);
-    0 = a full device sort. A power of two in [16, 8192], >= sink_blocks + local_blocks."""
+    0 = a full device sort. A power of two in [16, 8192]; raised to cover sink + local blocks."""
 
     def __post_init__(self) -> None:
         def bad(name: str, rng: str) -> ValueError:
@@ -102,10 +102,15 @@ class PsaDecodeConfig:
             raise bad("max_chunk_blocks", f"a power of two in [micro_batch_blocks={self.micro_batch_blocks}, 65536]")
 
         v = self.sorted_prefix_blocks
-        if isinstance(v, bool) or not isinstance(v, int) or not (v == 0 or (_is_pow2(v) and 16 <= v <= 8192)) \
-                or (v and v < self.sink_blocks + self.local_blocks):
-            raise bad("sorted_prefix_blocks", "0 or a power of two in [16, 8192] and >= sink_blocks + local_blocks "
-                      f"({self.sink_blocks + self.local_blocks})")
+        if isinstance(v, bool) or not isinstance(v, int) or not (v == 0 or (_is_pow2(v) and 16 <= v <= 8192)):
+            raise bad("sorted_prefix_blocks", "0 or a power of two in [16, 8192]")
+
+    def ranking_prefix(self) -> int:
+        """Effective sorted prefix (0 = full sort): ``sorted_prefix_blocks`` raised to cover the forced blocks."""
+        v = self.sorted_prefix_blocks
+        if not v:
+            return 0
+        return max(v, 1 << max(0, (self.sink_blocks + self.local_blocks - 1).bit_length()))
 
     def ranked_chunk_ends(self, n_ranked: int) -> list[int]:
         """Cumulative ends (in ranks after the forced blocks) of the ranked chunks covering ``n_ranked``.

@@ -67,69 +67,70 @@ def _chunk_kernel(
         hi = tl.where(tl.load(done_ptr + pair) != 0, lo, hi)
     active = lo < hi
 
-    rpi = tl.load(rpi_ptr + r).to(tl.int64)
-    rtt_row = rtt_ptr + rpi * stride_rtt
-    order_row = order_ptr + r64 * stride_ob + h * stride_oh
-    scores_row = scores_ptr + r64 * stride_ob + h * stride_oh
-    g = tl.arange(0, G_PAD)
-    d = tl.arange(0, D_PAD)
-    gmask = g < GROUP
-    dmask = d < HEAD_DIM
-    q = tl.load(q_ptr + r64 * stride_qb + (h * GROUP + g)[:, None] * stride_qh + d[None, :],
-                mask=gmask[:, None] & dmask[None, :], other=0.0).to(k_ptr.dtype.element_ty)
-    m_i = tl.full([G_PAD], float("-inf"), tl.float32)
-    l_i = tl.zeros([G_PAD], tl.float32)
-    acc = tl.zeros([G_PAD, D_PAD], tl.float32)
-    lmin = tl.full([G_PAD], float("inf"), tl.float32)
-    dmax = tl.full([G_PAD], float("-inf"), tl.float32)
-    TOK: tl.constexpr = SUB * BLOCK_SIZE
-    tok = tl.arange(0, TOK)
-    for t0 in range(lo, hi, SUB):
-        rank_tok = t0 + tok // BLOCK_SIZE
-        lb_tok = tl.load(order_row + rank_tok, mask=rank_tok < hi, other=0).to(tl.int64)
-        pos = lb_tok * BLOCK_SIZE + tok % BLOCK_SIZE
-        tvalid = (rank_tok < hi) & (pos < seq_len)
-        slot = tl.load(rtt_row + pos, mask=tvalid, other=0).to(tl.int64)
-        kv_mask = tvalid[:, None] & dmask[None, :]
-        k = tl.load(k_ptr + slot[:, None] * stride_k_slot + h * stride_k_head + d[None, :], mask=kv_mask, other=0.0)
-        if DOT_FP32:
-            s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)))
-        else:
-            s = tl.dot(q, tl.trans(k))
-        s = tl.where(tvalid[None, :], s * sm_scale_log2, float("-inf"))  # [G_PAD, TOK] base 2
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(s - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = tl.load(v_ptr + slot[:, None] * stride_v_slot + h * stride_v_head + d[None, :], mask=kv_mask, other=0.0)
-        if DOT_FP32:
-            pv = tl.dot(p.to(v.dtype).to(tl.float32), v.to(tl.float32))
-        else:
-            pv = tl.dot(p.to(v.dtype), v)
-        acc = acc * alpha[:, None] + pv
-        m_i = m_new
-        # per ranked block: AS_min over full blocks, bound tightness over all ranked blocks
-        ranks = t0 + tl.arange(0, SUB)
-        in_rank = (ranks < hi) & (ranks >= nf)
-        lb = tl.load(order_row + ranks, mask=ranks < hi, other=0).to(tl.int64)
-        full = in_rank & ((lb + 1) * BLOCK_SIZE <= seq_len)
-        pb = tl.sum(tl.reshape(p, (G_PAD, SUB, BLOCK_SIZE)), axis=2)  # [G_PAD, SUB]
-        lm = tl.log2(tl.maximum(pb, 1e-30)) + m_safe[:, None]
-        lmin = tl.minimum(lmin, tl.min(tl.where(full[None, :], lm, float("inf")), axis=1))
-        bnd = tl.load(scores_row + lb, mask=in_rank, other=0.0) * sm_scale_log2 + log2_block
-        dmax = tl.maximum(dmax, tl.max(tl.where(in_rank[None, :], lm - bnd[None, :], float("-inf")), axis=1))
+    if active:  # chunks past the list end, or of pairs already done, do nothing at all
+        rpi = tl.load(rpi_ptr + r).to(tl.int64)
+        rtt_row = rtt_ptr + rpi * stride_rtt
+        order_row = order_ptr + r64 * stride_ob + h * stride_oh
+        scores_row = scores_ptr + r64 * stride_ob + h * stride_oh
+        g = tl.arange(0, G_PAD)
+        d = tl.arange(0, D_PAD)
+        gmask = g < GROUP
+        dmask = d < HEAD_DIM
+        q = tl.load(q_ptr + r64 * stride_qb + (h * GROUP + g)[:, None] * stride_qh + d[None, :],
+                    mask=gmask[:, None] & dmask[None, :], other=0.0).to(k_ptr.dtype.element_ty)
+        m_i = tl.full([G_PAD], float("-inf"), tl.float32)
+        l_i = tl.zeros([G_PAD], tl.float32)
+        acc = tl.zeros([G_PAD, D_PAD], tl.float32)
+        lmin = tl.full([G_PAD], float("inf"), tl.float32)
+        dmax = tl.full([G_PAD], float("-inf"), tl.float32)
+        TOK: tl.constexpr = SUB * BLOCK_SIZE
+        tok = tl.arange(0, TOK)
+        for t0 in range(lo, hi, SUB):
+            rank_tok = t0 + tok // BLOCK_SIZE
+            lb_tok = tl.load(order_row + rank_tok, mask=rank_tok < hi, other=0).to(tl.int64)
+            pos = lb_tok * BLOCK_SIZE + tok % BLOCK_SIZE
+            tvalid = (rank_tok < hi) & (pos < seq_len)
+            slot = tl.load(rtt_row + pos, mask=tvalid, other=0).to(tl.int64)
+            kv_mask = tvalid[:, None] & dmask[None, :]
+            k = tl.load(k_ptr + slot[:, None] * stride_k_slot + h * stride_k_head + d[None, :], mask=kv_mask, other=0.0)
+            if DOT_FP32:
+                s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)))
+            else:
+                s = tl.dot(q, tl.trans(k))
+            s = tl.where(tvalid[None, :], s * sm_scale_log2, float("-inf"))  # [G_PAD, TOK] base 2
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp2(m_i - m_safe)
+            p = tl.exp2(s - m_safe[:, None])
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            v = tl.load(v_ptr + slot[:, None] * stride_v_slot + h * stride_v_head + d[None, :], mask=kv_mask, other=0.0)
+            if DOT_FP32:
+                pv = tl.dot(p.to(v.dtype).to(tl.float32), v.to(tl.float32))
+            else:
+                pv = tl.dot(p.to(v.dtype), v)
+            acc = acc * alpha[:, None] + pv
+            m_i = m_new
+            # per ranked block: AS_min over full blocks, bound tightness over all ranked blocks
+            ranks = t0 + tl.arange(0, SUB)
+            in_rank = (ranks < hi) & (ranks >= nf)
+            lb = tl.load(order_row + ranks, mask=ranks < hi, other=0).to(tl.int64)
+            full = in_rank & ((lb + 1) * BLOCK_SIZE <= seq_len)
+            pb = tl.sum(tl.reshape(p, (G_PAD, SUB, BLOCK_SIZE)), axis=2)  # [G_PAD, SUB]
+            lm = tl.log2(tl.maximum(pb, 1e-30)) + m_safe[:, None]
+            lmin = tl.minimum(lmin, tl.min(tl.where(full[None, :], lm, float("inf")), axis=1))
+            bnd = tl.load(scores_row + lb, mask=in_rank, other=0.0) * sm_scale_log2 + log2_block
+            dmax = tl.maximum(dmax, tl.max(tl.where(in_rank[None, :], lm - bnd[None, :], float("-inf")), axis=1))
 
-    has = l_i > 0.0
-    l_safe = tl.where(has, l_i, 1.0)
-    o = acc / l_safe[:, None]
-    lse = tl.where(has, m_i + tl.log2(l_safe), float("-inf"))
-    base = pair.to(tl.int64) * wmax + ci
-    gm = gmask & active
-    tl.store(po_ptr + (base * GROUP + g)[:, None] * HEAD_DIM + d[None, :], o, mask=gm[:, None] & dmask[None, :])
-    tl.store(plse_ptr + base * GROUP + g, lse, mask=gm)
-    tl.store(pmin_ptr + base * GROUP + g, lmin, mask=gm)
-    tl.store(pdmax_ptr + base * GROUP + g, dmax, mask=gm)
+        has = l_i > 0.0
+        l_safe = tl.where(has, l_i, 1.0)
+        o = acc / l_safe[:, None]
+        lse = tl.where(has, m_i + tl.log2(l_safe), float("-inf"))
+        base = pair.to(tl.int64) * wmax + ci
+        gm = gmask
+        tl.store(po_ptr + (base * GROUP + g)[:, None] * HEAD_DIM + d[None, :], o, mask=gm[:, None] & dmask[None, :])
+        tl.store(plse_ptr + base * GROUP + g, lse, mask=gm)
+        tl.store(pmin_ptr + base * GROUP + g, lmin, mask=gm)
+        tl.store(pdmax_ptr + base * GROUP + g, dmax, mask=gm)
 
 
 def psa_chunk_attention(q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, order, scores,

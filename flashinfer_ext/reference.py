@@ -290,7 +290,7 @@ def psa_decode_reference(q, k_buffer, v_buffer, req_to_token, req_pool_indices, 
                                    num_blocks=num_blocks, sink_blocks=config.sink_blocks,
                                    local_blocks=config.local_blocks, criticality=config.criticality,
                                    group_reduce=config.group_reduce)
-    order = rank_reference(scores, config.sorted_prefix_blocks)
+    order = rank_reference(scores, config.ranking_prefix())
     eps = [config.epsilon] * batch if epsilon is None else [float(e) for e in epsilon]
     list_lens = torch.zeros(batch, num_kv_heads, dtype=torch.int32)
     n_forced = torch.zeros(batch, dtype=torch.int32)

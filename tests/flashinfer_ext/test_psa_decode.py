@@ -227,7 +227,6 @@ def test_config_rejects_bad_values_naming_the_field():
                       (dict(max_chunk_blocks=4), "max_chunk_blocks"), (dict(max_chunk_blocks=24), "max_chunk_blocks"),
                       (dict(sorted_prefix_blocks=8), "sorted_prefix_blocks"),
                       (dict(sorted_prefix_blocks=100), "sorted_prefix_blocks"),
-                      (dict(sorted_prefix_blocks=16, sink_blocks=10, local_blocks=10), "sorted_prefix_blocks"),
                       (dict(estimator="bound", group_reduce="sum"), "estimator"),
                       (dict(estimator="calibrated", criticality="mean"), "estimator")):
         with pytest.raises(ValueError, match=field):
@@ -237,6 +236,8 @@ def test_config_rejects_bad_values_naming_the_field():
     assert PsaDecodeConfig(epsilon=1).epsilon == 1.0
     assert PsaDecodeConfig().estimator == "calibrated"
     assert PsaDecodeConfig(estimator="paper", group_reduce="sum").group_reduce == "sum"
+    assert PsaDecodeConfig(sorted_prefix_blocks=16, sink_blocks=10, local_blocks=10).ranking_prefix() == 32
+    assert PsaDecodeConfig(sorted_prefix_blocks=0).ranking_prefix() == 0
 
 
 def test_ranked_chunk_schedule():
