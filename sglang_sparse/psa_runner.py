@@ -153,7 +153,17 @@ class PsaCpuRunner(_RunnerBase):
 
 
 class PsaCudaRunner(_RunnerBase):
-    """GPU: block metadata beside the KV pool + :class:`PsaDecodeWrapper`; the page is the block."""
+    """GPU: block metadata beside the KV pool + :class:`PsaDecodeWrapper`; the page is the block.
+
+    Metadata is kept only where it can be read: for requests whose context reached ``min_context``
+    (the invariant: after any step at which a request is that long, its blocks' metadata covers its
+    whole context). Short requests cost nothing: an all-short decode batch is the stock decode alone.
+    A request that first reaches ``min_context`` (an extend ending past it, or the decode step at
+    which it crosses it) has its metadata rebuilt from position 0, at plan time for decode (all
+    layers, outside any CUDA graph) and after each layer's write for extend. Pages shared through
+    the radix cache carry the metadata their first owner built (a prefix of ``min_context`` tokens or
+    more was long when it was written).
+    """
 
     def __init__(self, cfg: PsaConfig, block_size: int, shape: AttnShape, device: torch.device, *,
                  token_to_kv_pool, req_to_token: torch.Tensor, max_batch_size: int, sm_scale: float,
@@ -166,15 +176,21 @@ class PsaCudaRunner(_RunnerBase):
         num_rows = -(-k0.shape[0] // block_size) + 1
         self.meta = BlockMetaPool(shape.num_layers, num_rows, shape.num_kv_heads, shape.head_dim, block_size,
                                   dtype=k0.dtype, device=device)
+        self.pool = token_to_kv_pool
         self.max_blocks_per_req = -(-req_to_token.shape[1] // block_size)
         self.wrapper = PsaDecodeWrapper(
             self.kernel_cfg, num_qo_heads=shape.num_qo_heads, num_kv_heads=shape.num_kv_heads,
             head_dim=shape.head_dim, block_size=block_size, max_batch_size=max_batch_size,
             max_blocks_per_req=self.max_blocks_per_req, device=device, sm_scale=sm_scale, out_dtype=out_dtype)
         self.sm_scale = sm_scale
+        i32 = dict(dtype=torch.int32, device=device)
         self._step_buf = torch.zeros(max_batch_size, STEP_COLS, dtype=torch.float32, device=device)
-        self._ext_start = self._ext_end = self._ext_rpi = self._ext_table = None
-        self._ext_max_new_blocks = 0
+        self._rpi_buf = torch.zeros(max_batch_size, **i32)          # fixed: read inside decode graphs
+        self._table_buf = torch.zeros(max_batch_size, self.max_blocks_per_req, **i32)
+        self._meta_start_buf = torch.zeros(max_batch_size, **i32)   # decode: per-row fold range
+        self._meta_end_buf = torch.zeros(max_batch_size, **i32)
+        self._meta_rows = False       # this decode batch folds its new tokens into metadata
+        self._ext = None              # extend: (rpi, table, start, end, max_new_blocks)
 
     def meta_bytes(self) -> int:
         return 3 * self.meta.kmin.numel() * self.meta.kmin.element_size()
@@ -186,70 +202,118 @@ class PsaCudaRunner(_RunnerBase):
         return paged_block_table(backend.req_to_token_pool.req_to_token, forward_batch.req_pool_indices,
                                  self.block_size, width)
 
+    def _plan_decode_meta(self, backend, forward_batch, table: torch.Tensor) -> None:
+        """Host plan of the metadata for a decode batch; rebuilds crossing rows for every layer now."""
+        bs = self.bs
+        lens = forward_batch.seq_lens_cpu
+        lens = (forward_batch.seq_lens.cpu() if lens is None else lens)[:bs].to(torch.int64)  # None: capture
+        mc = self.cfg.min_context
+        long_rows = lens >= mc
+        cross = long_rows & (lens - 1 < mc)
+        self._meta_rows = bool(long_rows.any())
+        start = torch.where(long_rows, lens - 1, lens).to(torch.int32)
+        self._meta_start_buf[:bs].copy_(start, non_blocking=True)
+        self._meta_end_buf[:bs].copy_(lens.to(torch.int32), non_blocking=True)
+        self._rpi_buf[:bs].copy_(forward_batch.req_pool_indices, non_blocking=True)
+        self._table_buf[:bs, : table.shape[1]].copy_(table, non_blocking=True)
+        if bool(cross.any()):  # first time long: positions [0, len - 1) already written -> rebuild them
+            from flashinfer_ext.block_meta import blocks_touched
+
+            ends = torch.where(cross, lens - 1, 0)
+            n_new = blocks_touched([0] * bs, ends.tolist(), self.block_size)
+            if n_new:
+                zero = torch.zeros(bs, dtype=torch.int32, device=self.device)
+                end_dev = ends.to(torch.int32).to(self.device, non_blocking=True)
+                rtt = backend.req_to_token_pool.req_to_token
+                for lid in range(self.shape.num_layers):
+                    self.meta.update(lid, self.pool.get_key_buffer(lid), rtt, self._rpi_buf[:bs],
+                                     self._table_buf[:bs], zero, end_dev, n_new)
+
+    def _fold_decode_meta(self, layer_id: int) -> None:
+        """Fold this step's new key into its block's metadata, for rows that keep metadata (graph-safe)."""
+        from flashinfer_ext.block_meta import update_block_meta
+
+        bs = self.bs
+        kmin, kmax, kmean = self.meta.layer(layer_id)
+        update_block_meta(self.pool.get_key_buffer(layer_id), kmin, kmax, kmean,
+                          self.wrapper_req_to_token, self._rpi_buf[:bs], self._table_buf[:bs],
+                          self._meta_start_buf[:bs], self._meta_end_buf[:bs], block_size=self.block_size,
+                          max_new_blocks=1)
+
     def begin_batch(self, backend, forward_batch) -> None:
         mode = forward_batch.forward_mode
+        self._ext = None
         if mode.is_idle() or int(forward_batch.batch_size) == 0:
             self.bs, self.sparse_batch, self.is_decode, self.graph_mode = 0, False, False, False
+            self._meta_rows = False
             return
         decode = mode.is_decode()
         self._plan_rows(forward_batch, decode)
         rtt = backend.req_to_token_pool.req_to_token
-        lens_host = forward_batch.seq_lens_cpu
-        max_len = int(lens_host.max())
+        self.wrapper_req_to_token = rtt
+        max_len = int(forward_batch.seq_lens_cpu[: self.bs].max())
         table = self._block_table(backend, forward_batch, max_len)
         if decode:
-            eps_dev = torch.where(self._sparse_host, self._eps_host, 1.0).to(self.device, non_blocking=True)
-            self.wrapper.plan(rtt, forward_batch.req_pool_indices, forward_batch.seq_lens.to(torch.int32), table,
-                              max_seq_len=max_len, epsilon=eps_dev)
+            self._plan_decode_meta(backend, forward_batch, table)
+            if self.sparse_batch:
+                eps_dev = torch.where(self._sparse_host, self._eps_host, 1.0).to(self.device, non_blocking=True)
+                self.wrapper.plan(rtt, forward_batch.req_pool_indices, forward_batch.seq_lens.to(torch.int32),
+                                  table, max_seq_len=max_len, epsilon=eps_dev)
             return
-        # extend / mixed: the metadata of positions [prefix_len, seq_len) is folded in after each layer's write
+        # extend / mixed: rows already long fold [prefix, end); rows that become long rebuild [0, end)
         prefix = forward_batch.extend_prefix_lens_cpu
-        ext = forward_batch.extend_seq_lens_cpu
-        prefix = list(prefix) if prefix is not None else [0] * self.bs
-        ends = [int(p) + int(e) for p, e in zip(prefix, ext)]
+        prefix = [int(p) for p in prefix] if prefix is not None else [0] * self.bs
+        ends = [p + int(e) for p, e in zip(prefix, forward_batch.extend_seq_lens_cpu)]
+        mc = self.cfg.min_context
+        starts = [p if p >= mc else (0 if e >= mc else e) for p, e in zip(prefix, ends)]
         from flashinfer_ext.block_meta import blocks_touched
 
-        self._ext_max_new_blocks = blocks_touched(prefix, ends, self.block_size)
-        self._ext_start = torch.tensor(prefix, dtype=torch.int32).to(self.device, non_blocking=True)
-        self._ext_end = torch.tensor(ends, dtype=torch.int32).to(self.device, non_blocking=True)
-        self._ext_rpi = forward_batch.req_pool_indices
-        self._ext_table = table
+        n_new = blocks_touched(starts, ends, self.block_size)
+        if n_new:
+            self._ext = (forward_batch.req_pool_indices, table,
+                         torch.tensor(starts, dtype=torch.int32).to(self.device, non_blocking=True),
+                         torch.tensor(ends, dtype=torch.int32).to(self.device, non_blocking=True), n_new)
 
     def begin_graph_batch(self, backend, forward_batch, in_capture: bool) -> None:
         """Plan a decode batch that captures or replays a CUDA graph (host side, before the graph).
 
-        Fixed shapes: the full ranking width (``max_blocks_per_req``) and the fixed ``_step_buf``;
-        every row takes the PSA path inside the graph, rows that are not sparse with epsilon 1.0.
+        Fixed shapes and buffers: the full ranking width (``max_blocks_per_req``), ``_step_buf``,
+        ``_rpi_buf``, ``_table_buf`` and the fold ranges; every row takes the PSA path inside the
+        graph, rows that are not sparse with epsilon 1.0.
         """
         self._plan_rows(forward_batch, True)
         bs = self.bs
         self.graph_mode, self.sparse_batch = True, True
         self._step_buf[:bs].copy_(self.step_rows, non_blocking=True)
         self.step_rows = self._step_buf[:bs]
+        rtt = backend.req_to_token_pool.req_to_token
+        self.wrapper_req_to_token = rtt
         table = self._block_table(backend, forward_batch, self.max_blocks_per_req * self.block_size)
+        self._plan_decode_meta(backend, forward_batch, table)
         eps_dev = torch.where(self._sparse_host, self._eps_host, 1.0).to(self.device, non_blocking=True)
-        self.wrapper.plan(backend.req_to_token_pool.req_to_token, forward_batch.req_pool_indices,
-                          forward_batch.seq_lens.to(torch.int32), table, max_seq_len=None, epsilon=eps_dev)
+        self.wrapper.plan(rtt, forward_batch.req_pool_indices, forward_batch.seq_lens.to(torch.int32), table,
+                          max_seq_len=None, epsilon=eps_dev)
 
     def after_extend(self, backend, layer, forward_batch) -> None:
-        if self.bs == 0 or self.is_decode or self._ext_max_new_blocks == 0:
+        if self.bs == 0 or self.is_decode or self._ext is None:
             return
-        k_buf = backend.token_to_kv_pool.get_key_buffer(layer.layer_id)
-        self.meta.update(layer.layer_id, k_buf, backend.req_to_token_pool.req_to_token, self._ext_rpi,
-                         self._ext_table, self._ext_start, self._ext_end, self._ext_max_new_blocks)
+        rpi, table, start, end, n_new = self._ext
+        self.meta.update(layer.layer_id, self.pool.get_key_buffer(layer.layer_id),
+                         backend.req_to_token_pool.req_to_token, rpi, table, start, end, n_new)
 
     def decode(self, backend, q, k, v, layer, forward_batch, save_kv_cache):
         pool = backend.token_to_kv_pool
         lid = layer.layer_id
         if not self.sparse_batch and not self.graph_mode:
             o = backend._psa_base.forward_decode(backend, q, k, v, layer, forward_batch, save_kv_cache)
-            self.wrapper.update_meta_decode(pool.get_key_buffer(lid), *self.meta.layer(lid))
+            if self._meta_rows:  # long rows decoding densely (their own epsilon 1.0) keep metadata too
+                self._fold_decode_meta(lid)
             return o
         if k is not None and save_kv_cache:
             _write_kv(backend, pool, layer, forward_batch, k, v)
         k_buf, v_buf = pool.get_key_buffer(lid), pool.get_value_buffer(lid)
+        self._fold_decode_meta(lid)
         kmin, kmax, kmean = self.meta.layer(lid)
-        self.wrapper.update_meta_decode(k_buf, kmin, kmax, kmean)
         num_qo, d = layer.tp_q_head_num, layer.head_dim
         o, _, nread = self.wrapper.run(q.reshape(-1, num_qo, d), k_buf, v_buf, kmin, kmax, kmean)
         rows = self.step_rows

@@ -133,3 +133,17 @@ def test_gpu_psa_decode_graph_replay_matches_eager(gpu_servers):
         assert ra["blocks_read"] == rb["blocks_read"]
     log = (d / "psa.log").read_text(errors="replace")
     assert "Capture" in log and "cuda graph" in log.lower()
+
+
+def test_gpu_psa_request_crossing_min_context_during_decode_turns_sparse(gpu_servers):
+    """Metadata is built lazily: a request that reaches min_context while decoding gets its blocks'
+    metadata rebuilt at the crossing step, then decodes sparsely; graph and eager paths agree."""
+    _, graph, _, eager = gpu_servers
+    a = _chat(graph, _long_prompt(1700), 96)
+    b = _chat(eager, _long_prompt(1700), 96)
+    ra = a["metadata"]["sparse"]
+    print("crossing:", a["usage"], ra)
+    assert a["usage"]["prompt_tokens"] < MIN_CONTEXT
+    if a["usage"]["prompt_tokens"] + a["usage"]["completion_tokens"] > MIN_CONTEXT + 1:
+        assert ra["sparse_decode_steps"] > 0 and 0 < ra["blocks_read"] <= ra["blocks_total"]
+    assert a["choices"][0]["message"]["content"] == b["choices"][0]["message"]["content"]
