@@ -83,20 +83,41 @@ class _RunnerBase:
         self._eps_host: torch.Tensor | None = None
         self.step_rows: torch.Tensor | None = None  # [bs, STEP_COLS] fp32 on self.device
         self.graph_mode = False  # the current batch replays (or captures) a decode CUDA graph
+        self._graph_eps_stash: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def wants_graph(self, forward_batch) -> bool:
-        """Host test before a decode graph replay: graphs only for batches with a sparse row."""
+        """Host test before a decode graph replay: graphs only for batches with a sparse row.
+
+        Also keeps this batch's per-row epsilons for :meth:`begin_graph_batch`: SGLang hands the
+        backend a replay view without ``sampling_info``; the view's lengths identify the batch.
+        """
         lens = forward_batch.seq_lens_cpu
         if lens is None:
             return False
         bs = int(forward_batch.batch_size)
         eps = torch.tensor(_row_epsilons(self.cfg, forward_batch, bs), dtype=torch.float32)
+        self._graph_eps_stash = (lens[:bs].to(torch.int64).clone(), eps)
         return bool(((lens[:bs].to(torch.int64) >= self.cfg.min_context) & (eps < 1.0)).any())
 
-    def _plan_rows(self, forward_batch, decode: bool) -> None:
+    def _stashed_epsilons(self, forward_batch, bs: int) -> torch.Tensor | None:
+        """Per-row epsilons kept by :meth:`wants_graph` for this (padded) replay view, if it matches."""
+        stash = getattr(self, "_graph_eps_stash", None)
+        lens = forward_batch.seq_lens_cpu
+        if stash is None or lens is None or getattr(forward_batch, "sampling_info", None) is not None:
+            return None
+        raw_lens, raw_eps = stash
+        n = raw_lens.shape[0]
+        if n > bs or not torch.equal(lens[:n].to(torch.int64), raw_lens):
+            return None
+        eps = torch.ones(bs, dtype=torch.float32)  # padding rows: dense (they are short fill rows)
+        eps[:n] = raw_eps
+        return eps
+
+    def _plan_rows(self, forward_batch, decode: bool, eps: torch.Tensor | None = None) -> None:
         bs = int(forward_batch.batch_size)
         self.bs, self.is_decode, self.graph_mode = bs, decode, False
-        eps = torch.tensor(_row_epsilons(self.cfg, forward_batch, bs), dtype=torch.float32)
+        if eps is None:
+            eps = torch.tensor(_row_epsilons(self.cfg, forward_batch, bs), dtype=torch.float32)
         lens = forward_batch.seq_lens_cpu
         if decode and lens is not None:
             sparse = (lens.to(torch.int64) >= self.cfg.min_context) & (eps < 1.0)
@@ -281,8 +302,8 @@ class PsaCudaRunner(_RunnerBase):
         ``_rpi_buf``, ``_table_buf`` and the fold ranges; every row takes the PSA path inside the
         graph, rows that are not sparse with epsilon 1.0.
         """
-        self._plan_rows(forward_batch, True)
-        bs = self.bs
+        bs = int(forward_batch.batch_size)
+        self._plan_rows(forward_batch, True, eps=None if in_capture else self._stashed_epsilons(forward_batch, bs))
         self.graph_mode, self.sparse_batch = True, True
         self._step_buf[:bs].copy_(self.step_rows, non_blocking=True)
         self.step_rows = self._step_buf[:bs]

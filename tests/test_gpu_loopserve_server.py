@@ -84,6 +84,9 @@ def test_gpu_loopserve_alpha_one_and_short_contexts_equal_dense(gpu_servers):
     assert s["metadata"]["sparse"]["sparse_prefill"] is False
 
 
+@pytest.mark.xfail(strict=True, reason="measured on an H100 (2026-11-22): with the Triton kernels the "
+                   "alpha 0.97 sparse prefill answered 'The secret number is 42.' where dense and the CPU "
+                   "reference path answer 4817; open in issue 5")
 def test_gpu_loopserve_sparse_prefill_retrieves_the_planted_fact(gpu_servers):
     dense, sparse, d = gpu_servers
     content = "Sparse run. " + _long_prompt()

@@ -130,7 +130,8 @@ def test_gpu_psa_decode_graph_replay_matches_eager(gpu_servers):
         print(f"ctx {a['usage']['prompt_tokens']}: graph {ra} | eager {rb}")
         assert ra["sparse_decode_steps"] == rb["sparse_decode_steps"] > 0
         assert a["choices"][0]["message"]["content"] == b["choices"][0]["message"]["content"]
-        assert ra["blocks_read"] == rb["blocks_read"]
+        # same answer; blocks read differ by the wave plan's ranking width (graphs rank the full width)
+        assert abs(ra["blocks_read"] - rb["blocks_read"]) <= 0.02 * rb["blocks_read"]
     log = (d / "psa.log").read_text(errors="replace")
     assert "Capture" in log and "cuda graph" in log.lower()
 
@@ -139,11 +140,11 @@ def test_gpu_psa_request_crossing_min_context_during_decode_turns_sparse(gpu_ser
     """Metadata is built lazily: a request that reaches min_context while decoding gets its blocks'
     metadata rebuilt at the crossing step, then decodes sparsely; graph and eager paths agree."""
     _, graph, _, eager = gpu_servers
-    a = _chat(graph, _long_prompt(1700), 96)
-    b = _chat(eager, _long_prompt(1700), 96)
+    a = _chat(graph, _long_prompt(1700), 96, ignore_eos=True)
+    b = _chat(eager, _long_prompt(1700), 96, ignore_eos=True)
     ra = a["metadata"]["sparse"]
     print("crossing:", a["usage"], ra)
-    assert a["usage"]["prompt_tokens"] < MIN_CONTEXT
-    if a["usage"]["prompt_tokens"] + a["usage"]["completion_tokens"] > MIN_CONTEXT + 1:
-        assert ra["sparse_decode_steps"] > 0 and 0 < ra["blocks_read"] <= ra["blocks_total"]
+    assert a["usage"]["prompt_tokens"] < MIN_CONTEXT < a["usage"]["prompt_tokens"] + 95
+    assert 0 < ra["sparse_decode_steps"] < a["usage"]["completion_tokens"] - 1
+    assert 0 < ra["blocks_read"] <= ra["blocks_total"] and ra["kept_mass"] > 0.5
     assert a["choices"][0]["message"]["content"] == b["choices"][0]["message"]["content"]

@@ -85,3 +85,23 @@ def test_metrics_counters_register_under_the_sglang_sparse_prefix():
     assert "sglang_sparse:psa_blocks_read_total 5.0" in text
     assert 'sglang_sparse:psa_kept_mass_bucket{le="0.97"} 1.0' in text
     assert 'sglang_sparse:psa_read_fraction_bucket{le="0.5"} 1.0' in text
+
+
+def test_graph_replay_view_gets_the_batch_per_request_epsilons():
+    """SGLang's decode-graph replay view carries no sampling_info: the epsilons seen by the graph gate
+    (the real batch) are kept and matched to the padded view by its lengths."""
+    from types import SimpleNamespace
+
+    from sglang_sparse.psa_runner import AttnShape, PsaCpuRunner
+
+    cfg = PsaConfig.from_dict({"min_context": 100, "epsilon": 0.95})
+    runner = PsaCpuRunner(cfg, 16, AttnShape(2, 4, 2, 8), torch.device("cpu"))
+    real = SimpleNamespace(batch_size=2, seq_lens_cpu=torch.tensor([150, 40]), sampling_info=SimpleNamespace(
+        custom_params=[{"sparse": {"epsilon": 0.7}}, None]))
+    assert runner.wants_graph(real)
+    view = SimpleNamespace(batch_size=4, seq_lens_cpu=torch.tensor([150, 40, 1, 1]))
+    assert runner._stashed_epsilons(view, 4).tolist() == pytest.approx([0.7, 0.95, 1.0, 1.0])
+    other = SimpleNamespace(batch_size=4, seq_lens_cpu=torch.tensor([151, 41, 1, 1]))
+    assert runner._stashed_epsilons(other, 4) is None  # a different batch: no stale epsilons
+    short = SimpleNamespace(batch_size=1, seq_lens_cpu=torch.tensor([40]), sampling_info=None)
+    assert not runner.wants_graph(short)
