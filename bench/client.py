@@ -21,7 +21,7 @@ import time
 import requests
 
 from bench.tasks import Task
-from sglang_sparse.psa_stats import STEP_KEY, summarize_steps
+from sglang_sparse.api_hooks import request_summary
 
 KEPT_MASS_KEYS = ("sparse", "kept_mass")
 TOP_K = 20
@@ -35,12 +35,12 @@ def kept_mass(meta_info: dict | None) -> float | None:
     """The mode-reported kept attention mass from a ``meta_info`` dict, or None.
 
     Chat responses carry the per-request summary (``meta_info["sparse"]["kept_mass"]``); the native
-    ``/generate`` carries PSA's per-token step rows (``meta_info["sparse_psa_steps"]``), summarised here.
+    ``/generate`` carries the mode's per-token step rows (e.g. ``meta_info["sparse_psa_steps"]``), summarised here.
     """
     cur = meta_info or {}
-    if "sparse" not in cur and cur.get(STEP_KEY):
-        summary = summarize_steps(cur[STEP_KEY])
-        return None if summary is None else summary["kept_mass"]
+    if "sparse" not in cur:
+        summary = request_summary(cur)
+        return None if summary is None else summary.get("kept_mass")
     for k in KEPT_MASS_KEYS:
         if not isinstance(cur, dict) or k not in cur:
             return None

@@ -16,8 +16,15 @@
 
 from __future__ import annotations
 
-from sglang_sparse.psa_stats import STEP_KEY, summarize_steps
+from sglang_sparse import loopserve_stats, psa_stats
 from sglang_sparse.request_params import normalize_request_options
+
+# Per-step statistics of each mode: (backend method returning this forward's StepRows, the
+# customized_info / meta_info key they travel under, the per-request summary of those rows).
+STEP_SOURCES = (
+    ("psa_step_rows", psa_stats.STEP_KEY, psa_stats.summarize_steps),
+    ("loopserve_step_rows", loopserve_stats.STEP_KEY, loopserve_stats.summarize_steps),
+)
 
 
 def verify_hook(result, sampling_params, *args, **kwargs):
@@ -61,27 +68,35 @@ def graph_gate_hook(result, graph_runner, forward_batch, *args, **kwargs):
 
 
 def model_forward_hook(result, model_runner, *args, **kwargs):
-    """AFTER ``ModelRunner.forward``: attach the PSA step rows of this forward to the logits output."""
+    """AFTER ``ModelRunner.forward``: attach the sparse mode's step rows of this forward to the logits output."""
     backend = getattr(model_runner, "attn_backend", None)
-    fn = getattr(backend, "psa_step_rows", None)
-    if fn is None:
-        return result
     logits = getattr(result, "logits_output", None)
-    if logits is None or not hasattr(logits, "customized_info"):
+    if backend is None or logits is None or not hasattr(logits, "customized_info"):
         return result
-    rows = fn()
-    if rows is not None:
-        if logits.customized_info is None:
-            logits.customized_info = {}
-        logits.customized_info[STEP_KEY] = rows
+    for method, key, _ in STEP_SOURCES:
+        fn = getattr(backend, method, None)
+        rows = fn() if fn is not None else None
+        if rows is not None:
+            if logits.customized_info is None:
+                logits.customized_info = {}
+            logits.customized_info[key] = rows
     return result
+
+
+def request_summary(meta_info: dict | None) -> dict | None:
+    """The per-request report of whichever sparse mode left step rows in ``meta_info``."""
+    meta_info = meta_info or {}
+    for _, key, summarize in STEP_SOURCES:
+        if meta_info.get(key):
+            return summarize(meta_info[key])
+    return None
 
 
 def _attach(response, ret, request):
     metadata = getattr(response, "metadata", None)
     if not hasattr(response, "choices") or not ret:
         return response
-    summaries = [summarize_steps((item.get("meta_info") or {}).get(STEP_KEY)) for item in ret]
+    summaries = [request_summary(item.get("meta_info")) for item in ret]
     if all(s is None for s in summaries):
         return response
     response.metadata = {**(metadata or {}), "sparse": summaries[0] if len(summaries) == 1 else summaries}

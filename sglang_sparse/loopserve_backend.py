@@ -12,9 +12,9 @@ goes, :mod:`sglang_sparse.loopserve_radix` for the per-turn lines on radix nodes
 :mod:`sglang_sparse.loopserve_stats` for the statistics.
 
 The scheduler rows' ``Req`` objects reach the backend through ``forward_batch.sampling_info.sparse_reqs``
-(set by :func:`forward_batch_hook`); statistics leave through :func:`model_forward_hook`
-(SGLang's ``customized_info``), and reach the response via :func:`chat_response_hook` /
-:func:`completion_response_hook` as ``metadata["sparse"]``.
+(set by :func:`forward_batch_hook`); statistics leave through ``api_hooks.model_forward_hook``
+(SGLang's ``customized_info``) and reach the response as ``metadata["sparse"]`` through
+``api_hooks``' response hooks (the ``STEP_SOURCES`` registry there).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import torch
 
 from sglang_sparse.config import LoopServeConfig
 from sglang_sparse.loopserve_runner import RUNNER_ENV, LoopServeRunner, use_kernels_for
-from sglang_sparse.loopserve_stats import STEP_KEY, LoopServeMetrics, LoopServeStats, account_rows, summarize_steps
+from sglang_sparse.loopserve_stats import LoopServeMetrics, LoopServeStats, account_rows
 from sglang_sparse.psa_runner import AttnShape
 from sglang_sparse.psa_stats import StepRows
 
@@ -120,44 +120,3 @@ def forward_batch_hook(result, *args, **kwargs):
         # copy of the batch into its static buffers
         info.sparse_reqs = batch.reqs
     return result
-
-
-def model_forward_hook(result, model_runner, *args, **kwargs):
-    """AFTER ``ModelRunner.forward``: attach the loopserve step rows of this forward to the logits output."""
-    backend = getattr(model_runner, "attn_backend", None)
-    fn = getattr(backend, "loopserve_step_rows", None)
-    if fn is None:
-        return result
-    rows = fn()
-    logits = getattr(result, "logits_output", None)
-    if rows is None or logits is None or not hasattr(logits, "customized_info"):
-        return result
-    if logits.customized_info is None:
-        logits.customized_info = {}
-    logits.customized_info[STEP_KEY] = rows
-    return result
-
-
-def _attach(response, ret, request):
-    if not hasattr(response, "choices") or not ret:
-        return response
-    summaries = [summarize_steps((item.get("meta_info") or {}).get(STEP_KEY)) for item in ret]
-    if all(s is None for s in summaries):
-        return response
-    metadata = getattr(response, "metadata", None)
-    response.metadata = {**(metadata or {}), "sparse": summaries[0] if len(summaries) == 1 else summaries}
-    if getattr(request, "return_meta_info", False):
-        for choice, s in zip(response.choices, summaries):
-            if isinstance(getattr(choice, "meta_info", None), dict) and s is not None:
-                choice.meta_info = {**choice.meta_info, "sparse": s}
-    return response
-
-
-def chat_response_hook(result, serving, request, ret, *args, **kwargs):
-    """AFTER ``OpenAIServingChat._build_chat_response``."""
-    return _attach(result, ret, request)
-
-
-def completion_response_hook(result, serving, request, ret, *args, **kwargs):
-    """AFTER ``OpenAIServingCompletion._build_completion_response``."""
-    return _attach(result, ret, request)
