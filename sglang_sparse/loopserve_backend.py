@@ -70,13 +70,6 @@ class LoopServeMixin:
         return StepRows(host.clone() if host is rows else host, lambda r: account_rows(r, stats, metrics))
 
 
-def _attn_shape(model_runner) -> AttnShape:
-    mc = model_runner.model_config
-    tp = int(getattr(model_runner, "tp_size", 1) or 1)
-    pool = model_runner.token_to_kv_pool
-    return AttnShape(num_layers=int(pool.layer_num), num_qo_heads=int(mc.num_attention_heads) // tp,
-                     num_kv_heads=int(mc.get_num_kv_heads(tp)), head_dim=int(mc.head_dim))
-
 
 def install(backend, config: LoopServeConfig, page_size: int, enable_metrics: bool = False, model_runner=None):
     """Turn ``backend`` (a constructed stock backend) into its LoopServe variant, in place (idempotent)."""
@@ -100,7 +93,7 @@ def install(backend, config: LoopServeConfig, page_size: int, enable_metrics: bo
     store = loopserve_radix.install_store(config, stats, metrics)
     kernels = use_kernels_for(device)
     backend._ls_cfg = config
-    backend._ls_runner = LoopServeRunner(config, _attn_shape(model_runner), device, use_kernels=kernels,
+    backend._ls_runner = LoopServeRunner(config, AttnShape.of(model_runner), device, use_kernels=kernels,
                                          store=store)
     backend._ls_metrics = metrics
     backend.sparse_stats = stats

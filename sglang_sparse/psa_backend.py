@@ -87,13 +87,6 @@ class PsaDecodeMixin:
         return StepRows(host, lambda r: account_rows(r, stats, metrics))
 
 
-def _attn_shape(model_runner) -> AttnShape:
-    mc = model_runner.model_config
-    tp = int(getattr(model_runner, "tp_size", 1) or 1)
-    pool = model_runner.token_to_kv_pool
-    return AttnShape(num_layers=int(pool.layer_num), num_qo_heads=int(mc.num_attention_heads) // tp,
-                     num_kv_heads=int(mc.get_num_kv_heads(tp)), head_dim=int(mc.head_dim))
-
 
 RUNNER_ENV = "SPARSE_PSA_RUNNER"
 """``kernel`` runs the GPU runner's code (metadata pool + Triton kernels) on a CPU server too, through
@@ -106,7 +99,7 @@ def make_runner(config: PsaConfig, page_size: int, model_runner):
     import os
 
     device = torch.device(model_runner.device) if isinstance(model_runner.device, str) else model_runner.device
-    shape = _attn_shape(model_runner)
+    shape = AttnShape.of(model_runner)
     if device.type == "cuda" or os.environ.get(RUNNER_ENV) == "kernel":
         if page_size != config.block_size:
             raise RuntimeError(f"sglang-sparse psa on CUDA needs --page-size == block_size ({config.block_size}); "

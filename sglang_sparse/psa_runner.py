@@ -53,6 +53,15 @@ class AttnShape:
     num_kv_heads: int
     head_dim: int
 
+    @classmethod
+    def of(cls, model_runner) -> "AttnShape":
+        """The shape SGLang's ``ModelRunner`` serves (this TP rank's heads, the KV pool's layers)."""
+        mc = model_runner.model_config
+        tp = int(getattr(model_runner, "tp_size", 1) or 1)
+        return cls(num_layers=int(model_runner.token_to_kv_pool.layer_num),
+                   num_qo_heads=int(mc.num_attention_heads) // tp, num_kv_heads=int(mc.get_num_kv_heads(tp)),
+                   head_dim=int(mc.head_dim))
+
     @property
     def units(self) -> int:
         """(layer, KV head) pairs: the unit of blocks-read accounting."""

@@ -17,6 +17,18 @@ REPO = Path(__file__).resolve().parents[1]
 DEFAULT_MODEL = REPO / "models" / "SmolLM2-135M-Instruct"
 
 
+def chat(server, messages, max_tokens: int, *, timeout: float = 600, **extra) -> dict:
+    """Greedy ``/v1/chat/completions`` against a test server (a str is one user message); raises on HTTP errors."""
+    import requests
+
+    if isinstance(messages, str):
+        messages = [{"role": "user", "content": messages}]
+    r = requests.post(server.url + "/v1/chat/completions", timeout=timeout, json={
+        "model": "default", "messages": messages, "max_tokens": max_tokens, "temperature": 0, **extra})
+    r.raise_for_status()
+    return r.json()
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

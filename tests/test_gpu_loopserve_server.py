@@ -14,7 +14,7 @@ import pytest
 import requests
 
 from bench.server import Server, ServerSpec
-from tests.serverproc import DEFAULT_MODEL, free_port
+from tests.serverproc import DEFAULT_MODEL, chat, free_port
 from tests.test_gpu_psa_server import _long_prompt
 from tests.test_server_e2e import PROMPT
 
@@ -50,15 +50,6 @@ def gpu_servers(tmp_path_factory):
         dense.stop()
 
 
-def _chat(server, messages, max_tokens, **extra):
-    if isinstance(messages, str):
-        messages = [{"role": "user", "content": messages}]
-    r = requests.post(server.url + "/v1/chat/completions", timeout=300, json={
-        "model": "default", "messages": messages, "max_tokens": max_tokens, "temperature": 0, **extra})
-    r.raise_for_status()
-    return r.json()
-
-
 def _metrics(server):
     text = requests.get(server.url + "/metrics", timeout=30).text
     return {line.split()[0].split("{")[0]: float(line.split()[1]) for line in text.splitlines()
@@ -73,14 +64,14 @@ def test_gpu_loopserve_reports_its_backend(gpu_servers):
 
 def test_gpu_loopserve_alpha_one_and_short_contexts_equal_dense(gpu_servers):
     dense, sparse, _ = gpu_servers
-    a = _chat(sparse, PROMPT[0]["content"], 24)
+    a = chat(sparse, PROMPT[0]["content"], 24)
     assert a["usage"]["prompt_tokens"] < MIN_CONTEXT
-    assert a["choices"][0]["message"]["content"] == _chat(dense, PROMPT[0]["content"], 24)["choices"][0][
+    assert a["choices"][0]["message"]["content"] == chat(dense, PROMPT[0]["content"], 24)["choices"][0][
         "message"]["content"]
     content = "Alpha one. " + _long_prompt()
-    s = _chat(sparse, content, 24, custom_params={"sparse": {"alpha": 1.0}})
+    s = chat(sparse, content, 24, custom_params={"sparse": {"alpha": 1.0}})
     assert s["usage"]["prompt_tokens"] > MIN_CONTEXT
-    assert s["choices"][0]["message"]["content"] == _chat(dense, content, 24)["choices"][0]["message"]["content"]
+    assert s["choices"][0]["message"]["content"] == chat(dense, content, 24)["choices"][0]["message"]["content"]
     assert s["metadata"]["sparse"]["sparse_prefill"] is False
 
 
@@ -90,9 +81,9 @@ def test_gpu_loopserve_alpha_one_and_short_contexts_equal_dense(gpu_servers):
 def test_gpu_loopserve_sparse_prefill_retrieves_the_planted_fact(gpu_servers):
     dense, sparse, d = gpu_servers
     content = "Sparse run. " + _long_prompt()
-    ref = _chat(dense, content, 16)
+    ref = chat(dense, content, 16)
     assert "4817" in ref["choices"][0]["message"]["content"]  # dense retrieves it
-    r = _chat(sparse, content, 16)
+    r = chat(sparse, content, 16)
     assert r["usage"]["prompt_tokens"] > MIN_CONTEXT
     assert "4817" in r["choices"][0]["message"]["content"]
     rep = r["metadata"]["sparse"]
@@ -105,12 +96,12 @@ def test_gpu_loopserve_sparse_prefill_retrieves_the_planted_fact(gpu_servers):
 def test_gpu_loopserve_reselects_and_reuses_lines_across_turns(gpu_servers):
     _, sparse, _ = gpu_servers
     turn1 = [{"role": "user", "content": "Turn one. " + _long_prompt()}]
-    r1 = _chat(sparse, turn1, 40, custom_params={"sparse": {"budget": 128}}, ignore_eos=True)
+    r1 = chat(sparse, turn1, 40, custom_params={"sparse": {"budget": 128}}, ignore_eos=True)
     assert r1["metadata"]["sparse"]["reselections"] == 2  # generated tokens 16 and 32
     before = _metrics(sparse)
     turn2 = turn1 + [{"role": "assistant", "content": r1["choices"][0]["message"]["content"]},
                      {"role": "user", "content": "Repeat the secret number."}]
-    r2 = _chat(sparse, turn2, 8)
+    r2 = chat(sparse, turn2, 8)
     assert r2["metadata"]["sparse"]["reused_lines"] > 0
     deadline = time.monotonic() + 30
     while _metrics(sparse).get("sglang_sparse:loopserve_reused_lines_total", 0) <= \

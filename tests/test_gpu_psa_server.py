@@ -13,7 +13,7 @@ import requests
 from pydoc_data.topics import topics
 
 from bench.server import Server, ServerSpec
-from tests.serverproc import DEFAULT_MODEL, free_port
+from tests.serverproc import DEFAULT_MODEL, chat, free_port
 from tests.test_server_e2e import PROMPT
 
 pytestmark = [pytest.mark.gpu, pytest.mark.server]
@@ -47,14 +47,6 @@ def gpu_servers(tmp_path_factory):
             server.stop()
 
 
-def _chat(server, content, max_tokens, **extra):
-    r = requests.post(server.url + "/v1/chat/completions", timeout=300, json={
-        "model": "default", "messages": [{"role": "user", "content": content}],
-        "max_tokens": max_tokens, "temperature": 0, **extra})
-    r.raise_for_status()
-    return r.json()
-
-
 def _long_prompt(n_chars=6000):
     text = topics["assignment"][:n_chars]
     half = len(text) // 2
@@ -72,8 +64,8 @@ def test_gpu_psa_reports_its_backend_and_page(gpu_servers):
 
 def test_gpu_psa_below_min_context_equals_dense(gpu_servers):
     dense, sparse, _, _ = gpu_servers
-    a = _chat(sparse, PROMPT[0]["content"], 32)
-    b = _chat(dense, PROMPT[0]["content"], 32)
+    a = chat(sparse, PROMPT[0]["content"], 32)
+    b = chat(dense, PROMPT[0]["content"], 32)
     assert a["usage"]["prompt_tokens"] < MIN_CONTEXT
     assert a["choices"][0]["message"]["content"] == b["choices"][0]["message"]["content"]
     assert a["metadata"]["sparse"]["sparse_decode_steps"] == 0
@@ -81,8 +73,8 @@ def test_gpu_psa_below_min_context_equals_dense(gpu_servers):
 
 def test_gpu_psa_above_min_context_reads_fewer_blocks_and_retrieves_the_fact(gpu_servers):
     dense, sparse, _, _ = gpu_servers
-    r = _chat(sparse, _long_prompt(), 16)
-    d = _chat(dense, _long_prompt(), 16)
+    r = chat(sparse, _long_prompt(), 16)
+    d = chat(dense, _long_prompt(), 16)
     assert r["usage"]["prompt_tokens"] > MIN_CONTEXT
     rep = r["metadata"]["sparse"]
     print("psa report:", rep, "| sparse:", r["choices"][0]["message"]["content"],
@@ -97,12 +89,12 @@ def test_gpu_psa_above_min_context_reads_fewer_blocks_and_retrieves_the_fact(gpu
 
 def test_gpu_psa_per_request_epsilon_one_is_dense_and_matches_off(gpu_servers):
     dense, sparse, _, _ = gpu_servers
-    a = _chat(sparse, _long_prompt(), 24, custom_params={"sparse": {"epsilon": 1.0}})
-    b = _chat(dense, _long_prompt(), 24)
+    a = chat(sparse, _long_prompt(), 24, custom_params={"sparse": {"epsilon": 1.0}})
+    b = chat(dense, _long_prompt(), 24)
     assert a["metadata"]["sparse"]["sparse_decode_steps"] == 0
     assert a["choices"][0]["message"]["content"] == b["choices"][0]["message"]["content"]
-    lo = _chat(sparse, _long_prompt(), 8, custom_params={"sparse": {"epsilon": 0.6}})["metadata"]["sparse"]
-    hi = _chat(sparse, _long_prompt(), 8, custom_params={"sparse": {"epsilon": 0.99}})["metadata"]["sparse"]
+    lo = chat(sparse, _long_prompt(), 8, custom_params={"sparse": {"epsilon": 0.6}})["metadata"]["sparse"]
+    hi = chat(sparse, _long_prompt(), 8, custom_params={"sparse": {"epsilon": 0.99}})["metadata"]["sparse"]
     assert lo["epsilon"] == 0.6 and hi["epsilon"] == 0.99
     assert hi["blocks_read"] >= lo["blocks_read"] > 0
 
@@ -113,7 +105,7 @@ def test_gpu_psa_concurrent_mixed_batch_serves_every_request(gpu_servers):
     _, sparse, d, _ = gpu_servers
     prompts = [PROMPT[0]["content"], _long_prompt(3000), _long_prompt(6000), _long_prompt(9000)] * 4
     with ThreadPoolExecutor(16) as ex:
-        outs = list(ex.map(lambda p: _chat(sparse, p, 24), prompts))
+        outs = list(ex.map(lambda p: chat(sparse, p, 24), prompts))
     assert all(o["choices"][0]["message"]["content"] for o in outs)
     reps = [o["metadata"]["sparse"] for o in outs]
     assert any(r["sparse_decode_steps"] > 0 for r in reps) and any(r["sparse_decode_steps"] == 0 for r in reps)
@@ -124,8 +116,8 @@ def test_gpu_psa_concurrent_mixed_batch_serves_every_request(gpu_servers):
 def test_gpu_psa_decode_graph_replay_matches_eager(gpu_servers):
     _, graph, d, eager = gpu_servers
     for n in (3000, 9000):
-        a = _chat(graph, _long_prompt(n), 24)
-        b = _chat(eager, _long_prompt(n), 24)
+        a = chat(graph, _long_prompt(n), 24)
+        b = chat(eager, _long_prompt(n), 24)
         ra, rb = a["metadata"]["sparse"], b["metadata"]["sparse"]
         print(f"ctx {a['usage']['prompt_tokens']}: graph {ra} | eager {rb}")
         assert ra["sparse_decode_steps"] == rb["sparse_decode_steps"] > 0
@@ -140,8 +132,8 @@ def test_gpu_psa_request_crossing_min_context_during_decode_turns_sparse(gpu_ser
     """Metadata is built lazily: a request that reaches min_context while decoding gets its blocks'
     metadata rebuilt at the crossing step, then decodes sparsely; graph and eager paths agree."""
     _, graph, _, eager = gpu_servers
-    a = _chat(graph, _long_prompt(1700), 96, ignore_eos=True)
-    b = _chat(eager, _long_prompt(1700), 96, ignore_eos=True)
+    a = chat(graph, _long_prompt(1700), 96, ignore_eos=True)
+    b = chat(eager, _long_prompt(1700), 96, ignore_eos=True)
     ra = a["metadata"]["sparse"]
     print("crossing:", a["usage"], ra)
     assert a["usage"]["prompt_tokens"] < MIN_CONTEXT < a["usage"]["prompt_tokens"] + 95

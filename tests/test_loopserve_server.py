@@ -18,7 +18,7 @@ import pytest
 import requests
 from pydoc_data.topics import topics
 
-from tests.serverproc import start_cpu_server
+from tests.serverproc import chat, start_cpu_server
 from tests.test_psa_server import _long_prompt
 from tests.test_server_e2e import PROMPT
 
@@ -39,14 +39,6 @@ def ls_server(default_model, tmp_path_factory):
         yield handle, log
     finally:
         handle.stop()
-
-
-def _chat(server, content, max_tokens, **extra):
-    r = requests.post(server.url + "/v1/chat/completions", timeout=600, json={
-        "model": "default", "messages": [{"role": "user", "content": content}],
-        "max_tokens": max_tokens, "temperature": 0, **extra})
-    r.raise_for_status()
-    return r.json()
 
 
 def _stats(server):
@@ -73,14 +65,14 @@ def test_below_min_context_and_alpha_one_equal_dense(ls_server, cpu_server):
     server, _ = ls_server
     state = _stats(server)
     assert state["mode"] == "loopserve" and state["attention_backend"] == "LoopServeTorchNativeAttnBackend"
-    short = _chat(server, PROMPT[0]["content"], 24)
+    short = chat(server, PROMPT[0]["content"], 24)
     assert short["usage"]["prompt_tokens"] < MIN_CONTEXT
-    assert short["choices"][0]["message"]["content"] == _chat(cpu_server, PROMPT[0]["content"], 24)[
+    assert short["choices"][0]["message"]["content"] == chat(cpu_server, PROMPT[0]["content"], 24)[
         "choices"][0]["message"]["content"]
     assert short["metadata"]["sparse"]["sparse_prefill"] is False
     content = "Alpha one. " + _long_prompt()
-    a1 = _chat(server, content, 16, custom_params={"sparse": {"alpha": 1.0}})
-    dense = _chat(cpu_server, content, 16)
+    a1 = chat(server, content, 16, custom_params={"sparse": {"alpha": 1.0}})
+    dense = chat(cpu_server, content, 16)
     assert a1["usage"]["prompt_tokens"] > MIN_CONTEXT
     assert a1["choices"][0]["message"]["content"] == dense["choices"][0]["message"]["content"]
     rep = a1["metadata"]["sparse"]
@@ -90,7 +82,7 @@ def test_below_min_context_and_alpha_one_equal_dense(ls_server, cpu_server):
 def test_sparse_prefill_and_decode_above_min_context_retrieve_the_fact(ls_server):
     server, log = ls_server
     before = _stats(server)["stats"]
-    r = _chat(server, "Sparse run. " + _long_prompt(), 24)
+    r = chat(server, "Sparse run. " + _long_prompt(), 24)
     assert r["usage"]["prompt_tokens"] > MIN_CONTEXT
     assert "4817" in r["choices"][0]["message"]["content"]
     rep = r["metadata"]["sparse"]
@@ -117,14 +109,14 @@ def test_progressive_decode_reselects_top_b_every_n_d_tokens(ls_server):
     server, _ = ls_server
     content = "Decode run. " + _long_prompt().replace("Answer with the number only.",
                                                       "Then explain the text in detail.")
-    r = _chat(server, content, 40, custom_params={"sparse": {"budget": 64}}, ignore_eos=True)
+    r = chat(server, content, 40, custom_params={"sparse": {"budget": 64}}, ignore_eos=True)
     rep = r["metadata"]["sparse"]
     n_out = r["usage"]["completion_tokens"]
     assert n_out == 40
     # Alg. 3: the 16th generated token and every n_d = 16 after: tokens 16 and 32
     assert rep["reselections"] == 2
     assert rep["decode_read_fraction"] < 1.0
-    big = _chat(server, content, 4, custom_params={"sparse": {"budget": 100000, "alpha": 0.1}})
+    big = chat(server, content, 4, custom_params={"sparse": {"budget": 100000, "alpha": 0.1}})
     assert big["metadata"]["sparse"]["alpha"] == 0.5  # clamped to min_request_alpha
 
 

@@ -12,7 +12,7 @@ import os
 import pytest
 import requests
 
-from tests.serverproc import start_cpu_server
+from tests.serverproc import chat, start_cpu_server
 from tests.test_psa_server import _long_prompt
 from tests.test_server_e2e import PROMPT
 
@@ -39,19 +39,11 @@ def kernel_server(default_model, tmp_path_factory):
         handle.stop()
 
 
-def _chat(server, content, max_tokens, **extra):
-    r = requests.post(server.url + "/v1/chat/completions", timeout=600, json={
-        "model": "default", "messages": [{"role": "user", "content": content}],
-        "max_tokens": max_tokens, "temperature": 0, **extra})
-    r.raise_for_status()
-    return r.json()
-
-
 def test_kernel_runner_below_min_context_equals_dense(kernel_server, cpu_server):
     server, log = kernel_server
     assert "block metadata" in log.read_text()  # the kernel runner, not the reference
-    a = _chat(server, PROMPT[0]["content"], 12)
-    b = _chat(cpu_server, PROMPT[0]["content"], 12)
+    a = chat(server, PROMPT[0]["content"], 12)
+    b = chat(cpu_server, PROMPT[0]["content"], 12)
     assert a["usage"]["prompt_tokens"] < MIN_CONTEXT
     assert a["choices"][0]["message"]["content"] == b["choices"][0]["message"]["content"]
     assert a["metadata"]["sparse"]["sparse_decode_steps"] == 0
@@ -59,10 +51,10 @@ def test_kernel_runner_below_min_context_equals_dense(kernel_server, cpu_server)
 
 def test_kernel_runner_above_min_context_decodes_sparsely(kernel_server):
     server, _ = kernel_server
-    r = _chat(server, _long_prompt(), 4, custom_params={"sparse": {"epsilon": 0.9}})
+    r = chat(server, _long_prompt(), 4, custom_params={"sparse": {"epsilon": 0.9}})
     rep = r["metadata"]["sparse"]
     assert r["usage"]["prompt_tokens"] > MIN_CONTEXT
     assert rep["epsilon"] == 0.9 and rep["sparse_decode_steps"] == r["usage"]["completion_tokens"] - 1 > 0
     assert 0 < rep["blocks_read"] < rep["blocks_total"] and 0.5 < rep["kept_mass"] <= 1.0 + 1e-6
-    d = _chat(server, _long_prompt(), 4, custom_params={"sparse": {"epsilon": 1.0}})
+    d = chat(server, _long_prompt(), 4, custom_params={"sparse": {"epsilon": 1.0}})
     assert d["metadata"]["sparse"]["sparse_decode_steps"] == 0

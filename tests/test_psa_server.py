@@ -8,7 +8,7 @@ import pytest
 import requests
 from pydoc_data.topics import topics
 
-from tests.serverproc import start_cpu_server
+from tests.serverproc import chat, start_cpu_server
 from tests.test_server_e2e import PROMPT
 
 pytestmark = pytest.mark.server
@@ -28,14 +28,6 @@ def psa_server(default_model, tmp_path_factory):
         handle.stop()
 
 
-def _chat(server, content, max_tokens, **extra):
-    r = requests.post(server.url + "/v1/chat/completions", timeout=300, json={
-        "model": "default", "messages": [{"role": "user", "content": content}],
-        "max_tokens": max_tokens, "temperature": 0, **extra})
-    r.raise_for_status()
-    return r.json()
-
-
 def _long_prompt():
     text = topics["assignment"][:2600]
     return (f"Read this text.\n\n{text[:1300]}\n\nThe secret number is 4817.\n\n{text[1300:]}\n\n"
@@ -50,8 +42,8 @@ def test_psa_below_min_context_equals_dense(psa_server, cpu_server):
     state = _stats(psa_server)
     assert state["mode"] == "psa" and state["attention_backend"] == "PsaTorchNativeAttnBackend"
     before = state["stats"]
-    sparse = _chat(psa_server, PROMPT[0]["content"], 24)
-    dense = _chat(cpu_server, PROMPT[0]["content"], 24)
+    sparse = chat(psa_server, PROMPT[0]["content"], 24)
+    dense = chat(cpu_server, PROMPT[0]["content"], 24)
     assert sparse["usage"]["prompt_tokens"] < MIN_CONTEXT
     assert sparse["choices"][0]["message"]["content"] == dense["choices"][0]["message"]["content"]
     after = _stats(psa_server)["stats"]
@@ -62,7 +54,7 @@ def test_psa_below_min_context_equals_dense(psa_server, cpu_server):
 def test_psa_above_min_context_reads_fewer_blocks_and_still_retrieves_the_fact(psa_server):
     content = _long_prompt()
     before = _stats(psa_server)["stats"]
-    r = _chat(psa_server, content, 16)
+    r = chat(psa_server, content, 16)
     after = _stats(psa_server)["stats"]
     assert r["usage"]["prompt_tokens"] > MIN_CONTEXT
     assert "4817" in r["choices"][0]["message"]["content"]
@@ -90,9 +82,9 @@ def test_psa_above_min_context_reads_fewer_blocks_and_still_retrieves_the_fact(p
 
 def test_per_request_epsilon_is_clamped_reported_and_reads_more_when_higher(psa_server):
     content = _long_prompt()
-    low = _chat(psa_server, content, 6, custom_params={"sparse": {"epsilon": 0.01}})["metadata"]["sparse"]
-    high = _chat(psa_server, content, 6, custom_params={"sparse": {"epsilon": 0.999}})["metadata"]["sparse"]
-    dense = _chat(psa_server, content, 6, custom_params={"sparse": {"epsilon": 1.0}})["metadata"]["sparse"]
+    low = chat(psa_server, content, 6, custom_params={"sparse": {"epsilon": 0.01}})["metadata"]["sparse"]
+    high = chat(psa_server, content, 6, custom_params={"sparse": {"epsilon": 0.999}})["metadata"]["sparse"]
+    dense = chat(psa_server, content, 6, custom_params={"sparse": {"epsilon": 1.0}})["metadata"]["sparse"]
     assert low["epsilon"] == 0.5  # clamped to the server's min_request_epsilon
     assert high["epsilon"] == 0.999 and high["blocks_read"] >= low["blocks_read"] > 0
     assert dense["epsilon"] == 1.0 and dense["sparse_decode_steps"] == 0  # epsilon 1: dense decode
@@ -117,4 +109,4 @@ def test_bad_per_request_options_get_a_400_and_the_server_keeps_serving(psa_serv
         "custom_params": {"sparse": bad}})
     assert r.status_code == 400, r.text
     assert needle in r.text
-    assert _chat(psa_server, "Hi", 2)["choices"][0]["message"]["content"] is not None
+    assert chat(psa_server, "Hi", 2)["choices"][0]["message"]["content"] is not None
