@@ -3,7 +3,7 @@
 * ``SamplingParams.verify`` (main process, every front door): validates and clamps
   ``custom_params["sparse"]`` against the server's mode (:mod:`sglang_sparse.request_params`);
   a ``ValueError`` there is SGLang's HTTP 400.
-* ``ForwardBatch.init_new`` (scheduler process): each row's ``custom_params`` into its sampling info.
+* ``ForwardBatch.init_new`` (scheduler process): the rows' ``Req`` objects onto the sampling info.
 * ``DecodeCudaGraphRunner.can_run_graph`` (scheduler process): psa replays decode graphs only for
   batches with a sparse row (see :mod:`sglang_sparse.psa_runner`).
 * ``ModelRunner.forward`` (scheduler process): hands the attention backend's step rows to
@@ -43,16 +43,14 @@ def verify_hook(result, sampling_params, *args, **kwargs):
 
 
 def forward_batch_hook(result, *args, **kwargs):
-    """AFTER ``ForwardBatch.init_new``: make each row's ``custom_params`` visible to the attention
-    backend as ``forward_batch.sampling_info.custom_params`` (SGLang fills that list itself only when
-    custom logit processors are on; it keeps it aligned with the rows on filter and merge)."""
+    """AFTER ``ForwardBatch.init_new``: hand the rows' ``Req`` objects to the attention backend as
+    ``forward_batch.sampling_info.sparse_reqs`` (the sampling info, unlike extra ForwardBatch
+    attributes, survives the runner's copy of the batch into its static buffers). Set afresh for
+    every forward, so it is always aligned with the rows. Modes read per-request options from it."""
     batch = next((a for a in args if hasattr(a, "reqs") and hasattr(a, "forward_mode")), None)
     info = getattr(result, "sampling_info", None)
-    if batch is None or info is None or batch.reqs is None or info.custom_params is not None:
-        return result
-    params = [getattr(r.sampling_params, "custom_params", None) for r in batch.reqs]
-    if any(isinstance(p, dict) and "sparse" in p for p in params):
-        info.custom_params = params
+    if batch is not None and info is not None and batch.reqs is not None:
+        info.sparse_reqs = batch.reqs
     return result
 
 

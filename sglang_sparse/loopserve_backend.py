@@ -12,7 +12,7 @@ goes, :mod:`sglang_sparse.loopserve_radix` for the per-turn lines on radix nodes
 :mod:`sglang_sparse.loopserve_stats` for the statistics.
 
 The scheduler rows' ``Req`` objects reach the backend through ``forward_batch.sampling_info.sparse_reqs``
-(set by :func:`forward_batch_hook`); statistics leave through ``api_hooks.model_forward_hook``
+(set by ``api_hooks.forward_batch_hook``); statistics leave through ``api_hooks.model_forward_hook``
 (SGLang's ``customized_info``) and reach the response as ``metadata["sparse"]`` through
 ``api_hooks``' response hooks (the ``STEP_SOURCES`` registry there).
 """
@@ -101,15 +101,3 @@ def install(backend, config: LoopServeConfig, page_size: int, enable_metrics: bo
     logger.info("sglang-sparse loopserve: %s path (%s), line store %d MiB", "kernel" if kernels else "reference",
                 device.type, config.line_store_mb)
     return backend
-
-
-# ------------------------------------------------------------------------------ SGLang hooks
-def forward_batch_hook(result, *args, **kwargs):
-    """AFTER ``ForwardBatch.init_new``: the rows' ``Req`` objects, for the loopserve backend's planning."""
-    batch = next((a for a in args if hasattr(a, "reqs") and hasattr(a, "forward_mode")), None)
-    info = getattr(result, "sampling_info", None)
-    if batch is not None and info is not None and batch.reqs is not None:
-        # on the sampling info, which (unlike extra ForwardBatch attributes) survives the runner's
-        # copy of the batch into its static buffers
-        info.sparse_reqs = batch.reqs
-    return result

@@ -34,8 +34,6 @@ _HOOKS = (
     ("sglang.srt.entrypoints.openai.serving_completions.OpenAIServingCompletion._build_completion_response", "AFTER",
      "sglang_sparse.api_hooks:completion_response_hook"),
     # --sparse loopserve (no-ops under other modes)
-    ("sglang.srt.model_executor.forward_batch_info.ForwardBatch.init_new", "AFTER",
-     "sglang_sparse.loopserve_backend:forward_batch_hook"),
     ("sglang.srt.mem_cache.radix_cache.RadixCache.cache_unfinished_req", "AFTER",
      "sglang_sparse.loopserve_radix:cache_req_hook"),
     ("sglang.srt.mem_cache.radix_cache.RadixCache.cache_finished_req", "AFTER",

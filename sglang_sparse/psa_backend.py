@@ -125,7 +125,6 @@ def install(backend, config: PsaConfig, page_size: int, enable_metrics: bool = F
     base = type(backend)
     methods = {k: v for k, v in vars(PsaDecodeMixin).items() if not k.startswith("__")}
     backend.__class__ = type(f"Psa{base.__name__}", (base,), {**methods, "__module__": __name__, "_psa_base": base})
-    backend._psa_cfg = config
     backend._psa_runner = make_runner(config, page_size, model_runner)
     backend._psa_metrics = PsaMetrics() if enable_metrics else None
     backend.sparse_stats = PsaStats()

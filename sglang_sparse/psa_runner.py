@@ -69,11 +69,11 @@ class AttnShape:
 
 
 def _row_epsilons(cfg: PsaConfig, forward_batch, bs: int) -> list[float]:
-    info = getattr(forward_batch, "sampling_info", None)  # custom_params: see api_hooks.forward_batch_hook
-    params = getattr(info, "custom_params", None) if info is not None else None
-    if not params:
-        return [cfg.epsilon] * bs
-    return [request_epsilon(cfg, params[i] if i < len(params) else None) for i in range(bs)]
+    """Each row's epsilon from its request's ``custom_params`` (rows' ``Req`` objects: see
+    ``api_hooks.forward_batch_hook``); the server's ``epsilon`` where there is none."""
+    reqs = getattr(getattr(forward_batch, "sampling_info", None), "sparse_reqs", None) or ()
+    return [request_epsilon(cfg, getattr(reqs[i].sampling_params, "custom_params", None) if i < len(reqs) else None)
+            for i in range(bs)]
 
 
 class _RunnerBase:
@@ -207,18 +207,20 @@ class PsaCudaRunner(_RunnerBase):
         self.meta = BlockMetaPool(shape.num_layers, num_rows, shape.num_kv_heads, shape.head_dim, block_size,
                                   dtype=k0.dtype, device=device)
         self.pool = token_to_kv_pool
+        self._req_to_token = req_to_token  # SGLang's ReqToTokenPool.req_to_token: one tensor for the server's life
         self.max_blocks_per_req = -(-req_to_token.shape[1] // block_size)
         self.wrapper = PsaDecodeWrapper(
             self.kernel_cfg, num_qo_heads=shape.num_qo_heads, num_kv_heads=shape.num_kv_heads,
             head_dim=shape.head_dim, block_size=block_size, max_batch_size=max_batch_size,
             max_blocks_per_req=self.max_blocks_per_req, device=device, sm_scale=sm_scale, out_dtype=out_dtype)
-        self.sm_scale = sm_scale
         i32 = dict(dtype=torch.int32, device=device)
         self._step_buf = torch.zeros(max_batch_size, STEP_COLS, dtype=torch.float32, device=device)
         self._rpi_buf = torch.zeros(max_batch_size, **i32)          # fixed: read inside decode graphs
         self._table_buf = torch.zeros(max_batch_size, self.max_blocks_per_req, **i32)
         self._meta_start_buf = torch.zeros(max_batch_size, **i32)   # decode: per-row fold range
         self._meta_end_buf = torch.zeros(max_batch_size, **i32)
+        self._nread_sum_buf = torch.zeros(max_batch_size, dtype=torch.float32, device=device)
+        self._kept_sum_buf = torch.zeros(max_batch_size, dtype=torch.float32, device=device)
         self._meta_rows = False       # this decode batch folds its new tokens into metadata
         self._ext = None              # extend: (rpi, table, start, end, max_new_blocks)
 
@@ -229,7 +231,7 @@ class PsaCudaRunner(_RunnerBase):
         from flashinfer_ext.block_meta import paged_block_table
 
         width = max(1, -(-int(max_len) // self.block_size))
-        return paged_block_table(backend.req_to_token_pool.req_to_token, forward_batch.req_pool_indices,
+        return paged_block_table(self._req_to_token, forward_batch.req_pool_indices,
                                  self.block_size, width)
 
     def _plan_decode_meta(self, backend, forward_batch, table: torch.Tensor) -> None:
@@ -254,9 +256,8 @@ class PsaCudaRunner(_RunnerBase):
             if n_new:
                 zero = torch.zeros(bs, dtype=torch.int32, device=self.device)
                 end_dev = ends.to(torch.int32).to(self.device, non_blocking=True)
-                rtt = backend.req_to_token_pool.req_to_token
                 for lid in range(self.shape.num_layers):
-                    self.meta.update(lid, self.pool.get_key_buffer(lid), rtt, self._rpi_buf[:bs],
+                    self.meta.update(lid, self.pool.get_key_buffer(lid), self._req_to_token, self._rpi_buf[:bs],
                                      self._table_buf[:bs], zero, end_dev, n_new)
 
     def _fold_decode_meta(self, layer_id: int) -> None:
@@ -266,9 +267,16 @@ class PsaCudaRunner(_RunnerBase):
         bs = self.bs
         kmin, kmax, kmean = self.meta.layer(layer_id)
         update_block_meta(self.pool.get_key_buffer(layer_id), kmin, kmax, kmean,
-                          self.wrapper_req_to_token, self._rpi_buf[:bs], self._table_buf[:bs],
+                          self._req_to_token, self._rpi_buf[:bs], self._table_buf[:bs],
                           self._meta_start_buf[:bs], self._meta_end_buf[:bs], block_size=self.block_size,
                           max_new_blocks=1)
+
+    def _plan_wrapper(self, forward_batch, table: torch.Tensor, max_len: int | None) -> None:
+        """Plan the PSA wrapper: rows that are not sparse read everything (epsilon 1.0).
+        ``max_len`` None: the full ranking width (graphs)."""
+        eps_dev = torch.where(self._sparse_host, self._eps_host, 1.0).to(self.device, non_blocking=True)
+        self.wrapper.plan(self._req_to_token, forward_batch.req_pool_indices, forward_batch.seq_lens.to(torch.int32),
+                          table, max_seq_len=max_len, epsilon=eps_dev)
 
     def begin_batch(self, backend, forward_batch) -> None:
         mode = forward_batch.forward_mode
@@ -279,16 +287,12 @@ class PsaCudaRunner(_RunnerBase):
             return
         decode = mode.is_decode()
         self._plan_rows(forward_batch, decode)
-        rtt = backend.req_to_token_pool.req_to_token
-        self.wrapper_req_to_token = rtt
         max_len = int(forward_batch.seq_lens_cpu[: self.bs].max())
         table = self._block_table(backend, forward_batch, max_len)
         if decode:
             self._plan_decode_meta(backend, forward_batch, table)
             if self.sparse_batch:
-                eps_dev = torch.where(self._sparse_host, self._eps_host, 1.0).to(self.device, non_blocking=True)
-                self.wrapper.plan(rtt, forward_batch.req_pool_indices, forward_batch.seq_lens.to(torch.int32),
-                                  table, max_seq_len=max_len, epsilon=eps_dev)
+                self._plan_wrapper(forward_batch, table, max_len)
             return
         # extend / mixed: rows already long fold [prefix, end); rows that become long rebuild [0, end)
         prefix = forward_batch.extend_prefix_lens_cpu
@@ -316,20 +320,16 @@ class PsaCudaRunner(_RunnerBase):
         self.graph_mode, self.sparse_batch = True, True
         self._step_buf[:bs].copy_(self.step_rows, non_blocking=True)
         self.step_rows = self._step_buf[:bs]
-        rtt = backend.req_to_token_pool.req_to_token
-        self.wrapper_req_to_token = rtt
         table = self._block_table(backend, forward_batch, self.max_blocks_per_req * self.block_size)
         self._plan_decode_meta(backend, forward_batch, table)
-        eps_dev = torch.where(self._sparse_host, self._eps_host, 1.0).to(self.device, non_blocking=True)
-        self.wrapper.plan(rtt, forward_batch.req_pool_indices, forward_batch.seq_lens.to(torch.int32), table,
-                          max_seq_len=None, epsilon=eps_dev)
+        self._plan_wrapper(forward_batch, table, None)
 
     def after_extend(self, backend, layer, forward_batch) -> None:
         if self.bs == 0 or self.is_decode or self._ext is None:
             return
         rpi, table, start, end, n_new = self._ext
         self.meta.update(layer.layer_id, self.pool.get_key_buffer(layer.layer_id),
-                         backend.req_to_token_pool.req_to_token, rpi, table, start, end, n_new)
+                         self._req_to_token, rpi, table, start, end, n_new)
 
     def decode(self, backend, q, k, v, layer, forward_batch, save_kv_cache):
         pool = backend.token_to_kv_pool
@@ -346,9 +346,11 @@ class PsaCudaRunner(_RunnerBase):
         kmin, kmax, kmean = self.meta.layer(lid)
         num_qo, d = layer.tp_q_head_num, layer.head_dim
         o, _, nread = self.wrapper.run(q.reshape(-1, num_qo, d), k_buf, v_buf, kmin, kmax, kmean)
-        rows = self.step_rows
-        rows[:, COL_READ].add_(nread.sum(1, dtype=torch.float32))
-        rows[:, COL_KEPT].add_(self.wrapper.kept_est.sum(1))
+        rows, bs = self.step_rows, self.bs  # statistics: in-place, into preallocated buffers
+        torch.sum(nread, 1, dtype=torch.float32, out=self._nread_sum_buf[:bs])
+        torch.sum(self.wrapper.kept_est, 1, out=self._kept_sum_buf[:bs])
+        rows[:, COL_READ].add_(self._nread_sum_buf[:bs])
+        rows[:, COL_KEPT].add_(self._kept_sum_buf[:bs])
         return o.reshape(-1, num_qo * d)
 
 

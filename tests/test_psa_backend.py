@@ -96,8 +96,9 @@ def test_graph_replay_view_gets_the_batch_per_request_epsilons():
 
     cfg = PsaConfig.from_dict({"min_context": 100, "epsilon": 0.95})
     runner = PsaCpuRunner(cfg, 16, AttnShape(2, 4, 2, 8), torch.device("cpu"))
-    real = SimpleNamespace(batch_size=2, seq_lens_cpu=torch.tensor([150, 40]), sampling_info=SimpleNamespace(
-        custom_params=[{"sparse": {"epsilon": 0.7}}, None]))
+    reqs = [SimpleNamespace(sampling_params=SimpleNamespace(custom_params=c)) for c in ({"sparse": {"epsilon": 0.7}}, None)]
+    real = SimpleNamespace(batch_size=2, seq_lens_cpu=torch.tensor([150, 40]),
+                           sampling_info=SimpleNamespace(sparse_reqs=reqs))
     assert runner.wants_graph(real)
     view = SimpleNamespace(batch_size=4, seq_lens_cpu=torch.tensor([150, 40, 1, 1]))
     assert runner._stashed_epsilons(view, 4).tolist() == pytest.approx([0.7, 0.95, 1.0, 1.0])
@@ -105,3 +106,13 @@ def test_graph_replay_view_gets_the_batch_per_request_epsilons():
     assert runner._stashed_epsilons(other, 4) is None  # a different batch: no stale epsilons
     short = SimpleNamespace(batch_size=1, seq_lens_cpu=torch.tensor([40]), sampling_info=None)
     assert not runner.wants_graph(short)
+
+
+def test_api_hooks_summarise_whichever_mode_left_step_rows():
+    from sglang_sparse import loopserve_stats
+    from sglang_sparse.api_hooks import STEP_SOURCES, request_summary
+
+    assert {key for _, key, _ in STEP_SOURCES} == {"sparse_psa_steps", loopserve_stats.STEP_KEY}
+    psa = request_summary({"sparse_psa_steps": [_row(0, 0, 0, 0, 0, 0.9), _row(1, 4, 10, 1.8, 2, 0.9)]})
+    assert psa["mode"] == "psa" and psa["blocks_read"] == 4 and psa["read_fraction"] == 0.4
+    assert request_summary({"weight_version": "default"}) is None and request_summary(None) is None
