@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# Host tier (issue #6) GPU part: the host-transfer GPU tests and the transfer benchmark.
+# Run on the device from the repository root with the kit's env already sourced
+# (scripts/gpu_session.sh tests_host calls it):  bash scripts/gpu_part_host_tier.sh REPORT_DIR
+# Reports: REPORT_DIR/{pytest_host_tier.log,junit_host_tier.xml,host_tier_bench.log,host_tier.md,host_tier.json}.
+# A failing step is recorded (exit code in the log and status.txt), never fatal; total <= ~5 minutes.
+set -uo pipefail
+rep=${1:?usage: gpu_part_host_tier.sh REPORT_DIR}
+mkdir -p "$rep"
+export PYTHONUNBUFFERED=1
+rc=0
+say() { echo "[host_tier $(date +%H:%M:%S)] $*" | tee -a "$rep/status.txt"; }
+say "python $(python3 -c 'import torch, triton; print(torch.__version__, "cuda", torch.version.cuda, "triton", triton.__version__, torch.cuda.get_device_name(0) if torch.cuda.is_available() else "NO CUDA")' 2>&1)"
+t0=$(date +%s)
+timeout 120 python3 -m pytest -m gpu -q -p no:cacheprovider -rA --junitxml="$rep/junit_host_tier.xml" \
+    tests/flashinfer_ext/test_host_transfer.py 2>&1 | tee "$rep/pytest_host_tier.log"
+s=${PIPESTATUS[0]}; say "pytest host_transfer (gpu): exit $s in $(( $(date +%s) - t0 ))s"; [ "$s" = 0 ] || rc=1
+t0=$(date +%s)
+timeout 240 python3 bench/host_tier_bench.py --out "$rep" 2>&1 | tee "$rep/host_tier_bench.log"
+s=${PIPESTATUS[0]}; say "host_tier_bench: exit $s in $(( $(date +%s) - t0 ))s"; [ "$s" = 0 ] || rc=1
+say "done: exit $rc"
+exit $rc
