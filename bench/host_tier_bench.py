@@ -92,7 +92,8 @@ def _bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
     return torch.equal(a.view(torch.int16).cpu(), b.view(torch.int16).cpu())
 
 
-def gather_case(pool_bytes, dev, page, n, reps, cap_s, gen) -> dict:
+def gather_case(pool_bytes, dev, page, n, reps, cap_s, gen, chunk_words=2048, num_warps=4,
+                per_block=True) -> dict:
     cuda = dev == "cuda"
     unit_elems = 2 * page * HEAD_DIM
     unit_bytes = unit_elems * 2
@@ -103,7 +104,7 @@ def gather_case(pool_bytes, dev, page, n, reps, cap_s, gen) -> dict:
     sel = torch.randperm(num_units, generator=gen)[:n]
     slots = torch.randperm(n, generator=gen)
     s_ids, d_ids = sel.to(torch.int32).to(dev), slots.to(torch.int32).to(dev)
-    g = HostGather(src, cache, max_rows=n)
+    g = HostGather(src, cache, max_rows=n, chunk_words=chunk_words, num_warps=num_warps)
     g.run(s_ids, d_ids)
     g.wait()
     _sync(cuda)
@@ -116,6 +117,12 @@ def gather_case(pool_bytes, dev, page, n, reps, cap_s, gen) -> dict:
             g.wait()
         times.append(c.s)
     fused_s = sorted(times)[len(times) // 2]
+    shape = dict(kind="gather" if per_block else "gather_sweep", page=page, units=n, unit_bytes=unit_bytes,
+                 chunk_words=chunk_words, num_warps=num_warps, pool_units=num_units, bytes=n * unit_bytes,
+                 path=g.path, probe_errors=g.probe_errors, bit_exact_sample=exact,
+                 fused_s=fused_s, fused_bps=n * unit_bytes / fused_s)
+    if not per_block:
+        return shape
     # per-block copies, time-capped
     sl, dl = sel.tolist(), slots.tolist()
     _sync(cuda)
@@ -128,10 +135,7 @@ def gather_case(pool_bytes, dev, page, n, reps, cap_s, gen) -> dict:
             break
     _sync(cuda)
     pb_s = time.perf_counter() - t0
-    return dict(kind="gather", page=page, units=n, unit_bytes=unit_bytes, pool_units=num_units,
-                bytes=n * unit_bytes, path=g.path, probe_errors=g.probe_errors, bit_exact_sample=exact,
-                fused_s=fused_s, fused_bps=n * unit_bytes / fused_s,
-                per_block_copies=done, per_block_s=pb_s, per_block_bps=done * unit_bytes / pb_s)
+    return dict(shape, per_block_copies=done, per_block_s=pb_s, per_block_bps=done * unit_bytes / pb_s)
 
 
 def save_case(pool_bytes, dev, page, n, reps, cap_s, gen, threads) -> dict:
@@ -180,6 +184,8 @@ def summary(meta: dict, results: list[dict]) -> dict:
     head = max(head, key=lambda r: r["units"]) if head else None
     frac = head["fused_bps"] / h2d if head and h2d else None
     saves = [r for r in results if r.get("kind") == "save" and "error" not in r]
+    sweep = [r for r in results if r.get("kind") == "gather_sweep" and "error" not in r]
+    best = max(sweep, key=lambda r: r["fused_bps"]) if sweep else None
     return {
         "gpu": meta["gpu"],
         "gather_fraction_of_h2d": frac,
@@ -190,7 +196,11 @@ def summary(meta: dict, results: list[dict]) -> dict:
         "fused_over_per_block_min": min((r["fused_bps"] / r["per_block_bps"] for r in gathers), default=None),
         "save_cpu_assisted_over_per_block_min": min((r["cpu_assisted_bps"] / r["per_block_bps"] for r in saves),
                                                     default=None),
-        "all_samples_bit_exact": all(r["bit_exact_sample"] for r in gathers + saves) if gathers + saves else None,
+        "all_samples_bit_exact": all(r["bit_exact_sample"] for r in gathers + saves + sweep)
+        if gathers + saves else None,
+        "sweep_best": None if not best else f"chunk_words {best['chunk_words']}, num_warps {best['num_warps']}: "
+                                            f"{best['fused_bps'] / 1e9:.2f} GB/s",
+        "gather_fraction_of_h2d_sweep_best": best["fused_bps"] / h2d if best and h2d else None,
         "concurrency_ratio_vs_dense": None,
         "concurrency_ratio_vs_dense_reason": "not measured: the end-to-end serving comparison needs the host "
                                              "tier wired into the server (PSA decode reading only cached "
@@ -224,6 +234,16 @@ def write_report(out: Path, meta: dict, results: list[dict]) -> dict:
         lines.append(f"| {r['page']} | {r['units']} | {r['bytes'] / 2**20:.0f} | {r['path']} | "
                      f"{r['fused_bps'] / gb:.2f} | {r['fused_bps'] / h2d:.2f} | {r['per_block_bps'] / gb:.2f} "
                      f"({r['per_block_copies']}) | {r['fused_bps'] / r['per_block_bps']:.1f}x | {r['bit_exact_sample']} |")
+    lines += ["", "## Gather launch-shape sweep (smallest page, largest count; default 2048 words x 4 warps; a chunk is capped at one row)", "",
+              "| chunk words | warps | units | fused GB/s | fraction of H2D | bit-exact sample |", "|---|---|---|---|---|---|"]
+    for r in results:
+        if r.get("kind") != "gather_sweep":
+            continue
+        if "error" in r:
+            lines.append(f"| {r.get('chunk_words')} | {r.get('num_warps')} | | error: {r['error']} | | |")
+            continue
+        lines.append(f"| {r['chunk_words']} | {r['num_warps']} | {r['units']} | {r['fused_bps'] / gb:.2f} | "
+                     f"{r['fused_bps'] / h2d:.2f} | {r['bit_exact_sample']} |")
     lines += ["", "## Save (GPU cache -> host)", "",
               "| page | units | MiB | threads | CPU-assisted GB/s | per-block D2H GB/s (copies) | ratio | bit-exact sample |",
               "|---|---|---|---|---|---|---|---|"]
@@ -290,6 +310,17 @@ def main():
             print(json.dumps(r), flush=True)
             results.append(r)
             write_report(args.out, meta, results)
+    sweep = ((256, 2), (512, 4), (1024, 4), (1024, 8), (2048, 8), (2048, 16)) if not args.smoke else ((256, 2),)
+    for cw, nw in sweep:
+        try:
+            r = gather_case(pool_bytes, dev, pages[0], counts[-1], reps, 0.0, gen, chunk_words=cw, num_warps=nw,
+                            per_block=False)
+        except Exception as e:
+            traceback.print_exc()
+            r = dict(kind="gather_sweep", page=pages[0], units=counts[-1], chunk_words=cw, num_warps=nw,
+                     error=f"{type(e).__name__}: {e}")
+        print(json.dumps(r), flush=True)
+        results.append(r)
     for page in pages:
         try:
             r = save_case(pool_bytes, dev, page, save_n, max(2, reps // 2), args.per_block_cap_s, gen,

@@ -119,10 +119,13 @@ class HostGather:
     ``src``: ``[num_units, unit_elems]`` host rows (pinned for the UVA paths) or rows on ``dst``'s
     device; ``dst``: ``[capacity, unit_elems]`` same dtype. ``max_rows``: the longest id list
     (``torch_staging`` preallocates its buffers for it). ``path``: ``"auto"`` or one of
-    ``GATHER_PATHS`` (forcing a UVA path that fails raises).
+    ``GATHER_PATHS`` (forcing a UVA path that fails raises). ``chunk_words`` (power of two in
+    [64, 16384]) 32-bit words per program and ``num_warps`` (1, 2, 4, 8 or 16): launch shape knobs
+    (the benchmark sweeps them; defaults 2048 words = 8 KiB and 4 warps).
     """
 
-    def __init__(self, src: torch.Tensor, dst: torch.Tensor, max_rows: int, path: str = "auto") -> None:
+    def __init__(self, src: torch.Tensor, dst: torch.Tensor, max_rows: int, path: str = "auto",
+                 chunk_words: int = _MAX_CHUNK_WORDS, num_warps: int = 4) -> None:
         if src.device != dst.device and not (src.device.type == "cpu" and dst.device.type in ("cuda", "cpu")):
             raise ValueError(f"src on {src.device}, dst on {dst.device}: supported are one device, or a "
                              f"CPU (pinned) source and a CUDA destination")
@@ -131,13 +134,19 @@ class HostGather:
                              f"be [rows, unit_elems] of one dtype and row size")
         if isinstance(max_rows, bool) or not isinstance(max_rows, int) or max_rows < 1:
             raise ValueError(f"max_rows={max_rows!r} is out of range: expected an integer >= 1")
+        if isinstance(chunk_words, bool) or not isinstance(chunk_words, int) or not 64 <= chunk_words <= 16384 \
+                or chunk_words & (chunk_words - 1):
+            raise ValueError(f"chunk_words={chunk_words!r} is out of range: expected a power of two in [64, 16384]")
+        if num_warps not in (1, 2, 4, 8, 16):
+            raise ValueError(f"num_warps={num_warps!r} is out of range: expected 1, 2, 4, 8 or 16")
+        self.num_warps = num_warps
         if path != "auto" and path not in GATHER_PATHS:
             raise ValueError(f"path={path!r}: expected 'auto' or one of {GATHER_PATHS}")
         self.src, self.dst, self.max_rows = src, dst, max_rows
         self._src_words, self._dst_words = word_view(src), word_view(dst)
         row = self._dst_words.shape[1]
         self._row = row
-        self._block = min(triton.next_power_of_2(row), _MAX_CHUNK_WORDS)
+        self._block = min(triton.next_power_of_2(row), chunk_words)
         self._chunks = triton.cdiv(row, self._block)
         cuda_dst = dst.is_cuda
         self.stream = torch.cuda.Stream(device=dst.device) if cuda_dst else None
@@ -200,7 +209,7 @@ class HostGather:
         if n == 0:
             return
         _gather_rows_kernel[(n, self._chunks)](src_arg, dst_words, src_ids, dst_ids,
-                                               ROW=self._row, BLOCK=self._block, num_warps=4)
+                                               ROW=self._row, BLOCK=self._block, num_warps=self.num_warps)
 
     # ------------------------------------------------------------------ run
     def run(self, src_block_ids: torch.Tensor, dst_slot_ids: torch.Tensor) -> None:

@@ -117,6 +117,23 @@ def test_gather_validation():
         g.run(torch.zeros(3, dtype=torch.int32), torch.zeros(3, dtype=torch.int32))
     with pytest.raises(ValueError, match="contiguous"):
         word_view(torch.zeros((4, 8))[:, :4])
+    with pytest.raises(ValueError, match=r"chunk_words=100 .*power of two in \[64, 16384\]"):
+        HostGather(a, a.clone(), max_rows=1, chunk_words=100)
+    with pytest.raises(ValueError, match="num_warps=3"):
+        HostGather(a, a.clone(), max_rows=1, num_warps=3)
+
+
+@pytest.mark.parametrize("chunk_words,num_warps", [(64, 1), (128, 2), (4096, 8)])
+def test_gather_launch_shapes_bit_identical(chunk_words, num_warps):
+    gen = torch.Generator().manual_seed(chunk_words)
+    src = _random_bits((9, 2 * 8 * 40), torch.bfloat16, gen)  # 320 words: 5 / 3 / 1 chunks
+    dst = torch.zeros((6, src.shape[1]), dtype=torch.bfloat16)
+    g = HostGather(src, dst, max_rows=6, chunk_words=chunk_words, num_warps=num_warps)
+    s, d = _ids(9, 6, 6, gen)
+    g.run(s, d)
+    want = torch.zeros_like(dst)
+    gather_units_reference(src, s, want, d)
+    assert torch.equal(_bits(dst), _bits(want))
 
 
 @pytest.mark.parametrize("threads,n", [(1, 5), (3, 17), (4, 2)])
