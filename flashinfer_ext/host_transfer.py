@@ -17,6 +17,9 @@ Supports:
     then a small thread pool scatters the staged rows into host rows ``dst_units`` (CPU int64
     ``[n]``) once the copy event completes; returns a ``Future``. ``save_slots`` first packs cache
     rows into a contiguous device buffer (``index_select`` on the save stream).
+  * ``HostTierIO``: one step of a ``GpuBlockCache.acquire`` plan: dirty victims saved (packed on the
+    save stream), then the misses gathered on the gather stream after that pack (a slot is never
+    overwritten before its old content is read); ids go to the device through one pinned buffer.
   * ``gather_units_reference`` / ``save_units_reference``: pure-torch row-copy references (bit-exact).
 
 Path selection (``HostGather.path``, decided once in ``__init__``, reported by the benchmark):
@@ -49,7 +52,7 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["HostGather", "HostSave", "gather_units_reference", "save_units_reference", "word_view",
+__all__ = ["HostGather", "HostSave", "HostTierIO", "gather_units_reference", "save_units_reference", "word_view",
            "GATHER_PATHS"]
 
 GATHER_PATHS = ("triton", "triton_uva", "triton_uva_ptr", "torch_staging")
@@ -273,6 +276,7 @@ class HostSave:
         self._pack_buf = torch.empty((max_rows, host.shape[1]), dtype=host.dtype, device=self.device)
         self.stream = torch.cuda.Stream(device=self.device) if cuda else None
         self.copy_done = torch.cuda.Event() if cuda else None
+        self.packed = torch.cuda.Event() if cuda else None  # save_slots has read the cache rows
         # one coordinator thread per save (waits for the copy, splits the scatter) and the scatter workers
         self._coord = ThreadPoolExecutor(max_workers=1, thread_name_prefix="host_save")
         self._workers = ThreadPoolExecutor(max_workers=num_threads, thread_name_prefix="host_scatter")
@@ -290,17 +294,19 @@ class HostSave:
             self._pending = None
 
     def save_slots(self, cache: torch.Tensor, slots: torch.Tensor, dst_units: torch.Tensor) -> Future:
-        """Save ``cache[slots[i]]`` (device rows; ``slots`` int on ``cache``'s device) to host rows
-        ``dst_units[i]``: pack on the device, then :meth:`save`."""
+        """Save ``cache[slots[i]]`` (device rows; ``slots`` int32/int64 on ``cache``'s device) to host
+        rows ``dst_units[i]``: pack on the device (event ``packed`` after it), then :meth:`save`."""
         n = slots.shape[0]
         self._check(n, dst_units)
         self.wait()  # the pack buffer may still be the source of the previous copy
         if self.stream is not None:
             self.stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(self.stream):
-                torch.index_select(cache, 0, slots.to(torch.int64), out=self._pack_buf[:n])
+                torch.index_select(cache, 0, slots, out=self._pack_buf[:n])
+                self.packed.record(self.stream)
+            slots.record_stream(self.stream)
         else:
-            torch.index_select(cache, 0, slots.to(torch.int64), out=self._pack_buf[:n])
+            torch.index_select(cache, 0, slots, out=self._pack_buf[:n])
         return self.save(self._pack_buf[:n], dst_units)
 
     def save(self, rows: torch.Tensor, dst_units: torch.Tensor) -> Future:
@@ -344,3 +350,60 @@ class HostSave:
         for f in futs:
             f.result()
         return n
+
+
+class HostTierIO:
+    """One step of host-tier traffic for a ``GpuBlockCache.acquire`` plan: save the dirty victims,
+    then gather the misses into their slots (the gather waits for the victims' pack, so a slot is
+    never overwritten before its old content is read).
+
+    ``host``: host rows ``[num_units, unit_elems]``; ``cache``: cache rows ``[capacity, unit_elems]``;
+    ``max_rows``: most loads (and saves) per step. The plan's CPU int32 id lists go to the device
+    through one preallocated pinned buffer ``_ids_host`` -> ``_ids_buf`` (one copy per step).
+    ``run`` first waits (host) for the previous step's scatter, so every gather reads current host
+    rows; then everything is asynchronous (``wait()`` before reading the cache).
+    """
+
+    def __init__(self, host: torch.Tensor, cache: torch.Tensor, max_rows: int, num_threads: int = 4,
+                 path: str = "auto") -> None:
+        self.host, self.cache = host, cache
+        self.gather = HostGather(host, cache, max_rows, path=path)
+        self.saver = HostSave(host, max_rows, device=cache.device, num_threads=num_threads)
+        cuda = cache.is_cuda
+        self._ids_host = torch.empty(3 * max_rows, dtype=torch.int32, pin_memory=cuda)
+        self._ids_buf = torch.empty(3 * max_rows, dtype=torch.int32, device=cache.device)
+        self._ids_done = torch.cuda.Event() if cuda else None
+
+    def run(self, load_units: torch.Tensor, load_slots: torch.Tensor, save_slots: torch.Tensor,
+            save_units: torch.Tensor) -> None:
+        """``AcquirePlan`` lists (CPU int32): gather ``host[load_units]`` -> ``cache[load_slots]``
+        after saving ``cache[save_slots]`` -> ``host[save_units]``."""
+        m, d = load_units.numel(), save_slots.numel()
+        self.saver.wait()
+        if self._ids_done is not None:
+            self._ids_done.synchronize()  # the previous step's id copy has left the pinned buffer
+        ids = self._ids_host
+        ids[:m] = load_units
+        ids[m:2 * m] = load_slots
+        ids[2 * m:2 * m + d] = save_slots
+        k = 2 * m + d
+        self._ids_buf[:k].copy_(ids[:k], non_blocking=True)
+        if self._ids_done is not None:
+            self._ids_done.record(torch.cuda.current_stream(self.cache.device))
+        if d:
+            self.saver.save_slots(self.cache, self._ids_buf[2 * m:k], save_units.to(torch.int64))
+            if self.saver.packed is not None:  # fused paths run on the gather stream, staging on the current one
+                self.gather.stream.wait_event(self.saver.packed)
+                torch.cuda.current_stream(self.cache.device).wait_event(self.saver.packed)
+        self.gather.run(self._ids_buf[:m], self._ids_buf[m:2 * m])
+
+    def wait(self, stream: torch.cuda.Stream | None = None) -> None:
+        """Make ``stream`` wait for the last gather (no host sync)."""
+        self.gather.wait(stream)
+
+    def flush(self) -> None:
+        """Block until the last save's scatter has landed in ``host``."""
+        self.saver.wait()
+
+    def close(self) -> None:
+        self.saver.close()

@@ -227,3 +227,77 @@ def test_gpu_cpu_assisted_save_bit_identical(n):
         assert torch.equal(_bits(host), _bits(want))
     finally:
         saver.close()
+
+
+# ---------------------------------------------------------------- the tier end to end (pool + cache + IO)
+
+def _tier_steps(pool: HostBlockPool, io, steps: int, seed: int, device) -> int:
+    """Random decode steps: select units, acquire, run the IO, write new KV into some selected
+    units' cache rows (dirty). ``truth[u]`` is the latest content of unit u; after every step each
+    cached unit's cache row and each other unit's host row must equal it, bit for bit."""
+    rng = torch.Generator().manual_seed(seed)
+    dtype = pool.host_units.dtype
+    truth = pool.host_units.clone()
+    live = pool.unit_ids(pool.alloc(pool.num_blocks))
+    cap = pool.cache.capacity
+    saves = 0
+    for step in range(steps):
+        k = int(torch.randint(1, cap + 1, (1,), generator=rng))
+        units = live[torch.randperm(live.numel(), generator=rng)[:k]]
+        plan = pool.acquire(units)
+        io.run(plan.load_units, plan.load_slots, plan.save_slots, plan.save_units)
+        io.wait()
+        saves += plan.save_slots.numel()
+        w = units[torch.randperm(units.numel(), generator=rng)[:max(1, k // 3)]]
+        rows = _random_bits((w.numel(), pool.unit_elems), dtype, rng)
+        slots = pool.cache.lookup(w)
+        pool.cache.cache_buf[slots.to(device)] = rows.to(device)
+        pool.cache.mark_dirty(w)
+        truth[w] = rows
+        io.flush()
+        if device != "cpu":
+            torch.cuda.synchronize()
+        cached = torch.nonzero(pool.cache.slot_of_unit_host >= 0).flatten()
+        assert torch.equal(_bits(pool.cache.cache_buf[pool.cache.slot_of_unit_host[cached].to(device)].cpu()),
+                           _bits(truth[cached])), step
+        dirty_units = pool.cache.unit_of_slot_host[torch.nonzero(pool.cache.dirty_host).flatten()]
+        clean = torch.ones(pool.num_units, dtype=torch.bool)
+        clean[dirty_units] = False
+        assert torch.equal(_bits(pool.host_units[clean]), _bits(truth[clean])), step
+    return saves
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_tier_io_end_to_end_interpreter(seed):
+    from flashinfer_ext.host_transfer import HostTierIO
+
+    shape = KVShape(num_layers=2, num_kv_heads=2, head_dim=8, dtype=torch.bfloat16)
+    cfg = HostTierConfig(host_tier_gb=6 * 2 * 2 * (2 * 4 * 8 * 2) / (1 << 30), gpu_cache_blocks=7, page_size=4)
+    pool = HostBlockPool(cfg, shape, device="cpu")
+    gen = torch.Generator().manual_seed(seed)
+    pool.host_units.copy_(_random_bits(tuple(pool.host_units.shape), torch.bfloat16, gen))
+    io = HostTierIO(pool.host_units, pool.cache.cache_buf, max_rows=7, num_threads=2)
+    try:
+        saves = _tier_steps(pool, io, steps=60, seed=seed, device="cpu")
+    finally:
+        io.close()
+    assert saves > 0 and pool.stats().saved_units == saves and pool.stats().evictions > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("page", [16, 64])
+def test_gpu_tier_io_end_to_end(page):
+    from flashinfer_ext.host_transfer import HostTierIO
+
+    shape = KVShape(num_layers=4, num_kv_heads=8, head_dim=128, dtype=torch.bfloat16)
+    unit_bytes = 2 * page * 128 * 2
+    cfg = HostTierConfig(host_tier_gb=24 * 4 * 8 * unit_bytes / (1 << 30), gpu_cache_blocks=257, page_size=page)
+    pool = HostBlockPool(cfg, shape)
+    gen = torch.Generator().manual_seed(page)
+    pool.host_units.copy_(_random_bits(tuple(pool.host_units.shape), torch.bfloat16, gen))
+    io = HostTierIO(pool.host_units, pool.cache.cache_buf, max_rows=257)
+    try:
+        saves = _tier_steps(pool, io, steps=40, seed=page, device="cuda")
+    finally:
+        io.close()
+    assert saves > 0 and io.gather.path in ("triton_uva", "triton_uva_ptr", "torch_staging")
