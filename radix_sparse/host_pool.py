@@ -236,7 +236,9 @@ class GpuBlockCache:
             # free slots carry stamp -1, so one stable order takes free slots first, then LRU
             key = self.last_use_host * self.capacity + torch.arange(self.capacity)
             key[self.last_use_host == tick] = torch.iinfo(torch.int64).max  # used by this step
-            victims = torch.argsort(key)[:m]
+            # m smallest keys (all distinct): a partial selection when m is small, a full sort otherwise
+            victims = torch.topk(key, m, largest=False, sorted=True).indices if 8 * m < self.capacity \
+                else torch.argsort(key)[:m]
             old = self.unit_of_slot_host[victims]
             held = old >= 0
             dirty = self.dirty_host[victims] & held

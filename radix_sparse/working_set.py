@@ -4,8 +4,9 @@ Working set of a decoding request = the union of the units (or blocks: any non-n
 e.g. ``HostBlockPool`` unit ids) it selected in its last ``w`` decode steps (paper default w = 12:
 the overlap with the current step's selection plateaus there). ``WorkingSetEstimator`` keeps, per
 request slot, a ring of the last ``w`` step selections in one preallocated buffer
-``ring_buf`` int64 ``[max_requests, w, max_selected]`` (``-1`` = padding / empty step) and a write
-position ``pos_buf`` int64 ``[max_requests]``:
+``ring_buf`` int32 ``[max_requests, w, max_selected]`` (``-1`` = padding / empty step; ids < 2**31;
+memory ``max_requests * w * max_selected * 4`` bytes) and a write position ``pos_buf`` int64
+``[max_requests]``:
 
   * ``record(req_slots [B], selected [B, S])`` writes each row's selection (``-1`` padded, S <=
     max_selected) into that request's next ring position, vectorised over the batch;
@@ -50,7 +51,7 @@ class WorkingSetEstimator:
         _int_in("max_requests", max_requests, 1, 1 << 20)
         _int_in("max_selected", max_selected, 1, 1 << 24)
         self.window, self.max_requests, self.max_selected = window, max_requests, max_selected
-        self.ring_buf = torch.full((max_requests, window, max_selected), -1, dtype=torch.int64, device=device)
+        self.ring_buf = torch.full((max_requests, window, max_selected), -1, dtype=torch.int32, device=device)
         self.pos_buf = torch.zeros(max_requests, dtype=torch.int64, device=device)
 
     def _slots(self, req_slots: torch.Tensor) -> torch.Tensor:
@@ -66,9 +67,11 @@ class WorkingSetEstimator:
             raise ValueError(f"selected must be [len(req_slots)={r.numel()}, S <= max_selected="
                              f"{self.max_selected}], got {tuple(selected.shape)}")
         s = selected.to(self.ring_buf.device, torch.int64)
+        if s.numel() and int(s.max()) >= 2**31:
+            raise ValueError("selected ids must be < 2**31")
         pos = self.pos_buf[r]
-        row = torch.full((r.numel(), self.max_selected), -1, dtype=torch.int64, device=s.device)
-        row[:, :s.shape[1]] = s.clamp(min=-1)
+        row = torch.full((r.numel(), self.max_selected), -1, dtype=torch.int32, device=s.device)
+        row[:, :s.shape[1]] = s.clamp(min=-1).to(torch.int32)
         self.ring_buf[r, pos] = row
         self.pos_buf[r] = (pos + 1) % self.window
 
@@ -91,7 +94,7 @@ class WorkingSetEstimator:
     def union(self, req_slot: int) -> torch.Tensor:
         """int64 sorted distinct ids of one request's working set."""
         v = self.ring_buf[req_slot].flatten()
-        return torch.unique(v[v >= 0])
+        return torch.unique(v[v >= 0]).to(torch.int64)
 
 
 @dataclass(frozen=True)

@@ -40,6 +40,8 @@ def test_record_validates_shapes():
         est.record(torch.tensor([0]), torch.zeros(1, 4, dtype=torch.int64))
     with pytest.raises(ValueError, match="req_slots"):
         est.record(torch.tensor([0.0]), torch.zeros(1, 1, dtype=torch.int64))
+    with pytest.raises(ValueError, match=r"< 2\*\*31"):
+        est.record(torch.tensor([0]), torch.tensor([[2**31]]))
     with pytest.raises(ValueError, match=r"window=0 .*\[1, 256\]"):
         WorkingSetEstimator(window=0)
 
