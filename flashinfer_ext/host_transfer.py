@@ -45,7 +45,6 @@ stream waits for the current stream, the caller must not reuse ``rows`` before `
 
 from __future__ import annotations
 
-import os
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
@@ -110,10 +109,6 @@ class _DevicePtr:
 
     def data_ptr(self) -> int:
         return self._ptr
-
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 class HostGather:
