@@ -201,3 +201,22 @@ def decode_topb_reference(q_obs, obs_pos, k_buffer, token_slots, seq_len: int, s
     # stable descending sort = lower position first among ties
     order = torch.sort(score, dim=1, descending=True, stable=True).indices[:, :b]
     return torch.sort(order, dim=1).values, score
+
+
+def masked_decode_reference(q, k_buffer, v_buffer, req_to_token, req_pool_indices, mask, sm_scale):
+    """fp32 decode of rows ``q [B, Hq, D]`` over per-(row, KV head) token sets ``mask [B, Hk, N]`` (bool).
+
+    Token ``n`` of row ``b`` lives at slot ``req_to_token[req_pool_indices[b], n]``; ``N`` is the
+    longest context of the batch (positions past a row's length must be False). Returns
+    ``[B, Hq, D]`` fp32 (a row/head with an empty set gives NaN).
+    """
+    b, hq, d = q.shape
+    hk, n = mask.shape[1], mask.shape[2]
+    g = hq // hk
+    slots = req_to_token[req_pool_indices.long(), :n].long()       # [B, N]
+    k = k_buffer[slots].float()                                     # [B, N, Hk, D]
+    v = v_buffer[slots].float()
+    s = torch.einsum("bkgd,bnkd->bkgn", q.float().view(b, hk, g, d), k) * sm_scale
+    s = s.masked_fill(~mask[:, :, None, :], float("-inf"))
+    p = torch.softmax(s, dim=-1)
+    return torch.einsum("bkgn,bnkd->bkgd", p, v).reshape(b, hq, d)

@@ -40,7 +40,7 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["sparse_decode"]
+__all__ = ["sparse_decode", "mask_to_lists", "decode_union_mask"]
 
 
 @triton.jit
@@ -219,3 +219,43 @@ def sparse_decode(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tenso
         DOT_FP32=os.environ.get("TRITON_INTERPRET", "0") == "1",
     )
     return out, lse_out, nread_out
+
+
+def mask_to_lists(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token sets as :func:`sparse_decode` lists (``block_size=1``): bool ``[B, Hk, N]`` ->
+    ``(lists [B, Hk, N] int32, lens [B, Hk] int32)``, each list ascending in its first ``lens``
+    entries (the rest 0). Prefix-sum compaction (one cumsum + one scatter, O(N), no sort, no host sync).
+    """
+    b, hk, n = mask.shape
+    m = mask.to(torch.int32)
+    rank = m.cumsum(2, dtype=torch.int32) - 1                          # target index of each set token
+    dest = torch.where(mask, rank, n).long()                           # unset tokens -> spill column n
+    ar = torch.arange(n, device=mask.device, dtype=torch.int32).expand(b, hk, n)
+    lists = torch.zeros(b, hk, n + 1, dtype=torch.int32, device=mask.device).scatter_(2, dest, ar)
+    return lists[:, :, :n].contiguous(), m.sum(2, dtype=torch.int32).contiguous()
+
+
+def decode_union_mask(v_idx: torch.Tensor, s_idx: torch.Tensor, topb: torch.Tensor, pos: torch.Tensor,
+                      since: torch.Tensor, seq_lens: torch.Tensor, *, sink_tokens: int, max_len: int) -> torch.Tensor:
+    """LoopServe Alg. 3's decode set per (row, KV head) as a bool mask ``[B, Hk, max_len]``.
+
+    Union of: stored vertical lines ``v_idx [B, Hk, Wv]`` (key positions), slash offsets
+    ``s_idx [B, Hk, Ws]`` taken relative to the current position ``pos [B]`` (key ``pos - s``),
+    the top-B positions ``topb [B, Hk, Wb]``, the first ``sink_tokens`` keys, and every key at
+    ``>= since [B]``; all clipped to ``< seq_lens [B]``. ``-1`` entries are padding. Device tensors,
+    a few scatters, no host sync (``max_len`` is a host int: the batch's longest context).
+    """
+    b, hk = v_idx.shape[0], v_idx.shape[1]
+    n = max_len
+    m = torch.zeros(b, hk, n + 1, dtype=torch.bool, device=v_idx.device)
+    v = v_idx.long()
+    m.scatter_(2, torch.where(v >= 0, v, n).clamp(max=n), True)
+    s = s_idx.long()
+    sp = pos.long()[:, None, None] - s
+    m.scatter_(2, torch.where((s >= 0) & (sp >= 0), sp, n).clamp(max=n), True)
+    tb = topb.long()
+    m.scatter_(2, torch.where(tb >= 0, tb, n).clamp(max=n), True)
+    ar = torch.arange(n + 1, device=v_idx.device)[None, None, :]
+    m |= ar < sink_tokens
+    m |= ar >= since.long()[:, None, None]
+    return (m & (ar < seq_lens.long()[:, None, None]))[:, :, :n]

@@ -37,7 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["VSLineSums", "vs_estimate"]
+__all__ = ["VSLineSums", "vs_estimate", "sample_query_rows"]
 
 
 @dataclass
@@ -50,6 +50,19 @@ class VSLineSums:
     s_max: torch.Tensor
     group_size: int
     num_rows: int
+
+
+def sample_query_rows(extend_len: int, num_rows: int) -> torch.Tensor:
+    """Local indices (int64, ascending, CPU) of the rows of an extend segment sampled for estimation.
+
+    ``min(num_rows, extend_len)`` distinct rows: the last ``max(1, r // 2)`` (the question sits at
+    the end of a turn) and the rest evenly spaced over the earlier part of the segment.
+    """
+    r = min(num_rows, extend_len)
+    n_last = min(r, max(1, r // 2))
+    rest = torch.linspace(0, extend_len - n_last - 1, r - n_last).round().long() if r > n_last else \
+        torch.zeros(0, dtype=torch.long)
+    return torch.unique(torch.cat([rest, torch.arange(extend_len - n_last, extend_len)]))
 
 
 @triton.jit

@@ -175,7 +175,23 @@ class LoopServeConfig(SparseConfig):
                                    range=Range(1, 1 << 24))
     line_store_mb: int = knob(256, doc="memory bound of the per-turn line sets kept on radix nodes (MiB)",
                               range=Range(0, 1 << 20))
+    initial_topb: bool = knob(True, doc="also select the top-B tokens at the first decode step from the prompt's "
+                              "last n_d queries (false: Alg. 3 exactly, stored lines only until token 16)")
 
+
+
+@dataclass(frozen=True)
+class LastWindowConfig(SparseConfig):
+    """Last-window baseline (SnapKV-like): dense prefill, then decode attends a fixed top-``budget``
+    per KV head chosen once from the attention of the prompt's last ``window`` queries, plus the
+    sink, that window and the generated tokens (LoopServe's question-position baseline)."""
+
+    mode: ClassVar[str] = "lastwindow"
+    budget: int = knob(1024, doc="tokens kept per KV head for decode (chosen once, after prefill)",
+                       range=Range(1, 1 << 24))
+    window: int = knob(32, doc="last prompt queries whose attention chooses the budget", range=Range(1, 4096))
+    min_context: int = knob(4096, doc="prompts shorter than this decode densely", range=Range(0, 1 << 24))
+    sink_tokens: int = knob(4, doc="first key positions always attended", range=Range(0, 1 << 20))
 
 @dataclass(frozen=True)
 class SamKVConfig(SparseConfig):

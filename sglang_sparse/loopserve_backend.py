@@ -4,10 +4,11 @@ Like ``psa`` (:mod:`sglang_sparse.psa_backend`), the mode keeps the attention ba
 would use anyway (``torch_native`` on CPU, ``flashinfer``/``triton`` on the GPU) and turns that
 object into a direct subclass carrying the methods of :class:`LoopServeMixin`, once, in the
 scheduler process (``runtime_hooks.attention_backend_hook``). Per batch
-:meth:`LoopServeRunner.begin_batch` plans (host work); per layer ``forward_extend`` runs the stock
-path (K/V written exactly as stock, dense rows computed) and then the sparse prefill of every row
-whose context reached ``min_context``; ``forward_decode`` likewise for the requests whose prefill
-was sparse (Alg. 3). See :mod:`sglang_sparse.loopserve_runner` for the paths and where host work
+:meth:`LoopServeRunner.begin_batch` plans (host work); per layer, when every row of the batch is sparse,
+``forward_extend``/``forward_decode`` write K/V exactly as the stock backend does
+(:func:`_save_kv`) and run only the sparse kernels (no stock attention compute); in a mixed batch
+the stock path computes every row and the sparse rows are then overwritten (correct, no saving
+for that batch). See :mod:`sglang_sparse.loopserve_runner` for the paths and where host work
 goes, :mod:`sglang_sparse.loopserve_radix` for the per-turn lines on radix nodes, and
 :mod:`sglang_sparse.loopserve_stats` for the statistics.
 
@@ -42,18 +43,29 @@ class LoopServeMixin:
         self._ls_runner.begin_batch(self, forward_batch)
 
     def forward_extend(self, q, k, v, layer, forward_batch, *args, **kwargs):
-        o = self._ls_base.forward_extend(self, q, k, v, layer, forward_batch, *args, **kwargs)
         runner = self._ls_runner
-        if runner.ext_rows:
-            hq, d = layer.tp_q_head_num, layer.head_dim
+        hq, d = layer.tp_q_head_num, layer.head_dim
+        if runner.ext_rows and runner.all_rows_sparse and _can_skip_stock(self, layer):
+            # every row is sparse: no stock attention compute at all; K/V written as stock writes them
+            _save_kv(self, layer, forward_batch, k, v, *args, **kwargs)
+            o = q.new_empty(q.shape[0], hq * d)
+            runner.extend(self, o.view(-1, hq, d), q.reshape(-1, hq, d), layer)
+            return o
+        o = self._ls_base.forward_extend(self, q, k, v, layer, forward_batch, *args, **kwargs)
+        if runner.ext_rows:  # mixed batch: the stock path computed every row; sparse rows are overwritten
             runner.extend(self, o.view(-1, hq, d), q.reshape(-1, hq, d), layer)
         return o
 
     def forward_decode(self, q, k, v, layer, forward_batch, *args, **kwargs):
-        o = self._ls_base.forward_decode(self, q, k, v, layer, forward_batch, *args, **kwargs)
         runner = self._ls_runner
+        hq, d = layer.tp_q_head_num, layer.head_dim
+        if runner.dec is not None and runner.all_rows_sparse and _can_skip_stock(self, layer):
+            _save_kv(self, layer, forward_batch, k, v, *args, **kwargs)
+            o = q.new_empty(q.shape[0], hq * d)
+            runner.decode(self, o.view(-1, hq, d), q.reshape(-1, hq, d), layer)
+            return o
+        o = self._ls_base.forward_decode(self, q, k, v, layer, forward_batch, *args, **kwargs)
         if runner.dec is not None:
-            hq, d = layer.tp_q_head_num, layer.head_dim
             runner.decode(self, o.view(-1, hq, d), q.reshape(-1, hq, d), layer)
         return o
 
@@ -71,9 +83,42 @@ class LoopServeMixin:
 
 
 
+# Stock backends whose KV write this module reproduces exactly (``set_kv_buffer`` with a
+# ``KVWriteLoc(out_cache_loc, swa_out_cache_loc)`` and, for FlashInfer, the layer's write scales).
+_KV_WRITERS = ("FlashInferAttnBackend", "TorchNativeAttnBackend")
+
+
+def _can_skip_stock(backend, layer) -> bool:
+    """True when the stock attention may be skipped for an all-sparse batch (plain self-attention,
+    a backend whose KV write :func:`_save_kv` reproduces, no FlashInfer dequant workspace)."""
+    return (backend._ls_base.__name__ in _KV_WRITERS and not layer.is_cross_attention
+            and getattr(layer, "sliding_window_size", -1) in (-1, None)
+            and getattr(layer, "qk_head_dim", layer.head_dim) == getattr(layer, "v_head_dim", layer.head_dim)
+            and not getattr(backend, "prefill_uses_dequant_workspace", False))
+
+
+def _save_kv(backend, layer, forward_batch, k, v, *args, **kwargs) -> None:
+    """Write this forward's K/V exactly as the stock ``forward_extend``/``forward_decode`` would."""
+    save = kwargs.get("save_kv_cache", args[0] if args else True)
+    if not save or k is None or v is None:
+        return
+    from sglang.srt.mem_cache.memory_pool import KVWriteLoc
+
+    if backend._ls_base.__name__ == "FlashInferAttnBackend":
+        loc = KVWriteLoc(forward_batch.out_cache_loc, backend.forward_metadata.swa_out_cache_loc)
+        backend.token_to_kv_pool.set_kv_buffer(layer, loc, k, v, *backend._kv_write_scales(layer))
+    else:
+        loc = KVWriteLoc(forward_batch.out_cache_loc, backend.swa_out_cache_loc)
+        backend.token_to_kv_pool.set_kv_buffer(layer, loc, k, v)
+
+
 def install(backend, config: LoopServeConfig, page_size: int, enable_metrics: bool = False, model_runner=None):
-    """Turn ``backend`` (a constructed stock backend) into its LoopServe variant, in place (idempotent)."""
-    if getattr(backend, "sparse_installed_mode", None) == "loopserve":
+    """Turn ``backend`` (a constructed stock backend) into its LoopServe variant, in place (idempotent).
+
+    Also installs ``--sparse lastwindow`` (``config`` a :class:`~sglang_sparse.config.LastWindowConfig`):
+    the same runner with a dense prefill, one top-B selection and no line store."""
+    mode = config.mode  # "loopserve" or "lastwindow" (its baseline: same runner, no lines)
+    if getattr(backend, "sparse_installed_mode", None) == mode:
         return backend
     if model_runner is None:
         raise ValueError("sglang-sparse loopserve: install() needs the model_runner")
@@ -86,18 +131,19 @@ def install(backend, config: LoopServeConfig, page_size: int, enable_metrics: bo
                            "--disable-cuda-graph")
     base = type(backend)
     methods = {k: v for k, v in vars(LoopServeMixin).items() if not k.startswith("__")}
-    backend.__class__ = type(f"LoopServe{base.__name__}", (base,), {**methods, "__module__": __name__,
-                                                                    "_ls_base": base})
+    prefix = "LoopServe" if mode == "loopserve" else "LastWindow"
+    backend.__class__ = type(f"{prefix}{base.__name__}", (base,), {**methods, "__module__": __name__,
+                                                                 "_ls_base": base})
     stats = LoopServeStats()
     metrics = LoopServeMetrics() if enable_metrics else None
-    store = loopserve_radix.install_store(config, stats, metrics)
+    store = loopserve_radix.install_store(config, stats, metrics) if mode == "loopserve" else None
     kernels = use_kernels_for(device)
     backend._ls_cfg = config
     backend._ls_runner = LoopServeRunner(config, AttnShape.of(model_runner), device, use_kernels=kernels,
                                          store=store)
     backend._ls_metrics = metrics
     backend.sparse_stats = stats
-    backend.sparse_installed_mode = "loopserve"
-    logger.info("sglang-sparse loopserve: %s path (%s), line store %d MiB", "kernel" if kernels else "reference",
-                device.type, config.line_store_mb)
+    backend.sparse_installed_mode = mode
+    logger.info("sglang-sparse %s: %s path (%s), line store %d MiB", mode, "kernel" if kernels else "reference",
+                device.type, getattr(config, "line_store_mb", 0))
     return backend

@@ -25,8 +25,9 @@ Where the host work goes (nothing per layer needs a sync; no ``.item()``):
   * per layer: estimation + selection + sparse prefill per sparse extend row (one request per
     kernel call: the kernels are single-request), or one masked batch decode for the sparse
     decode rows; statistics are in-place adds into the device step rows.
-The stock backend computes the dense rows (and, on the reference path and in mixed batches, all
-rows first; sparse rows are then overwritten). A mixed batch (``--enable-mixed-chunk``) treats
+When every row of a batch is sparse the backend skips the stock attention (K/V written as stock
+writes them); in a mixed batch the stock backend computes all rows first and the sparse rows are
+then overwritten. A mixed batch (``--enable-mixed-chunk``) treats
 its decode rows as 1-token extend rows.
 """
 
@@ -37,11 +38,12 @@ import os
 
 import torch
 
+from flashinfer_ext.vs_estimate import sample_query_rows
 from flashinfer_ext.vs_select import VSSelectConfig, _compact, decode_topb, vs_select
 from sglang_sparse.config import LoopServeConfig
 from sglang_sparse.loopserve_stats import (
     COL_ALPHA, COL_COV, COL_KIND, COL_LTOT, COL_READ, COL_RESEL, COL_REUSED, COL_S, COL_TTOT, COL_UNITS, COL_V,
-    KIND_DECODE, KIND_PREFILL, STEP_COLS,
+    KIND_DECODE, KIND_DENSE, KIND_LASTWINDOW, KIND_PREFILL, STEP_COLS,
 )
 
 FIRST_RESELECT = 16  # Alg. 3: the first re-selection at the 16th generated token
@@ -50,11 +52,12 @@ STATE_ATTR = "sparse_loopserve"
 
 
 def request_options(cfg: LoopServeConfig, req) -> tuple[float, int]:
-    """(alpha, budget) of a request: its validated ``custom_params.sparse`` values, else the server's."""
+    """(alpha, budget) of a request: its validated ``custom_params.sparse`` values, else the server's
+    (``lastwindow`` has no alpha: its prefill is dense, reported as alpha 1.0)."""
     custom = getattr(getattr(req, "sampling_params", None), "custom_params", None)
     opts = custom.get("sparse") if isinstance(custom, dict) else None
     opts = opts if isinstance(opts, dict) else {}
-    return float(opts.get("alpha", cfg.alpha)), int(opts.get("budget", cfg.budget))
+    return float(opts.get("alpha", getattr(cfg, "alpha", 1.0))), int(opts.get("budget", cfg.budget))
 
 
 @dataclasses.dataclass
@@ -68,7 +71,7 @@ class ReqState:
     vmask: torch.Tensor | None      # [L, Hk, prompt_len + 1] bool during prefill (last column: padding sink)
     smask: torch.Tensor | None
     acc: torch.Tensor               # [STEP_COLS] fp32 cumulative prefill statistics
-    ring: torch.Tensor              # [L, n_d, Hq, D] last queries by position % n_d
+    ring: torch.Tensor              # [L, R, Hq, D] last queries by position % R (R = n_d; lastwindow: window)
     ring_lo: int = 1 << 62          # lowest position whose query is in the ring
     prefill_done: bool = False
     lines: tuple | None = None      # (v_idx [L,Hk,Wv], v_cnt [L,Hk], s_idx [L,Hk,Ws], s_cnt) after prefill
@@ -122,6 +125,9 @@ class LoopServeRunner:
         self.ext_rows: list[_ExtRow] = []
         self.dec: dict | None = None
         self.n_sparse_prefill_rows = 0
+        # lastwindow (SnapKV-like baseline): dense prefill that only records the prompt's last `window`
+        # queries; one top-B selection at the first decode step; no lines, no re-selection
+        self.lastwindow = cfg.mode == "lastwindow"
 
     # ------------------------------------------------------------------ planning (once per batch)
     def begin_batch(self, backend, forward_batch) -> None:
@@ -145,13 +151,14 @@ class LoopServeRunner:
     def _new_state(self, req, alpha, budget, prefix, backend) -> ReqState:
         sh, dev = self.shape, self.device
         plen = len(req.origin_input_ids)
+        ring_len = self.cfg.window if self.lastwindow else self.cfg.n_d
         st = ReqState(alpha=alpha, budget=budget, turn_start=prefix, prompt_len=plen,
                       vmask=torch.zeros(sh.num_layers, sh.num_kv_heads, plen + 1, dtype=torch.bool, device=dev),
                       smask=torch.zeros(sh.num_layers, sh.num_kv_heads, plen + 1, dtype=torch.bool, device=dev),
                       acc=torch.zeros(STEP_COLS, dtype=torch.float32, device=dev),
-                      ring=torch.zeros(sh.num_layers, self.cfg.n_d, sh.num_qo_heads, sh.head_dim,
+                      ring=torch.zeros(sh.num_layers, ring_len, sh.num_qo_heads, sh.head_dim,
                                        dtype=backend.token_to_kv_pool.get_key_buffer(0).dtype, device=dev))
-        st.acc[COL_KIND] = KIND_PREFILL
+        st.acc[COL_KIND] = KIND_DENSE if self.lastwindow else KIND_PREFILL
         st.acc[COL_ALPHA] = alpha
         if self.store is not None and prefix > 0:
             reused = self.store.lookup(req, prefix)
@@ -175,15 +182,13 @@ class LoopServeRunner:
             seq = p + e
             st = getattr(req, STATE_ATTR, None)
             alpha, budget = request_options(cfg, req)
-            if e > 0 and seq >= cfg.min_context and alpha < 1.0 and seq <= len(req.origin_input_ids):
+            if e > 0 and seq >= cfg.min_context and (alpha < 1.0 or self.lastwindow) \
+                    and seq <= len(req.origin_input_ids):
                 if st is None or st.prefill_done:
                     st = self._new_state(req, alpha, budget, p, backend)
                     setattr(req, STATE_ATTR, st)
-                r = min(cfg.sampled_rows, e)
-                n_last = min(r, max(1, r // 2))
-                rest = torch.linspace(0, e - n_last - 1, r - n_last).round().long() if r > n_last else \
-                    torch.zeros(0, dtype=torch.long)
-                sample = torch.unique(torch.cat([rest, torch.arange(e - n_last, e)]))
+                sample = torch.zeros(0, dtype=torch.long) if self.lastwindow else \
+                    sample_query_rows(e, cfg.sampled_rows)
                 self.ext_rows.append(_ExtRow(i, st, q_lo, p, seq, int(fb.req_pool_indices_cpu[i])
                                              if getattr(fb, "req_pool_indices_cpu", None) is not None
                                              else int(req.req_pool_idx), sample.to(self.device),
@@ -193,7 +198,7 @@ class LoopServeRunner:
     def _plan_decode(self, backend, fb, reqs, host) -> None:
         cfg, sh = self.cfg, self.shape
         lens = [int(x) for x in fb.seq_lens_cpu]
-        rows, fire = [], []
+        rows, fire, resel = [], [], []
         for i, req in enumerate(reqs):
             st = getattr(req, STATE_ATTR, None)
             if st is None or not st.prefill_done:
@@ -203,9 +208,18 @@ class LoopServeRunner:
             if st.since == 0:
                 st.since = st.prompt_len
             n_o = pos - st.prompt_len + 1  # tokens generated so far (the first one came from prefill)
+            if self.lastwindow:  # one selection, at the first decode step, from the prompt's last window
+                rows.append(i)
+                resel.append(False)
+                fire.append(n_o == 1)
+                continue
             f = n_o >= FIRST_RESELECT and (n_o - FIRST_RESELECT) % cfg.n_d == 0
             rows.append(i)
-            fire.append(f)
+            resel.append(f)
+            # initial_topb: the first decode step also selects top-B, observing the prompt's last queries
+            # (the ring holds them): before Alg. 3's first re-selection the stored prefill lines alone lost
+            # a planted fact on SmolLM2 (CPU reference and H100 alike; see LoopServeConfig.initial_topb)
+            fire.append(f or (n_o == 1 and cfg.initial_topb))
         if not rows:
             return
         dev = self.device
@@ -227,8 +241,8 @@ class LoopServeRunner:
         s_ = pad([s.lines[2] for s in states], max(s.lines[2].shape[2] for s in states))
         tb = pad([s.topb for s in states], bwidth)
         for st, i, f in zip(states, rows, fire):
-            if f:
-                st.since = lens[i] - 1
+            if f:  # lastwindow keeps its observation window too
+                st.since = max(st.prompt_len - self.cfg.window, 0) if self.lastwindow else lens[i] - 1
         rows_t = torch.tensor(rows)
         seq = torch.tensor([lens[i] for i in rows])
         self.dec = dict(rows=rows, rows_dev=rows_t.to(dev), states=states, fire=fire, v=v, s=s_, topb=tb,
@@ -237,14 +251,23 @@ class LoopServeRunner:
                         seq_host=[lens[i] for i in rows],
                         rpi=fb.req_pool_indices[rows_t.to(fb.req_pool_indices.device)])
         units = sh.num_layers * sh.num_kv_heads
-        host[rows_t, COL_KIND] = float(KIND_DECODE)
+        host[rows_t, COL_KIND] = float(KIND_LASTWINDOW if self.lastwindow else KIND_DECODE)
         host[rows_t, COL_TTOT] = seq.float() * units
-        host[rows_t, COL_RESEL] = torch.tensor(fire, dtype=torch.float32)
+        host[rows_t, COL_RESEL] = torch.tensor(resel, dtype=torch.float32)
 
     # ------------------------------------------------------------------ per layer
     @property
     def any_sparse(self) -> bool:
         return bool(self.ext_rows) or self.dec is not None
+
+    @property
+    def all_rows_sparse(self) -> bool:
+        """Every row of this batch takes the sparse path (the backend may then skip the stock compute)."""
+        if self.bs == 0 or (self.lastwindow and self.dec is None):  # lastwindow prefill is dense
+            return False
+        if self.dec is not None:
+            return len(self.dec["rows"]) == self.bs
+        return len(self.ext_rows) == self.bs
 
     def extend(self, backend, o3, q3, layer) -> None:
         """Overwrite the sparse rows of ``o3 [T, Hq, D]`` with their vertical/slash sparse prefill."""
@@ -253,24 +276,35 @@ class LoopServeRunner:
         pool = backend.token_to_kv_pool
         k_buf, v_buf = pool.get_key_buffer(lid), pool.get_value_buffer(lid)
         rtt = backend.req_to_token_pool.req_to_token
-        sel_cfg = VSSelectConfig(alpha=1.0, sink_tokens=cfg.sink_tokens, local_window=cfg.local_window)
+        sel_cfg = None if self.lastwindow else \
+            VSSelectConfig(alpha=1.0, sink_tokens=cfg.sink_tokens, local_window=cfg.local_window)
         hk = k_buf.shape[1]
         for r in self.ext_rows:
             st = r.state
             slots = rtt[r.rpi]
             q_seg = q3[r.q_lo: r.q_lo + r.seq - r.prefix]
+            if self.lastwindow:  # dense prefill (stock): only record the prompt's last queries
+                if r.last_chunk:
+                    self._record_ring(st, lid, q_seg, r)
+                continue
             pos = r.sample + r.prefix
             lines = self._estimate(q_seg[r.sample], pos, k_buf, slots, r.seq, layer.scaling)
             sel = vs_select(lines, prefix_len=r.prefix, config=dataclasses.replace(sel_cfg, alpha=st.alpha))
             n = st.vmask.shape[2] - 1
             for idx, mask in ((sel.v_idx, st.vmask[lid]), (sel.s_idx, st.smask[lid])):
                 mask.scatter_(1, torch.where(idx >= 0, idx.long(), n), True)
-            # lines used: this chunk's selection U earlier chunks U earlier turns (reused)
-            v_idx, v_cnt = _compact(st.vmask[lid, :, : r.seq])
-            s_idx, s_cnt = _compact(st.smask[lid, :, : r.seq])
+            # lines used: this chunk's selection U earlier chunks U earlier turns (reused); a first
+            # segment (prefix 0: no earlier chunk, no reused turn) uses its selection as it is
+            if r.prefix == 0:
+                v_idx, v_cnt, s_idx, s_cnt = sel.v_idx, sel.v_cnt, sel.s_idx, sel.s_cnt
+            else:
+                v_idx, v_cnt = _compact(st.vmask[lid, :, : r.seq])
+                s_idx, s_cnt = _compact(st.smask[lid, :, : r.seq])
+            o_rows = o3[r.q_lo: r.q_lo + r.seq - r.prefix]
             o_seg = self._prefill(q_seg, k_buf, v_buf, slots, r.prefix, r.seq, v_idx, v_cnt, s_idx, s_cnt,
-                                  layer.scaling)
-            o3[r.q_lo: r.q_lo + r.seq - r.prefix] = o_seg.to(o3.dtype)
+                                  layer.scaling, out=o_rows)
+            if o_seg is not o_rows:
+                o_rows.copy_(o_seg)
             acc = st.acc
             acc[COL_V] += sel.v_cnt.sum()
             acc[COL_S] += sel.s_cnt.sum()
@@ -278,10 +312,16 @@ class LoopServeRunner:
             acc[COL_COV] += sel.covered_lb.sum()
             acc[COL_UNITS] += hk
             if r.last_chunk:  # the prompt's last queries seed Alg. 3's observation window
-                t = r.seq - r.prefix
-                k = min(cfg.n_d, t)
-                ring_pos = torch.arange(r.seq - k, r.seq, device=q3.device)
-                st.ring[lid, ring_pos % cfg.n_d] = q_seg[t - k:].to(st.ring.dtype)
+                self._record_ring(st, lid, q_seg, r)
+
+    @staticmethod
+    def _record_ring(st, lid, q_seg, r) -> None:
+        """The segment's last ``R`` queries into the ring (a last chunk shorter than ``R`` records fewer)."""
+        n_ring = st.ring.shape[1]
+        t = r.seq - r.prefix
+        k = min(n_ring, t)
+        ring_pos = torch.arange(r.seq - k, r.seq, device=q_seg.device)
+        st.ring[lid, ring_pos % n_ring] = q_seg[t - k:].to(st.ring.dtype)
 
     def finish_extend(self) -> None:
         """After the forward (host bookkeeping only): mark finished prefills, publish cumulative rows."""
@@ -289,7 +329,7 @@ class LoopServeRunner:
             self.step_rows[r.row] = r.state.acc
             if r.last_chunk:
                 r.state.prefill_done = True
-                r.state.ring_lo = max(r.seq - min(self.cfg.n_d, r.seq - r.prefix), 0)
+                r.state.ring_lo = max(r.seq - min(r.state.ring.shape[1], r.seq - r.prefix), 0)
 
     def decode(self, backend, o3, q3, layer) -> None:
         """Overwrite the sparse decode rows of ``o3 [bs, Hq, D]`` (the current K/V already written)."""
@@ -298,15 +338,18 @@ class LoopServeRunner:
         pool = backend.token_to_kv_pool
         k_buf, v_buf = pool.get_key_buffer(lid), pool.get_value_buffer(lid)
         rtt = backend.req_to_token_pool.req_to_token
-        n_d = cfg.n_d
+        n_d = getattr(cfg, "n_d", 1)
         for j, (i, st, f) in enumerate(zip(d["rows"], d["states"], d["fire"])):
             pos = d["seq_host"][j] - 1
-            st.ring[lid, pos % n_d] = q3[i].to(st.ring.dtype)
-            if f:  # Alg. 3 / Eq. 7: top-B per KV head from the last n_d queries' attention
-                lo = max(st.ring_lo, pos - n_d + 1)
-                obs_pos = torch.arange(lo, pos + 1, device=q3.device)
+            if not self.lastwindow:
+                st.ring[lid, pos % n_d] = q3[i].to(st.ring.dtype)
+            if f:  # Alg. 3 / Eq. 7: top-B per KV head from the observation queries' attention
+                # (lastwindow: the prompt's last `window` queries, recorded at prefill)
+                lo, hi = (st.ring_lo, st.prompt_len) if self.lastwindow else (max(st.ring_lo, pos - n_d + 1), pos + 1)
+                obs_pos = torch.arange(lo, hi, device=q3.device)
                 slots = rtt[d["rpi"][j]]
-                lines = self._estimate(st.ring[lid, obs_pos % n_d], obs_pos, k_buf, slots, pos + 1, layer.scaling)
+                lines = self._estimate(st.ring[lid, obs_pos % st.ring.shape[1]], obs_pos, k_buf, slots, hi,
+                                       layer.scaling)
                 lists, _ = decode_topb(lines, st.budget)
                 if st.topb is None or st.topb.shape[2] != lists.shape[1]:
                     st.topb = torch.full((self.shape.num_layers, lists.shape[0], lists.shape[1]), -1,
@@ -321,20 +364,11 @@ class LoopServeRunner:
         self.step_rows[rows, COL_READ] += mask.sum((1, 2), dtype=torch.float32)
 
     def _decode_mask(self, d, lid) -> torch.Tensor:
-        n = d["max_len"]
-        ns, hk = d["v"].shape[0], d["v"].shape[2]
-        m = torch.zeros(ns, hk, n + 1, dtype=torch.bool, device=self.device)
-        v = d["v"][:, lid].long()
-        m.scatter_(2, torch.where(v >= 0, v, n), True)
-        s = d["s"][:, lid].long()
-        sp = d["pos"][:, None, None] - s
-        m.scatter_(2, torch.where((s >= 0) & (sp >= 0), sp, n), True)
-        tb = d["topb"][:, lid].long()
-        m.scatter_(2, torch.where(tb >= 0, tb, n), True)
-        ar = torch.arange(n + 1, device=self.device)[None, None, :]
-        m |= ar < self.cfg.sink_tokens
-        m |= ar >= d["since"][:, None, None]
-        return (m & (ar < d["seq"][:, None, None]))[:, :, :n]
+        """This layer's decode sets ``[nS, Hk, max_len]`` from the batch tensors planned in begin_batch."""
+        from flashinfer_ext.sparse_decode import decode_union_mask
+
+        return decode_union_mask(d["v"][:, lid], d["s"][:, lid], d["topb"][:, lid], d["pos"], d["since"], d["seq"],
+                                 sink_tokens=self.cfg.sink_tokens, max_len=d["max_len"])
 
     # ------------------------------------------------------------------ compute, per path
     def _estimate(self, q_rows, pos, k_buf, slots, seq, scale):
@@ -347,12 +381,14 @@ class LoopServeRunner:
         v_sum, v_max, s_sum, s_max = vs_estimate_reference(q_rows, pos.cpu(), k_buf, slots, seq, scale)
         return VSLineSums(v_sum, v_max, s_sum, s_max, q_rows.shape[1] // k_buf.shape[1], q_rows.shape[0])
 
-    def _prefill(self, q_seg, k_buf, v_buf, slots, prefix, seq, v_idx, v_cnt, s_idx, s_cnt, scale):
+    def _prefill(self, q_seg, k_buf, v_buf, slots, prefix, seq, v_idx, v_cnt, s_idx, s_cnt, scale, out=None):
         if self.use_kernels:
             from flashinfer_ext.vs_prefill import vs_prefill
 
+            ok = out is not None and out.dtype == q_seg.dtype and out.is_contiguous()
             o, _ = vs_prefill(q_seg.contiguous(), k_buf, v_buf, slots, prefix_len=prefix, seq_len=seq,
-                              v_idx=v_idx, v_cnt=v_cnt, s_idx=s_idx, s_cnt=s_cnt, sm_scale=scale)
+                              v_idx=v_idx, v_cnt=v_cnt, s_idx=s_idx, s_cnt=s_cnt, sm_scale=scale,
+                              out=out if ok else None)
             return o
         from flashinfer_ext.loopserve_reference import vs_prefill_reference
 
@@ -361,27 +397,19 @@ class LoopServeRunner:
         return o
 
     def _masked_decode(self, q, k_buf, v_buf, rtt, rpi, seq, mask, scale):
-        """Decode of rows ``q [nS, Hq, D]`` over the per-(row, KV head) token sets ``mask [nS, Hk, N]``."""
-        ns, hk, n = mask.shape
+        """Decode of rows ``q [nS, Hq, D]`` over the per-(row, KV head) token sets ``mask [nS, Hk, N]``:
+        one batched launch over all rows and KV heads (prefix-sum compaction, no sort, no host sync)."""
         if self.use_kernels:
-            from flashinfer_ext.sparse_decode import sparse_decode
+            from flashinfer_ext.sparse_decode import mask_to_lists, sparse_decode
 
-            ar = torch.arange(n, device=mask.device, dtype=torch.int32)
-            lists = torch.where(mask, ar, n).sort(dim=2).values.to(torch.int32).contiguous()
-            lens = mask.sum(2, dtype=torch.int32).contiguous()
+            lists, lens = mask_to_lists(mask)
             o, _, _ = sparse_decode(q.contiguous(), k_buf, v_buf, rtt, rpi, seq.to(torch.int32), lists, lens,
-                                    torch.zeros(ns, dtype=torch.int32, device=q.device), block_size=1,
+                                    torch.zeros(mask.shape[0], dtype=torch.int32, device=q.device), block_size=1,
                                     sm_scale=scale, epsilon=1.0)
             return o
-        hq, dim = q.shape[1], q.shape[2]
-        g = hq // hk
-        slots = rtt[rpi.long(), :n].long()                      # [nS, N]
-        k = k_buf[slots].float()                                # [nS, N, Hk, D]
-        v = v_buf[slots].float()
-        s = torch.einsum("bkgd,bnkd->bkgn", q.float().view(ns, hk, g, dim), k) * scale
-        s = s.masked_fill(~mask[:, :, None, :], float("-inf"))
-        p = torch.softmax(s, dim=-1)
-        return torch.einsum("bkgn,bnkd->bkgd", p, v).reshape(ns, hq, dim)
+        from flashinfer_ext.loopserve_reference import masked_decode_reference
+
+        return masked_decode_reference(q, k_buf, v_buf, rtt, rpi, mask, scale)
 
 
 def use_kernels_for(device: torch.device) -> bool:

@@ -29,7 +29,7 @@ STEP_KEY = "sparse_loopserve_steps"
 STEP_COLS = 11
 (COL_KIND, COL_V, COL_S, COL_LTOT, COL_COV, COL_UNITS, COL_REUSED, COL_ALPHA, COL_READ, COL_TTOT,
  COL_RESEL) = range(STEP_COLS)
-KIND_DENSE, KIND_PREFILL, KIND_DECODE = 0, 1, 2
+KIND_DENSE, KIND_PREFILL, KIND_DECODE, KIND_LASTWINDOW = 0, 1, 2, 3  # KIND_LASTWINDOW: a lastwindow decode row
 
 
 @dataclass
@@ -109,7 +109,7 @@ def account_rows(rows: Sequence[Sequence[float]], stats: LoopServeStats, metrics
                 metrics.reused_lines.inc(reused)
                 if units:
                     metrics.covered.observe(cov / units)
-        elif kind == KIND_DECODE:
+        elif kind in (KIND_DECODE, KIND_LASTWINDOW):
             read, tot, resel = int(r[COL_READ]), int(r[COL_TTOT]), int(r[COL_RESEL])
             stats.sparse_decode_rows += 1
             stats.decode_tokens_read += read
@@ -132,13 +132,13 @@ def summarize_steps(steps: Any) -> dict | None:
     if not rows:
         return None
     pre = [r for r in rows if int(r[COL_KIND]) == KIND_PREFILL]
-    dec = [r for r in rows if int(r[COL_KIND]) == KIND_DECODE]
+    dec = [r for r in rows if int(r[COL_KIND]) in (KIND_DECODE, KIND_LASTWINDOW)]
     p = pre[-1] if pre else None
     units = int(p[COL_UNITS]) if p else 0
     read = sum(int(r[COL_READ]) for r in dec)
     ttot = sum(int(r[COL_TTOT]) for r in dec)
     return {
-        "mode": "loopserve",
+        "mode": "lastwindow" if any(int(r[COL_KIND]) == KIND_LASTWINDOW for r in dec) else "loopserve",
         "alpha": round(float(rows[0][COL_ALPHA]), 6),
         "steps": len(rows),
         "sparse_prefill": p is not None,

@@ -16,6 +16,7 @@ from types import MappingProxyType
 from typing import Any, Mapping
 
 from sglang_sparse.config import (
+    LastWindowConfig,
     LoopServeConfig,
     OffConfig,
     PsaConfig,
@@ -59,6 +60,9 @@ MODES: Mapping[str, SparseModeSpec] = _registry(
     SparseModeSpec("loopserve", LoopServeConfig, "online vertical/slash prefill + progressive decode (LoopServe)",
                    implemented=True, devices=("cpu", "cuda"),
                    backend_installer="sglang_sparse.loopserve_backend:install"),
+    SparseModeSpec("lastwindow", LastWindowConfig, "last-window baseline: dense prefill, decode over a fixed "
+                   "top-budget chosen from the prompt's last queries (SnapKV-like)", implemented=True,
+                   devices=("cpu", "cuda"), backend_installer="sglang_sparse.loopserve_backend:install"),
     SparseModeSpec("samkv", SamKVConfig, "per-document KV reuse with selective recompute (SamKV)",
                    implemented=False),
 )

@@ -87,19 +87,19 @@ class SparseServerArgs(_BaseServerArgs):
 def _apply_mode_requirements(args, ctx: SparseContext) -> None:
     """Server settings a mode needs, set before SGLang resolves them (logged, never silent).
 
-    loopserve on CUDA: CUDA graphs off (line sets are planned per request on the host).
+    loopserve / lastwindow on CUDA: CUDA graphs off (line / token sets are planned per request on the host).
     psa on CUDA: the page is the PSA block, so ``--page-size`` defaults to ``block_size`` (another
     explicit page size is refused); prefill CUDA graphs are off (the block-metadata update after an
     extend takes a host bound); decode graphs stay on unless the config's ``cuda_graph`` is false.
     """
     if _device_type(args.device) != "cuda":
         return
-    if ctx.mode == "loopserve":
+    if ctx.mode in ("loopserve", "lastwindow"):
         if not args.disable_cuda_graph:
             import logging
 
             logging.getLogger("sglang_sparse").info(
-                "sglang-sparse loopserve: CUDA graphs disabled (per-request host planning of line sets)")
+                "sglang-sparse %s: CUDA graphs disabled (per-request host planning of token sets)", ctx.mode)
             args.disable_cuda_graph = True
         return
     if ctx.mode != "psa":

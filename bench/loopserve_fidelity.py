@@ -1,0 +1,61 @@
+"""Headline fidelity figures of one harness run with LoopServe and its last-window baseline.
+
+    python -m bench.run_harness --modes off,loopserve,lastwindow ... --out DIR
+    python -m bench.loopserve_fidelity --run DIR --out bench/results/loopserve_fidelity.json
+
+Reads ``DIR/summary.json`` and writes
+``{"gpu", "accuracy_ratio_by_position": {"begin", "middle", "end"},
+"lastwindow_accuracy_ratio_by_position": {...}, ...}``: each ratio is the mode's accuracy / dense
+accuracy at that question position (headline tasks), plus per mode the figures of
+:func:`bench.psa_fidelity.fidelity_figures` (reply agreement, teacher-forced top-1 / KL, the
+server's reported statistics and config) and whether the last-window baseline drops where the
+question is not last. Everything is computed from the run's records; nothing is typed in.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from bench.psa_fidelity import fidelity_figures
+
+POSITIONS = ("begin", "middle", "end")
+
+
+def loopserve_figures(summary: dict) -> dict:
+    modes = summary["modes"]
+    out: dict = {"gpu": summary["meta"].get("gpu")}
+    for mode, key in (("loopserve", "accuracy_ratio_by_position"),
+                      ("lastwindow", "lastwindow_accuracy_ratio_by_position")):
+        if mode not in modes:
+            out[key] = {p: None for p in POSITIONS}
+            out[mode] = {"error": f"mode '{mode}' is not in the run (modes: {sorted(modes)})"}
+            continue
+        figs = fidelity_figures(summary, mode)
+        server = modes[mode].get("server") or {}
+        figs["server_stats"] = (server.get("reported") or {}).get("stats")
+        out[key] = figs["accuracy_ratio_by_position"]
+        out[mode] = figs
+    lw = out["lastwindow_accuracy_ratio_by_position"]
+    if all(isinstance(lw.get(p), (int, float)) for p in POSITIONS):
+        out["lastwindow_drop_begin_vs_end"] = lw["end"] - lw["begin"]
+        out["lastwindow_drop_middle_vs_end"] = lw["end"] - lw["middle"]
+    out["command"] = summary["meta"].get("command")
+    return out
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--run", required=True, help="harness output dir (has summary.json)")
+    p.add_argument("--out", required=True)
+    a = p.parse_args(argv)
+    figs = loopserve_figures(json.loads((Path(a.run) / "summary.json").read_text()))
+    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(a.out).write_text(json.dumps(figs, indent=1, default=lambda x: None) + "\n")
+    print(json.dumps({k: figs[k] for k in ("gpu", "accuracy_ratio_by_position",
+                                           "lastwindow_accuracy_ratio_by_position")}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

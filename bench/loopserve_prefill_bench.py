@@ -1,0 +1,360 @@
+"""LoopServe sparse prefill (estimation + selection + attention) vs FlashInfer dense causal prefill, one GPU.
+
+Per context (Llama-3.1-8B attention shapes: 32 qo / 8 kv heads, head_dim 128, bf16; one request,
+one layer, the whole prompt as one extend segment, keys in SGLang's pool layout
+``[slots, kv_heads, head_dim]`` with shuffled slots):
+
+* sparse = the server's per-layer work for a sparse extend row (``sglang_sparse.loopserve_runner``):
+  :func:`flashinfer_ext.vs_estimate.vs_estimate` over ``sampled_rows`` rows chosen by
+  :func:`~flashinfer_ext.vs_estimate.sample_query_rows`, :func:`flashinfer_ext.vs_select.vs_select`
+  (alpha), :func:`flashinfer_ext.vs_prefill.vs_prefill` over the selected lines: all timed together;
+* dense = ``flashinfer.prefill.single_prefill_with_kv_cache(causal=True)`` on contiguous K/V;
+* served = what the server runs at that context: dense below ``min_context`` (the config default
+  unless ``--min-context``), else sparse. ``speedup_*`` in the JSON are dense / served.
+
+Also: achieved TFLOP/s of the dense baseline (causal FLOPs ``4 * T^2/2 * qo_heads * head_dim``)
+against a measured bf16 matmul peak (8192^3 ``torch.matmul``), the fraction of lines selected, the
+covered-mass bound, and the output error of the sparse path against dense.
+
+Workloads: (a) planted structure (:func:`plant`: a rope-like local band + strong vertical columns +
+per-KV-head slash offsets, small noise), (b) SmolLM2-135M q/k/v captured on real text
+(``--smollm``; its own shapes 9/3 heads, d=64; optional, needs transformers + the model).
+
+CUDA events, warmup, median of ``iters`` (fewer at 64k/128k). Writes ``loopserve_prefill.md``,
+``loopserve_prefill.json`` (``gpu``, ``speedup_128k``, ``speedup_32k``, ``speedup_4k`` computed from
+the rows, + every row) and ``loopserve_prefill.png`` (matplotlib if importable) into ``--out``.
+``--smoke`` runs tiny shapes on the CPU (Triton interpreter, torch reference for dense; timings
+meaningless) to check the script end to end.
+
+    python bench/loopserve_prefill_bench.py --out bench/results          # ~3 min on an H100
+    python bench/loopserve_prefill_bench.py --out /tmp/b --smoke         # CPU, ~1 min
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+if not torch.cuda.is_available():  # the kernels run under the Triton interpreter on a CPU machine
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from flashinfer_ext.vs_estimate import sample_query_rows, vs_estimate  # noqa: E402
+from flashinfer_ext.vs_prefill import vs_prefill  # noqa: E402
+from flashinfer_ext.vs_select import VSSelectConfig, vs_select  # noqa: E402
+
+ALPHA = 0.955
+SAMPLED_ROWS = 64
+SINK, LOCAL = 4, 64
+# planted structure (see plant()): logit scales in nats
+PLANT = dict(band_peak=4.0, slashes=2, slash_peak=6.0, verticals=48, vertical_logit=12.0)
+CONTEXTS = (4096, 8192, 16384, 32768, 65536, 131072)
+
+
+def default_min_context() -> int:
+    from sglang_sparse.config import LoopServeConfig  # no sglang import in that module
+
+    return LoopServeConfig().min_context
+
+
+def timed(fn, iters=10, warmup=2):
+    """Median seconds of ``fn`` (CUDA events); on CPU one wall-clock run."""
+    for _ in range(warmup):
+        fn()
+    if not torch.cuda.is_available():
+        t = time.perf_counter()
+        fn()
+        return time.perf_counter() - t
+    torch.cuda.synchronize()
+    ts = []
+    for _ in range(iters):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        ts.append(a.elapsed_time(b))
+    ts.sort()
+    return ts[len(ts) // 2] * 1e-3
+
+
+def matmul_peak_tflops(dev) -> float:
+    if dev != "cuda":
+        return float("nan")
+    n = 8192
+    a = torch.randn(n, n, dtype=torch.bfloat16, device=dev)
+    b = torch.randn(n, n, dtype=torch.bfloat16, device=dev)
+    t = timed(lambda: a @ b, iters=10, warmup=3)
+    return 2 * n ** 3 / t / 1e12
+
+
+def _rot_heads(a, pos, off, w):
+    """``[T, Hk, 2P]``: pair ``i`` of ``a[h]`` rotated by ``w[i] * (pos + off[h])`` (a rope-like map)."""
+    ang = (pos[:, None] + off[None, :]).float()[..., None] * w[None, None, :]   # [T, Hk, P]
+    c, s = ang.cos(), ang.sin()
+    x0, x1 = a[None, :, 0::2], a[None, :, 1::2]
+    return torch.stack([x0 * c - x1 * s, x0 * s + x1 * c], -1).flatten(-2)
+
+
+def plant(t, hq, hk, d, dev, seed=0, p=PLANT):
+    """q/k/v ``[T, H, d]`` bf16 whose causal attention logits (nats, after ``d**-0.5``) are, per KV head,
+
+    * a local band: ``band_peak / P * sum_i cos(w_i (t - j))`` over ``P = d // 8`` log-spaced
+      frequencies ``1 .. 1/64`` (peak at offset 0, decaying over tens of tokens; its far field is a
+      bounded quasi-random term of std ~ ``band_peak / sqrt(2P)``);
+    * ``slashes`` far diagonals: the same with ``1.5 P`` random high frequencies, peaking where
+      ``t - j`` is one of that head's offsets (drawn in ``[LOCAL, T/2)``);
+    * ``verticals`` columns (+ the ``SINK`` first keys) at ``+vertical_logit`` for every query.
+    All query heads of a group share the structure. V is Gaussian.
+    """
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    pb, ps = d // 8, (d // 8) * 3 // 2
+    assert 2 * (pb + ps) + 1 <= d
+    pos = torch.arange(t, device=dev)
+    zero = torch.zeros(hk, dtype=torch.long, device=dev)
+    w_band = torch.logspace(0, -1.8, pb).to(dev)
+    a_band = torch.full((hk, 2 * pb), math.sqrt(p["band_peak"] / (2 * pb)), device=dev)
+    w_sl = (torch.rand(ps, generator=g) * 2.5 + 0.5).to(dev)
+    a_sl = torch.full((hk, 2 * ps), math.sqrt(p["slash_peak"] / (2 * ps)), device=dev)
+    offs = torch.randint(LOCAL, max(LOCAL + 1, t // 2), (hk, p["slashes"]), generator=g).to(dev)
+    q = torch.zeros(t, hk, d, device=dev)
+    k = torch.zeros(t, hk, d, device=dev)
+    q[:, :, :2 * pb] = _rot_heads(a_band, pos, zero, w_band)
+    k[:, :, :2 * pb] = _rot_heads(a_band, pos, zero, w_band)
+    q[:, :, 2 * pb:2 * (pb + ps)] = _rot_heads(a_sl, pos, zero, w_sl)
+    for m in range(p["slashes"]):  # key j peaks for queries t = j + offs[h, m]
+        k[:, :, 2 * pb:2 * (pb + ps)] += _rot_heads(a_sl, pos, offs[:, m], w_sl)
+    vert = torch.zeros(t, hk, device=dev)
+    for h in range(hk):
+        vert[torch.randperm(t, generator=g)[: p["verticals"]].to(dev), h] = 1.0
+    vert[:SINK] = 1.0
+    q[:, :, -1] = math.sqrt(p["vertical_logit"])
+    k[:, :, -1] = vert * math.sqrt(p["vertical_logit"])
+    root = (d ** -0.5) ** 0.5  # q.k * d**-0.5 = the logits above
+    q = (q / root).repeat_interleave(hq // hk, dim=1)
+    k = k / root
+    v = torch.randn(t, hk, d, generator=g).to(dev)
+    return q.bfloat16().contiguous(), k.bfloat16().contiguous(), v.bfloat16().contiguous()
+
+
+def pool_of(k, v, dev, seed=1):
+    """Scatter contiguous K/V ``[T, Hk, d]`` into a pool with shuffled slots; returns (k_buf, v_buf, slots)."""
+    t = k.shape[0]
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    slots = (torch.randperm(t + 64, generator=g)[:t] + 1).to(dev)
+    k_buf = torch.zeros(t + 65, *k.shape[1:], dtype=k.dtype, device=dev)
+    v_buf = torch.zeros_like(k_buf)
+    k_buf[slots] = k
+    v_buf[slots] = v
+    return k_buf, v_buf, slots.to(torch.int32)
+
+
+def sparse_prefill(q, k_buf, v_buf, slots, sm_scale, alpha=ALPHA, out=None):
+    """The server's per-layer sparse extend of one first segment (prefix 0); returns (o, selection)."""
+    t = q.shape[0]
+    sample = sample_query_rows(t, SAMPLED_ROWS).to(q.device)
+    lines = vs_estimate(q[sample].contiguous(), sample, k_buf, slots, t, sm_scale=sm_scale)
+    sel = vs_select(lines, prefix_len=0, config=VSSelectConfig(alpha=alpha, sink_tokens=SINK, local_window=LOCAL))
+    o, _ = vs_prefill(q, k_buf, v_buf, slots, prefix_len=0, seq_len=t, v_idx=sel.v_idx, v_cnt=sel.v_cnt,
+                      s_idx=sel.s_idx, s_cnt=sel.s_cnt, sm_scale=sm_scale, out=out)
+    return o, sel
+
+
+def dense_fn(q, k, v, sm_scale):
+    """FlashInfer dense causal prefill (torch reference on CPU)."""
+    if q.is_cuda:
+        import flashinfer
+
+        return lambda: flashinfer.prefill.single_prefill_with_kv_cache(q, k, v, causal=True, sm_scale=sm_scale)
+
+    def ref():
+        g = q.shape[1] // k.shape[1]
+        kk = k.float().repeat_interleave(g, 1).transpose(0, 1)
+        vv = v.float().repeat_interleave(g, 1).transpose(0, 1)
+        return torch.nn.functional.scaled_dot_product_attention(
+            q.float().transpose(0, 1), kk, vv, is_causal=True, scale=sm_scale).transpose(0, 1).to(q.dtype)
+    return ref
+
+
+def run_case(name, ctx, q, k, v, min_context, dev, iters):
+    t, hq, d = q.shape
+    hk = k.shape[1]
+    sm_scale = d ** -0.5
+    k_buf, v_buf, slots = pool_of(k, v, dev)
+    out = torch.empty_like(q)
+    dense = dense_fn(q, k, v, sm_scale)
+    o_sp, sel = sparse_prefill(q, k_buf, v_buf, slots, sm_scale, out=out)
+    o_dn = dense()
+    err = (o_sp.float() - o_dn.float()).abs()
+    t_sparse = timed(lambda: sparse_prefill(q, k_buf, v_buf, slots, sm_scale, out=out), iters=iters)
+    t_dense = timed(dense, iters=iters)
+    served_sparse = ctx >= min_context
+    t_served = t_sparse if served_sparse else timed(dense, iters=iters)  # a second timing of the same call
+    flops = 4.0 * t * (t + 1) / 2 * hq * d
+    n_lines = float((sel.v_cnt.sum() + sel.s_cnt.sum()).item())
+    return dict(case=name, ctx=t, heads=f"{hq}/{hk}", head_dim=d, t_sparse_ms=t_sparse * 1e3,
+                t_dense_ms=t_dense * 1e3, t_served_ms=t_served * 1e3, served="sparse" if served_sparse else "dense",
+                sparse_speedup=t_dense / t_sparse, served_speedup=t_dense / t_served,
+                dense_tflops=flops / t_dense / 1e12, line_fraction=n_lines / (2.0 * t * hk),
+                vertical_lines_per_head=float(sel.v_cnt.float().mean().item()),
+                slash_lines_per_head=float(sel.s_cnt.float().mean().item()),
+                covered_lb_mean=float(sel.covered_lb.mean().item()),
+                out_err_mean=float(err.mean().item()), out_err_max=float(err.max().item()))
+
+
+def capture_smollm(num_tokens, layer, dev):
+    sys.path.insert(0, str(ROOT / "bench"))
+    from psa_capture import capture_qkv  # noqa: E402
+
+    q, k, v = capture_qkv(num_tokens=num_tokens, layers=(layer,), device=dev)[layer]
+    return q.bfloat16().to(dev).contiguous(), k.bfloat16().to(dev).contiguous(), v.bfloat16().to(dev).contiguous()
+
+
+def summary(meta, results):
+    def served(ctx):
+        r = next((r for r in results if r.get("case") == "planted" and r.get("ctx") == ctx and "error" not in r), None)
+        return None if r is None or not math.isfinite(r["served_speedup"]) else float(r["served_speedup"])
+
+    def raw(ctx):
+        r = next((r for r in results if r.get("case") == "planted" and r.get("ctx") == ctx and "error" not in r), None)
+        return None if r is None else float(r["sparse_speedup"])
+
+    big = max((r["ctx"] for r in results if r.get("case") == "planted" and "error" not in r), default=None)
+    return {"gpu": meta["gpu"], "speedup_128k": served(131072), "speedup_32k": served(32768),
+            "speedup_4k": served(4096), "sparse_kernel_speedup_4k": raw(4096),
+            "sparse_kernel_speedup_8k": raw(8192), "min_context": meta["min_context"],
+            "largest_ctx": big, "matmul_peak_tflops": meta["peak_tflops"],
+            "dense_tflops_128k": next((r["dense_tflops"] for r in results if r.get("case") == "planted"
+                                       and r.get("ctx") == 131072 and "error" not in r), None),
+            "smollm2_sparse_speedup": next((r["sparse_speedup"] for r in results
+                                            if r.get("case", "").startswith("smollm2") and "error" not in r), None)}
+
+
+def write_report(out: Path, meta, results):
+    out.mkdir(parents=True, exist_ok=True)
+    top = summary(meta, results)
+    (out / "loopserve_prefill.json").write_text(json.dumps(dict(**top, meta=meta, results=results), indent=1))
+    lines = ["# LoopServe sparse prefill vs FlashInfer dense causal prefill", "",
+             f"- command: `{meta['command']}`", f"- device: {meta['gpu']}; bf16 matmul peak "
+             f"{meta['peak_tflops']:.0f} TFLOP/s (8192^3 torch.matmul)", f"- versions: {meta['versions']}",
+             f"- shapes: {meta['shapes']}", f"- sparse = vs_estimate ({SAMPLED_ROWS} sampled rows) + vs_select "
+             f"(alpha {ALPHA}, sink {SINK}, local window {LOCAL}) + vs_prefill, timed together; dense = "
+             "flashinfer single_prefill_with_kv_cache(causal=True); served = dense below min_context "
+             f"({meta['min_context']}), else sparse; median of CUDA-event timings",
+             f"- planted structure: {meta['plant']} (see plant() in the script)", "",
+             "## Summary", "", "```", json.dumps(top, indent=1), "```", "",
+             "| case | ctx | heads | t sparse ms | t dense ms | served | t served ms | dense/sparse | dense/served |"
+             " dense TFLOP/s | line frac | verticals/head | slashes/head | covered lb | err mean | err max |",
+             "|" + "---|" * 16]
+    for r in results:
+        if "error" in r:
+            lines.append(f"| {r['case']} | {r.get('ctx')} | FAILED: {r['error'][:160]} |" + " |" * 13)
+            continue
+        lines.append(f"| {r['case']} | {r['ctx']} | {r['heads']} | {r['t_sparse_ms']:.3f} | {r['t_dense_ms']:.3f} | "
+                     f"{r['served']} | {r['t_served_ms']:.3f} | {r['sparse_speedup']:.2f} | {r['served_speedup']:.2f} | "
+                     f"{r['dense_tflops']:.0f} | {r['line_fraction']:.4f} | {r['vertical_lines_per_head']:.0f} | "
+                     f"{r['slash_lines_per_head']:.0f} | {r['covered_lb_mean']:.3f} | {r['out_err_mean']:.2e} | "
+                     f"{r['out_err_max']:.2e} |")
+    (out / "loopserve_prefill.md").write_text("\n".join(lines) + "\n")
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        with open(out / "loopserve_prefill.md", "a") as fh:
+            fh.write("\n(no PNG: matplotlib is not importable here)\n")
+        return
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for case in sorted({r["case"] for r in results if "error" not in r}):
+        pts = sorted((r["ctx"], r["sparse_speedup"]) for r in results if r["case"] == case and "error" not in r)
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=f"{case}: dense / sparse")
+    pts = sorted((r["ctx"], r["served_speedup"]) for r in results if r["case"] == "planted" and "error" not in r)
+    if pts:
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="x", ls="--", label="planted: dense / served")
+    ax.axhline(1.0, color="gray", lw=0.8)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("context (tokens)")
+    ax.set_ylabel("speedup over FlashInfer dense prefill")
+    ax.set_title(f"LoopServe prefill (alpha {ALPHA}), {meta['gpu']}")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out / "loopserve_prefill.png", dpi=120)
+    plt.close(fig)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", required=True, type=Path)
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU (Triton interpreter)")
+    ap.add_argument("--min-context", type=int, default=None,
+                    help="the server's min_context (default: LoopServeConfig's default)")
+    ap.add_argument("--max-ctx", type=int, default=131072)
+    ap.add_argument("--smollm", action="store_true", help="also SmolLM2-135M captures (8k tokens, layer 15)")
+    args = ap.parse_args()
+    t0 = time.time()
+    import triton
+
+    try:
+        import flashinfer
+    except ImportError:
+        flashinfer = None
+    dev = "cuda" if torch.cuda.is_available() and not args.smoke else "cpu"
+    min_context = args.min_context if args.min_context is not None else default_min_context()
+    meta = dict(command=" ".join([sys.executable.split("/")[-1]] + sys.argv),
+                gpu=torch.cuda.get_device_name() if dev == "cuda" else
+                f"CPU ({platform.processor() or 'cpu'}, Triton interpreter: timings meaningless)",
+                versions=f"torch {torch.__version__}, triton {triton.__version__}, flashinfer "
+                         f"{getattr(flashinfer, '__version__', None)}, python {platform.python_version()}",
+                shapes="Llama-3.1-8B attention: 32 qo / 8 kv heads, head_dim 128, bf16, one request, one layer",
+                plant=PLANT, min_context=min_context, alpha=ALPHA)
+    meta["peak_tflops"] = matmul_peak_tflops(dev)
+    if args.smoke:
+        cases = [("planted", c, dict(hq=4, hk=2, d=64)) for c in (96, 160)]
+        meta["min_context"] = min_context = 128
+    else:
+        cases = [("planted", c, dict(hq=32, hk=8, d=128)) for c in CONTEXTS if c <= args.max_ctx]
+    results = []
+    for name, ctx, sh in cases:
+        try:
+            q, k, v = plant(ctx, sh["hq"], sh["hk"], sh["d"], dev)
+            iters = 3 if ctx >= 65536 else 10
+            r = run_case(name, ctx, q, k, v, min_context, dev, iters)
+            print(json.dumps(r), flush=True)
+            results.append(r)
+        except Exception as e:
+            traceback.print_exc()
+            results.append(dict(case=name, ctx=ctx, error=f"{type(e).__name__}: {e}"))
+        finally:
+            q = k = v = None
+            if dev == "cuda":
+                torch.cuda.empty_cache()
+        write_report(args.out, meta, results)
+    if args.smollm and not args.smoke:
+        try:
+            q, k, v = capture_smollm(8192, 15, dev)
+            r = run_case("smollm2 real text (layer 15)", q.shape[0], q, k, v, min_context, dev, 10)
+            print(json.dumps(r), flush=True)
+            results.append(r)
+        except Exception as e:
+            traceback.print_exc()
+            results.append(dict(case="smollm2 real text (layer 15)", ctx=8192, error=f"{type(e).__name__}: {e}"))
+    meta["wall_s"] = time.time() - t0
+    write_report(args.out, meta, results)
+    print(json.dumps(summary(meta, results)))
+    print(f"wrote {args.out}/loopserve_prefill.md in {meta['wall_s']:.0f}s")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# LoopServe's GPU part (issue 5), called on the device by `scripts/gpu_session.sh loopserve` after
+# the kit is staged (env sourced, $KIT_MODEL set, models/SmolLM2-135M-Instruct linked to it):
+#
+#   bash scripts/gpu_part_loopserve.sh REPORT_DIR
+#
+# Steps (each one's failure is recorded in REPORT_DIR/steps.txt, never fatal; ~9 minutes in all):
+#   pytest_gpu    the loopserve/lastwindow GPU server tests + the vertical/slash kernel tests (-m gpu)
+#   prefill_bench bench/loopserve_prefill_bench.py -> loopserve_prefill.{md,json,png}
+#   harness       bench.run_harness off,loopserve,lastwindow on FlashInfer (page 16)
+#   fidelity      bench.loopserve_fidelity -> loopserve_fidelity.json
+# Budgets: LS_TEST_TIMEOUT (150 s), LS_BENCH_TIMEOUT (150 s), LS_HARNESS_TIMEOUT (300 s);
+# LS_PRESET (full), LS_MIN_CONTEXT (128: the harness headline contexts are ~130-450 tokens),
+# LS_BUDGET (64: top-B per KV head for both loopserve and lastwindow at those contexts).
+set -uo pipefail
+rep=${1:?usage: gpu_part_loopserve.sh REPORT_DIR}
+mkdir -p "$rep"
+export PYTHONUNBUFFERED=1
+rc=0
+say() { echo "[gpu_part_loopserve $(date +%H:%M:%S)] $*"; }
+step() {  # step NAME CMD...: its log in the report folder; a failure is recorded, not fatal
+  local name=$1; shift
+  say "== $name"
+  local t0=$(date +%s)
+  "$@" > "$rep/$name.log" 2>&1
+  local src=$?
+  tail -n 25 "$rep/$name.log"
+  echo "$name exit=$src seconds=$(( $(date +%s) - t0 ))" | tee -a "$rep/steps.txt"
+  [ "$src" = 0 ] || rc=1
+}
+mc=${LS_MIN_CONTEXT:-128}
+budget=${LS_BUDGET:-64}
+step pytest_gpu timeout "${LS_TEST_TIMEOUT:-150}" python3 -m pytest -m gpu -q -p no:cacheprovider -rA \
+    --junitxml="$rep/junit_gpu_loopserve.xml" tests/test_gpu_loopserve_server.py \
+    tests/flashinfer_ext/test_vs_estimate.py tests/flashinfer_ext/test_vs_select.py \
+    tests/flashinfer_ext/test_vs_prefill.py tests/flashinfer_ext/test_vs_decode_batched.py
+step prefill_bench timeout "${LS_BENCH_TIMEOUT:-150}" python3 bench/loopserve_prefill_bench.py --out "$rep"
+step harness timeout "${LS_HARNESS_TIMEOUT:-300}" python3 -m bench.run_harness --preset "${LS_PRESET:-full}" \
+    --modes off,loopserve,lastwindow \
+    --sparse-config "loopserve={\"min_context\": $mc, \"budget\": $budget}" \
+    --sparse-config "lastwindow={\"min_context\": $mc, \"budget\": $budget}" \
+    --device cuda --python python3 --model "$KIT_MODEL" --port 30000 --out "$rep/gpu_loopserve" \
+    --server-args "--attention-backend flashinfer --page-size 16"
+step fidelity python3 -m bench.loopserve_fidelity --run "$rep/gpu_loopserve" --out "$rep/loopserve_fidelity.json"
+say "done: exit $rc"
+exit $rc
