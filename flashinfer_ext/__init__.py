@@ -16,6 +16,7 @@ Modules (one concept each):
   rope_shift    re-rotate cached keys by a RoPE position delta (SamKV document reuse; Triton).
   host_transfer host tier transfers: fused gather of many host rows through UVA (one Triton launch,
                 FlashH2D) and CPU-assisted saving (one D2H copy + thread scatter, FlashD2H).
+  kv_units      SGLang token-major KV pages <-> host-tier units (all layers, unit-id order; torch).
   dense_decode  FlashInfer dense decode helper (benchmarks, tests).
   merge         base-2 log-sum-exp state merge (flashinfer.merge_state on CUDA, torch elsewhere).
   reference, loopserve_reference   pure-torch fp32 references of the above.

@@ -13,7 +13,7 @@ say() { echo "[host_tier $(date +%H:%M:%S)] $*" | tee -a "$rep/status.txt"; }
 say "python $(python3 -c 'import torch, triton; print(torch.__version__, "cuda", torch.version.cuda, "triton", triton.__version__, torch.cuda.get_device_name(0) if torch.cuda.is_available() else "NO CUDA")' 2>&1)"
 t0=$(date +%s)
 timeout 120 python3 -m pytest -m gpu -q -p no:cacheprovider -rA --junitxml="$rep/junit_host_tier.xml" \
-    tests/flashinfer_ext/test_host_transfer.py 2>&1 | tee "$rep/pytest_host_tier.log"
+    tests/flashinfer_ext/test_host_transfer.py tests/flashinfer_ext/test_kv_units.py 2>&1 | tee "$rep/pytest_host_tier.log"
 s=${PIPESTATUS[0]}; say "pytest host_transfer (gpu): exit $s in $(( $(date +%s) - t0 ))s"; [ "$s" = 0 ] || rc=1
 t0=$(date +%s)
 timeout 240 python3 bench/host_tier_bench.py --out "$rep" 2>&1 | tee "$rep/host_tier_bench.log"
