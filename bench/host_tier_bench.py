@@ -10,7 +10,8 @@ head_dim 128, bf16; one unit = one (layer, block, KV head) of K and V = 2 x page
   (iii) the contiguous pinned host -> device bandwidth (one large copy, best of 5).
 Save (GPU cache -> host), per page size, 8k units: CPU-assisted (``HostSave.save_slots``: pack on
 the GPU, one D2H copy into pinned staging, thread scatter; timed to the end of the scatter) vs
-per-block D2H copies (time-capped). The first gather and save of each case are checked bit-exactly
+per-block D2H copies (time-capped). Overlap: the fused gather and the CPU-assisted save at page 16
+beside a bf16 matmul loop on the compute stream. The first gather and save of each case are checked bit-exactly
 against the source (a sample is enough to catch a wrong path; the GPU tests check everything).
 
 Writes ``host_tier.md`` and ``host_tier.json`` into ``--out``. Headline keys (computed, never typed):
@@ -177,6 +178,62 @@ def save_case(pool_bytes, dev, page, n, reps, cap_s, gen, threads) -> dict:
                 per_block_copies=done, per_block_s=pb_s, per_block_bps=done * unit_bytes / pb_s)
 
 
+def overlap_case(pool_bytes, dev, page, n, gen, mm_size: int, mm_iters: int) -> dict:
+    """Fused gather (own stream) and CPU-assisted save (own stream + threads) running beside a bf16
+    matmul loop on the current stream: wall time of both vs each alone.
+    ``overlap = (t_alone_sum - t_both) / min(t_mm, t_transfer)`` (1 = fully hidden, 0 = serialised)."""
+    cuda = dev == "cuda"
+    unit_elems = 2 * page * HEAD_DIM
+    unit_bytes = unit_elems * 2
+    src = pool_bytes[: (pool_bytes.numel() // unit_bytes) * unit_bytes].view(DTYPE).view(-1, unit_elems)
+    n = min(n, src.shape[0])
+    cache = torch.zeros((n, unit_elems), dtype=DTYPE, device=dev)
+    s_ids = torch.randperm(src.shape[0], generator=gen)[:n].to(torch.int32).to(dev)
+    d_ids = torch.arange(n, dtype=torch.int32, device=dev)
+    a = torch.randn((mm_size, mm_size), device=dev).to(DTYPE)
+    g = HostGather(src, cache, max_rows=n)
+    saver = HostSave(src, max_rows=n, device=dev)
+    units = torch.randperm(src.shape[0], generator=gen)[:n]
+
+    def mm():
+        x = a
+        for _ in range(mm_iters):
+            x = a @ x
+        return x
+
+    def gather():  # issued before the matmul; the final device synchronize waits for its stream
+        g.run(s_ids, d_ids)
+
+    def save():
+        return saver.save_slots(cache, d_ids, units)
+
+    def wall(fn_list):
+        _sync(cuda)
+        t = time.perf_counter()
+        futs = [f() for f in fn_list]
+        for f in futs:
+            if hasattr(f, "result"):
+                f.result()
+        _sync(cuda)
+        return time.perf_counter() - t
+
+    try:
+        for f in (mm, gather, save):  # warm up (compile, thread pool)
+            wall([f])
+        out = dict(kind="overlap", page=page, units=n, bytes=n * unit_bytes, matmul=f"{mm_iters} x bf16 {mm_size}^2",
+                   path=g.path)
+        t_mm = min(wall([mm]) for _ in range(3))
+        for name, fn in (("gather", gather), ("save", save)):
+            t_x = min(wall([fn]) for _ in range(3))
+            t_both = min(wall([fn, mm]) for _ in range(3))
+            out.update({f"{name}_alone_s": t_x, f"{name}_with_matmul_s": t_both,
+                        f"{name}_overlap": (t_mm + t_x - t_both) / min(t_mm, t_x)})
+        out["matmul_alone_s"] = t_mm
+        return out
+    finally:
+        saver.close()
+
+
 def summary(meta: dict, results: list[dict]) -> dict:
     h2d = meta.get("h2d_bps")
     gathers = [r for r in results if r.get("kind") == "gather" and "error" not in r]
@@ -205,6 +262,10 @@ def summary(meta: dict, results: list[dict]) -> dict:
         "concurrency_ratio_vs_dense_reason": "not measured: the end-to-end serving comparison needs the host "
                                              "tier wired into the server (PSA decode reading only cached "
                                              "units), which is not implemented yet",
+        "gather_overlap_with_matmul": next((r["gather_overlap"] for r in results
+                                            if r.get("kind") == "overlap" and "error" not in r), None),
+        "save_overlap_with_matmul": next((r["save_overlap"] for r in results
+                                          if r.get("kind") == "overlap" and "error" not in r), None),
         "errors": [f"{r.get('kind')} page {r.get('page')}: {r['error']}" for r in results if "error" in r],
     }
 
@@ -244,6 +305,19 @@ def write_report(out: Path, meta: dict, results: list[dict]) -> dict:
             continue
         lines.append(f"| {r['chunk_words']} | {r['num_warps']} | {r['units']} | {r['fused_bps'] / gb:.2f} | "
                      f"{r['fused_bps'] / h2d:.2f} | {r['bit_exact_sample']} |")
+    ov = [r for r in results if r.get("kind") == "overlap"]
+    if ov:
+        lines += ["", "## Overlap with compute (transfer on its own stream beside a matmul loop)", "",
+                  "| page | units | matmul | matmul alone ms | gather alone / with matmul ms | gather overlap | "
+                  "save alone / with matmul ms | save overlap |", "|---|---|---|---|---|---|---|---|"]
+        for r in ov:
+            if "error" in r:
+                lines.append(f"| {r['page']} | {r.get('units')} | error: {r['error']} | | | | | |")
+                continue
+            lines.append(f"| {r['page']} | {r['units']} | {r['matmul']} | {r['matmul_alone_s'] * 1e3:.2f} | "
+                         f"{r['gather_alone_s'] * 1e3:.2f} / {r['gather_with_matmul_s'] * 1e3:.2f} | "
+                         f"{r['gather_overlap']:.2f} | {r['save_alone_s'] * 1e3:.2f} / "
+                         f"{r['save_with_matmul_s'] * 1e3:.2f} | {r['save_overlap']:.2f} |")
     lines += ["", "## Save (GPU cache -> host)", "",
               "| page | units | MiB | threads | CPU-assisted GB/s | per-block D2H GB/s (copies) | ratio | bit-exact sample |",
               "|---|---|---|---|---|---|---|---|"]
@@ -330,6 +404,14 @@ def main():
             r = dict(kind="save", page=page, units=save_n, error=f"{type(e).__name__}: {e}")
         print(json.dumps(r), flush=True)
         results.append(r)
+    try:
+        r = overlap_case(pool_bytes, dev, pages[0], counts[-1], gen, mm_size=64 if args.smoke else 4096,
+                         mm_iters=2 if args.smoke else 20)
+    except Exception as e:
+        traceback.print_exc()
+        r = dict(kind="overlap", page=pages[0], units=counts[-1], error=f"{type(e).__name__}: {e}")
+    print(json.dumps(r), flush=True)
+    results.append(r)
     meta["wall_s"] = time.time() - t0
     top = write_report(args.out, meta, results)
     print(json.dumps(top))
