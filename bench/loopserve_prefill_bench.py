@@ -59,7 +59,7 @@ SAMPLED_ROWS = 64
 SINK, LOCAL = 4, 64
 # planted structure (see plant()): logit scales in nats
 PLANT = dict(band_peak=4.0, slashes=2, slash_peak=6.0, verticals=48, vertical_logit=12.0)
-CONTEXTS = (4096, 8192, 16384, 32768, 65536, 131072)
+CONTEXTS = (131072, 32768, 4096, 8192, 16384, 65536)  # headline contexts first: a timeout keeps them
 
 
 def default_min_context() -> int:

@@ -138,7 +138,8 @@ def vs_select(lines: VSLineSums, *, prefix_len: int, config: VSSelectConfig = VS
         _, wb, mb, lb = b
         k = config.split_candidates
         frac = torch.linspace(0.0, 1.0, k, device=dev) ** 2
-        cand = (n_fa + torch.round(frac * (n - n_fa))).long().unique()  # [K] host-independent sizes
+        # [K] split sizes (repeats are harmless; no unique(): it would sync the host on the GPU)
+        cand = (n_fa + torch.round(frac * (n - n_fa))).long()
         zero = torch.zeros(hk, 1, device=dev)
         cs_a = torch.cat([zero, wa.cumsum(1)], 1)[:, cand]              # [Hk, K]
         ol_a = torch.cat([zero, ma.cumsum(1)], 1)[:, cand]

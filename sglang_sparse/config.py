@@ -166,7 +166,9 @@ class LoopServeConfig(SparseConfig):
     n_d: int = knob(16, doc="decode re-selection interval (tokens)", range=Range(1, 4096))
     budget: int = knob(1024, doc="top-B tokens kept per KV head in decode", range=Range(1, 1 << 24))
     sampled_rows: int = knob(64, doc="query rows sampled for line estimation", range=Range(1, 8192))
-    min_context: int = knob(4096, doc="segments over contexts shorter than this run dense", range=Range(0, 1 << 24))
+    min_context: int = knob(8192, doc="segments over contexts shorter than this run dense (below ~8k tokens the "
+                            "estimation + selection cost is not recovered; bench/loopserve_prefill_bench.py)",
+                            range=Range(0, 1 << 24))
     sink_tokens: int = knob(4, doc="first key positions always attended (vertical lines)", range=Range(0, 1 << 20))
     local_window: int = knob(64, doc="slash offsets 0..local_window-1 always attended", range=Range(1, 1 << 20))
     min_request_alpha: float = knob(0.5, doc="floor for a request's own alpha (custom_params.sparse.alpha); "

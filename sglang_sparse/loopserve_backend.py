@@ -94,7 +94,8 @@ def _can_skip_stock(backend, layer) -> bool:
     return (backend._ls_base.__name__ in _KV_WRITERS and not layer.is_cross_attention
             and getattr(layer, "sliding_window_size", -1) in (-1, None)
             and getattr(layer, "qk_head_dim", layer.head_dim) == getattr(layer, "v_head_dim", layer.head_dim)
-            and not getattr(backend, "prefill_uses_dequant_workspace", False))
+            and not getattr(backend, "prefill_uses_dequant_workspace", False)
+            and not getattr(backend, "decode_uses_dequant_workspace", False))
 
 
 def _save_kv(backend, layer, forward_batch, k, v, *args, **kwargs) -> None:

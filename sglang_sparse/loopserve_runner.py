@@ -22,9 +22,15 @@ Where the host work goes (nothing per layer needs a sync; no ``.item()``):
     lines up in the line store, compacts the line masks of requests whose prefill just finished
     (one device->host read of their counts), and pads the per-row line lists of a decode batch
     into batch tensors (small host->device copies).
-  * per layer: estimation + selection + sparse prefill per sparse extend row (one request per
-    kernel call: the kernels are single-request), or one masked batch decode for the sparse
-    decode rows; statistics are in-place adds into the device step rows.
+  * per layer, extend: estimation + selection + sparse prefill per sparse extend row (one request per
+    kernel call: the kernels are single-request); device work only (the selection's split sizes are
+    built without ``unique`` so that it never syncs).
+  * per layer, decode: the ring write of each sparse row's query (one small device copy per row), at
+    re-selection steps only the per-row estimation + top-B, then for ALL sparse rows at once: the union
+    mask (:func:`flashinfer_ext.sparse_decode.decode_union_mask` over the batch tensors planned in
+    :meth:`begin_batch`), its prefix-sum compaction (:func:`~flashinfer_ext.sparse_decode.mask_to_lists`)
+    and one :func:`~flashinfer_ext.sparse_decode.sparse_decode` launch over all rows and KV heads.
+    Statistics are in-place adds into the device step rows.
 When every row of a batch is sparse the backend skips the stock attention (K/V written as stock
 writes them); in a mixed batch the stock backend computes all rows first and the sparse rows are
 then overwritten. A mixed batch (``--enable-mixed-chunk``) treats

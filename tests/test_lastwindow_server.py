@@ -53,7 +53,7 @@ def test_lastwindow_decodes_over_the_fixed_budget_above_min_context(lw_server, c
     assert rep["sparse_decode_steps"] == n_out - 1
     # per decode step and (layer, KV head): <= budget + sink + window + generated tokens, of the whole context
     assert 0 < rep["decode_tokens_read"] < rep["decode_tokens_total"]
-    assert rep["decode_read_fraction"] < (BUDGET + 4 + 32 + n_out) / n_prompt
+    assert rep["decode_read_fraction"] <= (BUDGET + 4 + 32 + n_out) / n_prompt
     dense = chat(cpu_server, content, 20, ignore_eos=True)
     assert dense["usage"]["prompt_tokens"] == n_prompt
     text = log.read_text(errors="replace").lower()

@@ -1,0 +1,49 @@
+"""bench.loopserve_fidelity: the headline JSON is computed from a harness run's records (ratios of each
+mode's accuracy to dense per question position; the last-window drop where the question is not last)."""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+from bench.loopserve_fidelity import loopserve_figures, main
+
+RUN = Path(__file__).parents[1] / "bench/results/gpu_psa/summary.json"
+
+
+def _summary():
+    s = json.loads(RUN.read_text())
+    s["modes"]["loopserve"] = copy.deepcopy(s["modes"]["psa"])
+    lw = copy.deepcopy(s["modes"]["psa"])
+    lw["headline"]["accuracy_by_position"] = {"begin": 0.25, "middle": 0.3, "end": 0.9}
+    s["modes"]["lastwindow"] = lw
+    return s
+
+
+def test_ratios_are_computed_from_the_run(tmp_path):
+    s = _summary()
+    figs = loopserve_figures(s)
+    dense = s["modes"]["off"]["headline"]["accuracy_by_position"]
+    ls = s["modes"]["loopserve"]["headline"]["accuracy_by_position"]
+    for pos in ("begin", "middle", "end"):
+        assert figs["accuracy_ratio_by_position"][pos] == ls[pos] / dense[pos]
+        assert figs["lastwindow_accuracy_ratio_by_position"][pos] == \
+            s["modes"]["lastwindow"]["headline"]["accuracy_by_position"][pos] / dense[pos]
+    lw = figs["lastwindow_accuracy_ratio_by_position"]
+    assert figs["lastwindow_drop_begin_vs_end"] == lw["end"] - lw["begin"] > 0
+    assert figs["gpu"] == s["meta"]["gpu"]
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "summary.json").write_text(json.dumps(s))
+    main(["--run", str(run), "--out", str(tmp_path / "f.json")])
+    assert json.loads((tmp_path / "f.json").read_text())["accuracy_ratio_by_position"] == \
+        figs["accuracy_ratio_by_position"]
+
+
+def test_a_missing_mode_gives_nulls_not_numbers():
+    s = json.loads(RUN.read_text())
+    s["modes"]["loopserve"] = copy.deepcopy(s["modes"]["psa"])
+    figs = loopserve_figures(s)
+    assert figs["lastwindow_accuracy_ratio_by_position"] == {"begin": None, "middle": None, "end": None}
+    assert "error" in figs["lastwindow"]
