@@ -5,7 +5,8 @@
 #   bash scripts/gpu_part_loopserve.sh REPORT_DIR
 #
 # Steps (each one's failure is recorded in REPORT_DIR/steps.txt, never fatal; ~9 minutes in all):
-#   pytest_gpu    the loopserve/lastwindow GPU server tests + the vertical/slash kernel tests (-m gpu)
+#   pytest_gpu    the loopserve GPU server tests + the vertical/slash/decode kernel tests (-m gpu; the
+#                 lastwindow GPU server test runs with `pytest -m gpu tests`, the harness serves lastwindow here)
 #   prefill_bench bench/loopserve_prefill_bench.py -> loopserve_prefill.{md,json,png}
 #   harness       bench.run_harness off,loopserve,lastwindow on FlashInfer (page 16)
 #   fidelity      bench.loopserve_fidelity -> loopserve_fidelity.json
@@ -31,10 +32,11 @@ step() {  # step NAME CMD...: its log in the report folder; a failure is recorde
 mc=${LS_MIN_CONTEXT:-128}
 budget=${LS_BUDGET:-64}
 step pytest_gpu timeout "${LS_TEST_TIMEOUT:-190}" python3 -m pytest -m gpu -q -p no:cacheprovider -rA \
-    --junitxml="$rep/junit_gpu_loopserve.xml" tests/test_gpu_loopserve_server.py tests/test_gpu_lastwindow_server.py \
+    --junitxml="$rep/junit_gpu_loopserve.xml" tests/test_gpu_loopserve_server.py \
     tests/flashinfer_ext/test_vs_estimate.py tests/flashinfer_ext/test_vs_select.py \
     tests/flashinfer_ext/test_vs_prefill.py tests/flashinfer_ext/test_vs_decode_batched.py
-step prefill_bench timeout "${LS_BENCH_TIMEOUT:-100}" python3 bench/loopserve_prefill_bench.py --out "$rep"
+step prefill_bench timeout "${LS_BENCH_TIMEOUT:-100}" python3 bench/loopserve_prefill_bench.py --out "$rep" \
+    --smollm --time-budget "${LS_BENCH_BUDGET:-80}"
 step harness timeout "${LS_HARNESS_TIMEOUT:-280}" python3 -m bench.run_harness --preset "${LS_PRESET:-full}" \
     --modes off,loopserve,lastwindow \
     --sparse-config "loopserve={\"min_context\": $mc, \"budget\": $budget}" \
