@@ -131,6 +131,18 @@ _POS = Range(0, None, lo_open=True)
 _UNIT = Range(0.0, 1.0, lo_open=True)
 
 
+def _host_tier_knobs():
+    """Host-tier keys shared by the modes that serve it (issue #6; ``sglang_sparse.host_tier``)."""
+    return dict(
+        host_tier_gb=knob(0.0, doc="pinned host memory (GiB) keeping radix nodes evicted from the GPU, loaded back "
+                          "on a prefix hit instead of recomputed (0 = host tier off)", range=Range(0, 4096)),
+        gpu_cache_mb=knob(64.0, doc="host tier: GPU unit cache (MiB) that reloads are gathered through",
+                          range=Range(0, 1 << 20, lo_open=True)),
+        working_set_window=knob(12, doc="host tier: decode steps whose block selections form a request's working "
+                                "set (SparseServe w)", range=Range(1, 256)),
+    )
+
+
 @dataclass(frozen=True)
 class OffConfig(SparseConfig):
     """Dense attention, stock radix cache: no options."""
@@ -155,6 +167,9 @@ class PsaConfig(SparseConfig):
     min_request_epsilon: float = knob(0.5, doc="floor for a request's own epsilon (custom_params.sparse.epsilon); "
                                       "lower requested values are clamped up to it", range=_UNIT)
     cuda_graph: bool = knob(True, doc="CUDA: replay decode graphs for batches with a sparse row (false: eager)")
+    host_tier_gb: float = _host_tier_knobs()["host_tier_gb"]
+    gpu_cache_mb: float = _host_tier_knobs()["gpu_cache_mb"]
+    working_set_window: int = _host_tier_knobs()["working_set_window"]
 
 
 @dataclass(frozen=True)
@@ -179,6 +194,9 @@ class LoopServeConfig(SparseConfig):
                               range=Range(0, 1 << 20))
     initial_topb: bool = knob(True, doc="also select the top-B tokens at the first decode step from the prompt's "
                               "last n_d queries (false: Alg. 3 exactly, stored lines only until token 16)")
+    host_tier_gb: float = _host_tier_knobs()["host_tier_gb"]
+    gpu_cache_mb: float = _host_tier_knobs()["gpu_cache_mb"]
+    working_set_window: int = _host_tier_knobs()["working_set_window"]
 
 
 

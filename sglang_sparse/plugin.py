@@ -58,6 +58,9 @@ def register() -> None:
     for target, kind, ref in _HOOKS:
         module, attr = ref.split(":")
         HookRegistry.register(target, getattr(importlib.import_module(module), attr), HookType[kind])
+    from sglang_sparse.host_tier import register_backend
+
+    register_backend()  # radix-cache backend of the host tier (selected only when host_tier_gb > 0)
     logger.info("sglang-sparse: registered %d hooks", len(_HOOKS))
 
 

@@ -227,6 +227,21 @@ class PsaCudaRunner(_RunnerBase):
     def meta_bytes(self) -> int:
         return 3 * self.meta.kmin.numel() * self.meta.kmin.element_size()
 
+    def rebuild_page_meta(self, pages: torch.Tensor) -> None:
+        """Host tier load listener: recompute (min, max, mean) of whole pages ``pages`` (int64 ``[n]`` on the
+        device, full pages of reloaded radix nodes) for every layer from the keys now in them (the metadata
+        is recomputed from the reloaded KV, not carried through the host). The mean is taken in fp32 over
+        the page, which may differ in the last bit from the kernel's incremental mean."""
+        p = self.block_size
+        for lid in range(self.shape.num_layers):
+            k = self.pool.get_key_buffer(lid)
+            n = k.shape[0] // p
+            kp = k[: n * p].view(n, p, k.shape[1], k.shape[2]).index_select(0, pages)  # [n_pages, P, H, D]
+            kmin, kmax, kmean = self.meta.layer(lid)
+            kmin.index_copy_(0, pages, kp.amin(1).to(kmin.dtype))
+            kmax.index_copy_(0, pages, kp.amax(1).to(kmax.dtype))
+            kmean.index_copy_(0, pages, kp.float().mean(1).to(kmean.dtype))
+
     def _block_table(self, backend, forward_batch, max_len: int) -> torch.Tensor:
         from flashinfer_ext.block_meta import paged_block_table
 

@@ -80,6 +80,9 @@ class SparseServerArgs(_BaseServerArgs):
         check_device(ctx.mode, _device_type(self.device))
         self.sparse_config = ctx.config.to_json()
         _apply_mode_requirements(self, ctx)
+        from sglang_sparse.host_tier import apply_server_args as _apply_host_tier
+
+        _apply_host_tier(self, ctx)
         _check_hooks_applied()
         super().__post_init__()
 
