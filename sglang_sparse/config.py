@@ -223,3 +223,9 @@ class SamKVConfig(SparseConfig):
     local_blocks: int = knob(2, doc="trailing blocks of each document always kept", range=Range(0, 64))
     stable_layers: int = knob(4, doc="last layers averaged for block scores (Eq. 3)", range=Range(1, 1024))
     fuse: str = knob("fusion", doc="how recomputed KV replaces reused KV (Eq. 4)", choices=("overwrite", "fusion"))
+    variant: str = knob("samkv", doc="default pipeline of a documents request (per request: extra_body samkv.variant): "
+                        "samkv = reuse + SamKV block selection, reuse = plain reuse of every block, recompute = dense "
+                        "prefill of the concatenation", choices=("samkv", "reuse", "recompute"))
+    max_documents: int = knob(64, doc="most documents in one request", range=Range(1, 4096))
+    max_document_chars: int = knob(4_000_000, doc="most characters of all documents of one request",
+                                   range=Range(1, 1 << 40))

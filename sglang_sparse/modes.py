@@ -63,8 +63,8 @@ MODES: Mapping[str, SparseModeSpec] = _registry(
     SparseModeSpec("lastwindow", LastWindowConfig, "last-window baseline: dense prefill, decode over a fixed "
                    "top-budget chosen from the prompt's last queries (SnapKV-like)", implemented=True,
                    devices=("cpu", "cuda"), backend_installer="sglang_sparse.loopserve_backend:install"),
-    SparseModeSpec("samkv", SamKVConfig, "per-document KV reuse with selective recompute (SamKV)",
-                   implemented=False),
+    SparseModeSpec("samkv", SamKVConfig, "per-document KV reuse with SamKV block selection (documents field)",
+                   implemented=True, devices=("cpu", "cuda")),
 )
 
 

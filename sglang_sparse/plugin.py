@@ -42,6 +42,12 @@ _HOOKS = (
     ("sglang.srt.mem_cache.radix_cache.RadixCache._delete_leaf", "AFTER",
      "sglang_sparse.loopserve_radix:delete_leaf_hook"),
     ("sglang.srt.mem_cache.radix_cache.RadixCache.reset", "AFTER", "sglang_sparse.loopserve_radix:reset_hook"),
+    # --sparse samkv (no-ops under other modes / for requests without documents)
+    ("sglang.srt.entrypoints.openai.serving_base.OpenAIServingBase.handle_request", "AROUND",
+     "sglang_sparse.samkv_api:handle_request_hook"),
+    ("sglang.srt.managers.schedule_batch.Req.init_next_round_input", "AFTER",
+     "sglang_sparse.samkv_assembly:init_round_hook"),
+    ("sglang.srt.managers.scheduler.Scheduler.__init__", "AFTER", "sglang_sparse.samkv_assembly:scheduler_init_hook"),
 )
 
 

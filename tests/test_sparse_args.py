@@ -28,7 +28,8 @@ def prepare():
 # (argv after --model-path, fragments the error message must contain)
 CLI_BAD_INPUTS = [
     (["--sparse", "bogus"], ["unknown --sparse mode 'bogus'", "implemented modes: off, psa"]),
-    (["--sparse", "samkv"], ["'samkv'", "not implemented yet", "implemented modes: off, psa, loopserve, lastwindow"]),
+    (["--sparse", "samkv", "--sparse-config", '{"variant": "cacheblend"}'],
+     ["field 'variant' of mode 'samkv' = 'cacheblend' is not allowed", "choose one of ['samkv', 'reuse', 'recompute']"]),
     (["--sparse", "psa", "--sparse-config", '{"epsilon": 2}'], ["field 'epsilon' of mode 'psa' = 2.0 is out of "
                                                               "range; allowed range (0, 1]"]),
     (["--sparse", ""], ["unknown --sparse mode ''", "implemented modes: off, psa"]),
@@ -109,7 +110,7 @@ def test_mode_configs_are_frozen_and_fill_defaults():
 
 
 def test_registry_lists_implemented_modes_and_every_config_matches_its_mode():
-    assert implemented_modes() == ["off", "psa", "loopserve", "lastwindow"]
+    assert implemented_modes() == ["off", "psa", "loopserve", "lastwindow", "samkv"]
     assert {"off", "psa", "loopserve", "lastwindow", "samkv"} <= set(MODES)
     for name, spec in MODES.items():
         assert spec.config_cls.mode == name
@@ -163,15 +164,15 @@ def test_engine_refuses_bad_mode_before_loading_the_model(prepare, default_model
     from sglang_sparse.server_args import SparseServerArgs
 
     assert sgl.Engine.server_args_class is SparseServerArgs
-    with pytest.raises(SparseConfigError, match="'samkv'.*not implemented yet; implemented modes: off, psa, loopserve, lastwindow"):
-        sgl.Engine(model_path=str(default_model), device="cpu", sparse="samkv")
+    with pytest.raises(SparseConfigError, match="'variant' of mode 'samkv' = 'cacheblend' is not allowed"):
+        sgl.Engine(model_path=str(default_model), device="cpu", sparse="samkv", sparse_config={"variant": "cacheblend"})
     with pytest.raises(SparseConfigError, match="unknown key"):
         sgl.Engine(model_path=str(default_model), device="cpu", sparse="off", sparse_config={"budget": 3})
 
 
 @pytest.mark.parametrize("argv,fragment", [
-    (["--sparse", "samkv"], "--sparse mode 'samkv' (per-document KV reuse with selective recompute (SamKV)) "
-                            "is not implemented yet; implemented modes: off, psa, loopserve, lastwindow"),
+    (["--sparse", "samkv", "--sparse-config", '{"block_size": 0}'],
+     "field 'block_size' of mode 'samkv' = 0 is out of range; allowed range [1, 4096]"),
     (["--sparse-config", '{"alpha": 0.9}'], "unknown key(s) 'alpha' for mode 'off'"),
 ])
 def test_launch_server_exits_nonzero_with_message_on_bad_sparse(default_model, argv, fragment):

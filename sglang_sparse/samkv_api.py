@@ -1,0 +1,231 @@
+"""``--sparse samkv`` front door: the ``documents`` field of ``/v1/chat/completions`` and ``/v1/completions``.
+
+API. ``extra_body={"documents": ["text 1", ...], "cache_salt": "s"?, "samkv": {"variant": ...}?}``.
+The documents are placed, in order, before the request's own prompt (the chat-template tokens of
+``messages``, or the completion ``prompt``)::
+
+    [tok(doc_1 + "\\n\\n")] [tok(doc_2 + "\\n\\n")] ... [tok(doc_D + "\\n\\n")] [prompt tokens]
+
+Each document is tokenised alone (no special tokens), so its token span is known and its tokens
+are the same in every request: that is the per-document cache key. Validation (HTTP 400 naming
+the field, the server keeps serving): :func:`sglang_sparse.documents.parse_documents` (non-empty
+list of non-empty strings, count and character limits of the config), ``cache_salt`` a string,
+``samkv.variant`` one of the config's variants, documents + prompt + ``max_tokens`` within the
+model's context, no batch prompt, no streaming with documents.
+
+Why this design (SGLang 0.5.17, no patched files): the radix tree is SGLang's KV store for
+documents too. (1) Each document is prefilled alone, from position 0, by an internal generate
+request (``max_new_tokens`` 1) whose ``extra_key`` is the document namespace
+``samkv-doc:<salt>``; SGLang caches its KV under its own tokens + namespace, refcounted and evicted
+like any radix node, and a cached document costs one token of compute. Under page size p the
+document's ids are followed by filler tokens up to a multiple of p so every document token sits in
+a full, cached page (causal attention: the filler changes nothing before it). (2) The request itself
+is sent with its token ids, the document spans in ``custom_params`` (flat int lists; values must
+survive msgpack) and ``extra_key`` = a composite namespace ``samkv:<variant>:<salt>:<sha>`` that
+dense requests never match. (3) In the scheduler, :mod:`sglang_sparse.samkv_assembly` builds the
+composite context from the documents' cached KV (keys re-rotated by each document's offset, blocks
+selected by SamKV) and inserts it into the tree under that namespace, so SGLang's own prefix match
+makes it the request's prefix and only the question is extended. Salts live in both namespaces, so
+different salts never share a document or a composite entry.
+
+Response: ``metadata["sparse"]`` (non-streaming) = :func:`summarize`. Imports sglang lazily.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import time
+from dataclasses import dataclass
+
+from sglang_sparse.documents import FIELD, parse_documents
+
+logger = logging.getLogger("sglang_sparse")
+
+SEPARATOR = "\n\n"
+# custom_params keys (read by samkv_assembly in the scheduler); values are flat JSON scalars / lists.
+SPANS_KEY = "samkv_spans"          # [start_0, len_0, start_1, len_1, ...] of the documents in input_ids
+NS_KEY = "samkv_doc_ns"            # the documents' radix namespace (extra_key of their prefill requests)
+FILLER_KEY = "samkv_filler"        # [filler token id, page size]
+VARIANT_KEY = "samkv_variant"
+
+
+@dataclass(frozen=True)
+class DocumentPlan:
+    """Token layout of one documents request (main process).
+
+    doc_ids: per document, its token ids (``tok(doc + SEPARATOR)``); prompt_ids: the request's own
+    prompt tokens after them; salt: the cache salt ('' if none); variant: the pipeline to run.
+    """
+
+    doc_ids: tuple[tuple[int, ...], ...]
+    prompt_ids: tuple[int, ...]
+    salt: str
+    variant: str
+
+    @property
+    def input_ids(self) -> list[int]:
+        out: list[int] = []
+        for d in self.doc_ids:
+            out.extend(d)
+        out.extend(self.prompt_ids)
+        return out
+
+    @property
+    def spans(self) -> list[int]:
+        flat, pos = [], 0
+        for d in self.doc_ids:
+            flat += [pos, len(d)]
+            pos += len(d)
+        return flat
+
+    @property
+    def document_tokens(self) -> int:
+        return sum(len(d) for d in self.doc_ids)
+
+    def doc_namespace(self) -> str:
+        return f"samkv-doc:{self.salt}"
+
+    def composite_namespace(self, nonce: str) -> str:
+        """Composite entries: per variant and salt, keyed by all ids (selection depends on the question);
+        ``recompute`` gets a fresh nonce so the baseline never reuses anything."""
+        h = hashlib.sha256(repr((self.doc_ids, self.prompt_ids)).encode()).hexdigest()[:24]
+        return f"samkv:{self.variant}:{self.salt}:{h}" + (f":{nonce}" if self.variant == "recompute" else "")
+
+
+def doc_key_ids(ids: tuple[int, ...] | list[int], filler: int, page_size: int) -> list[int]:
+    """A document's prefill ids: its ids, then ``filler`` up to a multiple of ``page_size``."""
+    pad = (-len(ids)) % max(1, page_size)
+    return list(ids) + [filler] * pad
+
+
+def _parse_extra(body: dict, cfg) -> tuple[tuple[str, ...], str, str]:
+    docs = parse_documents(body.get(FIELD), max_documents=cfg.max_documents,
+                           max_total_chars=cfg.max_document_chars)
+    salt = body.get("cache_salt")
+    if salt is not None and not isinstance(salt, str):
+        raise ValueError(f"'cache_salt' must be a string, got {type(salt).__name__}")
+    opts = body.get("samkv") or {}
+    if not isinstance(opts, dict) or set(opts) - {"variant"}:
+        raise ValueError("'samkv' must be an object with the only key 'variant'")
+    variant = opts.get("variant", cfg.variant)
+    choices = type(cfg).__dataclass_fields__["variant"].metadata["choices"]
+    if variant not in choices:
+        raise ValueError(f"'samkv.variant'={variant!r} must be one of {', '.join(choices)}")
+    return docs, salt or "", variant
+
+
+def _prompt_ids(serving, adapted) -> list[int]:
+    if adapted.input_ids is not None:
+        ids = adapted.input_ids
+        if ids and isinstance(ids[0], list):
+            raise ValueError(f"'{FIELD}' takes one prompt, not a batch")
+        return list(ids)
+    text = adapted.text
+    if not isinstance(text, str):
+        raise ValueError(f"'{FIELD}' takes one prompt, not a batch")
+    return list(serving.tokenizer_manager.tokenizer.encode(text))
+
+
+def summarize(plan: DocumentPlan, doc_cached: list[int], meta: dict) -> dict:
+    """``metadata["sparse"]`` of a documents request from the documents' prefill replies
+    (``doc_cached``: cached tokens of each) and the request's ``meta_info``."""
+    from sglang_sparse.samkv_assembly import kept_from_meta
+
+    prompt = int(meta.get("prompt_tokens", 0))
+    cached = int(meta.get("cached_tokens", 0))
+    n_doc = plan.document_tokens
+    kept = kept_from_meta(meta, n_doc, len(plan.prompt_ids))
+    reused = sum(1 for c, d in zip(doc_cached, plan.doc_ids) if c >= len(d) - 1)
+    return {
+        "mode": "samkv", "variant": plan.variant, "documents": len(plan.doc_ids),
+        "documents_reused": reused, "documents_prefilled": len(plan.doc_ids) - reused,
+        "document_tokens": n_doc, "question_tokens": len(plan.prompt_ids),
+        "context_tokens": prompt, "cached_tokens": cached, "computed_tokens": prompt - cached,
+        "kv_kept_tokens": kept, "kv_kept_ratio": kept / n_doc if n_doc else 1.0,
+        "recomputed_tokens": 0, "assembled": bool(meta.get("samkv_assembled", cached >= kept > 0)),
+    }
+
+
+async def _prefill_documents(serving, plan: DocumentPlan, filler: int, page_size: int, raw_request) -> list[int]:
+    """Prefill every document alone (cached ones cost one token); returns each one's cached tokens."""
+    from sglang.srt.managers.io_struct import GenerateReqInput
+
+    async def one(ids):
+        req = GenerateReqInput(input_ids=doc_key_ids(ids, filler, page_size), extra_key=plan.doc_namespace(),
+                               sampling_params={"max_new_tokens": 1, "temperature": 0.0}, stream=False)
+        ret = await serving.tokenizer_manager.generate_request(req, raw_request).__anext__()
+        return int(ret["meta_info"].get("cached_tokens", 0))
+
+    return list(await asyncio.gather(*(one(d) for d in plan.doc_ids)))
+
+
+async def handle_request_hook(original, serving, request, raw_request, *args, **kwargs):
+    """AROUND ``OpenAIServingBase.handle_request``: requests with ``documents`` under ``--sparse samkv``."""
+    from sglang.srt.server_args import get_global_server_args
+
+    from sglang_sparse.server_args import sparse_context_of
+
+    ctx = sparse_context_of(get_global_server_args())
+    body = None
+    if ctx.mode == "samkv" and raw_request is not None and type(serving).__name__ in (
+            "OpenAIServingChat", "OpenAIServingCompletion"):
+        try:
+            body = await raw_request.json()
+        except Exception:
+            body = None
+    if not isinstance(body, dict) or FIELD not in body:
+        return await original(serving, request, raw_request, *args, **kwargs)
+    received = time.monotonic()
+    try:
+        return await _serve_documents(serving, request, raw_request, body, ctx.config, received)
+    except ValueError as e:
+        return serving.create_error_response(message=str(e), err_type="BadRequest", status_code=400)
+
+
+async def _serve_documents(serving, request, raw_request, body, cfg, received):
+    import uuid
+
+    from sglang.srt.server_args import get_global_server_args
+
+    docs, salt, variant = _parse_extra(body, cfg)
+    if getattr(request, "stream", False):
+        raise ValueError(f"'{FIELD}' is not supported with stream=true")
+    err = serving._validate_request(request)
+    if err:
+        raise ValueError(err)
+    adapted, processed = serving._convert_to_internal_request(request, raw_request)
+    tok = serving.tokenizer_manager.tokenizer
+    doc_ids = tuple(tuple(tok.encode(d + SEPARATOR, add_special_tokens=False)) for d in docs)
+    plan = DocumentPlan(doc_ids, tuple(_prompt_ids(serving, adapted)), salt, variant)
+    ctx_len = serving.tokenizer_manager.context_len
+    max_new = (adapted.sampling_params or {}).get("max_new_tokens") or 0
+    if len(plan.input_ids) + max_new > ctx_len:
+        raise ValueError(f"'{FIELD}' is too long for the context: {plan.document_tokens} document tokens + "
+                         f"{len(plan.prompt_ids)} prompt tokens + {max_new} max tokens exceed the model's "
+                         f"context of {ctx_len} tokens")
+    page = max(1, int(get_global_server_args().page_size or 1))
+    filler = int(getattr(tok, "eos_token_id", None) or 0)
+    doc_cached = [0] * len(doc_ids)
+    if variant != "recompute":
+        doc_cached = await _prefill_documents(serving, plan, filler, page, raw_request)
+    adapted.text = None
+    adapted.input_ids = plan.input_ids
+    adapted.extra_key = plan.composite_namespace(uuid.uuid4().hex)
+    sp = dict(adapted.sampling_params or {})
+    custom = dict(sp.get("custom_params") or {})
+    custom.update({SPANS_KEY: plan.spans, NS_KEY: plan.doc_namespace(), FILLER_KEY: [filler, page],
+                   VARIANT_KEY: variant})
+    sp["custom_params"] = custom
+    adapted.sampling_params = sp
+    adapted.received_time = received
+    ret = await serving.tokenizer_manager.generate_request(adapted, raw_request).__anext__()
+    ret = ret if isinstance(ret, list) else [ret]
+    build = getattr(serving, "_build_chat_response", None) or serving._build_completion_response
+    response = build(processed, ret, int(time.time()))
+    summaries = [summarize(plan, doc_cached, item.get("meta_info") or {}) for item in ret]
+    if hasattr(response, "metadata"):
+        response.metadata = {**(response.metadata or {}),
+                             "sparse": summaries[0] if len(summaries) == 1 else summaries}
+    return response

@@ -1,0 +1,206 @@
+"""``--sparse samkv`` in the scheduler: the composite context of a documents request, built from the
+documents' cached KV and handed to SGLang as the request's matched prefix.
+
+Hook: AFTER ``Req.init_next_round_input`` (no-op unless the request carries the document spans
+:mod:`sglang_sparse.samkv_api` puts in ``custom_params``, which only happens under ``--sparse samkv``;
+runs once per request). Steps, all inside the scheduler thread:
+
+1. Each document's KV: ``match_prefix`` of its prefill ids (``samkv_api.doc_key_ids``) in the
+   document namespace; its radix node is locked while it is read. A document not (fully) cached
+   -> the request is served densely (``fallback``; the prompt is unchanged, nothing is reused).
+2. Selection of the kept tokens of each document (``variant`` ``reuse``: all; ``samkv``: initial +
+   local blocks + the blocks :mod:`sglang_sparse.samkv_select` keeps). Dropped blocks leave the
+   context: the request's ``origin_input_ids`` become ``kept document tokens + prompt`` and the
+   kept tokens get consecutive positions (so ``prompt_tokens`` in ``usage`` counts the kept
+   context; the KV kept ratio is honest: unkept KV is neither copied nor attended).
+3. Fresh KV slots for the page-aligned composite (evicting through the tree if needed); per layer,
+   values copied and keys re-rotated by ``new position - position in the document``
+   (:func:`flashinfer_ext.rope_shift.rope_shift`; its fp32 torch reference on CPU).
+4. The composite is inserted into the radix tree under the request's composite namespace (its
+   ``extra_key``; duplicates freed as SGLang's own inserts do), the documents unlocked, and the stock
+   prefix match re-run: the composite is now the request's prefix, so only the prompt (and the
+   sub-page tail of the composite) is extended. The tree owns the composite slots from here on
+   (refcounted, LRU-evicted), so SGLang's idle KV-leak check stays silent.
+
+The per-request result is kept on the ``Req`` as ``samkv_result`` (a dict) for logs. Shapes: pool
+keys/values per layer ``[slots, kv_heads, head_dim]`` (post-RoPE keys).
+"""
+
+from __future__ import annotations
+
+import logging
+from array import array
+
+import torch
+
+from sglang_sparse.samkv_api import FILLER_KEY, NS_KEY, SPANS_KEY, VARIANT_KEY, doc_key_ids
+
+logger = logging.getLogger("sglang_sparse")
+
+
+def kept_from_meta(meta: dict, document_tokens: int, prompt_tokens: int) -> int:
+    """Document tokens kept in the context, from a reply's ``prompt_tokens`` (the scheduler rewrote
+    the prompt to ``kept document tokens + prompt``)."""
+    return max(0, min(document_tokens, int(meta.get("prompt_tokens", 0)) - prompt_tokens))
+
+
+class SamKVRuntime:
+    """Scheduler-side context of ``--sparse samkv`` (attached to the tree cache at scheduler start).
+
+    config: :class:`~sglang_sparse.config.SamKVConfig`; rope_theta / rotary_dim: the model's RoPE
+    (NeoX layout, frequency-only); model: the model module (for the selection's side forward);
+    num_layers: KV layers.
+    """
+
+    def __init__(self, config, rope_theta: float, rotary_dim: int, model, num_layers: int):
+        self.config = config
+        self.rope_theta = float(rope_theta)
+        self.rotary_dim = int(rotary_dim)
+        self.model = model
+        self.num_layers = int(num_layers)
+
+    def shift_keys(self, k: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+        """Keys ``[n, kv_heads, head_dim]`` re-rotated by per-token ``delta`` ``[n]`` (int64)."""
+        from flashinfer_ext.rope_shift import rope_shift, rope_shift_reference
+
+        fn = rope_shift if k.is_cuda else rope_shift_reference
+        return fn(k, delta, rope_theta=self.rope_theta, rotary_dim=self.rotary_dim)
+
+
+def scheduler_init_hook(result, scheduler, *args, **kwargs):
+    """AFTER ``Scheduler.__init__``: attach a :class:`SamKVRuntime` to the tree cache under samkv."""
+    from sglang_sparse.server_args import sparse_context_of
+
+    ctx = sparse_context_of(scheduler.server_args)
+    if ctx.mode != "samkv":
+        return result
+    runner = scheduler.tp_worker.model_runner
+    model = runner.model
+    rope = _rotary(model)
+    if rope is None or not getattr(rope, "is_neox_style", True) or type(rope).__name__ != "RotaryEmbedding":
+        raise RuntimeError(f"sglang-sparse samkv: the model's RoPE ({type(rope).__name__}) is not plain NeoX "
+                           "RoPE; re-rotating reused keys is only exact for it")
+    scheduler.tree_cache.samkv_runtime = SamKVRuntime(
+        ctx.config, rope.base, rope.rotary_dim, model, runner.model_config.num_hidden_layers)
+    return result
+
+
+def _rotary(model):
+    layers = getattr(getattr(model, "model", None), "layers", None)
+    if not layers:
+        return None
+    return getattr(getattr(layers[0], "self_attn", None), "rotary_emb", None)
+
+
+def init_round_hook(result, req, *args, **kwargs):
+    """AFTER ``Req.init_next_round_input``: assemble the composite context once per documents request."""
+    custom = getattr(getattr(req, "sampling_params", None), "custom_params", None)
+    if not isinstance(custom, dict) or SPANS_KEY not in custom or getattr(req, "samkv_result", None) is not None:
+        return result
+    tree_cache = kwargs.get("tree_cache", args[0] if args else None)
+    rt = getattr(tree_cache, "samkv_runtime", None)
+    if rt is None:
+        return result
+    req.samkv_result = {"status": "pending"}
+    try:
+        req.samkv_result = _assemble(req, tree_cache, rt, custom)
+    except Exception:  # never take the scheduler down: serve the request densely
+        logger.exception("sglang-sparse samkv: assembly failed for %s; serving it densely", req.rid)
+        req.samkv_result = {"status": "error"}
+        return result
+    if req.samkv_result.get("status") == "assembled":
+        req.init_next_round_input(*args, **kwargs)  # stock match again: finds the composite
+    return result
+
+
+def _spans(custom, n_ids: int) -> list[tuple[int, int]]:
+    flat = custom[SPANS_KEY]
+    if not isinstance(flat, list) or len(flat) % 2 or not flat:
+        raise ValueError("bad samkv spans")
+    spans = [(int(flat[i]), int(flat[i + 1])) for i in range(0, len(flat), 2)]
+    pos = 0
+    for s, n in spans:
+        if s != pos or n <= 0:
+            raise ValueError("samkv spans must tile the documents from 0")
+        pos += n
+    if pos >= n_ids:
+        raise ValueError("samkv spans leave no prompt")
+    return spans
+
+
+def _assemble(req, tree_cache, rt, custom) -> dict:
+    from sglang.srt.mem_cache.base_prefix_cache import EvictParams, InsertParams, MatchPrefixParams
+    from sglang.srt.mem_cache.radix_cache import RadixKey
+
+    variant = custom.get(VARIANT_KEY)
+    if variant == "recompute":
+        return {"status": "recompute"}
+    ids = [int(x) for x in req.origin_input_ids]
+    spans = _spans(custom, len(ids))
+    ns = str(custom[NS_KEY])
+    filler, page = (int(x) for x in custom[FILLER_KEY])
+    page = max(1, int(getattr(tree_cache, "page_size", 1) or 1))
+    n_doc = spans[-1][0] + spans[-1][1]
+
+    locked, srcs = [], []
+    try:
+        for s, n in spans:
+            m = tree_cache.match_prefix(MatchPrefixParams(key=RadixKey(array("q", doc_key_ids(ids[s:s + n], filler, page)), ns)))
+            if len(m.device_indices) < n:
+                return {"status": "fallback", "reason": "document not cached"}
+            tree_cache.inc_lock_ref(m.last_device_node)
+            locked.append(m.last_device_node)
+            srcs.append(m.device_indices[:n])
+        keep = _select(req, rt, spans, srcs, ids, variant, tree_cache)
+        new_doc_ids, src_list, delta_list = [], [], []
+        for (s, n), src, kp in zip(spans, srcs, keep):
+            kp_t = torch.as_tensor(kp, dtype=torch.int64)
+            new_pos = torch.arange(len(new_doc_ids), len(new_doc_ids) + len(kp), dtype=torch.int64)
+            new_doc_ids.extend(ids[s + p] for p in kp)
+            src_list.append(src[kp_t.to(src.device)])
+            delta_list.append(new_pos - kp_t)
+        n_kept = len(new_doc_ids)
+        new_ids = new_doc_ids + ids[n_doc:]
+        aligned = (n_kept // page) * page
+        result = {"status": "assembled", "variant": variant, "document_tokens": n_doc, "kept_tokens": n_kept}
+        if aligned == 0:
+            result["status"] = "too_short"
+            return result
+        key = RadixKey(array("q", new_ids[:aligned]), req.extra_key)
+        have = len(tree_cache.match_prefix(MatchPrefixParams(key=key)).device_indices)
+        if have < aligned:
+            alloc = tree_cache.token_to_kv_pool_allocator
+            dst = alloc.alloc(aligned)
+            if dst is None:
+                tree_cache.evict(EvictParams(num_tokens=aligned))
+                dst = alloc.alloc(aligned)
+            if dst is None:
+                return {"status": "fallback", "reason": "no free KV slots for the composite"}
+            src = torch.cat(src_list)[:aligned]
+            delta = torch.cat(delta_list)[:aligned].to(src.device)
+            pool = alloc.get_kvcache()
+            for layer in range(rt.num_layers):
+                kbuf, vbuf = pool.get_key_buffer(layer), pool.get_value_buffer(layer)
+                kbuf[dst] = rt.shift_keys(kbuf[src], delta).to(kbuf.dtype)
+                vbuf[dst] = vbuf[src]
+            res = tree_cache.insert(InsertParams(key=key, value=dst.to(torch.int64)))
+            if res.prefix_len > 0:
+                alloc.free(dst[:res.prefix_len])
+        result["composite_cached"] = have >= aligned
+        if new_ids != ids:
+            req.origin_input_ids = array("q", new_ids)
+            req.origin_input_ids_unpadded = req.origin_input_ids
+            req.full_untruncated_fill_ids = array("q")
+        return result
+    finally:
+        for node in locked:
+            tree_cache.dec_lock_ref(node)
+
+
+def _select(req, rt, spans, srcs, ids, variant, tree_cache) -> list[list[int]]:
+    """Kept in-document positions of each document (sorted)."""
+    if variant != "samkv":
+        return [list(range(n)) for _, n in spans]
+    from sglang_sparse.samkv_select import select_blocks
+
+    return select_blocks(rt, spans, srcs, ids, tree_cache)
