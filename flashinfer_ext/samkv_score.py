@@ -1,0 +1,131 @@
+"""SamKV block selection maths (SamKV §3.1-3.2, Eq. 1-3, Appendix A): pure torch, fp32, no sglang.
+
+Vocabulary: a document's KV is cut into blocks of ``block_size`` tokens (the last one may be short);
+its first ``initial_blocks`` and last ``local_blocks`` are always kept (attention sinks and local
+context), the rest are the *middle* blocks that selection keeps or drops.
+
+* :func:`generic_query` - ``Q_que``: the question's queries mean-pooled over its tokens.
+* :func:`personalized_queries` - Eq. 1: ``Q^_i = Q_que + 1/(D-1) * sum_{j != i} |cos(Q_que, Q_j,loc)| * Q_j,loc``
+  (per query head; ``Q_que`` unchanged when ``D == 1`` or no local queries are given).
+* :func:`block_mean_keys` - one mean key per block (``[blocks, kv_heads, head_dim]``).
+* :func:`block_scores` - ``<Q^, K_block> / sqrt(head_dim)`` averaged over query heads (GQA: head
+  ``h`` reads KV head ``h // (Hq / Hkv)``).
+* :func:`anchor_top_p` - Eq. 2: ``P = (s_max - s_anc) / (s_max - s_min)`` if
+  ``s_min < s_anc <= s_max`` else 0, with ``s_anc`` the score of the mean key of the initial + local
+  (anchor) tokens and ``s_max`` / ``s_min`` the best / worst middle block.
+* :func:`select_middle_blocks` - Eq. 3 (``P_i`` averaged over the stable layers), each document's
+  top ``ceil(P_i * middle_i)`` middle blocks by its layer-averaged score as candidates, scores
+  min-max normalised per document (so documents compare on one scale), and of all candidates the
+  best ``total_blocks // D - always_kept_blocks`` kept (never negative: the paper's budget of
+  ``total blocks / D`` counts the always-kept blocks too).
+
+Cautions: scores use position-free vectors (queries before RoPE, keys de-rotated to position 0) so a
+block's score does not depend on where the document sits; the paper does not say which it uses.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+__all__ = ["generic_query", "personalized_queries", "block_mean_keys", "block_scores", "anchor_top_p",
+           "block_layout", "select_middle_blocks"]
+
+
+def generic_query(q: torch.Tensor) -> torch.Tensor:
+    """``q`` ``[tokens, q_heads, head_dim]`` -> ``Q_que`` ``[q_heads, head_dim]`` fp32 (mean over tokens)."""
+    return q.float().mean(dim=0)
+
+
+def personalized_queries(q_que: torch.Tensor, q_loc: torch.Tensor | None) -> torch.Tensor:
+    """Eq. 1. ``q_que`` ``[q_heads, head_dim]``; ``q_loc`` ``[docs, q_heads, head_dim]`` (each document's
+    local queries, mean-pooled) or ``None``. Returns ``[docs, q_heads, head_dim]`` fp32 (``[1, ...]`` when
+    ``q_loc`` is None)."""
+    q_que = q_que.float()
+    if q_loc is None:
+        return q_que.unsqueeze(0)
+    q_loc = q_loc.float()
+    d = q_loc.shape[0]
+    if d == 1:
+        return q_que.unsqueeze(0).clone()
+    w = torch.nn.functional.cosine_similarity(q_loc, q_que.unsqueeze(0), dim=-1).abs()  # [docs, heads]
+    contrib = w.unsqueeze(-1) * q_loc                                                   # [docs, heads, dim]
+    others = contrib.sum(dim=0, keepdim=True) - contrib                                  # sum over j != i
+    return q_que.unsqueeze(0) + others / (d - 1)
+
+
+def block_mean_keys(k: torch.Tensor, block_size: int) -> torch.Tensor:
+    """``k`` ``[tokens, kv_heads, head_dim]`` -> ``[ceil(tokens / block_size), kv_heads, head_dim]`` fp32
+    (the last block averages its own tokens only)."""
+    n = k.shape[0]
+    nb = -(-n // block_size)
+    k = k.float()
+    pad = nb * block_size - n
+    if pad:
+        k = torch.cat([k, k.new_zeros((pad,) + tuple(k.shape[1:]))])
+    sums = k.view(nb, block_size, *k.shape[1:]).sum(dim=1)
+    counts = torch.full((nb,), float(block_size), device=k.device)
+    counts[-1] = n - (nb - 1) * block_size
+    return sums / counts.view(nb, 1, 1)
+
+
+def block_scores(q_hat: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """``q_hat`` ``[q_heads, head_dim]``, ``keys`` ``[n, kv_heads, head_dim]`` -> ``[n]`` fp32: scaled inner
+    products averaged over query heads (GQA groups share their KV head)."""
+    hq, dim = q_hat.shape
+    hkv = keys.shape[1]
+    if hq % hkv:
+        raise ValueError(f"block_scores: q_heads={hq} is not a multiple of kv_heads={hkv}")
+    k = keys.float().repeat_interleave(hq // hkv, dim=1)  # [n, hq, dim]
+    return (k * q_hat.float().unsqueeze(0)).sum(-1).mean(-1) / math.sqrt(dim)
+
+
+def anchor_top_p(s_anc: torch.Tensor, s_mid: torch.Tensor) -> torch.Tensor:
+    """Eq. 2 per layer. ``s_anc`` ``[layers]``, ``s_mid`` ``[layers, middle_blocks]`` -> ``P`` ``[layers]`` in [0, 1]."""
+    if s_mid.shape[-1] == 0:
+        return torch.zeros_like(s_anc, dtype=torch.float32)
+    s_max, s_min = s_mid.max(dim=-1).values.float(), s_mid.min(dim=-1).values.float()
+    s_anc = s_anc.float()
+    inside = (s_anc > s_min) & (s_anc <= s_max)
+    p = (s_max - s_anc) / (s_max - s_min).clamp_min(1e-30)
+    return torch.where(inside, p, torch.zeros_like(p))
+
+
+def block_layout(n_tokens: int, block_size: int, initial_blocks: int, local_blocks: int):
+    """``(blocks, always-kept block ids, middle block ids)`` of one document (python lists)."""
+    nb = -(-n_tokens // block_size)
+    always = sorted(set(range(min(initial_blocks, nb))) | set(range(max(0, nb - local_blocks), nb)))
+    middle = [b for b in range(nb) if b not in set(always)]
+    return nb, always, middle
+
+
+def select_middle_blocks(p_layers: list[torch.Tensor], s_layers: list[torch.Tensor], total_blocks: int,
+                         always_kept: int) -> list[list[int]]:
+    """Eq. 3 + cross-document normalisation and budget.
+
+    p_layers[i]: ``[stable_layers]`` Eq. 2 ratios of document i; s_layers[i]: ``[stable_layers, middle_i]``
+    its middle blocks' scores. Returns, per document, the kept middle positions (indices into its middle
+    list, sorted).
+    """
+    d = len(s_layers)
+    budget = max(0, total_blocks // max(d, 1) - always_kept)
+    cands = []  # (normalised score, doc, middle index)
+    for i, (p, s) in enumerate(zip(p_layers, s_layers)):
+        m = s.shape[-1]
+        if m == 0:
+            continue
+        p_i = float(p.float().mean())                     # Eq. 3
+        take = min(m, math.ceil(p_i * m - 1e-9))
+        if take <= 0:
+            continue
+        mean = s.float().mean(dim=0)                      # layer-averaged block scores
+        lo, hi = float(mean.min()), float(mean.max())
+        norm = (mean - lo) / (hi - lo) if hi > lo else torch.ones_like(mean)
+        top = torch.topk(mean, take).indices.tolist()
+        cands += [(float(norm[j]), i, j) for j in top]
+    cands.sort(key=lambda c: (-c[0], c[1], c[2]))
+    kept: list[list[int]] = [[] for _ in range(d)]
+    for _, i, j in cands[:budget]:
+        kept[i].append(j)
+    return [sorted(k) for k in kept]

@@ -1,0 +1,76 @@
+"""flashinfer_ext.samkv_score: SamKV Eq. 1-3 and the cross-document budget against loop references."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from flashinfer_ext.samkv_score import (anchor_top_p, block_layout, block_mean_keys, block_scores,
+                                        generic_query, personalized_queries, select_middle_blocks)
+
+
+def test_personalized_queries_match_eq1_loop():
+    g = torch.Generator().manual_seed(0)
+    q_que = torch.randn(4, 8, generator=g)
+    q_loc = torch.randn(3, 4, 8, generator=g)
+    got = personalized_queries(q_que, q_loc)
+    for i in range(3):
+        for h in range(4):
+            ref = q_que[h].clone()
+            for j in range(3):
+                if j != i:
+                    cos = torch.dot(q_que[h], q_loc[j, h]) / (q_que[h].norm() * q_loc[j, h].norm())
+                    ref += abs(float(cos)) * q_loc[j, h] / 2
+            torch.testing.assert_close(got[i, h], ref, rtol=1e-5, atol=1e-6)
+    assert torch.equal(personalized_queries(q_que, None)[0], q_que)
+    assert torch.equal(personalized_queries(q_que, q_loc[:1])[0], q_que)  # D == 1: no bias
+
+
+def test_block_mean_keys_and_scores_against_loops():
+    g = torch.Generator().manual_seed(1)
+    k = torch.randn(10, 2, 4, generator=g).to(torch.bfloat16)
+    means = block_mean_keys(k, 4)
+    assert means.shape == (3, 2, 4) and means.dtype == torch.float32
+    torch.testing.assert_close(means[0], k[:4].float().mean(0))
+    torch.testing.assert_close(means[2], k[8:].float().mean(0))  # short last block: its own tokens only
+    q = torch.randn(6, 4, generator=g)  # 6 q heads over 2 kv heads (groups of 3)
+    s = block_scores(q, means)
+    for b in range(3):
+        ref = sum(float(q[h] @ means[b, h // 3]) for h in range(6)) / 6 / math.sqrt(4)
+        assert abs(float(s[b]) - ref) < 1e-5
+    with pytest.raises(ValueError, match="not a multiple"):
+        block_scores(torch.randn(5, 4), means)
+    assert torch.equal(generic_query(torch.ones(3, 2, 2) * 2), torch.full((2, 2), 2.0))
+
+
+@pytest.mark.parametrize("s_anc,s_mid,expected", [
+    (1.0, [0.0, 2.0, 3.0], (3.0 - 1.0) / 3.0),   # anchor inside (min, max]
+    (3.0, [0.0, 2.0, 3.0], 0.0),                 # anchor == max: inside, P = 0
+    (0.0, [0.0, 2.0, 3.0], 0.0),                 # anchor == min: outside (open at min)
+    (5.0, [0.0, 2.0, 3.0], 0.0),                 # anchor above every block
+    (-1.0, [0.0, 2.0, 3.0], 0.0),                # anchor below every block
+])
+def test_anchor_top_p_is_eq2(s_anc, s_mid, expected):
+    p = anchor_top_p(torch.tensor([s_anc]), torch.tensor([s_mid]))
+    assert abs(float(p[0]) - expected) < 1e-6
+
+
+def test_block_layout_keeps_initial_and_local():
+    assert block_layout(130, 64, 1, 2) == (3, [0, 1, 2], [])
+    assert block_layout(64 * 6, 64, 1, 2) == (6, [0, 4, 5], [1, 2, 3])
+    assert block_layout(10, 4, 0, 0) == (3, [], [0, 1, 2])
+
+
+def test_select_middle_blocks_budget_topp_and_normalisation():
+    # doc 0: P = 0.5 of 4 middle blocks -> candidates its top 2 (blocks 3, 1); doc 1: P = 0 -> none;
+    # doc 2: P = 1 of 2 -> both. Budget total 24 // 3 - 6 = 2 -> the two best normalised candidates.
+    p = [torch.tensor([0.5, 0.5]), torch.tensor([0.0, 0.0]), torch.tensor([1.0, 1.0])]
+    s = [torch.tensor([[0.0, 5.0, 1.0, 9.0]] * 2), torch.tensor([[7.0, 1.0]] * 2), torch.tensor([[2.0, 4.0]] * 2)]
+    kept = select_middle_blocks(p, s, total_blocks=24, always_kept=6)
+    # normalised: doc0 block3 -> 1.0, block1 -> 5/9; doc2 block1 -> 1.0, block0 -> 0.0
+    assert kept == [[3], [], [1]]
+    assert select_middle_blocks(p, s, total_blocks=24, always_kept=8) == [[], [], []]  # no budget left
+    wide = select_middle_blocks(p, s, total_blocks=300, always_kept=0)
+    assert wide == [[1, 3], [], [0, 1]]  # budget never exceeds the top-P candidates
