@@ -1,0 +1,112 @@
+"""The scheduler's SamKV assembly (``sglang_sparse.samkv_assembly._assemble``, the code the server runs in
+``Req.init_next_round_input``) on SGLang's real RadixCache / KV pool / allocator, with SmolLM2-135M's real
+layer-0 keys: two documents cached alone at positions [0, n) are placed one after the other; the
+composite's keys of the second document equal its keys computed at offset ``len(doc 1)`` (bf16, within
+two bf16 ulps, with an off-by-one negative control), values are copied bit for bit, the composite is
+the tree's entry under the request's namespace, and every KV slot is accounted for (no leak)."""
+
+from __future__ import annotations
+
+from array import array
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+pytest.importorskip("sglang")
+
+from sglang.srt.mem_cache.base_prefix_cache import InsertParams, MatchPrefixParams  # noqa: E402
+from sglang.srt.mem_cache.cache_init_params import CacheInitParams  # noqa: E402
+from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool  # noqa: E402
+from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey  # noqa: E402
+
+from sglang_sparse.config import SamKVConfig  # noqa: E402
+from sglang_sparse.samkv_api import FILLER_KEY, NS_KEY, SPANS_KEY, VARIANT_KEY, doc_key_ids  # noqa: E402
+from sglang_sparse.samkv_assembly import SamKVRuntime, _assemble  # noqa: E402
+from tests.flashinfer_ext.test_rope_shift import _layer0_keys, _max_rel, _rope_theta, smollm2  # noqa: E402,F401
+
+SIZE = 512
+FILLER = 0
+
+
+def _make(page: int, heads: int, dim: int):
+    kv = MHATokenToKVPool(SIZE, page, torch.bfloat16, heads, dim, 1, "cpu", False)
+    if page == 1:
+        from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
+
+        alloc = TokenToKVPoolAllocator(SIZE, torch.bfloat16, "cpu", kv, False)
+    else:
+        from sglang_sparse_cpu_runtime.allocator import TorchPagedTokenToKVPoolAllocator
+
+        alloc = TorchPagedTokenToKVPoolAllocator(SIZE, page, torch.bfloat16, "cpu", kv, False)
+    params = CacheInitParams(disable=False, req_to_token_pool=None, token_to_kv_pool_allocator=alloc,
+                             page_size=page)
+    return RadixCache(params), kv, alloc
+
+
+def _cache_document(tree, kv, alloc, ids: list[int], keys: torch.Tensor, ns: str, page: int, seed: int):
+    """What the document's own prefill leaves behind: its KV at positions [0, n) under its namespace."""
+    key_ids = doc_key_ids(ids, FILLER, page)
+    slots = alloc.alloc(len(key_ids))
+    g = torch.Generator().manual_seed(seed)
+    kv.k_buffer[0][slots[: len(ids)]] = keys
+    kv.v_buffer[0][slots] = torch.randn(len(key_ids), *kv.v_buffer[0].shape[1:], generator=g).to(torch.bfloat16)
+    res = tree.insert(InsertParams(key=RadixKey(array("q", key_ids), ns), value=slots.to(torch.int64)))
+    assert res.prefix_len == 0
+    return slots
+
+
+@pytest.mark.parametrize("page", [1, 4])
+def test_assembled_keys_equal_keys_at_offset(smollm2, page):
+    model, ids = smollm2
+    cfg = model.config
+    doc_a = ids[0, :23].tolist()
+    doc_b = ids[0, 5:].tolist()  # a different document of 30-odd tokens
+    question = [11, 22, 33, 44, 55]
+    tree, kv, alloc = _make(page, cfg.num_key_value_heads, cfg.head_dim)
+    ns = "samkv-doc:salt"
+    ka = _layer0_keys(model, torch.tensor([doc_a]), 0, torch.bfloat16)
+    kb = _layer0_keys(model, torch.tensor([doc_b]), 0, torch.bfloat16)
+    sa = _cache_document(tree, kv, alloc, doc_a, ka, ns, page, 1)
+    sb = _cache_document(tree, kv, alloc, doc_b, kb, ns, page, 2)
+    rt = SamKVRuntime(SamKVConfig(variant="reuse"), _rope_theta(model), cfg.head_dim, None, 1)
+    custom = {SPANS_KEY: [0, len(doc_a), len(doc_a), len(doc_b)], NS_KEY: ns, FILLER_KEY: [FILLER, page],
+              VARIANT_KEY: "reuse"}
+    all_ids = doc_a + doc_b + question
+    req = SimpleNamespace(origin_input_ids=array("q", all_ids), extra_key="samkv:reuse:salt:t",
+                          sampling_params=SimpleNamespace(custom_params=custom), rid="t")
+    free_before = alloc.available_size()
+    result = _assemble(req, tree, rt, custom)
+    n_doc = len(doc_a) + len(doc_b)
+    aligned = n_doc // page * page
+    assert result == {"status": "assembled", "variant": "reuse", "document_tokens": n_doc, "kept_tokens": n_doc,
+                      "composite_cached": False}
+    assert list(req.origin_input_ids) == all_ids  # reuse keeps every token
+    m = tree.match_prefix(MatchPrefixParams(key=RadixKey(array("q", all_ids), req.extra_key)))
+    assert len(m.device_indices) == aligned
+    comp = m.device_indices
+    # doc A at offset 0: keys and values copied as they are
+    assert torch.equal(kv.k_buffer[0][comp[: len(doc_a)]], ka)
+    assert torch.equal(kv.v_buffer[0][comp[: len(doc_a)]], kv.v_buffer[0][sa[: len(doc_a)]])
+    # doc B at offset len(doc_a): keys == keys computed there; values bit-identical
+    nb = aligned - len(doc_a)
+    got = kv.k_buffer[0][comp[len(doc_a):aligned]]
+    want = _layer0_keys(model, torch.tensor([doc_b]), len(doc_a), torch.bfloat16)[:nb]
+    assert _max_rel(got, want) < 1.5e-2
+    off_by_one = _layer0_keys(model, torch.tensor([doc_b]), len(doc_a) + 1, torch.bfloat16)[:nb]
+    assert _max_rel(got, off_by_one) > 0.2
+    assert torch.equal(kv.v_buffer[0][comp[len(doc_a):aligned]], kv.v_buffer[0][sb[:nb]])
+    # the composite's slots belong to the tree now; the documents stay cached and unlocked
+    assert alloc.available_size() == free_before - aligned
+    assert tree.evictable_size() == SIZE - alloc.available_size() and tree.protected_size() == 0
+    # a second identical request finds the composite: no new slots
+    req2 = SimpleNamespace(origin_input_ids=array("q", all_ids), extra_key=req.extra_key,
+                           sampling_params=req.sampling_params, rid="t2")
+    assert _assemble(req2, tree, rt, custom)["composite_cached"] is True
+    assert alloc.available_size() == free_before - aligned
+    # another salt's namespace holds neither document: served densely
+    other = dict(custom, **{NS_KEY: "samkv-doc:other"})
+    req3 = SimpleNamespace(origin_input_ids=array("q", all_ids), extra_key="samkv:reuse:other:t",
+                           sampling_params=SimpleNamespace(custom_params=other), rid="t3")
+    assert _assemble(req3, tree, rt, other) == {"status": "fallback", "reason": "document not cached"}
+    assert tree.protected_size() == 0
