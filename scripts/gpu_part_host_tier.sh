@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
-# Host tier (issue #6) GPU part: the host-transfer GPU tests and the transfer benchmark.
+# Host tier (issue #6) GPU part: the host-transfer GPU tests, the host-tier server test (evict -> host ->
+# reload on FlashInfer, page 16) and the transfer benchmark.
 # Run on the device from the repository root with the kit's env already sourced
 # (scripts/gpu_session.sh tests_host calls it):  bash scripts/gpu_part_host_tier.sh REPORT_DIR
-# Reports: REPORT_DIR/{pytest_host_tier.log,junit_host_tier.xml,host_tier_bench.log,host_tier.md,host_tier.json}.
-# A failing step is recorded (exit code in the log and status.txt), never fatal; total <= ~5 minutes.
+# Reports: REPORT_DIR/{pytest_host_tier.log,junit_host_tier.xml,pytest_host_tier_server.log,junit_host_tier_server.xml,host_tier_bench.log,host_tier.md,host_tier.json}.
+# A failing step is recorded (exit code in the log and status.txt), never fatal; total <= ~10 minutes.
 set -uo pipefail
 rep=${1:?usage: gpu_part_host_tier.sh REPORT_DIR}
 mkdir -p "$rep"
@@ -15,6 +16,10 @@ t0=$(date +%s)
 timeout 120 python3 -m pytest -m gpu -q -p no:cacheprovider -rA --junitxml="$rep/junit_host_tier.xml" \
     tests/flashinfer_ext/test_host_transfer.py tests/flashinfer_ext/test_kv_units.py 2>&1 | tee "$rep/pytest_host_tier.log"
 s=${PIPESTATUS[0]}; say "pytest host_transfer (gpu): exit $s in $(( $(date +%s) - t0 ))s"; [ "$s" = 0 ] || rc=1
+t0=$(date +%s)
+timeout 300 python3 -m pytest -m gpu -q -p no:cacheprovider -rA --junitxml="$rep/junit_host_tier_server.xml" \
+    tests/test_gpu_host_tier_server.py 2>&1 | tee "$rep/pytest_host_tier_server.log"
+s=${PIPESTATUS[0]}; say "pytest host tier server (gpu): exit $s in $(( $(date +%s) - t0 ))s"; [ "$s" = 0 ] || rc=1
 t0=$(date +%s)
 timeout 240 python3 bench/host_tier_bench.py --out "$rep" 2>&1 | tee "$rep/host_tier_bench.log"
 s=${PIPESTATUS[0]}; say "host_tier_bench: exit $s in $(( $(date +%s) - t0 ))s"; [ "$s" = 0 ] || rc=1

@@ -62,6 +62,8 @@ def internal_state_hook(result, scheduler, *args, **kwargs):
         "attention_backend": type(backend).__name__,
         "attention_backend_mode": None if backend_ctx is None else backend_ctx.mode,
         "stats": stats.to_dict() if (stats := getattr(backend, "sparse_stats", None)) is not None else None,
+        "host_tier": tier.report() if (tier := getattr(getattr(scheduler, "tree_cache", None), "tier", None))
+        is not None else None,
     }
     return result
 

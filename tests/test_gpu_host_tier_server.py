@@ -1,0 +1,45 @@
+"""Contract (GPU, issue #6 item 1): the CPU host-tier server contract (tests/test_host_tier_server.py) on
+CUDA with FlashInfer and page 16: a radix node evicted from a small KV pool is saved to pinned host
+memory (CPU-assisted save), loaded back on the prompt's next hit through the fused UVA gather (the
+Triton path, not the staging fallback) instead of being recomputed, PSA decodes it sparsely (the
+prompt is above min_context; block metadata recomputed from the reloaded keys) with the same greedy
+reply as the device-hit run, and SGLang's idle KV-leak check stays silent."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+from bench.server import Server, ServerSpec
+from tests.serverproc import DEFAULT_MODEL, free_port
+from tests.test_host_tier_server import MAX_TOTAL, run_evict_reload
+
+pytestmark = [pytest.mark.gpu, pytest.mark.server]
+
+
+@pytest.fixture(scope="module")
+def gpu_tier_server(tmp_path_factory):
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    log = tmp_path_factory.mktemp("gpu_host_tier") / "server.log"
+    spec = ServerSpec(python=sys.executable, model=str(DEFAULT_MODEL), device="cuda", port=free_port(), mode="psa",
+                      sparse_config='{"min_context": 512, "host_tier_gb": 0.5, "gpu_cache_mb": 16}',
+                      extra_args=["--attention-backend", "flashinfer", "--page-size", "16", "--enable-metrics",
+                                  "--mem-fraction-static", "0.2", "--max-total-tokens", str(MAX_TOTAL),
+                                  "--cuda-graph-max-bs", "4"])
+    server = Server(spec, log, timeout_s=600).start()
+    try:
+        yield server, log
+    finally:
+        server.stop()
+
+
+def test_gpu_evicted_prompt_is_loaded_from_host_not_recomputed(gpu_tier_server):
+    server, log = gpu_tier_server
+    text = log.read_text(errors="replace")
+    # the fused UVA gather kernel serves the reloads (torch_staging would be the slow fallback)
+    assert "gather path triton_uva" in text, [ln for ln in text.splitlines() if "host tier" in ln]
+    run_evict_reload(server, log, page_size=16)
