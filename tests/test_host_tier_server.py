@@ -18,12 +18,17 @@ pytestmark = pytest.mark.server
 MAX_TOTAL = 1600  # KV pool: room for two ~700-token prompts, so the third evicts the least recently used
 
 
-@pytest.fixture(scope="module")
-def tier_server(default_model, tmp_path_factory):
-    log = tmp_path_factory.mktemp("host_tier") / "server.log"
+CONFIGS = {  # psa decodes the prompt sparsely (above min_context); loopserve's radix hooks run beside the tier
+    "psa": '{"min_context": 256, "host_tier_gb": 0.1, "gpu_cache_mb": 8}',
+    "loopserve": '{"host_tier_gb": 0.1, "gpu_cache_mb": 8}',
+}
+
+
+@pytest.fixture(scope="module", params=sorted(CONFIGS))
+def tier_server(request, default_model, tmp_path_factory):
+    log = tmp_path_factory.mktemp(f"host_tier_{request.param}") / "server.log"
     handle = start_cpu_server(
-        default_model, log, mode="psa",
-        sparse_config='{"min_context": 256, "host_tier_gb": 0.1, "gpu_cache_mb": 8}',
+        default_model, log, mode=request.param, sparse_config=CONFIGS[request.param],
         extra_args=("--enable-metrics", "--max-total-tokens", str(MAX_TOTAL)))
     try:
         yield handle, log
