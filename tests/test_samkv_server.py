@@ -133,3 +133,23 @@ def test_dsl_helper_passes_documents(samkv_server):
     assert state.text().endswith(state["answer"])
     with pytest.raises(ValueError, match="documents\\[0\\]"):
         qa.run(docs=[""], name="x", backend=sgl.RuntimeEndpoint(server.url)).get_var("answer")
+
+
+def test_bench_smoke_writes_computed_headline(samkv_server, tmp_path):
+    import json
+
+    from bench.samkv_bench import run, write_report
+
+    server, _ = samkv_server
+    res = run(server.url, n_tasks=1, docs=2, words=80, repeats=1, max_tokens=8, log=lambda *a: None)
+    row = res["rows"][0]
+    assert row["warm_documents_prefilled"] in (0, 2) and row["document_tokens"] > 100
+    assert res["ttft_ratio_vs_recompute"] == res["ttft_median_s"]["samkv"] / res["ttft_median_s"]["recompute"]
+    assert 0 < res["kv_kept_ratio"] <= 1.0
+    write_report(tmp_path, res, {"command": "test", "gpu": "none (CPU run)", "docs": 2, "words": 80})
+    head = json.loads((tmp_path / "samkv.json").read_text())
+    assert set(head) >= {"gpu", "ttft_ratio_vs_recompute", "kv_kept_ratio", "accuracy_delta_vs_recompute"}
+    assert all(isinstance(head[k], float) for k in ("ttft_ratio_vs_recompute", "kv_kept_ratio",
+                                                    "accuracy_delta_vs_recompute"))
+    assert head["accuracy_delta_vs_recompute"] == 100.0 * (res["accuracy"]["samkv"] - res["accuracy"]["recompute"])
+    assert "| TTFT samkv / full recompute" in (tmp_path / "samkv.md").read_text()

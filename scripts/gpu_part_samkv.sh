@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# SamKV's GPU part (issue 7), run on the device after the kit is staged (env sourced, $KIT_MODEL set,
+# models/SmolLM2-135M-Instruct linked to it):
+#
+#   bash scripts/gpu_part_samkv.sh REPORT_DIR
+#
+# Steps (each one's failure is recorded in REPORT_DIR/steps.txt, never fatal; <= ~6 minutes in all):
+#   pytest_gpu  tests/test_gpu_samkv_server.py + the rope_shift kernel tests (-m gpu / CPU-interpreter ones)
+#   bench       bench/samkv_bench.py on a FlashInfer page-16 server -> REPORT_DIR/samkv.{md,json}
+#               (8 documents of ~960 tokens, SAMKV_TASKS tasks (default 6), 3 TTFT repeats)
+# Budgets: SAMKV_TEST_TIMEOUT (150 s), SAMKV_BENCH_TIMEOUT (200 s).
+set -uo pipefail
+rep=${1:?usage: gpu_part_samkv.sh REPORT_DIR}
+mkdir -p "$rep"
+export PYTHONUNBUFFERED=1
+rc=0
+say() { echo "[gpu_part_samkv $(date +%H:%M:%S)] $*"; }
+step() {  # step NAME CMD...: its log in the report folder; a failure is recorded, not fatal
+  local name=$1; shift
+  say "== $name"
+  local t0=$(date +%s)
+  "$@" > "$rep/$name.log" 2>&1
+  local src=$?
+  tail -n 25 "$rep/$name.log"
+  echo "$name exit=$src seconds=$(( $(date +%s) - t0 ))" | tee -a "$rep/steps.txt"
+  [ "$src" = 0 ] || rc=1
+}
+step pytest_gpu timeout "${SAMKV_TEST_TIMEOUT:-150}" python3 -m pytest -q -p no:cacheprovider -rA \
+    --junitxml="$rep/junit_gpu_samkv.xml" tests/test_gpu_samkv_server.py tests/flashinfer_ext/test_rope_shift.py \
+    tests/test_samkv_score.py tests/test_samkv_assembly.py
+step bench timeout "${SAMKV_BENCH_TIMEOUT:-200}" python3 -m bench.samkv_bench --launch --device cuda \
+    --python python3 --model "$KIT_MODEL" --port 30020 --out "$rep" --tasks "${SAMKV_TASKS:-6}" \
+    --server-args "--attention-backend flashinfer --page-size 16 --mem-fraction-static 0.5"
+say "done: exit $rc"
+exit $rc
