@@ -119,7 +119,7 @@ def make_tree_cache(build):
 
 # ------------------------------------------------------------------------------------------- stats
 @dataclass
-class HostTierStats:
+class HostTierServerStats:
     """Counters since start-up (``/server_info`` -> ``internal_states[0].sparse.host_tier``)."""
 
     saved_nodes: int = 0
@@ -192,7 +192,7 @@ class HostTier:
         path = "auto" if self.device.type == "cuda" else "torch_staging"
         self.io = HostTierIO(self.pool.host_units, self.pool.cache.cache_buf, max_rows=rows, path=path)
         self._pack = torch.empty((rows, self.pool.unit_elems), dtype=self.shape.dtype, device=self.device)
-        self.stats = HostTierStats()
+        self.stats = HostTierServerStats()
         self.metrics = metrics
         self.load_listeners: list = []   # f(pages: int64 device tensor) after pages were reloaded
 
@@ -286,10 +286,10 @@ class HostTier:
 
 # ------------------------------------------------------------------------------------------- tree
 def _path_tokens(node) -> list:
-    """Token ids from the root to the end of ``node`` (exclusive of nothing)."""
+    """Token ids on the path from the root to the end of ``node``."""
     parts = []
     while node is not None and node.parent is not None:
-        parts.append(node.key.raw_token_ids() if hasattr(node.key, "raw_token_ids") else node.key.token_ids)
+        parts.append(node.key.raw_token_ids())
         node = node.parent
     out: list = []
     for seg in reversed(parts):
@@ -387,9 +387,7 @@ class HostTierRadixCache(RadixCache):
                 e.pins -= 1
             self.dec_lock_ref(node)
         full = torch.cat([req.prefix_indices.to(torch.int64), slots.to(torch.int64)])
-        ins_key = RadixKey(tokens, req.extra_key, limit=matched + n)
-        ins_key = RadixKey(ins_key.raw_token_ids(), req.extra_key)
-        res = self.insert(InsertParams(key=ins_key, value=full, priority=getattr(req, "priority", 0) or 0))
+        res = self.insert(InsertParams(key=RadixKey(tokens[: matched + n], req.extra_key), value=full, priority=getattr(req, "priority", 0) or 0))
         if res.prefix_len != matched:  # the path changed under us: give the duplicate slots back
             self.token_to_kv_pool_allocator.free(slots)
             raise RuntimeError(f"sglang-sparse host tier: insert found {res.prefix_len} cached tokens, expected "
