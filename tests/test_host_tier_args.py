@@ -6,7 +6,6 @@ from __future__ import annotations
 import pytest
 
 from sglang_sparse.host_tier import BACKEND_NAME
-from tests.serverproc import DEFAULT_MODEL
 
 
 @pytest.fixture(scope="module")
@@ -19,16 +18,17 @@ def prepare():
     return sa.prepare_server_args
 
 
-def _args(prepare, *argv):
-    return prepare(["--model-path", str(DEFAULT_MODEL), "--device", "cpu", *argv])
+@pytest.fixture(scope="module")
+def args(prepare, default_model):
+    return lambda *argv: prepare(["--model-path", str(default_model), "--device", "cpu", *argv])
 
 
 @pytest.mark.parametrize("mode", ["psa", "loopserve"])
-def test_host_tier_selects_the_backend_only_when_on(prepare, mode):
-    on = _args(prepare, "--sparse", mode, "--sparse-config", '{"host_tier_gb": 0.5, "gpu_cache_mb": 32}')
+def test_host_tier_selects_the_backend_only_when_on(args, mode):
+    on = args("--sparse", mode, "--sparse-config", '{"host_tier_gb": 0.5, "gpu_cache_mb": 32}')
     assert on.radix_cache_backend == BACKEND_NAME
     assert '"host_tier_gb": 0.5' in on.sparse_config and '"working_set_window": 12' in on.sparse_config
-    off = _args(prepare, "--sparse", mode)
+    off = args("--sparse", mode)
     assert off.radix_cache_backend is None and '"host_tier_gb": 0.0' in off.sparse_config
 
 
@@ -42,9 +42,9 @@ def test_host_tier_selects_the_backend_only_when_on(prepare, mode):
     (["--sparse-config", '{"gpu_cache_mb": 0}'], "field 'gpu_cache_mb' of mode 'psa' = 0.0 is out of range"),
     (["--sparse-config", '{"working_set_window": 0}'], "field 'working_set_window' of mode 'psa' = 0 is out of range"),
 ])
-def test_bad_host_tier_settings_are_refused(prepare, capsys, argv, fragment):
+def test_bad_host_tier_settings_are_refused(args, capsys, argv, fragment):
     with pytest.raises(SystemExit) as exc:
-        _args(prepare, "--sparse", "psa", *argv)
+        args("--sparse", "psa", *argv)
     assert exc.value.code == 2
     assert fragment in capsys.readouterr().err
 
