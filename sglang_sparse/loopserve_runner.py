@@ -25,7 +25,8 @@ Where the host work goes (nothing per layer needs a sync; no ``.item()``):
   * per layer, extend: estimation + selection + sparse prefill per sparse extend row (one request per
     kernel call: the kernels are single-request); device work only (the selection's split sizes are
     built without ``unique`` so that it never syncs).
-  * per layer, decode: the ring write of each sparse row's query (one small device copy per row), at
+  * per layer, decode: one copy of all sparse rows' queries into the step's query buffer (committed to
+    the per-request rings at the next :meth:`begin_batch`: one copy per row for all layers), at
     re-selection steps only the per-row estimation + top-B, then for ALL sparse rows at once: the union
     mask (:func:`flashinfer_ext.sparse_decode.decode_union_mask` over the batch tensors planned in
     :meth:`begin_batch`), its prefix-sum compaction (:func:`~flashinfer_ext.sparse_decode.mask_to_lists`)
@@ -130,13 +131,23 @@ class LoopServeRunner:
         self.step_rows: torch.Tensor | None = None
         self.ext_rows: list[_ExtRow] = []
         self.dec: dict | None = None
+        self._pending_ring = None   # (q_buf [L, nS, Hq, D], [(state, ring slot)]) of the last decode step
         self.n_sparse_prefill_rows = 0
         # lastwindow (SnapKV-like baseline): dense prefill that only records the prompt's last `window`
         # queries; one top-B selection at the first decode step; no lines, no re-selection
         self.lastwindow = cfg.mode == "lastwindow"
 
     # ------------------------------------------------------------------ planning (once per batch)
+    def _commit_ring(self) -> None:
+        """Write the previous decode step's queries into the rings (one copy per row, all layers)."""
+        pending, self._pending_ring = self._pending_ring, None
+        if pending is not None:
+            q_buf, targets = pending
+            for j, (st, slot) in enumerate(targets):
+                st.ring[:, slot] = q_buf[:, j]
+
     def begin_batch(self, backend, forward_batch) -> None:
+        self._commit_ring()
         mode = forward_batch.forward_mode
         self.ext_rows, self.dec = [], None
         bs = int(forward_batch.batch_size) if not mode.is_idle() else 0
@@ -251,7 +262,12 @@ class LoopServeRunner:
                 st.since = max(st.prompt_len - self.cfg.window, 0) if self.lastwindow else lens[i] - 1
         rows_t = torch.tensor(rows)
         seq = torch.tensor([lens[i] for i in rows])
+        q_buf = None if self.lastwindow else torch.empty(
+            sh.num_layers, len(rows), sh.num_qo_heads, sh.head_dim, dtype=states[0].ring.dtype, device=dev)
+        self._pending_ring = None if q_buf is None else \
+            (q_buf, [(st, (lens[i] - 1) % cfg.n_d) for st, i in zip(states, rows)])
         self.dec = dict(rows=rows, rows_dev=rows_t.to(dev), states=states, fire=fire, v=v, s=s_, topb=tb,
+                        q_buf=q_buf, fire_idx=[j for j, f in enumerate(fire) if f],
                         seq=seq.to(dev), pos=(seq - 1).to(dev), max_len=max(lens[i] for i in rows),
                         since=torch.tensor([st.since for st in states]).to(dev),
                         seq_host=[lens[i] for i in rows],
@@ -345,26 +361,32 @@ class LoopServeRunner:
         k_buf, v_buf = pool.get_key_buffer(lid), pool.get_value_buffer(lid)
         rtt = backend.req_to_token_pool.req_to_token
         n_d = getattr(cfg, "n_d", 1)
-        for j, (i, st, f) in enumerate(zip(d["rows"], d["states"], d["fire"])):
-            pos = d["seq_host"][j] - 1
-            if not self.lastwindow:
-                st.ring[lid, pos % n_d] = q3[i].to(st.ring.dtype)
-            if f:  # Alg. 3 / Eq. 7: top-B per KV head from the observation queries' attention
-                # (lastwindow: the prompt's last `window` queries, recorded at prefill)
-                lo, hi = (st.ring_lo, st.prompt_len) if self.lastwindow else (max(st.ring_lo, pos - n_d + 1), pos + 1)
-                obs_pos = torch.arange(lo, hi, device=q3.device)
-                slots = rtt[d["rpi"][j]]
-                lines = self._estimate(st.ring[lid, obs_pos % st.ring.shape[1]], obs_pos, k_buf, slots, hi,
-                                       layer.scaling)
-                lists, _ = decode_topb(lines, st.budget)
-                if st.topb is None or st.topb.shape[2] != lists.shape[1]:
-                    st.topb = torch.full((self.shape.num_layers, lists.shape[0], lists.shape[1]), -1,
-                                         dtype=torch.int32, device=lists.device)
-                st.topb[lid] = lists
-                d["topb"][j, lid, :, : lists.shape[1]] = lists
-        mask = self._decode_mask(d, lid)  # [nS, Hk, N]
         rows = d["rows_dev"]
         q_s = q3[rows]
+        if d["q_buf"] is not None:  # this step's queries, one copy for all rows (rings updated next batch)
+            d["q_buf"][lid] = q_s.to(d["q_buf"].dtype)
+        for j in d["fire_idx"]:  # re-selection rows only (every n_d tokens): per-row estimation + top-B
+            i, st = d["rows"][j], d["states"][j]
+            pos = d["seq_host"][j] - 1
+            # Alg. 3 / Eq. 7: top-B per KV head from the observation queries' attention (the ring holds the
+            # positions before this one; lastwindow: the prompt's last `window` queries, recorded at prefill)
+            if self.lastwindow:
+                lo, hi = st.ring_lo, st.prompt_len
+                obs_pos = torch.arange(lo, hi, device=q3.device)
+                q_obs = st.ring[lid, obs_pos % st.ring.shape[1]]
+            else:
+                lo, hi = max(st.ring_lo, pos - n_d + 1), pos + 1
+                obs_pos = torch.arange(lo, hi, device=q3.device)
+                q_obs = torch.cat([st.ring[lid, obs_pos[:-1] % n_d], q3[i: i + 1].to(st.ring.dtype)])
+            slots = rtt[d["rpi"][j]]
+            lines = self._estimate(q_obs, obs_pos, k_buf, slots, hi, layer.scaling)
+            lists, _ = decode_topb(lines, st.budget)
+            if st.topb is None or st.topb.shape[2] != lists.shape[1]:
+                st.topb = torch.full((self.shape.num_layers, lists.shape[0], lists.shape[1]), -1,
+                                     dtype=torch.int32, device=lists.device)
+            st.topb[lid] = lists
+            d["topb"][j, lid, :, : lists.shape[1]] = lists
+        mask = self._decode_mask(d, lid)  # [nS, Hk, N]
         o_s = self._masked_decode(q_s, k_buf, v_buf, rtt, d["rpi"], d["seq"], mask, layer.scaling)
         o3[rows] = o_s.to(o3.dtype)
         self.step_rows[rows, COL_READ] += mask.sum((1, 2), dtype=torch.float32)
