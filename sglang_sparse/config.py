@@ -224,8 +224,13 @@ class SamKVConfig(SparseConfig):
     stable_layers: int = knob(4, doc="last layers averaged for block scores (Eq. 3)", range=Range(1, 1024))
     fuse: str = knob("fusion", doc="how recomputed KV replaces reused KV (Eq. 4)", choices=("overwrite", "fusion"))
     variant: str = knob("samkv", doc="default pipeline of a documents request (per request: extra_body samkv.variant): "
-                        "samkv = reuse + SamKV block selection, reuse = plain reuse of every block, recompute = dense "
-                        "prefill of the concatenation", choices=("samkv", "reuse", "recompute"))
+                        "samkv = reuse + SamKV block selection + selective recompute, reuse = plain reuse of every block, "
+                        "recompute = dense "
+                        "prefill of the concatenation, cacheblend = reuse of every block + selective recompute",
+                        choices=("samkv", "reuse", "recompute", "cacheblend"))
+    personalize: bool = knob(True, doc="add the other documents' local queries to the question's (Eq. 1)")
+    recompute_ratio: float = knob(0.15, doc="fraction of each document's kept tokens recomputed over the composite "
+                                  "(samkv, cacheblend; 0 = none)", range=Range(0.0, 1.0))
     max_documents: int = knob(64, doc="most documents in one request", range=Range(1, 4096))
     max_document_chars: int = knob(4_000_000, doc="most characters of all documents of one request",
                                    range=Range(1, 1 << 40))

@@ -128,7 +128,7 @@ def _prompt_ids(serving, adapted) -> list[int]:
     return list(serving.tokenizer_manager.tokenizer.encode(text))
 
 
-def summarize(plan: DocumentPlan, doc_cached: list[int], meta: dict) -> dict:
+def summarize(plan: DocumentPlan, doc_cached: list[int], meta: dict, page_size: int = 1) -> dict:
     """``metadata["sparse"]`` of a documents request from the documents' prefill replies
     (``doc_cached``: cached tokens of each) and the request's ``meta_info``."""
     from sglang_sparse.samkv_assembly import kept_from_meta
@@ -137,14 +137,17 @@ def summarize(plan: DocumentPlan, doc_cached: list[int], meta: dict) -> dict:
     cached = int(meta.get("cached_tokens", 0))
     n_doc = plan.document_tokens
     kept = kept_from_meta(meta, n_doc, len(plan.prompt_ids))
-    reused = sum(1 for c, d in zip(doc_cached, plan.doc_ids) if c >= len(d) - 1)
+    reused = sum(1 for c, d in zip(doc_cached, plan.doc_ids) if c >= len(d) - page_size)
+    sched = meta.get("samkv")
+    sched = next((x for x in sched if isinstance(x, dict)), {}) if isinstance(sched, list) else {}
     return {
         "mode": "samkv", "variant": plan.variant, "documents": len(plan.doc_ids),
         "documents_reused": reused, "documents_prefilled": len(plan.doc_ids) - reused,
         "document_tokens": n_doc, "question_tokens": len(plan.prompt_ids),
         "context_tokens": prompt, "cached_tokens": cached, "computed_tokens": prompt - cached,
         "kv_kept_tokens": kept, "kv_kept_ratio": kept / n_doc if n_doc else 1.0,
-        "recomputed_tokens": 0, "assembled": bool(meta.get("samkv_assembled", cached >= kept > 0)),
+        "recomputed_tokens": int(sched.get("recomputed_tokens", 0)),
+        "assembled": sched.get("status") == "assembled", "scheduler_status": sched.get("status"),
     }
 
 
@@ -224,7 +227,7 @@ async def _serve_documents(serving, request, raw_request, body, cfg, received):
     ret = ret if isinstance(ret, list) else [ret]
     build = getattr(serving, "_build_chat_response", None) or serving._build_completion_response
     response = build(processed, ret, int(time.time()))
-    summaries = [summarize(plan, doc_cached, item.get("meta_info") or {}) for item in ret]
+    summaries = [summarize(plan, doc_cached, item.get("meta_info") or {}, page) for item in ret]
     if hasattr(response, "metadata"):
         response.metadata = {**(response.metadata or {}),
                              "sparse": summaries[0] if len(summaries) == 1 else summaries}

@@ -8,21 +8,24 @@ runs once per request). Steps, all inside the scheduler thread:
 1. Each document's KV: ``match_prefix`` of its prefill ids (``samkv_api.doc_key_ids``) in the
    document namespace; its radix node is locked while it is read. A document not (fully) cached
    -> the request is served densely (``fallback``; the prompt is unchanged, nothing is reused).
-2. Selection of the kept tokens of each document (``variant`` ``reuse``: all; ``samkv``: initial +
-   local blocks + the blocks :mod:`sglang_sparse.samkv_select` keeps). Dropped blocks leave the
+2. Selection of the kept tokens of each document (``variant`` ``reuse`` / ``cacheblend``: all;
+   ``samkv``: initial + local blocks + the blocks :mod:`sglang_sparse.samkv_select` keeps). Dropped blocks leave the
    context: the request's ``origin_input_ids`` become ``kept document tokens + prompt`` and the
    kept tokens get consecutive positions (so ``prompt_tokens`` in ``usage`` counts the kept
    context; the KV kept ratio is honest: unkept KV is neither copied nor attended).
 3. Fresh KV slots for the page-aligned composite (evicting through the tree if needed); per layer,
    values copied and keys re-rotated by ``new position - position in the document``
-   (:func:`flashinfer_ext.rope_shift.rope_shift`; its fp32 torch reference on CPU).
+   (:func:`flashinfer_ext.rope_shift.rope_shift`; its fp32 torch reference on CPU). Variants ``samkv``
+   and ``cacheblend`` then recompute ``recompute_ratio`` of the kept tokens over the composite
+   (:mod:`sglang_sparse.samkv_recompute`, Eq. 4 overwrite / fusion).
 4. The composite is inserted into the radix tree under the request's composite namespace (its
    ``extra_key``; duplicates freed as SGLang's own inserts do), the documents unlocked, and the stock
    prefix match re-run: the composite is now the request's prefix, so only the prompt (and the
    sub-page tail of the composite) is extended. The tree owns the composite slots from here on
    (refcounted, LRU-evicted), so SGLang's idle KV-leak check stays silent.
 
-The per-request result is kept on the ``Req`` as ``samkv_result`` (a dict) for logs. Shapes: pool
+The per-request result (status, kept and recomputed tokens) is kept on the ``Req`` as ``samkv_result``
+and reaches the reply's ``meta_info["samkv"]`` through ``req.customized_info``. Shapes: pool
 keys/values per layer ``[slots, kv_heads, head_dim]`` (post-RoPE keys).
 """
 
@@ -36,6 +39,8 @@ import torch
 from sglang_sparse.samkv_api import FILLER_KEY, NS_KEY, SPANS_KEY, VARIANT_KEY, doc_key_ids
 
 logger = logging.getLogger("sglang_sparse")
+
+META_KEY = "samkv"  # meta_info key of the scheduler's per-request assembly result
 
 
 def kept_from_meta(meta: dict, document_tokens: int, prompt_tokens: int) -> int:
@@ -108,6 +113,10 @@ def init_round_hook(result, req, *args, **kwargs):
         logger.exception("sglang-sparse samkv: assembly failed for %s; serving it densely", req.rid)
         req.samkv_result = {"status": "error"}
         return result
+    # to the response: SGLang carries req.customized_info[key] (one entry per output token, sliced from
+    # the first) into meta_info[key]; the first output token brings this result along
+    info = getattr(req, "customized_info", None) or {}
+    req.customized_info = {**info, META_KEY: [dict(req.samkv_result)]}
     if req.samkv_result.get("status") == "assembled":
         req.init_next_round_input(*args, **kwargs)  # stock match again: finds the composite
     return result
@@ -151,7 +160,7 @@ def _assemble(req, tree_cache, rt, custom) -> dict:
             tree_cache.inc_lock_ref(m.last_device_node)
             locked.append(m.last_device_node)
             srcs.append(m.device_indices[:n])
-        keep = _select(req, rt, spans, srcs, ids, variant, tree_cache)
+        keep, scores = _select(rt, spans, srcs, ids, variant, tree_cache)
         new_doc_ids, src_list, delta_list = [], [], []
         for (s, n), src, kp in zip(spans, srcs, keep):
             kp_t = torch.as_tensor(kp, dtype=torch.int64)
@@ -162,7 +171,8 @@ def _assemble(req, tree_cache, rt, custom) -> dict:
         n_kept = len(new_doc_ids)
         new_ids = new_doc_ids + ids[n_doc:]
         aligned = (n_kept // page) * page
-        result = {"status": "assembled", "variant": variant, "document_tokens": n_doc, "kept_tokens": n_kept}
+        result = {"status": "assembled", "variant": variant, "document_tokens": n_doc, "kept_tokens": n_kept,
+                  "recomputed_tokens": 0}
         if aligned == 0:
             result["status"] = "too_short"
             return result
@@ -183,6 +193,12 @@ def _assemble(req, tree_cache, rt, custom) -> dict:
                 kbuf, vbuf = pool.get_key_buffer(layer), pool.get_value_buffer(layer)
                 kbuf[dst] = rt.shift_keys(kbuf[src], delta).to(kbuf.dtype)
                 vbuf[dst] = vbuf[src]
+            if scores is not None and rt.config.recompute_ratio > 0:
+                from sglang_sparse.samkv_recompute import recompute, recompute_set
+
+                r_idx = recompute_set(keep, scores, rt.config.recompute_ratio, aligned)
+                recompute(rt, pool, dst, new_ids, r_idx, rt.config.fuse)
+                result["recomputed_tokens"] = len(r_idx)
             res = tree_cache.insert(InsertParams(key=key, value=dst.to(torch.int64)))
             if res.prefix_len > 0:
                 alloc.free(dst[:res.prefix_len])
@@ -197,10 +213,11 @@ def _assemble(req, tree_cache, rt, custom) -> dict:
             tree_cache.dec_lock_ref(node)
 
 
-def _select(req, rt, spans, srcs, ids, variant, tree_cache) -> list[list[int]]:
-    """Kept in-document positions of each document (sorted)."""
-    if variant != "samkv":
-        return [list(range(n)) for _, n in spans]
+def _select(rt, spans, srcs, ids, variant, tree_cache):
+    """Kept in-document positions of each document (sorted) and the token scores that pick the recompute
+    set (None for ``reuse``: nothing is recomputed)."""
+    if variant == "reuse":
+        return [list(range(n)) for _, n in spans], None
     from sglang_sparse.samkv_select import select_blocks
 
-    return select_blocks(rt, spans, srcs, ids, tree_cache)
+    return select_blocks(rt, spans, srcs, ids, tree_cache, keep_all=variant == "cacheblend")

@@ -27,35 +27,48 @@ from flashinfer_ext.samkv_score import (anchor_top_p, block_layout, block_mean_k
                                         generic_query, personalized_queries, select_middle_blocks)
 
 
-def _gather_context(rt, pool, spans, srcs, layouts, bs):
-    """Per layer ``(K, V)`` of the anchor context ``[C, kv_heads, head_dim]`` at positions ``0..C-1``."""
-    slots, delta, pos = [], [], 0
-    for (s, n), src, (nb, always, _) in zip(spans, srcs, layouts):
-        tok = torch.cat([torch.arange(b * bs, min(n, (b + 1) * bs)) for b in always]) if always else \
-            torch.zeros(0, dtype=torch.int64)
-        slots.append(src[tok.to(src.device)])
-        delta.append(torch.arange(pos, pos + len(tok)) - tok)
+def _gather_context(rt, pool, spans, srcs, layouts, bs, ids, local_blocks):
+    """The anchor context (initial + local blocks of every document) at positions ``0..C-1``: per layer
+    ``(K, V)`` ``[C, kv_heads, head_dim]``, and per context row its token id, document, position in the
+    document; plus the context rows of each document's local blocks (its local-query rows)."""
+    slots, delta, tok_ids, doc_of, pos_in, local, pos = [], [], [], [], [], [], 0
+    for d, ((s, n), src, (nb, always, _)) in enumerate(zip(spans, srcs, layouts)):
+        tok = [p for b in always for p in range(b * bs, min(n, (b + 1) * bs))]
+        loc_from = max(0, nb - local_blocks) * bs
+        local += [pos + i for i, p in enumerate(tok) if p >= loc_from]
+        t = torch.as_tensor(tok, dtype=torch.int64)
+        slots.append(src[t.to(src.device)])
+        delta.append(torch.arange(pos, pos + len(tok)) - t)
+        tok_ids += [ids[s + p] for p in tok]
+        doc_of += [d] * len(tok)
+        pos_in.append(t)
         pos += len(tok)
     slots = torch.cat(slots)
-    delta = torch.cat(delta).to(slots.device)
+    dev = slots.device
+    delta = torch.cat(delta).to(dev)
     ks, vs = [], []
     for layer in range(rt.num_layers):
         ks.append(rt.shift_keys(pool.get_key_buffer(layer)[slots], delta))
         vs.append(pool.get_value_buffer(layer)[slots])
-    return ks, vs
+    meta = (torch.as_tensor(tok_ids, device=dev), torch.as_tensor(doc_of, device=dev), torch.cat(pos_in).to(dev),
+            local)
+    return ks, vs, meta
 
 
 @torch.no_grad()
-def question_queries(rt, question_ids: list[int], ctx_k, ctx_v, first_layer: int) -> list[torch.Tensor]:
-    """Side forward of the question over the context; returns pre-RoPE queries ``[T, q_heads, head_dim]``
-    fp32 of layers ``first_layer ..`` (one tensor per layer)."""
+def side_forward(rt, ids: torch.Tensor, pos: torch.Tensor, ctx_k, ctx_v, mask: torch.Tensor, *,
+                 append: torch.Tensor | None = None, replace_idx: torch.Tensor | None = None,
+                 first_layer: int | None = None, on_layer=None) -> list[torch.Tensor]:
+    """Run ``R`` rows (token ``ids`` ``[R]`` at positions ``pos`` ``[R]``) through the model's layers with the
+    attention computed here: per layer the keys/values are the context ``ctx_k[l]`` / ``ctx_v[l]``
+    ``[C, kv_heads, head_dim]``, with the rows' fresh K/V written over context rows ``replace_idx``
+    (``[R]``, -1 = none) and the fresh K/V of rows flagged in ``append`` (bool ``[R]``) appended after the
+    context in row order; ``mask`` bool ``[R, C + appended]`` says which keys each row sees.
+    ``on_layer(layer_id, k, v)`` gets the rows' fresh post-RoPE ``k``/``v`` ``[R, kv_heads, head_dim]``.
+    Returns the rows' pre-RoPE queries ``[R, q_heads, head_dim]`` fp32 of layers ``first_layer ..``."""
     inner = rt.model.model
-    dev = ctx_k[0].device
-    c, t = ctx_k[0].shape[0], len(question_ids)
-    pos = torch.arange(c, c + t, device=dev)
-    mask = torch.ones(t, c + t, dtype=torch.bool, device=dev)
-    mask[:, c:] = torch.tril(torch.ones(t, t, dtype=torch.bool, device=dev))
-    h = inner.embed_tokens(torch.tensor(question_ids, device=dev))
+    r = ids.shape[0]
+    h = inner.embed_tokens(ids)
     residual, out = None, []
     for layer_id, layer in enumerate(inner.layers):
         if residual is None:
@@ -65,40 +78,82 @@ def question_queries(rt, question_ids: list[int], ctx_k, ctx_v, first_layer: int
         a = layer.self_attn
         qkv, _ = a.qkv_proj(h)
         q, k, v = qkv.split([a.q_size, a.kv_size, a.kv_size], dim=-1)
-        if layer_id >= first_layer:
-            out.append(q.reshape(t, a.num_heads, a.head_dim).float().clone())
+        if first_layer is not None and layer_id >= first_layer:
+            out.append(q.reshape(r, a.num_heads, a.head_dim).float().clone())
         q, k = a.rotary_emb(pos, q.contiguous(), k.contiguous())
+        k = k.reshape(r, a.num_kv_heads, a.head_dim)
+        v = v.reshape(r, a.num_kv_heads, a.head_dim)
+        kk, vv = ctx_k[layer_id].to(k.dtype), ctx_v[layer_id].to(v.dtype)
+        if replace_idx is not None:
+            sel = replace_idx >= 0
+            kk, vv = kk.clone(), vv.clone()
+            kk[replace_idx[sel]] = k[sel]
+            vv[replace_idx[sel]] = v[sel]
+        if append is not None and bool(append.any()):
+            kk, vv = torch.cat([kk, k[append]]), torch.cat([vv, v[append]])
+        if on_layer is not None:
+            on_layer(layer_id, k, v)
         group = a.num_heads // a.num_kv_heads
-        kk = torch.cat([ctx_k[layer_id].to(k.dtype), k.reshape(t, a.num_kv_heads, a.head_dim)])
-        vv = torch.cat([ctx_v[layer_id].to(v.dtype), v.reshape(t, a.num_kv_heads, a.head_dim)])
-        qh = q.reshape(t, a.num_heads, a.head_dim).transpose(0, 1).float()
+        qh = q.reshape(r, a.num_heads, a.head_dim).transpose(0, 1).float()
         kh = kk.repeat_interleave(group, dim=1).transpose(0, 1).float()
         vh = vv.repeat_interleave(group, dim=1).transpose(0, 1).float()
         o = torch.nn.functional.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=a.scaling)
-        h, _ = a.o_proj(o.transpose(0, 1).reshape(t, a.q_size).to(h.dtype))
+        h, _ = a.o_proj(o.transpose(0, 1).reshape(r, a.q_size).to(h.dtype))
         h, residual = layer.post_attention_layernorm(h, residual)
         h = layer.mlp(h)
     return out
 
 
-def select_blocks(rt, spans, srcs, ids, tree_cache) -> list[list[int]]:
-    """Kept in-document token positions of each document (sorted), by SamKV's selection."""
+def _selection_queries(rt, question_ids, ctx_k, ctx_v, ctx_ids, ctx_doc, ctx_pos_in_doc, local_rows, first):
+    """Q_que (question rows over the whole anchor context) and each document's local queries (its local
+    tokens over its own anchor tokens up to themselves), per stable layer."""
+    dev = ctx_k[0].device
+    c, t = ctx_k[0].shape[0], len(question_ids)
+    loc = torch.as_tensor(local_rows, dtype=torch.int64, device=dev)  # context indices of local tokens
+    ids = torch.cat([torch.as_tensor(question_ids, device=dev), ctx_ids[loc]])
+    pos = torch.cat([torch.arange(c, c + t, device=dev), loc])
+    n = t + len(loc)
+    mask = torch.zeros(n, c + t, dtype=torch.bool, device=dev)
+    mask[:t, :c] = True
+    mask[:t, c:] = torch.tril(torch.ones(t, t, dtype=torch.bool, device=dev))
+    if len(loc):
+        same = ctx_doc[loc].unsqueeze(1) == ctx_doc.unsqueeze(0)
+        before = ctx_pos_in_doc.unsqueeze(0) <= ctx_pos_in_doc[loc].unsqueeze(1)
+        mask[t:, :c] = same & before
+    append = torch.zeros(n, dtype=torch.bool, device=dev)
+    append[:t] = True
+    qs = side_forward(rt, ids, pos, ctx_k, ctx_v, mask, append=append, first_layer=first)
+    return [q[:t] for q in qs], [q[t:] for q in qs], ctx_doc[loc]
+
+
+def select_blocks(rt, spans, srcs, ids, tree_cache, keep_all: bool = False) -> tuple[list[list[int]], list[torch.Tensor]]:
+    """Kept in-document token positions of each document (sorted), by SamKV's selection (every token when
+    ``keep_all``: the CacheBlend-style variant), and per document
+    the layer-averaged score of every token against its personalised query (``[n_i]`` fp32, CPU; used to
+    pick the recompute set)."""
     cfg = rt.config
     bs = cfg.block_size
     pool = tree_cache.token_to_kv_pool_allocator.get_kvcache()
     layouts = [block_layout(n, bs, cfg.initial_blocks, cfg.local_blocks) for _, n in spans]
     n_doc = spans[-1][0] + spans[-1][1]
-    if all(not mid for _, _, mid in layouts):
-        return [list(range(n)) for _, n in spans]
-    ctx_k, ctx_v = _gather_context(rt, pool, spans, srcs, layouts, bs)
+    ctx_k, ctx_v, (ctx_ids, ctx_doc, ctx_pos, local) = _gather_context(rt, pool, spans, srcs, layouts, bs, ids,
+                                                                        cfg.local_blocks)
     first = max(0, rt.num_layers - cfg.stable_layers)
-    queries = question_queries(rt, list(ids[n_doc:]), ctx_k, ctx_v, first)
+    q_que, q_loc_rows, loc_doc = _selection_queries(rt, list(ids[n_doc:]), ctx_k, ctx_v, ctx_ids, ctx_doc, ctx_pos,
+                                                    local, first)
     del ctx_k, ctx_v
-    p_docs, s_docs = [], []
-    for (s, n), src, (nb, always, middle) in zip(spans, srcs, layouts):
+    d = len(spans)
+    p_docs, s_docs, tok_scores = [], [], [[] for _ in spans]
+    q_hats = []
+    for i in range(len(q_que)):
+        ql = q_loc_rows[i]
+        per_doc = torch.stack([ql[loc_doc == j].mean(0) if bool((loc_doc == j).any()) else torch.zeros_like(ql[0])
+                               for j in range(d)]) if len(ql) else None
+        q_hats.append(personalized_queries(generic_query(q_que[i]), per_doc if cfg.personalize else None))
+    for j, ((s, n), src, (nb, always, middle)) in enumerate(zip(spans, srcs, layouts)):
         p_l, s_l = [], []
         for i, layer in enumerate(range(first, rt.num_layers)):
-            q_hat = personalized_queries(generic_query(queries[i]), None)[0]
+            q_hat = q_hats[i][min(j, q_hats[i].shape[0] - 1)]
             k0 = rt.shift_keys(pool.get_key_buffer(layer)[src], -torch.arange(n, device=src.device))
             means = block_mean_keys(k0, bs)                                     # [nb, kv_heads, dim]
             anchor = torch.cat([k0[b * bs:(b + 1) * bs] for b in always]).float().mean(0, keepdim=True)
@@ -106,8 +161,12 @@ def select_blocks(rt, spans, srcs, ids, tree_cache) -> list[list[int]]:
             s_anc = block_scores(q_hat.to(means.device), anchor)
             p_l.append(anchor_top_p(s_anc, s_mid.unsqueeze(0))[0])
             s_l.append(s_mid)
+            tok_scores[j].append(block_scores(q_hat.to(k0.device), k0))
         p_docs.append(torch.stack(p_l).cpu())
         s_docs.append(torch.stack(s_l).cpu())
+    scores = [torch.stack(t).mean(0).cpu() for t in tok_scores]
+    if keep_all:
+        return [list(range(n)) for _, n in spans], scores
     always_total = sum(len(a) for _, a, _ in layouts)
     total_blocks = sum(nb for nb, _, _ in layouts)
     kept_mid = select_middle_blocks(p_docs, s_docs, total_blocks, always_total // max(1, len(spans)))
@@ -115,4 +174,4 @@ def select_blocks(rt, spans, srcs, ids, tree_cache) -> list[list[int]]:
     for (s, n), (nb, always, middle), km in zip(spans, layouts, kept_mid):
         blocks = sorted(set(always) | {middle[j] for j in km})
         out.append([p for b in blocks for p in range(b * bs, min(n, (b + 1) * bs))])
-    return out
+    return out, scores

@@ -80,7 +80,7 @@ def test_assembled_keys_equal_keys_at_offset(smollm2, page):
     n_doc = len(doc_a) + len(doc_b)
     aligned = n_doc // page * page
     assert result == {"status": "assembled", "variant": "reuse", "document_tokens": n_doc, "kept_tokens": n_doc,
-                      "composite_cached": False}
+                      "recomputed_tokens": 0, "composite_cached": False}
     assert list(req.origin_input_ids) == all_ids  # reuse keeps every token
     m = tree.match_prefix(MatchPrefixParams(key=RadixKey(array("q", all_ids), req.extra_key)))
     assert len(m.device_indices) == aligned

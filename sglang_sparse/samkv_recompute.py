@@ -1,0 +1,70 @@
+"""SamKV selective recompute (SamKV §3.3, Eq. 4) of the composite context, in the scheduler.
+
+After the composite (kept blocks of every document, keys re-rotated to their new positions) is in the
+KV pool, the recompute set R (per document, the top ``recompute_ratio`` of its kept tokens by their
+layer-averaged score against the document's personalised query: SamKV's high-attention tokens) is run
+through the model again over the *composite*: per layer each recomputed token attends to every composite
+token up to its own position, with the fresh K/V of the recomputed tokens in place of their reused
+ones, so they gain the cross-document attention their separate prefill lacked. Their new K/V replace
+the reused ones (``fuse="overwrite"``) or are blended ``theta * new + (1 - theta) * old`` with
+``theta = cos(new, old)`` per token and KV head (``fuse="fusion"``, Eq. 4).
+
+Layer alignment (Fig. 5): selection here is one set per document for all layers (Eq. 3 averages the
+stable layers), so R is the same at every layer and rule 1 (a token recomputed at layer n has its
+outputs of layers < n computed) holds by running R through every layer; no padding blocks are needed.
+Tokens of the composite's sub-page tail are not in R (SGLang extends them with the question anyway).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from sglang_sparse.samkv_select import side_forward
+
+
+def recompute_set(kept: list[list[int]], scores: list[torch.Tensor], ratio: float, limit: int) -> list[int]:
+    """Composite indices (sorted) of the tokens to recompute: per document the top ``ceil(ratio * kept)``
+    kept tokens by score; only indices ``< limit`` (the page-aligned composite)."""
+    out, base = [], 0
+    for kp, sc in zip(kept, scores):
+        m = math.ceil(ratio * len(kp) - 1e-9)
+        if m > 0:
+            s = sc[torch.as_tensor(kp, dtype=torch.int64)]
+            top = torch.topk(s, min(m, len(kp))).indices.tolist()
+            out += [base + j for j in top if base + j < limit]
+        base += len(kp)
+    return sorted(out)
+
+
+def fuse_kv(new: torch.Tensor, old: torch.Tensor, mode: str) -> torch.Tensor:
+    """Eq. 4 on ``[R, kv_heads, head_dim]``: ``overwrite`` -> new; ``fusion`` -> theta*new + (1-theta)*old,
+    ``theta = cos(new, old)`` per row and head (fp32 maths, result in ``old``'s dtype)."""
+    if mode == "overwrite":
+        return new.to(old.dtype)
+    n, o = new.float(), old.float()
+    theta = torch.nn.functional.cosine_similarity(n, o, dim=-1).unsqueeze(-1)
+    return (theta * n + (1.0 - theta) * o).to(old.dtype)
+
+
+@torch.no_grad()
+def recompute(rt, pool, dst: torch.Tensor, comp_ids: list[int], r_idx: list[int], mode: str) -> None:
+    """Recompute the composite rows ``r_idx`` (composite slots ``dst`` ``[K]``, token ids ``comp_ids``) in
+    place in the pool, all layers."""
+    if not r_idx:
+        return
+    dev = dst.device
+    r = torch.as_tensor(r_idx, dtype=torch.int64, device=dev)
+    ids = torch.as_tensor([comp_ids[i] for i in r_idx], device=dev)
+    ctx_k = [pool.get_key_buffer(layer)[dst] for layer in range(rt.num_layers)]
+    ctx_v = [pool.get_value_buffer(layer)[dst] for layer in range(rt.num_layers)]
+    mask = torch.arange(len(dst), device=dev).unsqueeze(0) <= r.unsqueeze(1)
+    rows = dst[r]
+
+    def write(layer_id, k, v):
+        kbuf, vbuf = pool.get_key_buffer(layer_id), pool.get_value_buffer(layer_id)
+        kbuf[rows] = fuse_kv(k, ctx_k[layer_id][r], mode)
+        vbuf[rows] = fuse_kv(v, ctx_v[layer_id][r], mode)
+
+    side_forward(rt, ids, r, ctx_k, ctx_v, mask, replace_idx=r, on_layer=write)
