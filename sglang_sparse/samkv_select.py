@@ -3,20 +3,23 @@ composite context keeps (SamKV §3.1-3.2; maths in :mod:`flashinfer_ext.samkv_sc
 
 1. Anchor context: the tokens of every document's initial + local blocks, their cached KV gathered from
    the pool, keys re-rotated to consecutive positions ``0 .. C-1`` (all layers).
-2. Side forward of the question (the request's prompt tokens after the documents) over that context:
-   the model's own modules (embedding, norms, QKV / O projections, RoPE, MLP) layer by layer, with the
-   attention computed here in torch (each question token sees the whole anchor context and the
-   question tokens up to itself). Only the question's queries are kept: the pre-RoPE queries of the
-   last ``stable_layers`` layers, mean-pooled = ``Q_que`` per layer. Its KV is thrown away; the
-   question is prefilled again by SGLang over the selected context (SamKV's "re-perform an
+2. Side forward (:func:`side_forward`: the model's own modules - embedding, norms, QKV / O projections,
+   RoPE, MLP - layer by layer, with the attention computed here in torch) of two kinds of rows over that
+   context: the question tokens (the request's prompt after the documents; each sees the whole anchor
+   context and the question up to itself) and every document's local tokens (each sees its own
+   document's anchor tokens up to itself). Kept: the pre-RoPE queries of the last ``stable_layers``
+   layers; mean-pooled they are ``Q_que`` and each document's local query ``Q_doc-j,loc``. Their KV is
+   thrown away; SGLang prefills the question again over the selected context (SamKV's "re-perform an
    incremental prefill of the user query").
-3. Per stable layer and document: keys de-rotated to position 0, mean key per block, Eq. 1-3, then
-   the cross-document budget (:func:`flashinfer_ext.samkv_score.select_middle_blocks`).
+3. Per stable layer and document: personalised query (Eq. 1), keys de-rotated to position 0, mean key
+   per block, Eq. 2-3, then the cross-document budget
+   (:func:`flashinfer_ext.samkv_score.select_middle_blocks`). Each token's layer-averaged score against
+   its document's personalised query is returned too (the recompute set is chosen by it).
 
-Departure (stated in the README): SGLang keeps no Q cache, so the documents' local queries
-``Q_doc-j,loc`` of Eq. 1 are not available; ``Q^_i = Q_que`` (the paper's "no personalised bias"
-ablation). Supports Llama-style decoder stacks (``model.model.layers[i].self_attn.qkv_proj`` etc.);
-other models raise and the request is served densely.
+Departure (stated in the README): SGLang keeps no Q cache, so a document's local queries come from its
+local tokens run over its own initial + local tokens, not over the whole document. Supports Llama-style
+decoder stacks (``model.model.layers[i].self_attn.qkv_proj`` etc.); other models raise and the request is
+served densely.
 """
 
 from __future__ import annotations

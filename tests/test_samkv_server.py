@@ -99,7 +99,7 @@ def test_samkv_variant_keeps_fewer_blocks_and_reuses(samkv_server):
     ({"documents": ["ok", 3]}, "'documents[1]' must be a string"),
     ({"documents": ["word " * 9000]}, "'documents' is too long for the context"),
     ({"documents": ["ok"], "cache_salt": 5}, "'cache_salt'"),  # pydantic's own 400 names it
-    ({"documents": ["ok"], "samkv": {"variant": "cacheblend"}}, "'samkv.variant'='cacheblend' must be one of"),
+    ({"documents": ["ok"], "samkv": {"variant": "bogus"}}, "'samkv.variant'='bogus' must be one of"),
     ({"documents": ["ok"], "stream": True}, "not supported with stream=true"),
 ])
 def test_bad_documents_payloads_are_400_and_server_keeps_serving(samkv_server, extra, fragment):
