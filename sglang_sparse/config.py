@@ -192,8 +192,8 @@ class LoopServeConfig(SparseConfig):
                                    range=Range(1, 1 << 24))
     line_store_mb: int = knob(256, doc="memory bound of the per-turn line sets kept on radix nodes (MiB)",
                               range=Range(0, 1 << 20))
-    initial_topb: bool = knob(True, doc="also select the top-B tokens at the first decode step from the prompt's "
-                              "last n_d queries (false: Alg. 3 exactly, stored lines only until token 16)")
+    initial_topb: bool = knob(True, doc="also select the top-B tokens at every decode step before generated token 16, "
+                              "from the last n_d queries (false: Alg. 3 exactly, stored lines only until token 16)")
     host_tier_gb: float = _host_tier_knobs()["host_tier_gb"]
     gpu_cache_mb: float = _host_tier_knobs()["gpu_cache_mb"]
     working_set_window: int = _host_tier_knobs()["working_set_window"]

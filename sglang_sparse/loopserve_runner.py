@@ -233,10 +233,11 @@ class LoopServeRunner:
             f = n_o >= FIRST_RESELECT and (n_o - FIRST_RESELECT) % cfg.n_d == 0
             rows.append(i)
             resel.append(f)
-            # initial_topb: the first decode step also selects top-B, observing the prompt's last queries
-            # (the ring holds them): before Alg. 3's first re-selection the stored prefill lines alone lost
-            # a planted fact on SmolLM2 (CPU reference and H100 alike; see LoopServeConfig.initial_topb)
-            fire.append(f or (n_o == 1 and cfg.initial_topb))
+            # initial_topb: until Alg. 3's first re-selection (token 16) every decode step selects top-B too,
+            # observing the last n_d queries (the prompt's last ones, then the generated ones): the stored
+            # prefill lines alone lost a planted fact on SmolLM2 (CPU reference and H100 alike), and one
+            # selection from the prompt's last queries alone still lost it at budget 128 (CPU reference)
+            fire.append(f or (n_o < FIRST_RESELECT and cfg.initial_topb))
         if not rows:
             return
         dev = self.device
