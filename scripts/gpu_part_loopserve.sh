@@ -10,7 +10,8 @@
 #   prefill_bench bench/loopserve_prefill_bench.py -> loopserve_prefill.{md,json,png}
 #   harness       bench.run_harness off,loopserve,lastwindow on FlashInfer (page 16)
 #   fidelity      bench.loopserve_fidelity -> loopserve_fidelity.json
-# Budgets: LS_TEST_TIMEOUT (190 s), LS_BENCH_TIMEOUT (100 s), LS_HARNESS_TIMEOUT (280 s);
+# Budgets: LS_TEST_TIMEOUT (150 s), LS_BENCH_TIMEOUT (100 s), LS_HARNESS_TIMEOUT (310 s; three servers of
+# ~1 min start each + tasks + fidelity probes);
 # LS_PRESET (full), LS_MIN_CONTEXT (128: the harness headline contexts are ~130-450 tokens),
 # LS_BUDGET (64: top-B per KV head for both loopserve and lastwindow at those contexts), LS_ALPHA
 # (0.97: on SmolLM2-135M the paper's 0.955 lost a planted fact that 0.97 kept, tests/test_loopserve_server.py).
@@ -33,13 +34,14 @@ step() {  # step NAME CMD...: its log in the report folder; a failure is recorde
 mc=${LS_MIN_CONTEXT:-128}
 budget=${LS_BUDGET:-64}
 alpha=${LS_ALPHA:-0.97}
-step pytest_gpu timeout "${LS_TEST_TIMEOUT:-190}" python3 -m pytest -m gpu -q -p no:cacheprovider -rA \
-    --junitxml="$rep/junit_gpu_loopserve.xml" tests/test_gpu_loopserve_server.py \
-    tests/flashinfer_ext/test_vs_estimate.py tests/flashinfer_ext/test_vs_select.py \
-    tests/flashinfer_ext/test_vs_prefill.py tests/flashinfer_ext/test_vs_decode_batched.py
+# kernels first (seconds), then the server module (two servers, ~1 min to start each on an H100)
+step pytest_gpu timeout "${LS_TEST_TIMEOUT:-150}" python3 -m pytest -m gpu -q -p no:cacheprovider -rA \
+    --junitxml="$rep/junit_gpu_loopserve.xml" tests/flashinfer_ext/test_vs_estimate.py \
+    tests/flashinfer_ext/test_vs_select.py tests/flashinfer_ext/test_vs_prefill.py \
+    tests/flashinfer_ext/test_vs_decode_batched.py tests/test_gpu_loopserve_server.py
 step prefill_bench timeout "${LS_BENCH_TIMEOUT:-100}" python3 bench/loopserve_prefill_bench.py --out "$rep" \
-    --smollm --time-budget "${LS_BENCH_BUDGET:-80}"
-step harness timeout "${LS_HARNESS_TIMEOUT:-280}" python3 -m bench.run_harness --preset "${LS_PRESET:-full}" \
+    --smollm --time-budget "${LS_BENCH_BUDGET:-75}"
+step harness timeout "${LS_HARNESS_TIMEOUT:-310}" python3 -m bench.run_harness --preset "${LS_PRESET:-full}" \
     --modes off,loopserve,lastwindow \
     --sparse-config "loopserve={\"min_context\": $mc, \"budget\": $budget, \"alpha\": $alpha}" \
     --sparse-config "lastwindow={\"min_context\": $mc, \"budget\": $budget}" \
