@@ -153,8 +153,9 @@ def write_report(out: Path, res: dict, facts: dict) -> None:
              f"| accuracy recompute / samkv / reuse | {res['accuracy']['recompute']:.3f} / "
              f"{res['accuracy']['samkv']:.3f} / {res['accuracy']['reuse']:.3f} |",
              f"| accuracy delta samkv - recompute (points) | {res['accuracy_delta_vs_recompute']:+.1f} |", "",
-             "TTFT = latency of a non-streaming request with max_tokens 1. samkv here = reuse + SamKV "
-             "block selection without the selective recompute (not implemented; see README).", "",
+             "TTFT = latency of a non-streaming request with max_tokens 1 (documents cached and known to the "
+             "front door). samkv = reuse + SamKV block selection + selective recompute (server config); reuse = "
+             "every block, no recompute; recompute = dense prefill of the concatenation.", "",
              "| task | answer | recompute | samkv | reuse | kept |", "|---|---|---|---|---|---|"]
     for r in res["rows"]:
         lines.append(f"| {r['task']} | {r['answer']} | {r['replies']['recompute']!r} | {r['replies']['samkv']!r} | "

@@ -17,7 +17,9 @@ Why this design (SGLang 0.5.17, no patched files): the radix tree is SGLang's KV
 documents too. (1) Each document is prefilled alone, from position 0, by an internal generate
 request (``max_new_tokens`` 1) whose ``extra_key`` is the document namespace
 ``samkv-doc:<salt>``; SGLang caches its KV under its own tokens + namespace, refcounted and evicted
-like any radix node, and a cached document costs one token of compute. Under page size p the
+like any radix node, and a cached document costs one token of compute; documents this front door
+has seen cached (:class:`KnownDocuments`) skip that round trip (a stale belief costs a dense request,
+after which they are prefilled again). Under page size p the
 document's ids are followed by filler tokens up to a multiple of p so every document token sits in
 a full, cached page (causal attention: the filler changes nothing before it). (2) The request itself
 is sent with its token ids, the document spans in ``custom_params`` (flat int lists; values must
@@ -130,16 +132,17 @@ def _prompt_ids(serving, adapted) -> list[int]:
 
 def summarize(plan: DocumentPlan, doc_cached: list[int], meta: dict, page_size: int = 1) -> dict:
     """``metadata["sparse"]`` of a documents request from the documents' prefill replies
-    (``doc_cached``: cached tokens of each) and the request's ``meta_info``."""
+    (``doc_cached``: cached tokens of each; -1 = known cached, not sent) and the request's ``meta_info``."""
     from sglang_sparse.samkv_assembly import kept_from_meta
 
     prompt = int(meta.get("prompt_tokens", 0))
     cached = int(meta.get("cached_tokens", 0))
     n_doc = plan.document_tokens
     kept = kept_from_meta(meta, n_doc, len(plan.prompt_ids))
-    reused = sum(1 for c, d in zip(doc_cached, plan.doc_ids) if c >= len(d) - page_size)
     sched = meta.get("samkv")
     sched = next((x for x in sched if isinstance(x, dict)), {}) if isinstance(sched, list) else {}
+    ok = sched.get("status") == "assembled"
+    reused = sum(1 for c, d in zip(doc_cached, plan.doc_ids) if (c < 0 and ok) or c >= len(d) - page_size)
     return {
         "mode": "samkv", "variant": plan.variant, "documents": len(plan.doc_ids),
         "documents_reused": reused, "documents_prefilled": len(plan.doc_ids) - reused,
@@ -151,8 +154,48 @@ def summarize(plan: DocumentPlan, doc_cached: list[int], meta: dict, page_size: 
     }
 
 
-async def _prefill_documents(serving, plan: DocumentPlan, filler: int, page_size: int, raw_request) -> list[int]:
-    """Prefill every document alone (cached ones cost one token); returns each one's cached tokens."""
+class KnownDocuments:
+    """Documents this server's front door believes cached (LRU set of ``(namespace, sha of ids)``, at most
+    ``capacity``), held on the serving object. Known documents skip their prefill round trip; when the
+    scheduler reports a fallback (a document was evicted meanwhile) the request was served densely and
+    its documents are forgotten, so the next request prefills them again."""
+
+    def __init__(self, capacity: int = 65536):
+        from collections import OrderedDict
+
+        self.capacity = capacity
+        self._keys: "OrderedDict[tuple[str, str], None]" = OrderedDict()
+
+    @staticmethod
+    def key(plan: DocumentPlan, ids: tuple[int, ...]) -> tuple[str, str]:
+        return plan.doc_namespace(), hashlib.sha256(repr(ids).encode()).hexdigest()
+
+    def has(self, k) -> bool:
+        if k in self._keys:
+            self._keys.move_to_end(k)
+            return True
+        return False
+
+    def add(self, k) -> None:
+        self._keys[k] = None
+        self._keys.move_to_end(k)
+        while len(self._keys) > self.capacity:
+            self._keys.popitem(last=False)
+
+    def drop(self, k) -> None:
+        self._keys.pop(k, None)
+
+
+def _known(serving) -> KnownDocuments:
+    known = getattr(serving, "samkv_known_documents", None)
+    if known is None:
+        known = serving.samkv_known_documents = KnownDocuments()
+    return known
+
+
+async def _prefill_documents(serving, plan: DocumentPlan, filler: int, page_size: int, raw_request,
+                             todo: list[int]) -> dict[int, int]:
+    """Prefill documents ``todo`` alone (cached ones cost one token); returns each one's cached tokens."""
     from sglang.srt.managers.io_struct import GenerateReqInput
 
     async def one(ids):
@@ -161,7 +204,8 @@ async def _prefill_documents(serving, plan: DocumentPlan, filler: int, page_size
         ret = await serving.tokenizer_manager.generate_request(req, raw_request).__anext__()
         return int(ret["meta_info"].get("cached_tokens", 0))
 
-    return list(await asyncio.gather(*(one(d) for d in plan.doc_ids)))
+    got = await asyncio.gather(*(one(plan.doc_ids[i]) for i in todo))
+    return dict(zip(todo, got))
 
 
 async def handle_request_hook(original, serving, request, raw_request, *args, **kwargs):
@@ -210,9 +254,12 @@ async def _serve_documents(serving, request, raw_request, body, cfg, received):
                          f"context of {ctx_len} tokens")
     page = max(1, int(get_global_server_args().page_size or 1))
     filler = int(getattr(tok, "eos_token_id", None) or 0)
-    doc_cached = [0] * len(doc_ids)
+    doc_cached = [0] * len(doc_ids)  # -1: known cached, no prefill round trip
+    known, keys = _known(serving), [KnownDocuments.key(plan, d) for d in doc_ids]
     if variant != "recompute":
-        doc_cached = await _prefill_documents(serving, plan, filler, page, raw_request)
+        todo = [i for i, k in enumerate(keys) if not known.has(k)]
+        got = await _prefill_documents(serving, plan, filler, page, raw_request, todo) if todo else {}
+        doc_cached = [got.get(i, -1) for i in range(len(doc_ids))]
     adapted.text = None
     adapted.input_ids = plan.input_ids
     adapted.extra_key = plan.composite_namespace(uuid.uuid4().hex)
@@ -228,6 +275,10 @@ async def _serve_documents(serving, request, raw_request, body, cfg, received):
     build = getattr(serving, "_build_chat_response", None) or serving._build_completion_response
     response = build(processed, ret, int(time.time()))
     summaries = [summarize(plan, doc_cached, item.get("meta_info") or {}, page) for item in ret]
+    if variant != "recompute":
+        fell_back = any(x["scheduler_status"] in ("fallback", "error") for x in summaries)
+        for k in keys:
+            known.drop(k) if fell_back else known.add(k)
     if hasattr(response, "metadata"):
         response.metadata = {**(response.metadata or {}),
                              "sparse": summaries[0] if len(summaries) == 1 else summaries}

@@ -27,11 +27,12 @@ def test_fuse_kv_is_eq4():
     g = torch.Generator().manual_seed(0)
     new, old = torch.randn(3, 2, 8, generator=g), torch.randn(3, 2, 8, generator=g)
     assert torch.equal(fuse_kv(new, old, "overwrite"), new)
-    got = fuse_kv(new, old, "fusion")
-    for i in range(3):
-        for h in range(2):
-            th = float(new[i, h] @ old[i, h] / (new[i, h].norm() * old[i, h].norm()))
-            torch.testing.assert_close(got[i, h], th * new[i, h] + (1 - th) * old[i, h])
+    near = old + 0.3 * new  # cos(near, old) > 0
+    got = fuse_kv(near, old, "fusion")
+    th = float((near * old).sum() / (near.norm() * old.norm()))  # one theta for the whole tensor
+    assert 0 < th < 1
+    torch.testing.assert_close(got, th * near + (1 - th) * old)
+    assert torch.equal(fuse_kv(-old, old, "fusion"), old)  # cos < 0 clamps to 0: the old state stays
     assert torch.allclose(fuse_kv(old, old, "fusion"), old, atol=1e-6)  # theta = 1 keeps old == new
 
 

@@ -153,3 +153,17 @@ def test_bench_smoke_writes_computed_headline(samkv_server, tmp_path):
                                                     "accuracy_delta_vs_recompute"))
     assert head["accuracy_delta_vs_recompute"] == 100.0 * (res["accuracy"]["samkv"] - res["accuracy"]["recompute"])
     assert "| TTFT samkv / full recompute" in (tmp_path / "samkv.md").read_text()
+
+
+def test_evicted_documents_fall_back_to_dense_then_are_prefilled_again(samkv_server):
+    server, log = samkv_server
+    task = make_task(5, docs=2, words=80)
+    assert _ask(server, task, variant="reuse", salt="evict").json()["metadata"]["sparse"]["documents_prefilled"] == 2
+    requests.post(server.url + "/flush_cache", timeout=60).raise_for_status()  # the tree forgets the documents
+    stale = _ask(server, task, variant="reuse", salt="evict")
+    m = stale.json()["metadata"]["sparse"]
+    assert stale.status_code == 200 and m["scheduler_status"] == "fallback" and m["cached_tokens"] == 0
+    again = _ask(server, task, variant="reuse", salt="evict").json()["metadata"]["sparse"]
+    assert again["documents_prefilled"] == 2 and again["assembled"]
+    text = log.read_text(errors="replace").lower()
+    assert "traceback" not in text and "leak" not in text
