@@ -5,6 +5,7 @@ loaded from the host. SGLang's idle KV-leak check stays silent (the scheduler wo
 
 from __future__ import annotations
 
+import os
 import time
 
 import pytest
@@ -18,20 +19,36 @@ pytestmark = pytest.mark.server
 MAX_TOTAL = 1600  # KV pool: room for two ~700-token prompts, so the third evicts the least recently used
 
 
-CONFIGS = {  # psa decodes the prompt sparsely (above min_context); loopserve's radix hooks run beside the tier
-    "psa": '{"min_context": 256, "host_tier_gb": 0.1, "gpu_cache_mb": 8}',
-    "loopserve": '{"host_tier_gb": 0.1, "gpu_cache_mb": 8}',
+# name: (mode, --sparse-config, extra server args, environment, page size)
+CONFIGS = {
+    # psa decodes the prompt sparsely (above min_context) with its CPU reference runner
+    "psa": ("psa", '{"min_context": 256, "host_tier_gb": 0.1, "gpu_cache_mb": 8}', (), {}, 1),
+    # loopserve's radix hooks (line sets on nodes) run beside the tier
+    "loopserve": ("loopserve", '{"host_tier_gb": 0.1, "gpu_cache_mb": 8}', (), {}, 1),
 }
+if os.environ.get("SPARSE_HOST_TIER_KERNEL_TEST") == "1":
+    # opt-in (about 20 minutes on 2 CPU cores): the GPU runner's code (page = block 16, block metadata
+    # recomputed from the reloaded keys by rebuild_page_meta, Triton PSA kernels) under the interpreter,
+    # over SGLang's paged allocator
+    CONFIGS["psa_kernel_page16"] = ("psa", '{"min_context": 256, "host_tier_gb": 0.1, "gpu_cache_mb": 8}',
+                                    ("--page-size", "16", "--max-running-requests", "4"),
+                                    {"SPARSE_PSA_RUNNER": "kernel", "TRITON_INTERPRET": "1"}, 16)
 
 
 @pytest.fixture(scope="module", params=sorted(CONFIGS))
 def tier_server(request, default_model, tmp_path_factory):
+    mode, cfg, extra, env, page = CONFIGS[request.param]
     log = tmp_path_factory.mktemp(f"host_tier_{request.param}") / "server.log"
-    handle = start_cpu_server(
-        default_model, log, mode=request.param, sparse_config=CONFIGS[request.param],
-        extra_args=("--enable-metrics", "--max-total-tokens", str(MAX_TOTAL)))
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
     try:
-        yield handle, log
+        handle = start_cpu_server(default_model, log, mode=mode, sparse_config=cfg,
+                                  extra_args=("--enable-metrics", "--max-total-tokens", str(MAX_TOTAL), *extra))
+    finally:
+        for k, v in saved.items():
+            os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
+    try:
+        yield handle, log, page
     finally:
         handle.stop()
 
@@ -64,8 +81,8 @@ def _metrics_when(server, key, pred, timeout_s=30.0):
 
 
 def test_evicted_prompt_is_loaded_from_host_not_recomputed(tier_server):
-    server, log = tier_server
-    run_evict_reload(server, log, page_size=1)
+    server, log, page = tier_server
+    run_evict_reload(server, log, page_size=page)
 
 
 def run_evict_reload(server, log, page_size: int) -> None:
