@@ -162,3 +162,23 @@ def test_bad_per_request_options_get_a_400(ls_server, bad, needle):
         "custom_params": {"sparse": bad}})
     assert r.status_code == 400, r.text
     assert needle in r.text
+
+
+def test_concurrent_dense_and_sparse_rows_share_batches(ls_server, cpu_server):
+    """A short (dense) and a long (sparse) request in flight together: mixed batches run the stock path for
+    every row and overwrite the sparse ones; all-sparse batches skip the stock attention. The long one is
+    sparse throughout; the short one answers exactly as dense."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    server, log = ls_server
+    short_msg, long_msg = PROMPT[0]["content"], "Mixed run. " + _long_prompt()
+    with ThreadPoolExecutor(2) as ex:
+        fs = [ex.submit(chat, server, m, 16, ignore_eos=True) for m in (long_msg, short_msg)]
+        long_r, short_r = (f.result() for f in fs)
+    assert long_r["metadata"]["sparse"]["sparse_prefill"] is True
+    assert long_r["metadata"]["sparse"]["sparse_decode_steps"] == 15
+    assert short_r["metadata"]["sparse"]["sparse_prefill"] is False
+    assert short_r["choices"][0]["message"]["content"] == \
+        chat(cpu_server, short_msg, 16, ignore_eos=True)["choices"][0]["message"]["content"]
+    text = log.read_text(errors="replace").lower()
+    assert "traceback" not in text and "leak" not in text
