@@ -174,19 +174,23 @@ def sparse_prefill(q, k_buf, v_buf, slots, sm_scale, alpha=ALPHA, out=None):
     return o, sel
 
 
+DENSE_IMPL = ["flashinfer"]  # main() falls back to "torch sdpa" (and says so in the report) without FlashInfer
+
+
 def dense_fn(q, k, v, sm_scale):
     """FlashInfer dense causal prefill (torch reference on CPU)."""
-    if q.is_cuda:
+    if q.is_cuda and DENSE_IMPL[0] == "flashinfer":
         import flashinfer
 
         return lambda: flashinfer.prefill.single_prefill_with_kv_cache(q, k, v, causal=True, sm_scale=sm_scale)
 
-    def ref():
+    def ref():  # fp32 on the CPU (smoke); the tensors' own dtype on CUDA (FlashAttention-backed SDPA)
         g = q.shape[1] // k.shape[1]
-        kk = k.float().repeat_interleave(g, 1).transpose(0, 1)
-        vv = v.float().repeat_interleave(g, 1).transpose(0, 1)
+        dt = q.dtype if q.is_cuda else torch.float32
+        kk = k.to(dt).repeat_interleave(g, 1).transpose(0, 1)
+        vv = v.to(dt).repeat_interleave(g, 1).transpose(0, 1)
         return torch.nn.functional.scaled_dot_product_attention(
-            q.float().transpose(0, 1), kk, vv, is_causal=True, scale=sm_scale).transpose(0, 1).to(q.dtype)
+            q.to(dt).transpose(0, 1), kk, vv, is_causal=True, scale=sm_scale).transpose(0, 1).to(q.dtype)
     return ref
 
 
@@ -251,7 +255,7 @@ def write_report(out: Path, meta, results):
     lines = ["# LoopServe sparse prefill vs FlashInfer dense causal prefill", "",
              f"- command: `{meta['command']}`", f"- device: {meta['gpu']}; bf16 matmul peak "
              f"{meta['peak_tflops']:.0f} TFLOP/s (8192^3 torch.matmul)", f"- versions: {meta['versions']}",
-             f"- shapes: {meta['shapes']}", f"- sparse = vs_estimate ({SAMPLED_ROWS} sampled rows) + vs_select "
+             f"- shapes: {meta['shapes']}; dense implementation: {meta.get('dense_impl')}", f"- sparse = vs_estimate ({SAMPLED_ROWS} sampled rows) + vs_select "
              f"(alpha {ALPHA}, sink {SINK}, local window {LOCAL}) + vs_prefill, timed together; dense = "
              "flashinfer single_prefill_with_kv_cache(causal=True); served = dense below min_context "
              f"({meta['min_context']}), else sparse; median of CUDA-event timings",
@@ -315,6 +319,7 @@ def main():
         import flashinfer
     except ImportError:
         flashinfer = None
+        DENSE_IMPL[0] = "torch sdpa (flashinfer not importable)"
     dev = "cuda" if torch.cuda.is_available() and not args.smoke else "cpu"
     min_context = args.min_context if args.min_context is not None else default_min_context()
     meta = dict(command=" ".join([sys.executable.split("/")[-1]] + sys.argv),
@@ -323,7 +328,8 @@ def main():
                 versions=f"torch {torch.__version__}, triton {triton.__version__}, flashinfer "
                          f"{getattr(flashinfer, '__version__', None)}, python {platform.python_version()}",
                 shapes="Llama-3.1-8B attention: 32 qo / 8 kv heads, head_dim 128, bf16, one request, one layer",
-                plant=PLANT, plant_diffuse=DIFFUSE, min_context=min_context, alpha=ALPHA)
+                plant=PLANT, plant_diffuse=DIFFUSE, min_context=min_context, alpha=ALPHA,
+                dense_impl=DENSE_IMPL[0] if dev == "cuda" else "torch sdpa (CPU smoke)")
     meta["peak_tflops"] = matmul_peak_tflops(dev)
     if args.smoke:
         cases = [("planted", c, dict(hq=4, hk=2, d=64)) for c in (96, 160)]
