@@ -68,11 +68,14 @@ def make_task(seed: int, docs: int = 8, words: int = 760) -> SamKVTask:
     return SamKVTask(f"samkv-d{docs}-w{words}-s{seed}", tuple(out), name, number, needed)
 
 
-def ask(url: str, task: SamKVTask, variant: str, max_tokens: int, wording: int = 0, timeout: float = 900.0) -> dict:
+def ask(url: str, task: SamKVTask, variant: str, max_tokens: int, wording: int = 0, timeout: float = 900.0,
+        salt: str | None = None) -> dict:
     """One documents request; returns ``{"latency_s", "text", "sparse"}`` (raises on HTTP errors)."""
     question = WORDINGS[wording % len(WORDINGS)].format(n=task.name) + " " + T.TRAILER
     body = {"model": "default", "messages": [{"role": "user", "content": question}], "max_tokens": max_tokens,
             "temperature": 0, "documents": list(task.documents), "samkv": {"variant": variant}}
+    if salt is not None:
+        body["cache_salt"] = salt
     t0 = time.perf_counter()
     r = requests.post(url + "/v1/chat/completions", json=body, timeout=timeout)
     dt = time.perf_counter() - t0

@@ -33,19 +33,24 @@ def samkv_gpu_server(tmp_path_factory):
 
 def test_gpu_samkv_documents_reused_and_selected(samkv_gpu_server):
     srv, log = samkv_gpu_server
-    task = make_task(0, docs=4, words=500)
-    first = ask(srv.url, task, "reuse", 12)
+    small = make_task(1, docs=3, words=120)  # the CPU server test's task (reuse answers it there)
+    first = ask(srv.url, small, "reuse", 12)
     m1 = first["sparse"]
-    assert m1["documents_prefilled"] == 4 and m1["assembled"], m1
+    assert m1["documents_prefilled"] == 3 and m1["assembled"], m1
     assert m1["cached_tokens"] >= m1["document_tokens"] - 15  # page-aligned composite
-    assert correct(first["text"], task.answer), first["text"]
-    second = ask(srv.url, task, "samkv", 12, wording=1)
-    m2 = second["sparse"]
+    assert correct(first["text"], small.answer), first["text"]
+    again = ask(srv.url, small, "reuse", 12, wording=1)["sparse"]
+    assert again["documents_reused"] == 3 and again["computed_tokens"] <= again["question_tokens"] + 15
+    task = make_task(0, docs=4, words=500)  # ~650 tokens per document: middle blocks to select
+    ask(srv.url, task, "reuse", 1)
+    m2 = ask(srv.url, task, "samkv", 12, wording=1)["sparse"]
     assert m2["documents_reused"] == 4 and m2["assembled"], m2
-    assert 0 < m2["kv_kept_ratio"] < 0.6, m2
+    assert 0 < m2["kv_kept_ratio"] < 0.6 and m2["recomputed_tokens"] > 0, m2
     assert m2["computed_tokens"] <= m2["question_tokens"] + 15
     dense = ask(srv.url, task, "recompute", 12)
     assert dense["sparse"]["cached_tokens"] == 0
+    other = ask(srv.url, small, "reuse", 4, salt="other")  # same documents, another salt: nothing shared
+    assert other["sparse"]["documents_prefilled"] == 3 and other["sparse"]["documents_reused"] == 0
     r = requests.post(srv.url + "/v1/chat/completions", timeout=60, json={
         "model": "default", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, "documents": []})
     assert r.status_code == 400 and "'documents'" in r.json()["message"]
