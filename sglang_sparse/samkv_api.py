@@ -209,21 +209,25 @@ async def _prefill_documents(serving, plan: DocumentPlan, filler: int, page_size
 
 
 async def handle_request_hook(original, serving, request, raw_request, *args, **kwargs):
-    """AROUND ``OpenAIServingBase.handle_request``: requests with ``documents`` under ``--sparse samkv``."""
+    """AROUND ``OpenAIServingBase.handle_request``: requests with ``documents`` under ``--sparse samkv``
+    (under any other mode they are a 400, not silently dropped); every other request passes through."""
     from sglang.srt.server_args import get_global_server_args
 
     from sglang_sparse.server_args import sparse_context_of
 
     ctx = sparse_context_of(get_global_server_args())
     body = None
-    if ctx.mode == "samkv" and raw_request is not None and type(serving).__name__ in (
-            "OpenAIServingChat", "OpenAIServingCompletion"):
+    if raw_request is not None and type(serving).__name__ in ("OpenAIServingChat", "OpenAIServingCompletion"):
         try:
-            body = await raw_request.json()
+            body = await raw_request.json()  # parsed once by FastAPI already (cached)
         except Exception:
             body = None
     if not isinstance(body, dict) or FIELD not in body:
         return await original(serving, request, raw_request, *args, **kwargs)
+    if ctx.mode != "samkv":  # never drop the documents in silence
+        return serving.create_error_response(
+            message=f"'{FIELD}' needs a server started with --sparse samkv (this one runs '{ctx.mode}')",
+            err_type="BadRequest", status_code=400)
     received = time.monotonic()
     try:
         return await _serve_documents(serving, request, raw_request, body, ctx.config, received)

@@ -70,3 +70,12 @@ def test_two_turn_dsl_program_hits_the_radix_cache(cpu_server):
     # at least all of turn 1's prompt must have been reused
     assert second["cached_tokens"] >= first["prompt_tokens"] > 0
     assert second["prompt_tokens"] > second["cached_tokens"]
+
+
+def test_documents_field_needs_the_samkv_mode(cpu_server):
+    """`extra_body.documents` on a server not in `--sparse samkv` is a 400 naming the field, never dropped."""
+    for path, extra in (("/v1/chat/completions", {"messages": PROMPT}), ("/v1/completions", {"prompt": "Hi"})):
+        r = requests.post(cpu_server.url + path, timeout=120,
+                          json={"model": "default", "max_tokens": 2, "documents": ["a document"], **extra})
+        assert r.status_code == 400, r.text
+        assert "'documents' needs a server started with --sparse samkv (this one runs 'off')" in r.json()["message"]
