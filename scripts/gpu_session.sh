@@ -19,6 +19,8 @@ rep=/tmp/gpu_reports/$part
 mkdir -p "$out" "$rep"
 # shellcheck disable=SC1091
 source /tmp/kit/env.sh
+# this checkout first: the kit installed a copy of the project at stage 3, and later calls carry newer code
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 export PYTHONUNBUFFERED=1
 # the repo-relative default model path (models/ is not carried) -> the kit's converted model
 mkdir -p models && ln -sfn "$KIT_MODEL" models/SmolLM2-135M-Instruct
