@@ -229,6 +229,8 @@ class SamKVConfig(SparseConfig):
                         "prefill of the concatenation, cacheblend = reuse of every block + selective recompute",
                         choices=("samkv", "reuse", "recompute", "cacheblend"))
     personalize: bool = knob(True, doc="add the other documents' local queries to the question's (Eq. 1)")
+    local_query_tokens: int = knob(16, doc="last tokens of each document whose queries form its local query "
+                                   "(side forward rows; SGLang keeps no Q cache)", range=Range(1, 1 << 20))
     recompute_ratio: float = knob(0.15, doc="fraction of each document's kept tokens recomputed over the composite "
                                   "(samkv, cacheblend; 0 = none)", range=Range(0.0, 1.0))
     max_documents: int = knob(64, doc="most documents in one request", range=Range(1, 4096))

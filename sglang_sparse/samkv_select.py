@@ -6,8 +6,8 @@ composite context keeps (SamKV §3.1-3.2; maths in :mod:`flashinfer_ext.samkv_sc
 2. Side forward (:func:`side_forward`: the model's own modules - embedding, norms, QKV / O projections,
    RoPE, MLP - layer by layer, with the attention computed here in torch) of two kinds of rows over that
    context: the question tokens (the request's prompt after the documents; each sees the whole anchor
-   context and the question up to itself) and every document's local tokens (each sees its own
-   document's anchor tokens up to itself). Kept: the pre-RoPE queries of the last ``stable_layers``
+   context and the question up to itself) and every document's last ``local_query_tokens`` tokens (each
+   sees its own document's anchor tokens up to itself). Kept: the pre-RoPE queries of the last ``stable_layers``
    layers; mean-pooled they are ``Q_que`` and each document's local query ``Q_doc-j,loc``. Their KV is
    thrown away; SGLang prefills the question again over the selected context (SamKV's "re-perform an
    incremental prefill of the user query").
@@ -30,14 +30,14 @@ from flashinfer_ext.samkv_score import (anchor_top_p, block_layout, block_mean_k
                                         generic_query, personalized_queries, select_middle_blocks)
 
 
-def _gather_context(rt, pool, spans, srcs, layouts, bs, ids, local_blocks):
+def _gather_context(rt, pool, spans, srcs, layouts, bs, ids, local_tokens):
     """The anchor context (initial + local blocks of every document) at positions ``0..C-1``: per layer
     ``(K, V)`` ``[C, kv_heads, head_dim]``, and per context row its token id, document, position in the
-    document; plus the context rows of each document's local blocks (its local-query rows)."""
+    document; plus the context rows of each document's last ``local_tokens`` tokens (its local-query rows)."""
     slots, delta, tok_ids, doc_of, pos_in, local, pos = [], [], [], [], [], [], 0
     for d, ((s, n), src, (nb, always, _)) in enumerate(zip(spans, srcs, layouts)):
         tok = [p for b in always for p in range(b * bs, min(n, (b + 1) * bs))]
-        loc_from = max(0, nb - local_blocks) * bs
+        loc_from = max(0, n - local_tokens)
         local += [pos + i for i, p in enumerate(tok) if p >= loc_from]
         t = torch.as_tensor(tok, dtype=torch.int64)
         slots.append(src[t.to(src.device)])
@@ -140,7 +140,7 @@ def select_blocks(rt, spans, srcs, ids, tree_cache, keep_all: bool = False) -> t
     layouts = [block_layout(n, bs, cfg.initial_blocks, cfg.local_blocks) for _, n in spans]
     n_doc = spans[-1][0] + spans[-1][1]
     ctx_k, ctx_v, (ctx_ids, ctx_doc, ctx_pos, local) = _gather_context(rt, pool, spans, srcs, layouts, bs, ids,
-                                                                        cfg.local_blocks)
+                                                                        cfg.local_query_tokens)
     first = max(0, rt.num_layers - cfg.stable_layers)
     q_que, q_loc_rows, loc_doc = _selection_queries(rt, list(ids[n_doc:]), ctx_k, ctx_v, ctx_ids, ctx_doc, ctx_pos,
                                                     local, first)
