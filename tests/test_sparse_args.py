@@ -28,8 +28,9 @@ def prepare():
 # (argv after --model-path, fragments the error message must contain)
 CLI_BAD_INPUTS = [
     (["--sparse", "bogus"], ["unknown --sparse mode 'bogus'", "implemented modes: off, psa"]),
-    (["--sparse", "samkv", "--sparse-config", '{"variant": "cacheblend"}'],
-     ["field 'variant' of mode 'samkv' = 'cacheblend' is not allowed", "choose one of ['samkv', 'reuse', 'recompute']"]),
+    (["--sparse", "samkv", "--sparse-config", '{"variant": "bogus"}'],
+     ["field 'variant' of mode 'samkv' = 'bogus' is not allowed",
+      "choose one of ['samkv', 'reuse', 'recompute', 'cacheblend']"]),
     (["--sparse", "psa", "--sparse-config", '{"epsilon": 2}'], ["field 'epsilon' of mode 'psa' = 2.0 is out of "
                                                               "range; allowed range (0, 1]"]),
     (["--sparse", ""], ["unknown --sparse mode ''", "implemented modes: off, psa"]),
@@ -165,8 +166,8 @@ def test_engine_refuses_bad_mode_before_loading_the_model(prepare, default_model
     from sglang_sparse.server_args import SparseServerArgs
 
     assert sgl.Engine.server_args_class is SparseServerArgs
-    with pytest.raises(SparseConfigError, match="'variant' of mode 'samkv' = 'cacheblend' is not allowed"):
-        sgl.Engine(model_path=str(default_model), device="cpu", sparse="samkv", sparse_config={"variant": "cacheblend"})
+    with pytest.raises(SparseConfigError, match="'variant' of mode 'samkv' = 'bogus' is not allowed"):
+        sgl.Engine(model_path=str(default_model), device="cpu", sparse="samkv", sparse_config={"variant": "bogus"})
     with pytest.raises(SparseConfigError, match="unknown key"):
         sgl.Engine(model_path=str(default_model), device="cpu", sparse="off", sparse_config={"budget": 3})
 
