@@ -29,6 +29,21 @@ SIZE = 512
 FILLER = 0
 
 
+def _torch_paged_allocator():
+    """The pure-torch paged allocator of the test CPU runtime (a CPU pool needs it: SGLang's own launches
+    Triton kernels). Installed in the CPU test env; elsewhere (the GPU machine) imported from the repo's
+    ``tests/cpu_runtime`` folder - the allocator module only subclasses SGLang's, no platform is activated."""
+    try:
+        from sglang_sparse_cpu_runtime.allocator import TorchPagedTokenToKVPoolAllocator
+    except ModuleNotFoundError:
+        import sys
+        from pathlib import Path
+
+        sys.path.insert(0, str(Path(__file__).parent / "cpu_runtime"))
+        from sglang_sparse_cpu_runtime.allocator import TorchPagedTokenToKVPoolAllocator
+    return TorchPagedTokenToKVPoolAllocator
+
+
 def _make(page: int, heads: int, dim: int):
     kv = MHATokenToKVPool(SIZE, page, torch.bfloat16, heads, dim, 1, "cpu", False)
     if page == 1:
@@ -36,7 +51,7 @@ def _make(page: int, heads: int, dim: int):
 
         alloc = TokenToKVPoolAllocator(SIZE, torch.bfloat16, "cpu", kv, False)
     else:
-        from sglang_sparse_cpu_runtime.allocator import TorchPagedTokenToKVPoolAllocator
+        TorchPagedTokenToKVPoolAllocator = _torch_paged_allocator()
 
         alloc = TorchPagedTokenToKVPoolAllocator(SIZE, page, torch.bfloat16, "cpu", kv, False)
     params = CacheInitParams(disable=False, req_to_token_pool=None, token_to_kv_pool_allocator=alloc,
