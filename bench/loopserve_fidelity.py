@@ -6,7 +6,8 @@
 Reads ``DIR/summary.json`` and writes
 ``{"gpu", "accuracy_ratio_by_position": {"begin", "middle", "end"},
 "lastwindow_accuracy_ratio_by_position": {...}, ...}``: each ratio is the mode's accuracy / dense
-accuracy at that question position (headline tasks), plus per mode the figures of
+accuracy at that question position (headline tasks; ``--lastwindow-run DIR`` takes the lastwindow
+figures from a second run, against that run's own dense), plus per mode the figures of
 :func:`bench.psa_fidelity.fidelity_figures` (reply agreement, teacher-forced top-1 / KL, the
 server's reported statistics and config) and whether the last-window baseline drops where the
 question is not last. Everything is computed from the run's records; nothing is typed in.
@@ -23,16 +24,19 @@ from bench.psa_fidelity import fidelity_figures
 POSITIONS = ("begin", "middle", "end")
 
 
-def loopserve_figures(summary: dict) -> dict:
-    modes = summary["modes"]
+def loopserve_figures(summary: dict, lastwindow_summary: dict | None = None) -> dict:
+    """``lastwindow_summary``: a second run (modes off + lastwindow) to take the lastwindow figures
+    from, each ratio against that run's own ``off``; default: ``summary``."""
     out: dict = {"gpu": summary["meta"].get("gpu")}
     for mode, key in (("loopserve", "accuracy_ratio_by_position"),
                       ("lastwindow", "lastwindow_accuracy_ratio_by_position")):
+        src = lastwindow_summary if mode == "lastwindow" and lastwindow_summary is not None else summary
+        modes = src["modes"]
         if mode not in modes:
             out[key] = {p: None for p in POSITIONS}
             out[mode] = {"error": f"mode '{mode}' is not in the run (modes: {sorted(modes)})"}
             continue
-        figs = fidelity_figures(summary, mode)
+        figs = fidelity_figures(src, mode)
         server = modes[mode].get("server") or {}
         figs["server_stats"] = (server.get("reported") or {}).get("stats")
         out[key] = figs["accuracy_ratio_by_position"]
@@ -42,15 +46,21 @@ def loopserve_figures(summary: dict) -> dict:
         out["lastwindow_drop_begin_vs_end"] = lw["end"] - lw["begin"]
         out["lastwindow_drop_middle_vs_end"] = lw["end"] - lw["middle"]
     out["command"] = summary["meta"].get("command")
+    if lastwindow_summary is not None:
+        out["lastwindow_command"] = lastwindow_summary["meta"].get("command")
     return out
 
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--run", required=True, help="harness output dir (has summary.json)")
+    p.add_argument("--lastwindow-run", default=None, metavar="DIR",
+                   help="a second harness dir (modes off,lastwindow) for the lastwindow figures; each ratio is "
+                        "against that run's own off (default: --run)")
     p.add_argument("--out", required=True)
     a = p.parse_args(argv)
-    figs = loopserve_figures(json.loads((Path(a.run) / "summary.json").read_text()))
+    lw = json.loads((Path(a.lastwindow_run) / "summary.json").read_text()) if a.lastwindow_run else None
+    figs = loopserve_figures(json.loads((Path(a.run) / "summary.json").read_text()), lw)
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(figs, indent=1, default=lambda x: None) + "\n")
     print(json.dumps({k: figs[k] for k in ("gpu", "accuracy_ratio_by_position",

@@ -41,6 +41,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--concurrency", type=int, default=None,
                    help="conversations in flight at once (default 1 on cpu, 8 on cuda); fidelity probes "
                         "always run one at a time")
+    p.add_argument("--fidelity-probes", type=int, default=None, metavar="N",
+                   help="run the first N of the preset's fidelity probes (default: all of them; 0: none)")
     p.add_argument("--sparse-config", action="append", default=[], metavar="MODE=JSON",
                    help="per-mode --sparse-config, e.g. loopserve='{\"alpha\":0.98}' (repeatable)")
     p.add_argument("--server-timeout", type=float, default=None,
@@ -65,6 +67,8 @@ def parse_args(argv=None) -> argparse.Namespace:
             p.error(f"--sparse-config expects MODE=JSON, got '{item}'")
         json.loads(cfg)  # fail fast on bad JSON
         a.configs[mode] = cfg
+    if a.fidelity_probes is not None and a.fidelity_probes < 0:
+        p.error("--fidelity-probes must be >= 0")
     if a.concurrency is None:
         a.concurrency = 1 if a.device == "cpu" else 8
     if a.server_timeout is None:
@@ -106,12 +110,18 @@ def main(argv=None) -> int:
     tok = AutoTokenizer.from_pretrained(a.model)
     preset = tasks.PRESETS[a.preset]
     suite = tasks.generate(preset, a.seed)
-    pairs = harness.tokenize_pairs(tok, tasks.fidelity_prompts(preset, a.seed))
+    prompts = tasks.fidelity_prompts(preset, a.seed)
+    if a.fidelity_probes is not None:  # a prefix of the preset's probes: the same probes as a full run's first N
+        prompts = prompts[:a.fidelity_probes]
+    pairs = harness.tokenize_pairs(tok, prompts)
     meta = envinfo.collect(a.python, [sys.executable, "-m", "bench.run_harness"] + (argv or sys.argv[1:]))
     meta.update({"device": a.device, "model": a.model, "model_name": Path(a.model).name, "dtype": a.dtype,
                  "preset": f"{preset.name} ({preset.description})", "seed": a.seed,
                  "tasks": f"{len(suite)} tasks, {sum(len(t.turns) for t in suite)} turns; "
-                          f"{len(pairs)} fidelity probes of ~{_mean_len(pairs)} tokens",
+                          f"{len(pairs)} fidelity probes of ~{_mean_len(pairs)} tokens"
+                          + (f" (--fidelity-probes {a.fidelity_probes} of the preset's {preset.fidelity_prompts})"
+                             if a.fidelity_probes is not None else ""),
+                 "fidelity probes": len(pairs),
                  "corpus": tasks.corpus.source_description(), "modes": ", ".join(a.mode_list), "task concurrency": a.concurrency,
                  "extra server args": " ".join(a.extra) or "(none)"})
     log(f"[driver] {meta['tasks']}; modes {a.mode_list}; out {out}")

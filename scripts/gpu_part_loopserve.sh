@@ -4,14 +4,23 @@
 #
 #   bash scripts/gpu_part_loopserve.sh REPORT_DIR
 #
-# Steps (each one's failure is recorded in REPORT_DIR/steps.txt, never fatal; ~9 minutes in all):
+# Steps (each one's failure is recorded in REPORT_DIR/steps.txt, never fatal); LS_STEPS picks them
+# (default all four; the device allows 10 minutes a command, so run the harness on its own call:
+#   LS_STEPS="pytest_gpu prefill_bench" bash scripts/gpu_session.sh loopserve      # ~4 minutes
+#   LS_STEPS="harness fidelity" bash scripts/gpu_session.sh loopserve              # <= 8 minutes
+# ):
 #   pytest_gpu    the loopserve GPU server tests + the vertical/slash/decode kernel tests (-m gpu; the
 #                 lastwindow GPU server test runs with `pytest -m gpu tests`, the harness serves lastwindow here)
 #   prefill_bench bench/loopserve_prefill_bench.py -> loopserve_prefill.{md,json,png}
 #   harness       bench.run_harness off,loopserve,lastwindow on FlashInfer (page 16)
 #   fidelity      bench.loopserve_fidelity -> loopserve_fidelity.json
-# Budgets: LS_TEST_TIMEOUT (150 s), LS_BENCH_TIMEOUT (100 s), LS_HARNESS_TIMEOUT (310 s; three servers of
-# ~1 min start each + tasks + fidelity probes);
+# Budgets: LS_TEST_TIMEOUT (150 s), LS_BENCH_TIMEOUT (100 s), LS_HARNESS_TIMEOUT (480 s). The H100 run
+# of the harness (full preset, 378 tasks, concurrency 8): off 81 s in all (server start 57 s, tasks 9 s,
+# 30 probes 9 s), loopserve start 53 s + tasks 180 s + 30 probes > 140 s (~2678-token probes, killed),
+# so LS_PROBES (4) runs the first 4 of the preset's 30 fidelity probes (--fidelity-probes; the same
+# probes in every mode): off ~75 s + loopserve ~260 s + lastwindow (one selection per request) ~110 s.
+# loopserve runs before lastwindow so that a timeout costs the baseline, not the headline;
+# bench.loopserve_fidelity --lastwindow-run DIR takes lastwindow from a second run (off,lastwindow) if needed;
 # LS_PRESET (full), LS_MIN_CONTEXT (128: the harness headline contexts are ~130-450 tokens),
 # LS_BUDGET (64: top-B per KV head for both loopserve and lastwindow at those contexts), LS_ALPHA
 # (0.97: on SmolLM2-135M the paper's 0.955 lost a planted fact that 0.97 kept, tests/test_loopserve_server.py).
@@ -34,19 +43,21 @@ step() {  # step NAME CMD...: its log in the report folder; a failure is recorde
 mc=${LS_MIN_CONTEXT:-128}
 budget=${LS_BUDGET:-64}
 alpha=${LS_ALPHA:-0.97}
+steps=${LS_STEPS:-pytest_gpu prefill_bench harness fidelity}
+want() { case " $steps " in *" $1 "*) return 0 ;; *) return 1 ;; esac; }
 # kernels first (seconds), then the server module (two servers, ~1 min to start each on an H100)
-step pytest_gpu timeout "${LS_TEST_TIMEOUT:-150}" python3 -m pytest -m gpu -q -p no:cacheprovider -rA \
+want pytest_gpu && step pytest_gpu timeout "${LS_TEST_TIMEOUT:-150}" python3 -m pytest -m gpu -q -p no:cacheprovider -rA \
     --junitxml="$rep/junit_gpu_loopserve.xml" tests/flashinfer_ext/test_vs_estimate.py \
     tests/flashinfer_ext/test_vs_select.py tests/flashinfer_ext/test_vs_prefill.py \
     tests/flashinfer_ext/test_vs_decode_batched.py tests/test_gpu_loopserve_server.py
-step prefill_bench timeout "${LS_BENCH_TIMEOUT:-100}" python3 bench/loopserve_prefill_bench.py --out "$rep" \
+want prefill_bench && step prefill_bench timeout "${LS_BENCH_TIMEOUT:-100}" python3 bench/loopserve_prefill_bench.py --out "$rep" \
     --smollm --time-budget "${LS_BENCH_BUDGET:-75}"
-step harness timeout "${LS_HARNESS_TIMEOUT:-310}" python3 -m bench.run_harness --preset "${LS_PRESET:-full}" \
-    --modes off,loopserve,lastwindow \
+want harness && step harness timeout "${LS_HARNESS_TIMEOUT:-480}" python3 -m bench.run_harness \
+    --preset "${LS_PRESET:-full}" --modes off,loopserve,lastwindow --fidelity-probes "${LS_PROBES:-4}" \
     --sparse-config "loopserve={\"min_context\": $mc, \"budget\": $budget, \"alpha\": $alpha}" \
     --sparse-config "lastwindow={\"min_context\": $mc, \"budget\": $budget}" \
     --device cuda --python python3 --model "$KIT_MODEL" --port 30000 --out "$rep/gpu_loopserve" \
     --server-args "--attention-backend flashinfer --page-size 16"
-step fidelity python3 -m bench.loopserve_fidelity --run "$rep/gpu_loopserve" --out "$rep/loopserve_fidelity.json"
+want fidelity && step fidelity python3 -m bench.loopserve_fidelity --run "$rep/gpu_loopserve" --out "$rep/loopserve_fidelity.json"
 say "done: exit $rc"
 exit $rc

@@ -75,3 +75,11 @@ def test_tiny_preset_end_to_end(tmp_path):
         last = [t["turns"][-1]["score"] for t in raw["tasks"] if t["position"] == pos]
         assert v == pytest.approx(sum(last) / len(last), abs=1e-4)
     assert wall < 180, f"CI budget exceeded: {wall:.0f}s"
+
+
+def test_fidelity_probes_option_is_parsed_and_checked():
+    from bench.run_harness import parse_args
+    assert parse_args(["--fidelity-probes", "4"]).fidelity_probes == 4
+    assert parse_args([]).fidelity_probes is None
+    with pytest.raises(SystemExit):
+        parse_args(["--fidelity-probes", "-1"])

@@ -47,3 +47,21 @@ def test_a_missing_mode_gives_nulls_not_numbers():
     figs = loopserve_figures(s)
     assert figs["lastwindow_accuracy_ratio_by_position"] == {"begin": None, "middle": None, "end": None}
     assert "error" in figs["lastwindow"]
+
+
+def test_lastwindow_figures_from_a_second_run_use_that_runs_dense(tmp_path):
+    """--lastwindow-run: the lastwindow ratios come from the second run, against its own off."""
+    s = _summary()
+    second = copy.deepcopy(s)
+    del s["modes"]["lastwindow"]
+    del second["modes"]["loopserve"]
+    second["modes"]["off"]["headline"]["accuracy_by_position"] = {"begin": 0.5, "middle": 0.6, "end": 1.0}
+    for name, summ in (("a", s), ("b", second)):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "summary.json").write_text(json.dumps(summ))
+    main(["--run", str(tmp_path / "a"), "--lastwindow-run", str(tmp_path / "b"), "--out", str(tmp_path / "f.json")])
+    figs = json.loads((tmp_path / "f.json").read_text())
+    lw = second["modes"]["lastwindow"]["headline"]["accuracy_by_position"]
+    dense2 = second["modes"]["off"]["headline"]["accuracy_by_position"]
+    assert figs["lastwindow_accuracy_ratio_by_position"] == {p: lw[p] / dense2[p] for p in ("begin", "middle", "end")}
+    assert figs["accuracy_ratio_by_position"] == loopserve_figures(s)["accuracy_ratio_by_position"]
