@@ -151,6 +151,7 @@ def summarize(plan: DocumentPlan, doc_cached: list[int], meta: dict, page_size: 
         "kv_kept_tokens": kept, "kv_kept_ratio": kept / n_doc if n_doc else 1.0,
         "recomputed_tokens": int(sched.get("recomputed_tokens", 0)),
         "assembled": sched.get("status") == "assembled", "scheduler_status": sched.get("status"),
+        "scheduler_ms": sched.get("timing_ms"),  # the scheduler's assembly phases (CUDA-synchronised)
     }
 
 
@@ -248,7 +249,10 @@ async def _serve_documents(serving, request, raw_request, body, cfg, received):
         raise ValueError(err)
     adapted, processed = serving._convert_to_internal_request(request, raw_request)
     tok = serving.tokenizer_manager.tokenizer
+    front_ms = {}
+    t0 = time.perf_counter()
     doc_ids = tuple(tuple(tok.encode(d + SEPARATOR, add_special_tokens=False)) for d in docs)
+    front_ms["tokenize"] = round(1000.0 * (time.perf_counter() - t0), 3)
     plan = DocumentPlan(doc_ids, tuple(_prompt_ids(serving, adapted)), salt, variant)
     ctx_len = serving.tokenizer_manager.context_len
     max_new = (adapted.sampling_params or {}).get("max_new_tokens") or 0
@@ -262,8 +266,10 @@ async def _serve_documents(serving, request, raw_request, body, cfg, received):
     known, keys = _known(serving), [KnownDocuments.key(plan, d) for d in doc_ids]
     if variant != "recompute":
         todo = [i for i, k in enumerate(keys) if not known.has(k)]
+        t0 = time.perf_counter()
         got = await _prefill_documents(serving, plan, filler, page, raw_request, todo) if todo else {}
         doc_cached = [got.get(i, -1) for i in range(len(doc_ids))]
+        front_ms["document_prefill"] = round(1000.0 * (time.perf_counter() - t0), 3)
     adapted.text = None
     adapted.input_ids = plan.input_ids
     adapted.extra_key = plan.composite_namespace(uuid.uuid4().hex)
@@ -274,11 +280,16 @@ async def _serve_documents(serving, request, raw_request, body, cfg, received):
     sp["custom_params"] = custom
     adapted.sampling_params = sp
     adapted.received_time = received
+    t0 = time.perf_counter()
     ret = await serving.tokenizer_manager.generate_request(adapted, raw_request).__anext__()
     ret = ret if isinstance(ret, list) else [ret]
+    front_ms["generate"] = round(1000.0 * (time.perf_counter() - t0), 3)
     build = getattr(serving, "_build_chat_response", None) or serving._build_completion_response
     response = build(processed, ret, int(time.time()))
     summaries = [summarize(plan, doc_cached, item.get("meta_info") or {}, page) for item in ret]
+    front_ms["total"] = round(1000.0 * (time.monotonic() - received), 3)
+    for x in summaries:  # front door phases: tokenize, document prefill round trips, the generate call
+        x["front_ms"] = front_ms
     if variant != "recompute":
         fell_back = any(x["scheduler_status"] in ("fallback", "error") for x in summaries)
         for k in keys:

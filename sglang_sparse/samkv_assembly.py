@@ -32,6 +32,7 @@ keys/values per layer ``[slots, kv_heads, head_dim]`` (post-RoPE keys).
 from __future__ import annotations
 
 import logging
+import time
 from array import array
 
 import torch
@@ -63,6 +64,28 @@ class SamKVRuntime:
         self.rotary_dim = int(rotary_dim)
         self.model = model
         self.num_layers = int(num_layers)
+        self._times: dict[str, float] | None = None
+        self._last = 0.0
+
+    def timing_start(self) -> None:
+        """Start the per-request phase clock (:meth:`tick`); off until called, so direct callers pay nothing."""
+        self._times, self._last = {}, time.perf_counter()
+
+    def tick(self, name: str) -> None:
+        """Close phase ``name`` (ms since the previous tick). Synchronises CUDA first so each phase owns its
+        kernels: a handful of syncs per request, the price of a breakdown that means something."""
+        if self._times is None:
+            return
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.synchronize()
+        now = time.perf_counter()
+        self._times[name] = round(self._times.get(name, 0.0) + 1000.0 * (now - self._last), 3)
+        self._last = now
+
+    def timing_done(self) -> dict[str, float]:
+        out, self._times = dict(self._times or {}), None
+        out["total"] = round(sum(out.values()), 3)
+        return out
 
     def shift_keys(self, k: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
         """Keys ``[n, kv_heads, head_dim]`` re-rotated by per-token ``delta`` ``[n]`` (int64)."""
@@ -107,12 +130,18 @@ def init_round_hook(result, req, *args, **kwargs):
     if rt is None:
         return result
     req.samkv_result = {"status": "pending"}
+    rt.timing_start()
     try:
         req.samkv_result = _assemble(req, tree_cache, rt, custom)
     except Exception:  # never take the scheduler down: serve the request densely
         logger.exception("sglang-sparse samkv: assembly failed for %s; serving it densely", req.rid)
         req.samkv_result = {"status": "error"}
+        rt.timing_done()
         return result
+    # where the scheduler's time went (ms per phase, CUDA-synchronised): metadata["sparse"]["scheduler_ms"]
+    req.samkv_result["timing_ms"] = rt.timing_done()
+    logger.info("sglang-sparse samkv: %s %s timing_ms=%s", req.rid, req.samkv_result.get("status"),
+                req.samkv_result["timing_ms"])
     # to the response: SGLang carries req.customized_info[key] (one entry per output token, sliced from
     # the first) into meta_info[key]; the first output token brings this result along
     info = getattr(req, "customized_info", None) or {}
@@ -160,7 +189,9 @@ def _assemble(req, tree_cache, rt, custom) -> dict:
             tree_cache.inc_lock_ref(m.last_device_node)
             locked.append(m.last_device_node)
             srcs.append(m.device_indices[:n])
+        _tick(rt, "match_documents")
         keep, scores = _select(rt, spans, srcs, ids, variant, tree_cache)
+        _tick(rt, "select")
         new_doc_ids, src_list, delta_list = [], [], []
         for (s, n), src, kp in zip(spans, srcs, keep):
             kp_t = torch.as_tensor(kp, dtype=torch.int64)
@@ -189,19 +220,23 @@ def _assemble(req, tree_cache, rt, custom) -> dict:
             src = torch.cat(src_list)[:aligned]
             delta = torch.cat(delta_list)[:aligned].to(src.device)
             pool = alloc.get_kvcache()
+            _tick(rt, "alloc")
             for layer in range(rt.num_layers):
                 kbuf, vbuf = pool.get_key_buffer(layer), pool.get_value_buffer(layer)
                 kbuf[dst] = rt.shift_keys(kbuf[src], delta).to(kbuf.dtype)
                 vbuf[dst] = vbuf[src]
+            _tick(rt, "copy_rope_shift")
             if scores is not None and rt.config.recompute_ratio > 0:
                 from sglang_sparse.samkv_recompute import recompute, recompute_set
 
                 r_idx = recompute_set(keep, scores, rt.config.recompute_ratio, aligned)
                 recompute(rt, pool, dst, new_ids, r_idx, rt.config.fuse)
                 result["recomputed_tokens"] = len(r_idx)
+                _tick(rt, "recompute")
             res = tree_cache.insert(InsertParams(key=key, value=dst.to(torch.int64)))
             if res.prefix_len > 0:
                 alloc.free(dst[:res.prefix_len])
+            _tick(rt, "insert")
         result["composite_cached"] = have >= aligned
         if new_ids != ids:
             req.origin_input_ids = array("q", new_ids)
@@ -211,6 +246,12 @@ def _assemble(req, tree_cache, rt, custom) -> dict:
     finally:
         for node in locked:
             tree_cache.dec_lock_ref(node)
+
+
+def _tick(rt, name: str) -> None:
+    tick = getattr(rt, "tick", None)
+    if tick is not None:
+        tick(name)
 
 
 def _select(rt, spans, srcs, ids, variant, tree_cache):

@@ -71,6 +71,15 @@ def side_forward(rt, ids: torch.Tensor, pos: torch.Tensor, ctx_k, ctx_v, mask: t
     Returns the rows' pre-RoPE queries ``[R, q_heads, head_dim]`` fp32 of layers ``first_layer ..``."""
     inner = rt.model.model
     r = ids.shape[0]
+    # index tensors once (boolean-mask indexing inside the layer loop is a host sync per layer)
+    app_rows = append.nonzero().squeeze(1) if append is not None else None
+    if app_rows is not None and app_rows.numel() == 0:
+        app_rows = None
+    rep_dst = rep_src = None
+    if replace_idx is not None:
+        sel = replace_idx >= 0
+        rep_src = sel.nonzero().squeeze(1)
+        rep_dst = replace_idx.index_select(0, rep_src)
     h = inner.embed_tokens(ids)
     residual, out = None, []
     for layer_id, layer in enumerate(inner.layers):
@@ -87,13 +96,12 @@ def side_forward(rt, ids: torch.Tensor, pos: torch.Tensor, ctx_k, ctx_v, mask: t
         k = k.reshape(r, a.num_kv_heads, a.head_dim)
         v = v.reshape(r, a.num_kv_heads, a.head_dim)
         kk, vv = ctx_k[layer_id].to(k.dtype), ctx_v[layer_id].to(v.dtype)
-        if replace_idx is not None:
-            sel = replace_idx >= 0
+        if rep_dst is not None:
             kk, vv = kk.clone(), vv.clone()
-            kk[replace_idx[sel]] = k[sel]
-            vv[replace_idx[sel]] = v[sel]
-        if append is not None and bool(append.any()):
-            kk, vv = torch.cat([kk, k[append]]), torch.cat([vv, v[append]])
+            kk[rep_dst] = k.index_select(0, rep_src)
+            vv[rep_dst] = v.index_select(0, rep_src)
+        if app_rows is not None:
+            kk, vv = torch.cat([kk, k.index_select(0, app_rows)]), torch.cat([vv, v.index_select(0, app_rows)])
         if on_layer is not None:
             on_layer(layer_id, k, v)
         group = a.num_heads // a.num_kv_heads
@@ -129,6 +137,21 @@ def _selection_queries(rt, question_ids, ctx_k, ctx_v, ctx_ids, ctx_doc, ctx_pos
     return [q[:t] for q in qs], [q[t:] for q in qs], ctx_doc[loc]
 
 
+def _tick(rt, name):
+    tick = getattr(rt, "tick", None)
+    if tick is not None:
+        tick(name)
+
+
+def _to_host(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Many small device tensors to fp32 CPU tensors with one transfer (one host sync, not one per tensor)."""
+    if not tensors:
+        return []
+    shapes = [t.shape for t in tensors]
+    host = torch.cat([t.reshape(-1).float() for t in tensors]).cpu()
+    return [h.reshape(sh) for h, sh in zip(host.split([sh.numel() for sh in shapes]), shapes)]
+
+
 def select_blocks(rt, spans, srcs, ids, tree_cache, keep_all: bool = False) -> tuple[list[list[int]], list[torch.Tensor]]:
     """Kept in-document token positions of each document (sorted), by SamKV's selection (every token when
     ``keep_all``: the CacheBlend-style variant), and per document
@@ -141,23 +164,32 @@ def select_blocks(rt, spans, srcs, ids, tree_cache, keep_all: bool = False) -> t
     n_doc = spans[-1][0] + spans[-1][1]
     ctx_k, ctx_v, (ctx_ids, ctx_doc, ctx_pos, local) = _gather_context(rt, pool, spans, srcs, layouts, bs, ids,
                                                                         cfg.local_query_tokens)
+    _tick(rt, "select_gather")
     first = max(0, rt.num_layers - cfg.stable_layers)
     q_que, q_loc_rows, loc_doc = _selection_queries(rt, list(ids[n_doc:]), ctx_k, ctx_v, ctx_ids, ctx_doc, ctx_pos,
                                                     local, first)
     del ctx_k, ctx_v
+    _tick(rt, "select_side_forward")
     d = len(spans)
     p_docs, s_docs, tok_scores = [], [], [[] for _ in spans]
     q_hats = []
+    counts = torch.bincount(loc_doc, minlength=d).clamp(min=1) if loc_doc.numel() else None
     for i in range(len(q_que)):
         ql = q_loc_rows[i]
-        per_doc = torch.stack([ql[loc_doc == j].mean(0) if bool((loc_doc == j).any()) else torch.zeros_like(ql[0])
-                               for j in range(d)]) if len(ql) else None
+        per_doc = None
+        if len(ql):  # per-document mean of its local queries (zeros for a document without any), no host sync
+            sums = torch.zeros((d,) + tuple(ql.shape[1:]), dtype=ql.dtype, device=ql.device).index_add_(0, loc_doc, ql)
+            per_doc = sums / counts.to(ql.dtype).view(d, *([1] * (ql.dim() - 1)))
         q_hats.append(personalized_queries(generic_query(q_que[i]), per_doc if cfg.personalize else None))
+    # every document's keys de-rotated to position 0: one gather + one rope_shift per stable layer
+    src_all = torch.cat(list(srcs))
+    pos_all = torch.cat([torch.arange(n, device=src_all.device) for _, n in spans])
+    k0_all = [rt.shift_keys(pool.get_key_buffer(layer)[src_all], -pos_all) for layer in range(first, rt.num_layers)]
     for j, ((s, n), src, (nb, always, middle)) in enumerate(zip(spans, srcs, layouts)):
         p_l, s_l = [], []
         for i, layer in enumerate(range(first, rt.num_layers)):
             q_hat = q_hats[i][min(j, q_hats[i].shape[0] - 1)]
-            k0 = rt.shift_keys(pool.get_key_buffer(layer)[src], -torch.arange(n, device=src.device))
+            k0 = k0_all[i][s:s + n]
             means = block_mean_keys(k0, bs)                                     # [nb, kv_heads, dim]
             anchor = torch.cat([k0[b * bs:(b + 1) * bs] for b in always]).float().mean(0, keepdim=True)
             s_mid = block_scores(q_hat.to(means.device), means[middle]) if middle else means.new_zeros(0)
@@ -165,9 +197,11 @@ def select_blocks(rt, spans, srcs, ids, tree_cache, keep_all: bool = False) -> t
             p_l.append(anchor_top_p(s_anc, s_mid.unsqueeze(0))[0])
             s_l.append(s_mid)
             tok_scores[j].append(block_scores(q_hat.to(k0.device), k0))
-        p_docs.append(torch.stack(p_l).cpu())
-        s_docs.append(torch.stack(s_l).cpu())
-    scores = [torch.stack(t).mean(0).cpu() for t in tok_scores]
+        p_docs.append(torch.stack(p_l))
+        s_docs.append(torch.stack(s_l))
+    host = _to_host(p_docs + s_docs + [torch.stack(t).mean(0) for t in tok_scores])
+    p_docs, s_docs, scores = host[:d], host[d:2 * d], host[2 * d:]
+    _tick(rt, "select_scoring")
     if keep_all:
         return [list(range(n)) for _, n in spans], scores
     always_total = sum(len(a) for _, a, _ in layouts)
