@@ -93,39 +93,45 @@ def correct(text: str, answer: str) -> bool:
     return bool(nums) and nums[0] == answer
 
 
-def run(url: str, n_tasks: int, docs: int, words: int, repeats: int, max_tokens: int, log=print) -> dict:
+def run(url: str, n_tasks: int, docs: int, words: int, repeats: int, max_tokens: int, log=print,
+        ttft_only: bool = False) -> dict:
     rows = []
     for seed in range(n_tasks):
         task = make_task(seed, docs, words)
         warm = ask(url, task, "samkv", 1, wording=len(WORDINGS) - 1)
         ttft = {"samkv": [], "recompute": []}
-        kept = []
+        kept, phases = [], []
         for rep in range(repeats):
             for variant in ("recompute", "samkv"):
                 r = ask(url, task, variant, 1, wording=rep)
                 ttft[variant].append(r["latency_s"])
                 if variant == "samkv":
                     kept.append(r["sparse"].get("kv_kept_ratio"))
-        answers = {v: ask(url, task, v, max_tokens, wording=0) for v in ("recompute", "samkv", "reuse")}
+                    phases.append({"front_ms": r["sparse"].get("front_ms"),
+                                   "scheduler_ms": r["sparse"].get("scheduler_ms")})
+        variants = () if ttft_only else ("recompute", "samkv", "reuse")
+        answers = {v: ask(url, task, v, max_tokens, wording=0) for v in variants}
         row = {"task": task.tid, "answer": task.answer, "needed_doc": task.needed_doc,
                "document_tokens": warm["sparse"].get("document_tokens"),
                "warm_documents_prefilled": warm["sparse"].get("documents_prefilled"),
                "ttft_s": {v: statistics.median(x) for v, x in ttft.items()},
                "kv_kept_ratio": statistics.fmean(k for k in kept if k is not None) if any(
                    k is not None for k in kept) else None,
+               "samkv_timing_ms": phases,
                "correct": {v: correct(a["text"], task.answer) for v, a in answers.items()},
                "replies": {v: a["text"] for v, a in answers.items()},
                "metadata": {v: a["sparse"] for v, a in answers.items()}}
         log(f"[samkv_bench] {task.tid}: tokens={row['document_tokens']} ttft={row['ttft_s']} "
-            f"kept={row['kv_kept_ratio']} correct={row['correct']}")
+            f"kept={row['kv_kept_ratio']} correct={row['correct']} last samkv timing={phases[-1] if phases else None}")
         rows.append(row)
     med = {v: statistics.median(r["ttft_s"][v] for r in rows) for v in ("samkv", "recompute")}
-    acc = {v: sum(r["correct"][v] for r in rows) / len(rows) for v in ("recompute", "samkv", "reuse")}
+    acc = {v: (None if ttft_only else sum(r["correct"][v] for r in rows) / len(rows))
+           for v in ("recompute", "samkv", "reuse")}
     kept_vals = [r["kv_kept_ratio"] for r in rows if r["kv_kept_ratio"] is not None]
     return {"rows": rows, "ttft_median_s": med, "accuracy": acc,
             "ttft_ratio_vs_recompute": med["samkv"] / med["recompute"],
             "kv_kept_ratio": statistics.fmean(kept_vals) if kept_vals else None,
-            "accuracy_delta_vs_recompute": 100.0 * (acc["samkv"] - acc["recompute"])}
+            "accuracy_delta_vs_recompute": None if ttft_only else 100.0 * (acc["samkv"] - acc["recompute"])}
 
 
 def _gpu_name() -> str:
@@ -141,10 +147,14 @@ def _gpu_name() -> str:
 
 def write_report(out: Path, res: dict, facts: dict) -> None:
     out.mkdir(parents=True, exist_ok=True)
-    head = {"gpu": facts["gpu"], "ttft_ratio_vs_recompute": res["ttft_ratio_vs_recompute"],
+    head = {"gpu": facts["gpu"], "model": facts.get("model"), "weights": facts.get("weights", "real"),
+            "ttft_ratio_vs_recompute": res["ttft_ratio_vs_recompute"], "ttft_median_s": res["ttft_median_s"],
             "kv_kept_ratio": res["kv_kept_ratio"], "accuracy_delta_vs_recompute": res["accuracy_delta_vs_recompute"]}
     (out / "samkv.json").write_text(json.dumps({**head, "details": {**facts, **res}}, indent=1))
+    acc = res["accuracy"]
+    fmt = lambda x: "n/a (dummy weights)" if x is None else f"{x:.3f}"  # noqa: E731
     lines = ["# SamKV: per-document KV reuse + block selection (`--sparse samkv`)", "",
+             f"- model: {facts.get('model')} ({facts.get('weights', 'real')} weights)",
              f"- command: `{facts['command']}`", f"- GPU: {facts['gpu']}", f"- server: {facts.get('server', '?')}",
              f"- tasks: {len(res['rows'])} x {facts['docs']} documents of ~{facts['words']} words "
              f"(document tokens per task: {[r['document_tokens'] for r in res['rows']]})", "",
@@ -153,17 +163,32 @@ def write_report(out: Path, res: dict, facts: dict) -> None:
              f"| TTFT median samkv / recompute (s) | {res['ttft_median_s']['samkv']:.4f} / "
              f"{res['ttft_median_s']['recompute']:.4f} |",
              f"| KV kept ratio (samkv) | {res['kv_kept_ratio']} |",
-             f"| accuracy recompute / samkv / reuse | {res['accuracy']['recompute']:.3f} / "
-             f"{res['accuracy']['samkv']:.3f} / {res['accuracy']['reuse']:.3f} |",
-             f"| accuracy delta samkv - recompute (points) | {res['accuracy_delta_vs_recompute']:+.1f} |", "",
+             f"| accuracy recompute / samkv / reuse | {fmt(acc['recompute'])} / {fmt(acc['samkv'])} / "
+             f"{fmt(acc['reuse'])} |",
+             f"| accuracy delta samkv - recompute (points) | {fmt(res['accuracy_delta_vs_recompute'])} |", "",
              "TTFT = latency of a non-streaming request with max_tokens 1 (documents cached and known to the "
              "front door). samkv = reuse + SamKV block selection + selective recompute (server config); reuse = "
              "every block, no recompute; recompute = dense prefill of the concatenation.", "",
              "| task | answer | recompute | samkv | reuse | kept |", "|---|---|---|---|---|---|"]
     for r in res["rows"]:
-        lines.append(f"| {r['task']} | {r['answer']} | {r['replies']['recompute']!r} | {r['replies']['samkv']!r} | "
-                     f"{r['replies']['reuse']!r} | {r['kv_kept_ratio']} |")
+        rp = r["replies"]
+        lines.append(f"| {r['task']} | {r['answer']} | {rp.get('recompute')!r} | {rp.get('samkv')!r} | "
+                     f"{rp.get('reuse')!r} | {r['kv_kept_ratio']} |")
+    last = [t for r in res["rows"] for t in r.get("samkv_timing_ms", [])]
+    if last:
+        lines += ["", "Where a samkv request's time went (last timed request, ms; front door phases and the "
+                  "scheduler's CUDA-synchronised assembly phases):", "", f"`{json.dumps(last[-1])}`"]
     (out / "samkv.md").write_text("\n".join(lines) + "\n")
+
+
+def add_to_headline(path: Path, res: dict, facts: dict, source: Path) -> None:
+    """Record this run's TTFT figures (computed above) under ``ttft_by_model[<model label>]`` of ``path``."""
+    head = json.loads(path.read_text()) if path.exists() else {}
+    head.setdefault("ttft_by_model", {})[facts["model"]] = {
+        "weights": facts["weights"], "gpu": facts["gpu"], "ttft_ratio_vs_recompute": res["ttft_ratio_vs_recompute"],
+        "ttft_median_s": res["ttft_median_s"], "kv_kept_ratio": res["kv_kept_ratio"], "tasks": len(res["rows"]),
+        "source": str(source)}
+    path.write_text(json.dumps(head, indent=1))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -182,9 +207,22 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--max-tokens", type=int, default=12)
     ap.add_argument("--out", default="bench/results")
+    ap.add_argument("--ttft-only", action="store_true", help="no accuracy requests (dummy-weight runs)")
+    ap.add_argument("--dummy-8b", metavar="DIR", help="build a Llama-3.1-8B-shaped folder in DIR from --model's "
+                    "tokenizer (bench.dummy_model), serve it with --load-format dummy; implies --ttft-only")
+    ap.add_argument("--headline", metavar="JSON", help="also add this run's TTFT figures, with their model and "
+                    "weights, under 'ttft_by_model' of this samkv.json (the real-model run's headline)")
     a = ap.parse_args(argv)
+    weights, model_label = "real", a.model
+    if a.dummy_8b:
+        from bench.dummy_model import LABEL, make_dummy_llama8b
+
+        a.model = str(make_dummy_llama8b(a.model, a.dummy_8b))
+        a.server_args = (a.server_args + " --load-format dummy").strip()
+        a.ttft_only, weights, model_label = True, "dummy", LABEL
     facts = {"command": " ".join(shlex.quote(x) for x in [sys.executable, "-m", "bench.samkv_bench"] + (argv or sys.argv[1:])),
-             "gpu": _gpu_name() if a.device == "cuda" else "none (CPU run)", "docs": a.docs, "words": a.words}
+             "gpu": _gpu_name() if a.device == "cuda" else "none (CPU run)", "docs": a.docs, "words": a.words,
+             "model": model_label, "weights": weights}
     server = None
     url = a.url
     if a.launch:
@@ -200,11 +238,14 @@ def main(argv: list[str] | None = None) -> int:
     if not url:
         ap.error("give --url or --launch")
     try:
-        res = run(url, a.tasks, a.docs, a.words, a.repeats, a.max_tokens)
+        res = run(url, a.tasks, a.docs, a.words, a.repeats, a.max_tokens, ttft_only=a.ttft_only)
     finally:
         if server is not None:
             server.stop()
     write_report(Path(a.out), res, facts)
+    add_to_headline(Path(a.out) / "samkv.json", res, facts, Path(a.out) / "samkv.json")
+    if a.headline:
+        add_to_headline(Path(a.headline), res, facts, Path(a.out) / "samkv.json")
     print(json.dumps({k: res[k] for k in ("ttft_ratio_vs_recompute", "kv_kept_ratio", "accuracy_delta_vs_recompute",
                                           "accuracy", "ttft_median_s")}, indent=1))
     return 0
