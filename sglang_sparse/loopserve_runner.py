@@ -27,11 +27,20 @@ Where the host work goes (nothing per layer needs a sync; no ``.item()``):
     built without ``unique`` so that it never syncs).
   * per layer, decode: one copy of all sparse rows' queries into the step's query buffer (committed to
     the per-request rings at the next :meth:`begin_batch`: one copy per row for all layers), at
-    re-selection steps only the per-row estimation + top-B, then for ALL sparse rows at once: the union
+    re-selection steps only the per-row estimation + top-B (their observation positions, ring slots and
+    req_to_token row views are planned once per step in :meth:`begin_batch`), then for ALL sparse rows at once: the union
     mask (:func:`flashinfer_ext.sparse_decode.decode_union_mask` over the batch tensors planned in
     :meth:`begin_batch`), its prefix-sum compaction (:func:`~flashinfer_ext.sparse_decode.mask_to_lists`)
     and one :func:`~flashinfer_ext.sparse_decode.sparse_decode` launch over all rows and KV heads.
     Statistics are in-place adds into the device step rows.
+Where the remaining host cost is (the H100 harness: SmolLM2-135M, 128-2700-token contexts, concurrency 8,
+loopserve tasks 180 s vs 9 s dense): launches, not syncs. With ``initial_topb`` every decode step before
+generated token 16 is a re-selection step for every row, i.e. per step ``rows x layers`` (8 x 30)
+single-request estimations (two Triton launches + four zero-filled line buffers) + topk + sort + copies,
+~15 small launches each; a prefill batch runs ``rows x layers`` estimation + :func:`vs_select` (tens of
+small torch ops) + sparse prefill. At these contexts every launch costs more than the attention it
+replaces. The next fixes: a multi-request (varlen) ``vs_estimate`` / top-B for all re-selecting rows of a
+step in one launch, and the same for prefill estimation + selection.
 When every row of a batch is sparse the backend skips the stock attention (K/V written as stock
 writes them); in a mixed batch the stock backend computes all rows first and the sparse rows are
 then overwritten. A mixed batch (``--enable-mixed-chunk``) treats
@@ -117,6 +126,8 @@ class _ExtRow:
     rpi: int
     sample: torch.Tensor      # [R] int64 local indices of the sampled rows (device)
     last_chunk: bool
+    sample_pos: torch.Tensor | None = None  # [R] their positions (sample + prefix), built once per batch
+    sel_cfg: VSSelectConfig | None = None    # the request's selection config, built once per batch
 
 
 class LoopServeRunner:
@@ -194,6 +205,8 @@ class LoopServeRunner:
             else [0] * self.bs
         ext = [int(x) for x in fb.extend_seq_lens_cpu]
         q_lo = 0
+        sel_base = None if self.lastwindow else \
+            VSSelectConfig(alpha=1.0, sink_tokens=cfg.sink_tokens, local_window=cfg.local_window)
         for i, req in enumerate(reqs):
             p, e = prefix[i], ext[i]
             seq = p + e
@@ -209,7 +222,10 @@ class LoopServeRunner:
                 self.ext_rows.append(_ExtRow(i, st, q_lo, p, seq, int(fb.req_pool_indices_cpu[i])
                                              if getattr(fb, "req_pool_indices_cpu", None) is not None
                                              else int(req.req_pool_idx), sample.to(self.device),
-                                             seq >= len(req.origin_input_ids)))
+                                             seq >= len(req.origin_input_ids),
+                                             sample_pos=(sample + p).to(self.device),
+                                             sel_cfg=None if sel_base is None
+                                             else dataclasses.replace(sel_base, alpha=st.alpha)))
             q_lo += e
 
     def _plan_decode(self, backend, fb, reqs, host) -> None:
@@ -267,8 +283,23 @@ class LoopServeRunner:
             sh.num_layers, len(rows), sh.num_qo_heads, sh.head_dim, dtype=states[0].ring.dtype, device=dev)
         self._pending_ring = None if q_buf is None else \
             (q_buf, [(st, (lens[i] - 1) % cfg.n_d) for st, i in zip(states, rows)])
+        # the re-selecting rows' observation positions and ring slots, once per step (not per layer)
+        # and their req_to_token rows as views (a host index: no per-layer gather of a whole row)
+        obs = {}
+        rtt = backend.req_to_token_pool.req_to_token
+        for j, (st, i, f) in enumerate(zip(states, rows, fire)):
+            if not f:
+                continue
+            slots = rtt[int(reqs[i].req_pool_idx)]
+            if self.lastwindow:
+                o = torch.arange(st.ring_lo, st.prompt_len, device=dev)
+                obs[j] = (o, o % st.ring.shape[1], slots)
+            else:
+                pos = lens[i] - 1
+                o = torch.arange(max(st.ring_lo, pos - cfg.n_d + 1), pos + 1, device=dev)
+                obs[j] = (o, o[:-1] % cfg.n_d, slots)
         self.dec = dict(rows=rows, rows_dev=rows_t.to(dev), states=states, fire=fire, v=v, s=s_, topb=tb,
-                        q_buf=q_buf, fire_idx=[j for j, f in enumerate(fire) if f],
+                        q_buf=q_buf, fire_idx=[j for j, f in enumerate(fire) if f], obs=obs,
                         seq=seq.to(dev), pos=(seq - 1).to(dev), max_len=max(lens[i] for i in rows),
                         since=torch.tensor([st.since for st in states]).to(dev),
                         seq_host=[lens[i] for i in rows],
@@ -299,8 +330,6 @@ class LoopServeRunner:
         pool = backend.token_to_kv_pool
         k_buf, v_buf = pool.get_key_buffer(lid), pool.get_value_buffer(lid)
         rtt = backend.req_to_token_pool.req_to_token
-        sel_cfg = None if self.lastwindow else \
-            VSSelectConfig(alpha=1.0, sink_tokens=cfg.sink_tokens, local_window=cfg.local_window)
         hk = k_buf.shape[1]
         for r in self.ext_rows:
             st = r.state
@@ -310,9 +339,8 @@ class LoopServeRunner:
                 if r.last_chunk:
                     self._record_ring(st, lid, q_seg, r)
                 continue
-            pos = r.sample + r.prefix
-            lines = self._estimate(q_seg[r.sample], pos, k_buf, slots, r.seq, layer.scaling)
-            sel = vs_select(lines, prefix_len=r.prefix, config=dataclasses.replace(sel_cfg, alpha=st.alpha))
+            lines = self._estimate(q_seg[r.sample], r.sample_pos, k_buf, slots, r.seq, layer.scaling)
+            sel = vs_select(lines, prefix_len=r.prefix, config=r.sel_cfg)
             n = st.vmask.shape[2] - 1
             for idx, mask in ((sel.v_idx, st.vmask[lid]), (sel.s_idx, st.smask[lid])):
                 mask.scatter_(1, torch.where(idx >= 0, idx.long(), n), True)
@@ -361,7 +389,6 @@ class LoopServeRunner:
         pool = backend.token_to_kv_pool
         k_buf, v_buf = pool.get_key_buffer(lid), pool.get_value_buffer(lid)
         rtt = backend.req_to_token_pool.req_to_token
-        n_d = getattr(cfg, "n_d", 1)
         rows = d["rows_dev"]
         q_s = q3[rows]
         if d["q_buf"] is not None:  # this step's queries, one copy for all rows (rings updated next batch)
@@ -371,15 +398,13 @@ class LoopServeRunner:
             pos = d["seq_host"][j] - 1
             # Alg. 3 / Eq. 7: top-B per KV head from the observation queries' attention (the ring holds the
             # positions before this one; lastwindow: the prompt's last `window` queries, recorded at prefill)
+            obs_pos, ring_idx, slots = d["obs"][j]  # planned in begin_batch
             if self.lastwindow:
-                lo, hi = st.ring_lo, st.prompt_len
-                obs_pos = torch.arange(lo, hi, device=q3.device)
-                q_obs = st.ring[lid, obs_pos % st.ring.shape[1]]
+                hi = st.prompt_len
+                q_obs = st.ring[lid, ring_idx]
             else:
-                lo, hi = max(st.ring_lo, pos - n_d + 1), pos + 1
-                obs_pos = torch.arange(lo, hi, device=q3.device)
-                q_obs = torch.cat([st.ring[lid, obs_pos[:-1] % n_d], q3[i: i + 1].to(st.ring.dtype)])
-            slots = rtt[d["rpi"][j]]
+                hi = pos + 1
+                q_obs = torch.cat([st.ring[lid, ring_idx], q3[i: i + 1].to(st.ring.dtype)])
             lines = self._estimate(q_obs, obs_pos, k_buf, slots, hi, layer.scaling)
             lists, _ = decode_topb(lines, st.budget)
             if st.topb is None or st.topb.shape[2] != lists.shape[1]:
