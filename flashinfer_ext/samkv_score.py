@@ -101,15 +101,18 @@ def block_layout(n_tokens: int, block_size: int, initial_blocks: int, local_bloc
 
 
 def select_middle_blocks(p_layers: list[torch.Tensor], s_layers: list[torch.Tensor], total_blocks: int,
-                         always_kept: int) -> list[list[int]]:
+                         always_kept: int, max_middle: int | None = None) -> list[list[int]]:
     """Eq. 3 + cross-document normalisation and budget.
 
     p_layers[i]: ``[stable_layers]`` Eq. 2 ratios of document i; s_layers[i]: ``[stable_layers, middle_i]``
-    its middle blocks' scores. Returns, per document, the kept middle positions (indices into its middle
+    its middle blocks' scores. ``max_middle``: a cap on the middle blocks kept in all (the config's
+    ``max_kept_ratio`` rule; None = SamKV's budget alone). Returns, per document, the kept middle positions (indices into its middle
     list, sorted).
     """
     d = len(s_layers)
     budget = max(0, total_blocks // max(d, 1) - always_kept)
+    if max_middle is not None:
+        budget = min(budget, max(0, int(max_middle)))
     cands = []  # (normalised score, doc, middle index)
     for i, (p, s) in enumerate(zip(p_layers, s_layers)):
         m = s.shape[-1]

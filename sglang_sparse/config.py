@@ -221,7 +221,7 @@ class SamKVConfig(SparseConfig):
     """SamKV per-document reuse with sparsification and selective recompute (SamKV §3)."""
 
     mode: ClassVar[str] = "samkv"
-    block_size: int = knob(64, doc="tokens per scoring block", range=Range(1, 4096))
+    block_size: int = knob(32, doc="tokens per scoring block", range=Range(1, 4096))
     initial_blocks: int = knob(1, doc="leading blocks of each document always kept", range=Range(0, 64))
     local_blocks: int = knob(2, doc="trailing blocks of each document always kept", range=Range(0, 64))
     stable_layers: int = knob(4, doc="last layers averaged for block scores (Eq. 3)", range=Range(1, 1024))
@@ -234,6 +234,10 @@ class SamKVConfig(SparseConfig):
     personalize: bool = knob(True, doc="add the other documents' local queries to the question's (Eq. 1)")
     local_query_tokens: int = knob(16, doc="last tokens of each document whose queries form its local query "
                                    "(side forward rows; SGLang keeps no Q cache)", range=Range(1, 1 << 20))
+    max_kept_ratio: float = knob(0.2, doc="cap of the kept blocks (initial + local + selected middle) as a fraction "
+                                 "of all document blocks; the middle-block budget is min(SamKV's total_blocks // D "
+                                 "- always kept, floor(max_kept_ratio * total_blocks) - always kept); 1 = SamKV's "
+                                 "rule alone", range=Range(0.0, 1.0))
     recompute_ratio: float = knob(0.15, doc="fraction of each document's kept tokens recomputed over the composite "
                                   "(samkv, cacheblend; 0 = none)", range=Range(0.0, 1.0))
     max_documents: int = knob(64, doc="most documents in one request", range=Range(1, 4096))

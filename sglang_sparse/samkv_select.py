@@ -186,13 +186,15 @@ def select_blocks(rt, spans, srcs, ids, tree_cache, keep_all: bool = False) -> t
     pos_all = torch.cat([torch.arange(n, device=src_all.device) for _, n in spans])
     k0_all = [rt.shift_keys(pool.get_key_buffer(layer)[src_all], -pos_all) for layer in range(first, rt.num_layers)]
     for j, ((s, n), src, (nb, always, middle)) in enumerate(zip(spans, srcs, layouts)):
+        assert middle == list(range(middle[0], middle[0] + len(middle))) if middle else True
         p_l, s_l = [], []
         for i, layer in enumerate(range(first, rt.num_layers)):
             q_hat = q_hats[i][min(j, q_hats[i].shape[0] - 1)]
             k0 = k0_all[i][s:s + n]
             means = block_mean_keys(k0, bs)                                     # [nb, kv_heads, dim]
             anchor = torch.cat([k0[b * bs:(b + 1) * bs] for b in always]).float().mean(0, keepdim=True)
-            s_mid = block_scores(q_hat.to(means.device), means[middle]) if middle else means.new_zeros(0)
+            mid = means[middle[0]:middle[-1] + 1] if middle else None  # contiguous (block_layout): a view, no copy
+            s_mid = block_scores(q_hat.to(means.device), mid) if middle else means.new_zeros(0)
             s_anc = block_scores(q_hat.to(means.device), anchor)
             p_l.append(anchor_top_p(s_anc, s_mid.unsqueeze(0))[0])
             s_l.append(s_mid)
@@ -206,7 +208,8 @@ def select_blocks(rt, spans, srcs, ids, tree_cache, keep_all: bool = False) -> t
         return [list(range(n)) for _, n in spans], scores
     always_total = sum(len(a) for _, a, _ in layouts)
     total_blocks = sum(nb for nb, _, _ in layouts)
-    kept_mid = select_middle_blocks(p_docs, s_docs, total_blocks, always_total // max(1, len(spans)))
+    cap = int(getattr(cfg, "max_kept_ratio", 1.0) * total_blocks + 1e-9) - always_total  # max_kept_ratio rule
+    kept_mid = select_middle_blocks(p_docs, s_docs, total_blocks, always_total // max(1, len(spans)), max_middle=cap)
     out = []
     for (s, n), (nb, always, middle), km in zip(spans, layouts, kept_mid):
         blocks = sorted(set(always) | {middle[j] for j in km})
