@@ -41,8 +41,10 @@ def test_gpu_samkv_documents_reused_and_selected(samkv_gpu_server):
     # plain reuse is a lossy baseline (no cross-document attention): its answer is not a contract (bf16 on
     # FlashInfer it answered "357" for 3570). The fact must be retrievable by the pipelines that restore
     # the cross-attention: samkv (selection + recompute) or the dense recompute of the concatenation.
+    # On the H100 SmolLM2-135M (bf16) sometimes misses this fact even densely ("Jonas is a number." from
+    # both): the contract is that samkv is no worse than the dense recompute on it.
     answers = {v: ask(srv.url, small, v, 12, wording=2)["text"] for v in ("samkv", "recompute")}
-    assert any(correct(t, small.answer) for t in answers.values()), answers
+    assert correct(answers["samkv"], small.answer) or not correct(answers["recompute"], small.answer), answers
     again = ask(srv.url, small, "reuse", 12, wording=1)["sparse"]
     assert again["documents_reused"] == 3 and again["computed_tokens"] <= again["question_tokens"] + 15
     task = make_task(0, docs=4, words=500)  # ~650 tokens per document: middle blocks to select
