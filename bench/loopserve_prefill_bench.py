@@ -50,6 +50,7 @@ if not torch.cuda.is_available():  # the kernels run under the Triton interprete
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench.timing import timed  # noqa: E402
 from flashinfer_ext.vs_estimate import sample_query_rows, vs_estimate  # noqa: E402
 from flashinfer_ext.vs_prefill import vs_prefill  # noqa: E402
 from flashinfer_ext.vs_select import VSSelectConfig, vs_select  # noqa: E402
@@ -71,25 +72,6 @@ def default_min_context() -> int:
     return LoopServeConfig().min_context
 
 
-def timed(fn, iters=10, warmup=2):
-    """Median seconds of ``fn`` (CUDA events); on CPU one wall-clock run."""
-    for _ in range(warmup):
-        fn()
-    if not torch.cuda.is_available():
-        t = time.perf_counter()
-        fn()
-        return time.perf_counter() - t
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        ts.append(a.elapsed_time(b))
-    ts.sort()
-    return ts[len(ts) // 2] * 1e-3
 
 
 def matmul_peak_tflops(dev) -> float:
@@ -204,10 +186,10 @@ def run_case(name, ctx, q, k, v, min_context, dev, iters):
     o_sp, sel = sparse_prefill(q, k_buf, v_buf, slots, sm_scale, out=out)
     o_dn = dense()
     err = (o_sp.float() - o_dn.float()).abs()
-    t_sparse = timed(lambda: sparse_prefill(q, k_buf, v_buf, slots, sm_scale, out=out), iters=iters)
-    t_dense = timed(dense, iters=iters)
+    t_sparse = timed(lambda: sparse_prefill(q, k_buf, v_buf, slots, sm_scale, out=out), iters=iters, warmup=2)
+    t_dense = timed(dense, iters=iters, warmup=2)
     served_sparse = ctx >= min_context
-    t_served = t_sparse if served_sparse else timed(dense, iters=iters)  # a second timing of the same call
+    t_served = t_sparse if served_sparse else timed(dense, iters=iters, warmup=2)  # a second timing of the same call
     flops = 4.0 * t * (t + 1) / 2 * hq * d
     n_lines = float((sel.v_cnt.sum() + sel.s_cnt.sum()).item())
     return dict(case=name, ctx=t, heads=f"{hq}/{hk}", head_dim=d, t_sparse_ms=t_sparse * 1e3,

@@ -44,6 +44,7 @@ if not torch.cuda.is_available():  # the kernels run under the Triton interprete
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench.timing import timed  # noqa: E402
 from flashinfer_ext.block_meta import BlockMetaPool, paged_block_table  # noqa: E402
 from flashinfer_ext.config import PsaDecodeConfig  # noqa: E402
 from flashinfer_ext.dense_decode import FlashInferDenseDecode, paged_kv_table  # noqa: E402
@@ -86,24 +87,6 @@ def plant_structure(q, k, req_to_token, req_pool_indices, seq_lens, *, sm_scale,
         k[slots] = (base + (tok.T[:, :, None] / sm_scale) * u[None]).to(k.dtype)
 
 
-def timed(fn, iters=20, warmup=3):
-    for _ in range(warmup):
-        fn()
-    if not torch.cuda.is_available():
-        t = time.perf_counter()
-        fn()
-        return time.perf_counter() - t
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        ts.append(a.elapsed_time(b))
-    ts.sort()
-    return ts[len(ts) // 2] * 1e-3  # median seconds
 
 
 def graph_of(fn):

@@ -29,17 +29,9 @@ rep=${1:?usage: gpu_part_loopserve.sh REPORT_DIR}
 mkdir -p "$rep"
 export PYTHONUNBUFFERED=1
 rc=0
-say() { echo "[gpu_part_loopserve $(date +%H:%M:%S)] $*"; }
-step() {  # step NAME CMD...: its log in the report folder; a failure is recorded, not fatal
-  local name=$1; shift
-  say "== $name"
-  local t0=$(date +%s)
-  "$@" > "$rep/$name.log" 2>&1
-  local src=$?
-  tail -n 25 "$rep/$name.log"
-  echo "$name exit=$src seconds=$(( $(date +%s) - t0 ))" | tee -a "$rep/steps.txt"
-  [ "$src" = 0 ] || rc=1
-}
+part=gpu_part_loopserve
+# shellcheck disable=SC1091
+source "$(dirname "${BASH_SOURCE[0]}")/gpu_steps.sh"
 mc=${LS_MIN_CONTEXT:-128}
 budget=${LS_BUDGET:-64}
 alpha=${LS_ALPHA:-0.97}

@@ -18,17 +18,9 @@ rep=${1:?usage: gpu_part_samkv.sh REPORT_DIR}
 mkdir -p "$rep"
 export PYTHONUNBUFFERED=1
 rc=0
-say() { echo "[gpu_part_samkv $(date +%H:%M:%S)] $*"; }
-step() {  # step NAME CMD...: its log in the report folder; a failure is recorded, not fatal
-  local name=$1; shift
-  say "== $name"
-  local t0=$(date +%s)
-  "$@" > "$rep/$name.log" 2>&1
-  local src=$?
-  tail -n 25 "$rep/$name.log"
-  echo "$name exit=$src seconds=$(( $(date +%s) - t0 ))" | tee -a "$rep/steps.txt"
-  [ "$src" = 0 ] || rc=1
-}
+part=gpu_part_samkv
+# shellcheck disable=SC1091
+source "$(dirname "${BASH_SOURCE[0]}")/gpu_steps.sh"
 step pytest_gpu timeout "${SAMKV_TEST_TIMEOUT:-150}" python3 -m pytest -q -p no:cacheprovider -rA \
     --junitxml="$rep/junit_gpu_samkv.xml" tests/test_gpu_samkv_server.py tests/flashinfer_ext/test_rope_shift.py \
     tests/test_samkv_score.py tests/test_samkv_assembly.py

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import socket
 import sys
+import time
 from pathlib import Path
 
 from bench.server import Server, ServerSpec
@@ -50,3 +51,22 @@ def start_cpu_server(model: Path, log_path: Path, *, mode: str = "off", sparse_c
                       sparse_config=sparse_config, extra_args=list(extra_args))
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     return Server(spec, log_path, timeout_s=timeout_s, log=print).start()
+
+
+def sparse_metrics(server, prefix: str) -> dict[str, float]:
+    """The server's ``/metrics`` samples whose names start with ``prefix`` (labels dropped)."""
+    import requests
+
+    text = requests.get(server.url + "/metrics", timeout=30).text
+    return {line.split()[0].split("{")[0]: float(line.split()[1]) for line in text.splitlines()
+            if line.startswith(prefix)}
+
+
+def sparse_metrics_when(server, prefix: str, key: str, pred, timeout_s: float = 30.0) -> dict[str, float]:
+    """/metrics of the scheduler are exported through files: poll until ``pred(value of key)`` (bounded)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        m = sparse_metrics(server, prefix)
+        if pred(m.get(key, 0.0)) or time.monotonic() > deadline:
+            return m
+        time.sleep(0.5)

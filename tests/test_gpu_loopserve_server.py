@@ -11,10 +11,9 @@ import sys
 import time
 
 import pytest
-import requests
 
 from bench.server import Server, ServerSpec
-from tests.serverproc import DEFAULT_MODEL, chat, free_port
+from tests.serverproc import DEFAULT_MODEL, chat, free_port, sparse_metrics
 from tests.test_gpu_psa_server import _long_prompt
 from tests.test_server_e2e import PROMPT
 
@@ -51,9 +50,7 @@ def gpu_servers(tmp_path_factory):
 
 
 def _metrics(server):
-    text = requests.get(server.url + "/metrics", timeout=30).text
-    return {line.split()[0].split("{")[0]: float(line.split()[1]) for line in text.splitlines()
-            if line.startswith("sglang_sparse:loopserve_")}
+    return sparse_metrics(server, "sglang_sparse:loopserve_")
 
 
 def test_gpu_loopserve_reports_its_backend(gpu_servers):

@@ -12,7 +12,7 @@ import pytest
 import requests
 from pydoc_data.topics import topics
 
-from tests.serverproc import start_cpu_server
+from tests.serverproc import sparse_metrics, sparse_metrics_when, start_cpu_server
 
 pytestmark = pytest.mark.server
 
@@ -65,19 +65,11 @@ def _generate(server, text: str) -> dict:
 
 
 def _metrics(server) -> dict[str, float]:
-    text = requests.get(server.url + "/metrics", timeout=30).text
-    return {line.split()[0].split("{")[0]: float(line.split()[1]) for line in text.splitlines()
-            if line.startswith("sglang_sparse:host_tier_")}
+    return sparse_metrics(server, "sglang_sparse:host_tier_")
 
 
 def _metrics_when(server, key, pred, timeout_s=30.0):
-    """/metrics of the scheduler are exported through files: poll until ``pred(value)`` (bounded)."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        m = _metrics(server)
-        if pred(m.get(key, 0.0)) or time.monotonic() > deadline:
-            return m
-        time.sleep(0.5)
+    return sparse_metrics_when(server, "sglang_sparse:host_tier_", key, pred, timeout_s)
 
 
 def test_evicted_prompt_is_loaded_from_host_not_recomputed(tier_server):

@@ -12,13 +12,12 @@
 
 from __future__ import annotations
 
-import time
 
 import pytest
 import requests
 from pydoc_data.topics import topics
 
-from tests.serverproc import chat, start_cpu_server
+from tests.serverproc import chat, sparse_metrics, sparse_metrics_when, start_cpu_server
 from tests.test_psa_server import _long_prompt
 from tests.test_server_e2e import PROMPT
 
@@ -46,19 +45,11 @@ def _stats(server):
 
 
 def _metrics(server) -> dict[str, float]:
-    text = requests.get(server.url + "/metrics", timeout=30).text
-    return {line.split()[0].split("{")[0]: float(line.split()[1]) for line in text.splitlines()
-            if line.startswith("sglang_sparse:loopserve_")}
+    return sparse_metrics(server, "sglang_sparse:loopserve_")
 
 
 def _metrics_when(server, key, pred, timeout_s=30.0):
-    """/metrics of the scheduler are exported through files: poll until ``pred(value)`` (bounded)."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        m = _metrics(server)
-        if pred(m.get(key, 0.0)) or time.monotonic() > deadline:
-            return m
-        time.sleep(0.5)
+    return sparse_metrics_when(server, "sglang_sparse:loopserve_", key, pred, timeout_s)
 
 
 def test_below_min_context_and_alpha_one_equal_dense(ls_server, cpu_server):
