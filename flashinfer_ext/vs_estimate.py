@@ -93,17 +93,13 @@ def _scores(q, k_ptr, stride_ks, stride_kh, h, slot, kvalid, sm_scale_log2,
 
 
 @triton.jit
-def _row_lse_kernel(q_ptr, stride_qr, stride_qh, pos_ptr, R, k_ptr, stride_ks, stride_kh, slots_ptr,
-                    lse_ptr, stride_lh, sm_scale_log2,
-                    GROUP: tl.constexpr, G_PAD: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
-                    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, DOT_FP32: tl.constexpr):
-    h = tl.program_id(0)
-    r0 = tl.program_id(1) * BLOCK_R
-    q, g, r, rvalid = _load_q(q_ptr, stride_qr, stride_qh, h, r0, R, GROUP, G_PAD, BLOCK_R, HEAD_DIM, D_PAD)
-    pos = tl.load(pos_ptr + r, mask=rvalid, other=-1).to(tl.int64)
+def _rows_lse(q, pos, k_ptr, stride_ks, stride_kh, h, slots_ptr, sm_scale_log2, ROWS: tl.constexpr,
+              BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, DOT_FP32: tl.constexpr):
+    """Base-2 log-sum-exp ``[ROWS]`` of packed query rows ``q`` at positions ``pos`` (-1: padding row,
+    gives ``+inf``) over the causal keys of ``slots_ptr`` (flash-style running max / sum)."""
     hi = tl.max(pos, axis=0) + 1
-    m_i = tl.full([G_PAD * BLOCK_R], float("-inf"), tl.float32)
-    l_i = tl.zeros([G_PAD * BLOCK_R], tl.float32)
+    m_i = tl.full([ROWS], float("-inf"), tl.float32)
+    l_i = tl.zeros([ROWS], tl.float32)
     for n0 in range(0, hi, BLOCK_N):
         kp = n0 + tl.arange(0, BLOCK_N)
         kvalid = kp < hi
@@ -114,7 +110,32 @@ def _row_lse_kernel(q_ptr, stride_qr, stride_qh, pos_ptr, R, k_ptr, stride_ks, s
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         l_i = l_i * tl.exp2(m_i - m_safe) + tl.sum(tl.exp2(s - m_safe[:, None]), axis=1)
         m_i = m_new
-    lse = tl.where(l_i > 0, m_i + tl.log2(tl.maximum(l_i, 1e-30)), float("inf"))
+    return tl.where(l_i > 0, m_i + tl.log2(tl.maximum(l_i, 1e-30)), float("inf"))
+
+
+@triton.jit
+def _group_probs(q, pos, rvalid, lse, k_ptr, stride_ks, stride_kh, h, slot, kp, kvalid, sm_scale_log2,
+                 G_PAD: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
+                 D_PAD: tl.constexpr, DOT_FP32: tl.constexpr):
+    """Normalised causal probabilities of the packed rows on keys ``kp``, summed over the group's query
+    heads: ``[BLOCK_R, BLOCK_N]`` fp32 (0 off the causal / valid range)."""
+    s = _scores(q, k_ptr, stride_ks, stride_kh, h, slot, kvalid, sm_scale_log2, HEAD_DIM, D_PAD, DOT_FP32)
+    ok = rvalid[:, None] & kvalid[None, :] & (kp[None, :] <= pos[:, None])
+    p = tl.where(ok, tl.exp2(s - lse[:, None]), 0.0)
+    return tl.sum(tl.reshape(p, (G_PAD, BLOCK_R, BLOCK_N)), axis=0)
+
+
+@triton.jit
+def _row_lse_kernel(q_ptr, stride_qr, stride_qh, pos_ptr, R, k_ptr, stride_ks, stride_kh, slots_ptr,
+                    lse_ptr, stride_lh, sm_scale_log2,
+                    GROUP: tl.constexpr, G_PAD: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
+                    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, DOT_FP32: tl.constexpr):
+    h = tl.program_id(0)
+    r0 = tl.program_id(1) * BLOCK_R
+    q, g, r, rvalid = _load_q(q_ptr, stride_qr, stride_qh, h, r0, R, GROUP, G_PAD, BLOCK_R, HEAD_DIM, D_PAD)
+    pos = tl.load(pos_ptr + r, mask=rvalid, other=-1).to(tl.int64)
+    lse = _rows_lse(q, pos, k_ptr, stride_ks, stride_kh, h, slots_ptr, sm_scale_log2, G_PAD * BLOCK_R, BLOCK_N,
+                    HEAD_DIM, D_PAD, DOT_FP32)
     tl.store(lse_ptr + (h * GROUP + g) * stride_lh + r, lse, mask=rvalid)
 
 
@@ -134,10 +155,8 @@ def _lines_kernel(q_ptr, stride_qr, stride_qh, pos_ptr, R, k_ptr, stride_ks, str
         q, g, r, rvalid = _load_q(q_ptr, stride_qr, stride_qh, h, r0, R, GROUP, G_PAD, BLOCK_R, HEAD_DIM, D_PAD)
         pos = tl.load(pos_ptr + r, mask=rvalid, other=-1).to(tl.int64)
         lse = tl.load(lse_ptr + (h * GROUP + g) * stride_lh + r, mask=rvalid, other=float("inf"))
-        s = _scores(q, k_ptr, stride_ks, stride_kh, h, slot, kvalid, sm_scale_log2, HEAD_DIM, D_PAD, DOT_FP32)
-        ok = rvalid[:, None] & kvalid[None, :] & (kp[None, :] <= pos[:, None])
-        p = tl.where(ok, tl.exp2(s - lse[:, None]), 0.0)
-        pg = tl.sum(tl.reshape(p, (G_PAD, BLOCK_R, BLOCK_N)), axis=0)  # group-summed entries
+        pg = _group_probs(q, pos, rvalid, lse, k_ptr, stride_ks, stride_kh, h, slot, kp, kvalid, sm_scale_log2,
+                          G_PAD, BLOCK_R, BLOCK_N, HEAD_DIM, D_PAD, DOT_FP32)  # group-summed entries
         v_acc += tl.sum(pg, axis=0)
         v_mx = tl.maximum(v_mx, tl.max(pg, axis=0))
         rr = r0 + tl.arange(0, BLOCK_R)
@@ -148,6 +167,24 @@ def _lines_kernel(q_ptr, stride_qr, stride_qh, pos_ptr, R, k_ptr, stride_ks, str
         tl.atomic_max(smax_ptr + h * stride_oh + off, pg, mask=smask)
     tl.store(vsum_ptr + h * stride_oh + kp, v_acc, mask=kvalid)
     tl.store(vmax_ptr + h * stride_oh + kp, v_mx, mask=kvalid)
+
+
+def check_heads(num_qo_heads: int, num_kv_heads: int, head_dim: int) -> int:
+    """Validate the head layout (GQA group, head_dim <= 256); returns the group size."""
+    if num_qo_heads % num_kv_heads:
+        raise ValueError(f"num_qo_heads={num_qo_heads} is not a multiple of num_kv_heads={num_kv_heads}")
+    if head_dim > 256:
+        raise ValueError(f"head_dim={head_dim} is out of range: expected <= 256")
+    return num_qo_heads // num_kv_heads
+
+
+def launch_meta(group: int, head_dim: int, block_r: int, block_n: int) -> dict:
+    """Compile-time parameters shared by the estimation kernels (``BLOCK_R`` raised so that
+    ``G_PAD * BLOCK_R >= 16``, the smallest ``tl.dot`` tile; fp32 dots under the interpreter)."""
+    g_pad = triton.next_power_of_2(group)
+    return dict(GROUP=group, G_PAD=g_pad, BLOCK_R=max(block_r, 16 // g_pad), BLOCK_N=block_n, HEAD_DIM=head_dim,
+                D_PAD=max(16, triton.next_power_of_2(head_dim)),
+                DOT_FP32=os.environ.get("TRITON_INTERPRET", "0") == "1")
 
 
 def vs_estimate(q_rows: torch.Tensor, q_pos: torch.Tensor, k_buffer: torch.Tensor, token_slots: torch.Tensor,
@@ -166,13 +203,9 @@ def vs_estimate(q_rows: torch.Tensor, q_pos: torch.Tensor, k_buffer: torch.Tenso
     """
     r, hq, d = q_rows.shape
     hk = k_buffer.shape[1]
-    if hq % hk:
-        raise ValueError(f"num_qo_heads={hq} is not a multiple of num_kv_heads={hk}")
+    group = check_heads(hq, hk, d)
     if q_pos.shape != (r,):
         raise ValueError(f"q_pos has shape {tuple(q_pos.shape)}, expected ({r},)")
-    if d > 256:
-        raise ValueError(f"head_dim={d} is out of range: expected <= 256")
-    group = hq // hk
     dev = q_rows.device
     kw = dict(device=dev, dtype=torch.float32)
     out = VSLineSums(torch.zeros(hk, seq_len, **kw), torch.zeros(hk, seq_len, **kw),
@@ -181,13 +214,10 @@ def vs_estimate(q_rows: torch.Tensor, q_pos: torch.Tensor, k_buffer: torch.Tenso
         return out
     assert q_rows.stride(2) == 1 and k_buffer.stride(2) == 1
     lse = torch.empty(hq, r, **kw)
-    g_pad = triton.next_power_of_2(group)
-    block_r = max(block_r, 16 // g_pad)
-    meta = dict(GROUP=group, G_PAD=g_pad, BLOCK_R=block_r, BLOCK_N=block_n, HEAD_DIM=d,
-                D_PAD=max(16, triton.next_power_of_2(d)), DOT_FP32=os.environ.get("TRITON_INTERPRET", "0") == "1")
+    meta = launch_meta(group, d, block_r, block_n)
     scale = float(sm_scale) / math.log(2.0)
     q_pos = q_pos.contiguous()
-    _row_lse_kernel[(hk, triton.cdiv(r, block_r))](
+    _row_lse_kernel[(hk, triton.cdiv(r, meta["BLOCK_R"]))](
         q_rows, q_rows.stride(0), q_rows.stride(1), q_pos, r, k_buffer, k_buffer.stride(0), k_buffer.stride(1),
         token_slots, lse, lse.stride(0), scale, **meta)
     _lines_kernel[(hk, triton.cdiv(seq_len, block_n))](

@@ -1,0 +1,206 @@
+"""Vertical line sums of several requests' observation rows in one launch pair (LoopServe Alg. 3 / Eq. 7), Triton.
+
+Supports: a batch of ``num_reqs`` requests, one layer; each request has its own rows (observation
+queries at distinct absolute positions, e.g. the last ``n_d`` decode queries or a prompt's last
+window), stored contiguously in ``q_rows`` (request ``b``'s rows are ``qo_indptr[b]:qo_indptr[b+1]``,
+requests in ascending order), and its keys at positions ``0..seq_lens[b]-1`` in SGLang's layout
+``k_buffer [num_slots, num_kv_heads, head_dim]`` (post-RoPE) reached through
+``req_to_token[req_pool_indices[b]]``; GQA (any group size); head_dim up to 256; bf16/fp16/fp32.
+Each row attends causally (keys at positions ``<=`` its own).
+
+Output ``v_sum [num_reqs, num_kv_heads, max_len]`` fp32: for request ``b`` and KV head ``h``, the
+softmax attention of its rows summed over rows and the group's query heads, per key position:
+exactly :func:`flashinfer_ext.vs_estimate.vs_estimate`'s ``v_sum`` of that request alone (Eq. 7's
+score), 0 at positions ``>= seq_lens[b]``. Only vertical sums: no slash sums, no maxima (top-B
+selection needs none), so no atomics and a deterministic result.
+
+Two launches: ``_batched_lse_kernel`` (grid ``[num_reqs, Hk, row blocks]``) then
+``_batched_vsum_kernel`` (grid ``[num_reqs, Hk, key blocks of max_len]``, every output entry written:
+no zero-fill). The per-row LSE and per-block probabilities reuse the jit helpers of
+:mod:`flashinfer_ext.vs_estimate`. :func:`decode_topb_batched` (pure torch, one ``topk``) turns
+``v_sum`` into per-request top-B lists.
+
+Cautions:
+  * row positions must be ``< seq_lens`` of their request and distinct; not checked (no host sync).
+  * ``max_len`` (host int) sizes the output and the grid; it must be ``>= max(seq_lens)``;
+    ``max_qo_len`` (host int, optional) bounds the rows of one request (default: all rows, which
+    launches idle programs).
+  * a row block's key loop runs to the largest position in the block: rows sorted by position per
+    request waste least work.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from .vs_estimate import _group_probs, _load_q, _rows_lse, check_heads, launch_meta
+
+__all__ = ["vertical_sums_batched", "vertical_sums_batched_reference", "decode_topb_batched", "qo_indptr_of"]
+
+
+@triton.jit
+def _batched_lse_kernel(q_ptr, stride_qr, stride_qh, pos_ptr, indptr_ptr, k_ptr, stride_ks, stride_kh,
+                        rtt_ptr, stride_rtt, rpi_ptr, lse_ptr, stride_lh, sm_scale_log2,
+                        GROUP: tl.constexpr, G_PAD: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
+                        HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, DOT_FP32: tl.constexpr):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    r0 = tl.program_id(2) * BLOCK_R
+    start = tl.load(indptr_ptr + b).to(tl.int64)
+    n_rows = tl.load(indptr_ptr + b + 1).to(tl.int64) - start
+    if r0 < n_rows:
+        slots_ptr = rtt_ptr + tl.load(rpi_ptr + b).to(tl.int64) * stride_rtt
+        q, g, r, rvalid = _load_q(q_ptr + start * stride_qr, stride_qr, stride_qh, h, r0, n_rows, GROUP, G_PAD,
+                                  BLOCK_R, HEAD_DIM, D_PAD)
+        pos = tl.load(pos_ptr + start + r, mask=rvalid, other=-1).to(tl.int64)
+        lse = _rows_lse(q, pos, k_ptr, stride_ks, stride_kh, h, slots_ptr, sm_scale_log2, G_PAD * BLOCK_R,
+                        BLOCK_N, HEAD_DIM, D_PAD, DOT_FP32)
+        tl.store(lse_ptr + (h * GROUP + g) * stride_lh + start + r, lse, mask=rvalid)
+
+
+@triton.jit
+def _batched_vsum_kernel(q_ptr, stride_qr, stride_qh, pos_ptr, indptr_ptr, k_ptr, stride_ks, stride_kh,
+                         rtt_ptr, stride_rtt, rpi_ptr, seq_ptr, max_len, lse_ptr, stride_lh,
+                         out_ptr, stride_ob, stride_oh, sm_scale_log2,
+                         GROUP: tl.constexpr, G_PAD: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
+                         HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, DOT_FP32: tl.constexpr):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    n0 = tl.program_id(2) * BLOCK_N
+    start = tl.load(indptr_ptr + b).to(tl.int64)
+    n_rows = tl.load(indptr_ptr + b + 1).to(tl.int64) - start
+    seq_len = tl.load(seq_ptr + b).to(tl.int64)
+    kp = n0 + tl.arange(0, BLOCK_N)
+    kvalid = kp < seq_len
+    slots_ptr = rtt_ptr + tl.load(rpi_ptr + b).to(tl.int64) * stride_rtt
+    slot = tl.load(slots_ptr + kp, mask=kvalid, other=0).to(tl.int64)
+    v_acc = tl.zeros([BLOCK_N], tl.float32)
+    n_iter = tl.where(n0 < seq_len, n_rows, 0)  # a key block past the request's end only writes zeros
+    for r0 in range(0, n_iter, BLOCK_R):
+        q, g, r, rvalid = _load_q(q_ptr + start * stride_qr, stride_qr, stride_qh, h, r0, n_rows, GROUP, G_PAD,
+                                  BLOCK_R, HEAD_DIM, D_PAD)
+        pos = tl.load(pos_ptr + start + r, mask=rvalid, other=-1).to(tl.int64)
+        lse = tl.load(lse_ptr + (h * GROUP + g) * stride_lh + start + r, mask=rvalid, other=float("inf"))
+        pg = _group_probs(q, pos, rvalid, lse, k_ptr, stride_ks, stride_kh, h, slot, kp, kvalid, sm_scale_log2,
+                          G_PAD, BLOCK_R, BLOCK_N, HEAD_DIM, D_PAD, DOT_FP32)
+        v_acc += tl.sum(pg, axis=0)
+    tl.store(out_ptr + b * stride_ob + h * stride_oh + kp, v_acc, mask=kp < max_len)
+
+
+def qo_indptr_of(q_req: torch.Tensor, num_reqs: int) -> torch.Tensor:
+    """``[num_reqs + 1]`` int32 row offsets of each request from ``q_req [R_total]`` (ascending request
+    indices, rows of one request contiguous); on the device, no host sync."""
+    bounds = torch.arange(num_reqs + 1, device=q_req.device, dtype=q_req.dtype)
+    return torch.searchsorted(q_req.contiguous(), bounds).to(torch.int32)
+
+
+def vertical_sums_batched(q_rows: torch.Tensor, q_pos: torch.Tensor, q_req: torch.Tensor, k_buffer: torch.Tensor,
+                          req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor,
+                          max_len: int, *, sm_scale: float, out: torch.Tensor | None = None,
+                          qo_indptr: torch.Tensor | None = None, max_qo_len: int | None = None,
+                          block_r: int = 16, block_n: int = 64) -> torch.Tensor:
+    """Per-request, per-KV-head vertical sums of the rows' causal softmax attention (module docstring).
+
+    Args:
+      q_rows: ``[R_total, num_qo_heads, head_dim]`` post-RoPE queries (bf16/fp16/fp32), last dim contiguous.
+      q_pos: ``[R_total]`` int32/int64 absolute positions (distinct within a request, ``< seq_lens``).
+      q_req: ``[R_total]`` int32/int64 request index of each row (ascending, rows of a request contiguous).
+      k_buffer: ``[num_slots, num_kv_heads, head_dim]`` one layer's keys.
+      req_to_token: ``[pool_size, max_context_len]`` int32 slot of each position, per pool row.
+      req_pool_indices: ``[num_reqs]`` int pool row of each request.
+      seq_lens: ``[num_reqs]`` int keys ``0..seq_lens[b]-1`` of request ``b`` are scored.
+      max_len: host int ``>= max(seq_lens)``: sizes the output and the grid.
+      sm_scale: softmax scale.
+      out: optional preallocated ``[num_reqs, num_kv_heads, >= max_len]`` fp32 (last dim contiguous).
+      qo_indptr: optional ``[num_reqs + 1]`` int32 row offsets (else computed from ``q_req`` on the device).
+      max_qo_len: optional host bound on the rows of one request (sizes the first grid).
+    Returns ``v_sum [num_reqs, num_kv_heads, max_len]`` fp32 (a view of ``out`` if given). Two launches,
+    no host sync.
+    """
+    r_total, hq, d = q_rows.shape
+    hk = k_buffer.shape[1]
+    n_req = req_pool_indices.shape[0]
+    group = check_heads(hq, hk, d)
+    if q_pos.shape != (r_total,) or q_req.shape != (r_total,):
+        raise ValueError(f"q_pos / q_req have shapes {tuple(q_pos.shape)} / {tuple(q_req.shape)}, "
+                         f"expected ({r_total},)")
+    if seq_lens.shape != (n_req,):
+        raise ValueError(f"seq_lens has shape {tuple(seq_lens.shape)}, expected ({n_req},)")
+    if out is None:
+        out = torch.empty(n_req, hk, max_len, dtype=torch.float32, device=q_rows.device)
+    elif out.dtype != torch.float32 or out.shape[:2] != (n_req, hk) or out.shape[2] < max_len or out.stride(2) != 1:
+        raise ValueError(f"out must be [{n_req}, {hk}, >= {max_len}] fp32 with a contiguous last dim")
+    out = out[:, :, :max_len]
+    if n_req == 0 or max_len == 0:
+        return out
+    if r_total == 0:
+        return out.zero_()
+    assert q_rows.stride(2) == 1 and k_buffer.stride(2) == 1 and req_to_token.stride(1) == 1
+    if qo_indptr is None:
+        qo_indptr = qo_indptr_of(q_req, n_req)
+    meta = launch_meta(group, d, block_r, block_n)
+    scale = float(sm_scale) / math.log(2.0)
+    lse = torch.empty(hq, r_total, dtype=torch.float32, device=q_rows.device)
+    q_pos = q_pos.contiguous()
+    rows = r_total if max_qo_len is None else max(min(max_qo_len, r_total), 1)
+    _batched_lse_kernel[(n_req, hk, triton.cdiv(rows, meta["BLOCK_R"]))](
+        q_rows, q_rows.stride(0), q_rows.stride(1), q_pos, qo_indptr, k_buffer, k_buffer.stride(0),
+        k_buffer.stride(1), req_to_token, req_to_token.stride(0), req_pool_indices, lse, lse.stride(0), scale, **meta)
+    _batched_vsum_kernel[(n_req, hk, triton.cdiv(max_len, block_n))](
+        q_rows, q_rows.stride(0), q_rows.stride(1), q_pos, qo_indptr, k_buffer, k_buffer.stride(0),
+        k_buffer.stride(1), req_to_token, req_to_token.stride(0), req_pool_indices, seq_lens, max_len,
+        lse, lse.stride(0), out, out.stride(0), out.stride(1), scale, **meta)
+    return out
+
+
+def vertical_sums_batched_reference(q_rows: torch.Tensor, q_pos: torch.Tensor, q_req: torch.Tensor,
+                                    k_buffer: torch.Tensor, req_to_token: torch.Tensor,
+                                    req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, max_len: int, *,
+                                    sm_scale: float) -> torch.Tensor:
+    """fp32 torch reference of :func:`vertical_sums_batched` (same arguments and result; one
+    :func:`flashinfer_ext.loopserve_reference.vs_estimate_reference` per request: reads host values)."""
+    from .loopserve_reference import vs_estimate_reference
+
+    n_req, hk = req_pool_indices.shape[0], k_buffer.shape[1]
+    out = torch.zeros(n_req, hk, max_len, dtype=torch.float32, device=q_rows.device)
+    req = q_req.long().cpu()
+    for b in range(n_req):
+        rows = torch.nonzero(req == b).flatten().to(q_rows.device)
+        n = int(seq_lens[b])
+        if rows.numel() == 0 or n == 0:
+            continue
+        slots = req_to_token[int(req_pool_indices[b])]
+        v_sum = vs_estimate_reference(q_rows[rows], q_pos[rows].cpu(), k_buffer, slots, n, sm_scale)[0]
+        out[b, :, :n] = v_sum.to(out.device)
+    return out
+
+
+def decode_topb_batched(v_sum: torch.Tensor, budgets: torch.Tensor, seq_lens: torch.Tensor,
+                        width: int) -> torch.Tensor:
+    """Top-``min(budget, seq_len)`` key positions per request and KV head (LoopServe Alg. 3 / Eq. 7), batched.
+
+    Args:
+      v_sum: ``[num_reqs, num_kv_heads, N]`` fp32 scores (:func:`vertical_sums_batched`).
+      budgets: ``[num_reqs]`` int top-B budget of each request (>= 1).
+      seq_lens: ``[num_reqs]`` int positions ``>= seq_lens[b]`` are never selected.
+      width: host int ``>= max_b min(budgets[b], seq_lens[b])`` and ``<= N`` (planned on the host).
+    Returns ``lists [num_reqs, num_kv_heads, width]`` int32: request ``b``'s first
+    ``min(budgets[b], seq_lens[b])`` entries are its top positions in descending score order (as a
+    set, :func:`flashinfer_ext.vs_select.decode_topb`'s), the rest ``-1``. One ``topk``, no host sync;
+    ties break arbitrarily.
+    """
+    n_req, hk, n = v_sum.shape
+    if not 0 < width <= n:
+        raise ValueError(f"width={width} is out of range: expected an integer in [1, {n}]")
+    dev = v_sum.device
+    ar = torch.arange(n, device=dev)
+    seq = seq_lens.to(dev).long()
+    scores = v_sum.masked_fill((ar[None, :] >= seq[:, None])[:, None, :], float("-inf"))
+    top = torch.topk(scores, width, dim=2, sorted=True).indices
+    keep = torch.minimum(budgets.to(dev).long(), seq)                      # [num_reqs]
+    valid = torch.arange(width, device=dev)[None, None, :] < keep[:, None, None]
+    return torch.where(valid, top, -1).to(torch.int32)

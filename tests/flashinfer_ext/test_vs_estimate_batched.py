@@ -1,0 +1,129 @@
+"""Contract: the batched vertical sums (vertical_sums_batched) equal their fp32 reference and, per request,
+the single-request vs_estimate's v_sum (0 past each request's length), for several requests of different
+lengths (partial last key blocks) and row counts, GQA 4/1, 9/3, 2/2, bf16/fp16; decode_topb_batched selects,
+per request, the same set as decode_topb and never a position >= its length."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from flashinfer_ext.vs_estimate import VSLineSums, vs_estimate
+from flashinfer_ext.vs_estimate_batched import (decode_topb_batched, qo_indptr_of, vertical_sums_batched,
+                                                vertical_sums_batched_reference)
+from flashinfer_ext.vs_select import decode_topb
+
+from .kv_pool import make_pool
+
+
+def _batch(seq_lens, n_rows, seed, device="cpu"):
+    """Observation rows of each request (distinct positions ending at its last one, as decode has),
+    concatenated: (q_pos [R_total] int64, q_req [R_total] int32)."""
+    g = torch.Generator().manual_seed(seed)
+    pos, req = [], []
+    for b, (n, r) in enumerate(zip(seq_lens, n_rows)):
+        pick = torch.randperm(n - 1, generator=g)[: r - 1].sort().values
+        pos.append(torch.cat([pick, torch.tensor([n - 1])]))
+        req.append(torch.full((r,), b, dtype=torch.int32))
+    pos, req = torch.cat(pos), torch.cat(req)
+    return pos.to(device), req.to(device)
+
+
+CASES = [
+    # hq, hk, d, dtype, page, seq_lens, rows per request
+    (4, 1, 64, torch.bfloat16, 16, [77, 130, 33], [16, 5, 1]),
+    (9, 3, 64, torch.float16, 1, [130, 64, 97], [7, 16, 12]),
+    (2, 2, 128, torch.bfloat16, 16, [200, 45], [3, 16]),
+]
+
+
+@pytest.mark.parametrize("hq,hk,d,dtype,page,seq_lens,n_rows", CASES)
+def test_vertical_sums_batched_matches_reference_and_single_request(hq, hk, d, dtype, page, seq_lens, n_rows):
+    pool = make_pool(seq_lens, hq, hk, d, dtype, page, seed=7)
+    pos, req = _batch(seq_lens, n_rows, seed=8)
+    q = torch.randn(len(pos), hq, d, generator=torch.Generator().manual_seed(9)).to(dtype)
+    max_len = max(seq_lens) + 5  # wider than any request: the tail must be 0
+    seq = pool.seq_lens
+    out = vertical_sums_batched(q, pos, req, pool.k_buffer, pool.req_to_token, pool.req_pool_indices, seq, max_len,
+                                sm_scale=d ** -0.5, block_n=32, max_qo_len=max(n_rows))
+    ref = vertical_sums_batched_reference(q, pos, req, pool.k_buffer, pool.req_to_token, pool.req_pool_indices,
+                                          seq, max_len, sm_scale=d ** -0.5)
+    assert out.shape == (len(seq_lens), hk, max_len) and out.dtype == torch.float32
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)
+    for b, (n, r) in enumerate(zip(seq_lens, n_rows)):
+        rows = req == b
+        slots = pool.req_to_token[pool.req_pool_indices[b].long()]
+        single = vs_estimate(q[rows], pos[rows], pool.k_buffer, slots, n, sm_scale=d ** -0.5, block_n=32)
+        torch.testing.assert_close(out[b, :, :n], single.v_sum, rtol=1e-4, atol=1e-5)
+        assert float(out[b, :, n:].abs().sum()) == 0.0
+        # each row of each query head carries mass 1: per KV head G * rows
+        torch.testing.assert_close(out[b].sum(1), torch.full((hk,), float(hq // hk * r)), rtol=1e-5, atol=1e-4)
+
+
+def test_vertical_sums_batched_writes_into_out_and_takes_qo_indptr():
+    seq_lens, n_rows = [50, 70], [4, 6]
+    pool = make_pool(seq_lens, 4, 2, 64, torch.float16, 1, seed=2)
+    pos, req = _batch(seq_lens, n_rows, seed=3)
+    q = torch.randn(len(pos), 4, 64).to(torch.float16)
+    out_buf = torch.full((2, 2, 80), float("nan"))
+    indptr = qo_indptr_of(req, 2)
+    assert indptr.tolist() == [0, 4, 10]
+    got = vertical_sums_batched(q, pos, req, pool.k_buffer, pool.req_to_token, pool.req_pool_indices,
+                                pool.seq_lens, 72, sm_scale=0.125, out=out_buf, qo_indptr=indptr)
+    assert got.data_ptr() == out_buf.data_ptr() and got.shape == (2, 2, 72)
+    ref = vertical_sums_batched_reference(q, pos, req, pool.k_buffer, pool.req_to_token, pool.req_pool_indices,
+                                          pool.seq_lens, 72, sm_scale=0.125)
+    torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-5)  # every entry written (no NaN left)
+
+
+def test_vertical_sums_batched_rejects_bad_heads():
+    pool = make_pool([32], 6, 4, 64, torch.float16, 16, seed=1)
+    with pytest.raises(ValueError, match="num_qo_heads=6"):
+        vertical_sums_batched(torch.zeros(1, 6, 64, dtype=torch.float16), torch.tensor([31]),
+                              torch.tensor([0]), pool.k_buffer, pool.req_to_token, pool.req_pool_indices,
+                              pool.seq_lens, 32, sm_scale=0.125)
+
+
+@pytest.mark.parametrize("budgets", [[8, 8, 8], [3, 200, 40]])
+def test_decode_topb_batched_equals_per_request_decode_topb_and_stays_below_seq_len(budgets):
+    g = torch.Generator().manual_seed(4)
+    seq_lens = [30, 100, 64]
+    hk, n = 3, 110
+    v = torch.rand(len(seq_lens), hk, n, generator=g)
+    for b, s in enumerate(seq_lens):
+        v[b, :, s:] = 10.0  # large scores past the end must never be picked
+    width = max(min(bb, s) for bb, s in zip(budgets, seq_lens))
+    lists = decode_topb_batched(v, torch.tensor(budgets, dtype=torch.int32), torch.tensor(seq_lens), width)
+    assert lists.shape == (len(seq_lens), hk, width) and lists.dtype == torch.int32
+    for b, (bb, s) in enumerate(zip(budgets, seq_lens)):
+        keep = min(bb, s)
+        want, _ = decode_topb(VSLineSums(v[b, :, :s], v[b, :, :s], v[b, :, :s], v[b, :, :s], 1, 1), bb)
+        for h in range(hk):
+            got = lists[b, h].tolist()
+            assert all(x == -1 for x in got[keep:])
+            assert set(got[:keep]) == set(want[h].tolist())
+            assert all(0 <= x < s for x in got[:keep])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("hq,hk,seq_lens", [(32, 8, [8192, 300, 4097, 2048]), (9, 3, [130, 2700, 1500, 700])])
+def test_gpu_vertical_sums_batched_matches_reference(hq, hk, seq_lens):
+    """Llama-3.1-8B (32/8) and SmolLM2-135M (9/3) head layouts, bf16, decode-like rows (16 per request)."""
+    d = 128 if hq == 32 else 64
+    pool = make_pool(seq_lens, hq, hk, d, torch.bfloat16, 1, seed=11, device="cuda")
+    pos, req = _batch(seq_lens, [16] * len(seq_lens), seed=12, device="cuda")
+    q = torch.randn(len(pos), hq, d, device="cuda").to(torch.bfloat16)
+    max_len = max(seq_lens)
+    out = vertical_sums_batched(q, pos, req, pool.k_buffer, pool.req_to_token, pool.req_pool_indices,
+                                pool.seq_lens, max_len, sm_scale=d ** -0.5, max_qo_len=16)
+    ref = vertical_sums_batched_reference(q.cpu(), pos.cpu(), req.cpu(), pool.k_buffer.cpu(),
+                                          pool.req_to_token.cpu(), pool.req_pool_indices.cpu(),
+                                          pool.seq_lens.cpu(), max_len, sm_scale=d ** -0.5)
+    torch.testing.assert_close(out.cpu(), ref, rtol=2e-2, atol=1e-4)
+    budgets = torch.tensor([1024] * len(seq_lens), dtype=torch.int32, device="cuda")
+    lists = decode_topb_batched(out, budgets, pool.seq_lens, min(1024, max_len))
+    for b, s in enumerate(seq_lens):
+        got = lists[b].cpu()
+        assert bool(((got == -1) | ((got >= 0) & (got < s))).all())
+        assert int((got >= 0).sum()) == hk * min(1024, s)
