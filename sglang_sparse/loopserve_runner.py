@@ -2,12 +2,14 @@
 
 One runner per attention backend. Two compute paths with the same planning:
   * kernels (CUDA, or a CPU server with ``SPARSE_LOOPSERVE_RUNNER=kernel`` + ``TRITON_INTERPRET=1``):
-    :func:`flashinfer_ext.vs_estimate.vs_estimate`, :func:`flashinfer_ext.vs_prefill.vs_prefill` and
+    :func:`flashinfer_ext.vs_estimate.vs_estimate`, :func:`flashinfer_ext.vs_prefill.vs_prefill`,
+    :func:`flashinfer_ext.vs_estimate_batched.vertical_sums_batched` and
     :func:`flashinfer_ext.sparse_decode.sparse_decode` (``block_size=1``, ``epsilon=1.0``);
   * references (CPU default): the fp32 torch references of :mod:`flashinfer_ext.loopserve_reference`
-    and a masked fp32 decode. A correctness path; no speed claim.
-Selection (:func:`flashinfer_ext.vs_select.vs_select`, :func:`~flashinfer_ext.vs_select.decode_topb`)
-is pure torch and shared by both.
+    (and :func:`~flashinfer_ext.vs_estimate_batched.vertical_sums_batched_reference`) and a masked fp32
+    decode. A correctness path; no speed claim.
+Selection (:func:`flashinfer_ext.vs_select.vs_select`,
+:func:`~flashinfer_ext.vs_estimate_batched.decode_topb_batched`) is pure torch and shared by both.
 
 Per request, state lives on SGLang's ``Req`` object (``req.sparse_loopserve``, freed with it):
 the union of its line sets per layer and KV head (the earlier turns' lines found on the radix path
@@ -16,31 +18,38 @@ last ``n_d`` queries per layer (a ring indexed by ``position % n_d``), the curre
 and KV head, and the position from which generated tokens are always attended.
 
 Where the host work goes (nothing per layer needs a sync; no ``.item()``):
-  * :meth:`begin_batch` (once per batch, SGLang's ``init_forward_metadata``): reads the host
-    lengths, each request's options (``custom_params``), decides per row dense / sparse and
-    whether Alg. 3 re-selects at this step, samples the estimation rows, looks earlier turns'
-    lines up in the line store, compacts the line masks of requests whose prefill just finished
-    (one device->host read of their counts), and pads the per-row line lists of a decode batch
-    into batch tensors (small host->device copies).
+  * :meth:`begin_batch` (once per batch, SGLang's ``init_forward_metadata``): commits the previous
+    decode step's queries to the rings and its re-selected top-B to the request states (one copy per
+    row each, all layers), reads the host lengths, each request's options (``custom_params``), decides
+    per row dense / sparse and whether Alg. 3 re-selects at this step, samples the estimation rows,
+    looks earlier turns' lines up in the line store, compacts the line masks of requests whose prefill
+    just finished (one device->host read of their counts), and pads the per-row line lists of a decode
+    batch into batch tensors (small host->device copies). For the re-selecting rows of a decode step it
+    also plans the batched selection (:meth:`_plan_selection`): one gather per row of its earlier
+    observation queries from its ring for all layers, and the rows' positions, request indices, pool
+    rows, scored lengths and budgets in one host->device copy.
   * per layer, extend: estimation + selection + sparse prefill per sparse extend row (one request per
     kernel call: the kernels are single-request); device work only (the selection's split sizes are
     built without ``unique`` so that it never syncs).
   * per layer, decode: one copy of all sparse rows' queries into the step's query buffer (committed to
-    the per-request rings at the next :meth:`begin_batch`: one copy per row for all layers), at
-    re-selection steps only the per-row estimation + top-B (their observation positions, ring slots and
-    req_to_token row views are planned once per step in :meth:`begin_batch`), then for ALL sparse rows at once: the union
-    mask (:func:`flashinfer_ext.sparse_decode.decode_union_mask` over the batch tensors planned in
+    the per-request rings at the next :meth:`begin_batch`); at re-selection steps, for ALL re-selecting
+    rows at once: one copy of their current queries into the planned observation buffer, one
+    :func:`~flashinfer_ext.vs_estimate_batched.vertical_sums_batched` (two launches), one
+    :func:`~flashinfer_ext.vs_estimate_batched.decode_topb_batched` (mask + topk) and one scatter into the
+    step's top-B tensor; then for ALL sparse rows at once: the union mask
+    (:func:`flashinfer_ext.sparse_decode.decode_union_mask` over the batch tensors planned in
     :meth:`begin_batch`), its prefix-sum compaction (:func:`~flashinfer_ext.sparse_decode.mask_to_lists`)
     and one :func:`~flashinfer_ext.sparse_decode.sparse_decode` launch over all rows and KV heads.
     Statistics are in-place adds into the device step rows.
-Where the remaining host cost is (the H100 harness: SmolLM2-135M, 128-2700-token contexts, concurrency 8,
-loopserve tasks 180 s vs 9 s dense): launches, not syncs. With ``initial_topb`` every decode step before
-generated token 16 is a re-selection step for every row, i.e. per step ``rows x layers`` (8 x 30)
-single-request estimations (two Triton launches + four zero-filled line buffers) + topk + sort + copies,
-~15 small launches each; a prefill batch runs ``rows x layers`` estimation + :func:`vs_select` (tens of
-small torch ops) + sparse prefill. At these contexts every launch costs more than the attention it
-replaces. The next fixes: a multi-request (varlen) ``vs_estimate`` / top-B for all re-selecting rows of a
-step in one launch, and the same for prefill estimation + selection.
+Where the remaining host cost is: a decode layer is O(1) launches whatever the batch size (about ten
+at a re-selection step); per request per step there remain the planning copies above (ring gathers,
+top-B write-back, the padding of the line lists) -- host work once per step, not per layer. The
+prefill side is still per request per layer: a prefill batch runs ``rows x layers`` single-request
+estimation + :func:`vs_select` (tens of small torch ops) + sparse prefill; at short contexts these
+launches cost more than the attention they replace (batching them like decode is the next fix).
+The H100 harness figure that motivated the batched decode (SmolLM2-135M, 128-2700-token contexts,
+concurrency 8: loopserve tasks 180 s vs 9 s dense, from ``rows x layers`` single-request decode
+estimations per step before token 16) predates it; not re-measured yet.
 When every row of a batch is sparse the backend skips the stock attention (K/V written as stock
 writes them); in a mixed batch the stock backend computes all rows first and the sparse rows are
 then overwritten. A mixed batch (``--enable-mixed-chunk``) treats
@@ -55,7 +64,7 @@ import os
 import torch
 
 from flashinfer_ext.vs_estimate import sample_query_rows
-from flashinfer_ext.vs_select import VSSelectConfig, _compact, decode_topb, vs_select
+from flashinfer_ext.vs_select import VSSelectConfig, _compact, vs_select
 from sglang_sparse.config import LoopServeConfig
 from sglang_sparse.loopserve_stats import (
     COL_ALPHA, COL_COV, COL_KIND, COL_LTOT, COL_READ, COL_RESEL, COL_REUSED, COL_S, COL_TTOT, COL_UNITS, COL_V,
@@ -143,6 +152,7 @@ class LoopServeRunner:
         self.ext_rows: list[_ExtRow] = []
         self.dec: dict | None = None
         self._pending_ring = None   # (q_buf [L, nS, Hq, D], [(state, ring slot)]) of the last decode step
+        self._pending_topb = None   # (topb [nS, L, Hk, W], [(state, row, width)]) of the last re-selection step
         self.n_sparse_prefill_rows = 0
         # lastwindow (SnapKV-like baseline): dense prefill that only records the prompt's last `window`
         # queries; one top-B selection at the first decode step; no lines, no re-selection
@@ -150,12 +160,18 @@ class LoopServeRunner:
 
     # ------------------------------------------------------------------ planning (once per batch)
     def _commit_ring(self) -> None:
-        """Write the previous decode step's queries into the rings (one copy per row, all layers)."""
+        """Write the previous decode step's queries into the rings and its re-selected top-B into the
+        request states (one copy per row, all layers, each)."""
         pending, self._pending_ring = self._pending_ring, None
         if pending is not None:
             q_buf, targets = pending
             for j, (st, slot) in enumerate(targets):
                 st.ring[:, slot] = q_buf[:, j]
+        pending, self._pending_topb = self._pending_topb, None
+        if pending is not None:
+            topb, targets = pending
+            for st, j, w in targets:
+                st.topb = topb[j, :, :, :w].clone()
 
     def begin_batch(self, backend, forward_batch) -> None:
         self._commit_ring()
@@ -273,7 +289,8 @@ class LoopServeRunner:
 
         v = pad([s.lines[0] for s in states], max(s.lines[0].shape[2] for s in states))
         s_ = pad([s.lines[2] for s in states], max(s.lines[2].shape[2] for s in states))
-        tb = pad([s.topb for s in states], bwidth)
+        # a re-selecting row's top-B is rewritten at every layer of this step: start it from -1, not its old one
+        tb = pad([None if f else s.topb for s, f in zip(states, fire)], bwidth)
         for st, i, f in zip(states, rows, fire):
             if f:  # lastwindow keeps its observation window too
                 st.since = max(st.prompt_len - self.cfg.window, 0) if self.lastwindow else lens[i] - 1
@@ -283,31 +300,68 @@ class LoopServeRunner:
             sh.num_layers, len(rows), sh.num_qo_heads, sh.head_dim, dtype=states[0].ring.dtype, device=dev)
         self._pending_ring = None if q_buf is None else \
             (q_buf, [(st, (lens[i] - 1) % cfg.n_d) for st, i in zip(states, rows)])
-        # the re-selecting rows' observation positions and ring slots, once per step (not per layer)
-        # and their req_to_token rows as views (a host index: no per-layer gather of a whole row)
-        obs = {}
-        rtt = backend.req_to_token_pool.req_to_token
-        for j, (st, i, f) in enumerate(zip(states, rows, fire)):
-            if not f:
-                continue
-            slots = rtt[int(reqs[i].req_pool_idx)]
-            if self.lastwindow:
-                o = torch.arange(st.ring_lo, st.prompt_len, device=dev)
-                obs[j] = (o, o % st.ring.shape[1], slots)
-            else:
-                pos = lens[i] - 1
-                o = torch.arange(max(st.ring_lo, pos - cfg.n_d + 1), pos + 1, device=dev)
-                obs[j] = (o, o[:-1] % cfg.n_d, slots)
+        rpi = fb.req_pool_indices[rows_t.to(fb.req_pool_indices.device)]
         self.dec = dict(rows=rows, rows_dev=rows_t.to(dev), states=states, fire=fire, v=v, s=s_, topb=tb,
-                        q_buf=q_buf, fire_idx=[j for j, f in enumerate(fire) if f], obs=obs,
-                        seq=seq.to(dev), pos=(seq - 1).to(dev), max_len=max(lens[i] for i in rows),
-                        since=torch.tensor([st.since for st in states]).to(dev),
-                        seq_host=[lens[i] for i in rows],
-                        rpi=fb.req_pool_indices[rows_t.to(fb.req_pool_indices.device)])
+                        q_buf=q_buf, seq=seq.to(dev), pos=(seq - 1).to(dev), max_len=max(lens[i] for i in rows),
+                        since=torch.tensor([st.since for st in states]).to(dev), rpi=rpi,
+                        sel=self._plan_selection(states, [lens[i] for i in rows], fire, rpi))
+        if self.dec["sel"] is not None:  # the new top-B back into the request states at the next begin_batch
+            self._pending_topb = (tb, [(states[j], j, w) for j, w in self.dec["sel"]["widths"]])
         units = sh.num_layers * sh.num_kv_heads
         host[rows_t, COL_KIND] = float(KIND_LASTWINDOW if self.lastwindow else KIND_DECODE)
         host[rows_t, COL_TTOT] = seq.float() * units
         host[rows_t, COL_RESEL] = torch.tensor(resel, dtype=torch.float32)
+
+    def _plan_selection(self, states, lens, fire, rpi) -> dict | None:
+        """Alg. 3's batched re-selection inputs of this decode step (host work, once per step).
+
+        For the re-selecting rows (``F`` of them, in row order): their observation queries' earlier
+        positions copied from the rings for all layers at once into ``obs_buf [L, R_total, Hq, D]`` (the
+        current query's row is filled per layer), the rows' positions ``obs_pos [R_total]``, request index
+        ``q_req`` / ``qo_indptr``, where the current queries go (``cur_rows``, from batch rows ``fire_dev``),
+        the scored length per row (``sel_seq``: the context, lastwindow: the prompt), the budgets and the
+        top-B width (``max_b min(budget, sel_seq)``); all index tensors in one host->device copy.
+        """
+        cfg, dev = self.cfg, self.device
+        fire_j = [j for j, f in enumerate(fire) if f]
+        if not fire_j:
+            return None
+        st0 = states[fire_j[0]]
+        spans = []  # (first observed position, ring rows, scored length) per re-selecting row
+        for j in fire_j:
+            st = states[j]
+            if self.lastwindow:  # the prompt's last `window` queries, recorded at prefill; keys up to the prompt
+                spans.append((st.ring_lo, st.prompt_len - st.ring_lo, st.prompt_len))
+            else:  # the last n_d queries: the ring holds the positions before this one
+                pos = lens[j] - 1
+                lo = max(st.ring_lo, pos - cfg.n_d + 1)
+                spans.append((lo, pos - lo, pos + 1))
+        n_cur = 0 if self.lastwindow else 1
+        counts = [n + n_cur for _, n, _ in spans]
+        r_total = sum(counts)
+        obs_buf = torch.empty(st0.ring.shape[0], r_total, st0.ring.shape[2], st0.ring.shape[3],
+                              dtype=st0.ring.dtype, device=dev)
+        obs_pos, q_req, cur_rows, indptr = [], [], [], [0]
+        for f, (j, (lo, n_ring, _)) in enumerate(zip(fire_j, spans)):
+            r0 = indptr[-1]
+            if n_ring:
+                ring = states[j].ring
+                slots = [p % ring.shape[1] for p in range(lo, lo + n_ring)]
+                obs_buf[:, r0: r0 + n_ring] = ring[:, torch.tensor(slots, device=dev)]
+            cur_rows += [r0 + n_ring] * n_cur
+            obs_pos += range(lo, lo + counts[f])
+            q_req += [f] * counts[f]
+            indptr.append(r0 + counts[f])
+        budgets = [states[j].budget for j in fire_j]
+        sel_seq = [hi for _, _, hi in spans]
+        parts = [obs_pos, q_req, indptr, cur_rows, fire_j, sel_seq, budgets]
+        packed = torch.tensor([x for part in parts for x in part], dtype=torch.int64).to(dev)
+        views = packed.split([len(part) for part in parts])
+        widths = [min(b, n) for b, n in zip(budgets, sel_seq)]
+        return dict(obs_buf=obs_buf, obs_pos=views[0], q_req=views[1], qo_indptr=views[2], cur_rows=views[3],
+                    fire_dev=views[4], sel_seq=views[5], budgets=views[6], max_len=max(sel_seq),
+                    width=max(widths), max_qo_len=max(counts), rpi=rpi[views[4].to(rpi.device)],
+                    widths=list(zip(fire_j, widths)))
 
     # ------------------------------------------------------------------ per layer
     @property
@@ -393,29 +447,31 @@ class LoopServeRunner:
         q_s = q3[rows]
         if d["q_buf"] is not None:  # this step's queries, one copy for all rows (rings updated next batch)
             d["q_buf"][lid] = q_s.to(d["q_buf"].dtype)
-        for j in d["fire_idx"]:  # re-selection rows only (every n_d tokens): per-row estimation + top-B
-            i, st = d["rows"][j], d["states"][j]
-            pos = d["seq_host"][j] - 1
-            # Alg. 3 / Eq. 7: top-B per KV head from the observation queries' attention (the ring holds the
-            # positions before this one; lastwindow: the prompt's last `window` queries, recorded at prefill)
-            obs_pos, ring_idx, slots = d["obs"][j]  # planned in begin_batch
-            if self.lastwindow:
-                hi = st.prompt_len
-                q_obs = st.ring[lid, ring_idx]
-            else:
-                hi = pos + 1
-                q_obs = torch.cat([st.ring[lid, ring_idx], q3[i: i + 1].to(st.ring.dtype)])
-            lines = self._estimate(q_obs, obs_pos, k_buf, slots, hi, layer.scaling)
-            lists, _ = decode_topb(lines, st.budget)
-            if st.topb is None or st.topb.shape[2] != lists.shape[1]:
-                st.topb = torch.full((self.shape.num_layers, lists.shape[0], lists.shape[1]), -1,
-                                     dtype=torch.int32, device=lists.device)
-            st.topb[lid] = lists
-            d["topb"][j, lid, :, : lists.shape[1]] = lists
+        if d["sel"] is not None:  # re-selection rows: one batched estimation + one top-B for all of them
+            self._reselect(d, d["sel"], q_s, k_buf, rtt, lid, layer.scaling)
         mask = self._decode_mask(d, lid)  # [nS, Hk, N]
         o_s = self._masked_decode(q_s, k_buf, v_buf, rtt, d["rpi"], d["seq"], mask, layer.scaling)
         o3[rows] = o_s.to(o3.dtype)
         self.step_rows[rows, COL_READ] += mask.sum((1, 2), dtype=torch.float32)
+
+    def _reselect(self, d, sel, q_s, k_buf, rtt, lid, scale) -> None:
+        """Alg. 3 / Eq. 7 for all re-selecting rows of this step, one layer: their observation queries
+        (earlier ones planned in ``obs_buf``, this step's from ``q_s [nS, Hq, D]``), one batched vertical-sum
+        estimation, one top-B, one scatter into the step's ``topb [nS, L, Hk, W]``."""
+        from flashinfer_ext.vs_estimate_batched import (decode_topb_batched, vertical_sums_batched,
+                                                        vertical_sums_batched_reference)
+
+        q_obs = sel["obs_buf"][lid]
+        if not self.lastwindow:
+            q_obs.index_copy_(0, sel["cur_rows"], q_s.index_select(0, sel["fire_dev"]).to(q_obs.dtype))
+        args = (q_obs, sel["obs_pos"], sel["q_req"], k_buf, rtt, sel["rpi"], sel["sel_seq"], sel["max_len"])
+        if self.use_kernels:
+            v_sum = vertical_sums_batched(*args, sm_scale=scale, qo_indptr=sel["qo_indptr"],
+                                          max_qo_len=sel["max_qo_len"])
+        else:
+            v_sum = vertical_sums_batched_reference(*args, sm_scale=scale)
+        lists = decode_topb_batched(v_sum, sel["budgets"], sel["sel_seq"], sel["width"])
+        d["topb"][sel["fire_dev"], lid, :, : sel["width"]] = lists
 
     def _decode_mask(self, d, lid) -> torch.Tensor:
         """This layer's decode sets ``[nS, Hk, max_len]`` from the batch tensors planned in begin_batch."""
