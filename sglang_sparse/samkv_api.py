@@ -19,7 +19,8 @@ request (``max_new_tokens`` 1) whose ``extra_key`` is the document namespace
 ``samkv-doc:<salt>``; SGLang caches its KV under its own tokens + namespace, refcounted and evicted
 like any radix node, and a cached document costs one token of compute; documents this front door
 has seen cached (:class:`KnownDocuments`) skip that round trip (a stale belief costs a dense request,
-after which they are prefilled again). Under page size p the
+after which they are prefilled again), and a document's text is tokenised once per server
+(:class:`DocumentTokenCache`). Under page size p the
 document's ids are followed by filler tokens up to a multiple of p so every document token sits in
 a full, cached page (causal attention: the filler changes nothing before it). (2) The request itself
 is sent with its token ids, the document spans in ``custom_params`` (flat int lists; values must
@@ -65,6 +66,13 @@ class DocumentPlan:
     prompt_ids: tuple[int, ...]
     salt: str
     variant: str
+    doc_digests: tuple[str, ...] | None = None  # per document ids_digest(ids) (computed here when None)
+
+    def __post_init__(self):
+        if self.doc_digests is None:
+            object.__setattr__(self, "doc_digests", tuple(ids_digest(d) for d in self.doc_ids))
+        elif len(self.doc_digests) != len(self.doc_ids):
+            raise ValueError(f"DocumentPlan: {len(self.doc_digests)} digests for {len(self.doc_ids)} documents")
 
     @property
     def input_ids(self) -> list[int]:
@@ -92,8 +100,14 @@ class DocumentPlan:
     def composite_namespace(self, nonce: str) -> str:
         """Composite entries: per variant and salt, keyed by all ids (selection depends on the question);
         ``recompute`` gets a fresh nonce so the baseline never reuses anything."""
-        h = hashlib.sha256(repr((self.doc_ids, self.prompt_ids)).encode()).hexdigest()[:24]
+        h = hashlib.sha256(repr((self.doc_digests, self.prompt_ids)).encode()).hexdigest()[:24]
         return f"samkv:{self.variant}:{self.salt}:{h}" + (f":{nonce}" if self.variant == "recompute" else "")
+
+
+def ids_digest(ids: tuple[int, ...] | list[int]) -> str:
+    """sha256 (hex) of a document's token ids: its identity in :class:`KnownDocuments` and in the composite
+    namespace (hashing the digests, not every id, of each request)."""
+    return hashlib.sha256(repr(tuple(ids)).encode()).hexdigest()
 
 
 def doc_key_ids(ids: tuple[int, ...] | list[int], filler: int, page_size: int) -> list[int]:
@@ -157,7 +171,7 @@ def summarize(plan: DocumentPlan, doc_cached: list[int], meta: dict, page_size: 
 
 class KnownDocuments:
     """Documents this server's front door believes cached (LRU set of ``(namespace, sha of ids)``, at most
-    ``capacity``), held on the serving object. Known documents skip their prefill round trip; when the
+    ``capacity``), held on the server's tokenizer manager. Known documents skip their prefill round trip; when the
     scheduler reports a fallback (a document was evicted meanwhile) the request was served densely and
     its documents are forgotten, so the next request prefills them again."""
 
@@ -168,8 +182,9 @@ class KnownDocuments:
         self._keys: "OrderedDict[tuple[str, str], None]" = OrderedDict()
 
     @staticmethod
-    def key(plan: DocumentPlan, ids: tuple[int, ...]) -> tuple[str, str]:
-        return plan.doc_namespace(), hashlib.sha256(repr(ids).encode()).hexdigest()
+    def key(plan: DocumentPlan, i: int) -> tuple[str, str]:
+        """Key of document ``i`` of ``plan``: (document namespace, digest of its ids)."""
+        return plan.doc_namespace(), plan.doc_digests[i]
 
     def has(self, k) -> bool:
         if k in self._keys:
@@ -187,11 +202,63 @@ class KnownDocuments:
         self._keys.pop(k, None)
 
 
+class DocumentTokenCache:
+    """Token ids of the documents this front door has tokenised, so a document is tokenised once: an LRU map
+    ``sha256(text) -> (ids, ids_digest(ids))`` holding at most ``max_entries`` documents and ``max_tokens``
+    ids in all (the least recently used go first; a document longer than ``max_tokens`` is not kept).
+    Held, like :class:`KnownDocuments`, on the server's tokenizer manager (one per server, shared by the chat
+    and completion endpoints); the tokenizer is the server's, fixed for the cache's life."""
+
+    def __init__(self, max_entries: int = 4096, max_tokens: int = 8_000_000):
+        from collections import OrderedDict
+
+        if max_entries < 1 or max_tokens < 1:
+            raise ValueError(f"DocumentTokenCache: max_entries={max_entries}, max_tokens={max_tokens} must be >= 1")
+        self.max_entries, self.max_tokens = int(max_entries), int(max_tokens)
+        self._map: "OrderedDict[str, tuple[tuple[int, ...], str]]" = OrderedDict()
+        self.tokens = 0
+        self.hits = self.misses = 0
+
+    def encode(self, tokenizer, text: str) -> tuple[tuple[int, ...], str]:
+        """``(ids, ids_digest(ids))`` of ``tokenizer.encode(text, add_special_tokens=False)``, from the cache
+        when this text was tokenised before."""
+        key = hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()
+        hit = self._map.get(key)
+        if hit is not None:
+            self._map.move_to_end(key)
+            self.hits += 1
+            return hit
+        self.misses += 1
+        ids = tuple(tokenizer.encode(text, add_special_tokens=False))
+        val = (ids, ids_digest(ids))
+        if len(ids) <= self.max_tokens:
+            self._map[key] = val
+            self.tokens += len(ids)
+            while len(self._map) > self.max_entries or self.tokens > self.max_tokens:
+                _, (old, _) = self._map.popitem(last=False)
+                self.tokens -= len(old)
+        return val
+
+    def __len__(self) -> int:
+        return len(self._map)
+
+
+def _state(serving, name: str, factory):
+    """The front door's per-server object ``name`` (created on first use), held on the tokenizer manager."""
+    owner = serving.tokenizer_manager
+    obj = getattr(owner, name, None)
+    if obj is None:
+        obj = factory()
+        setattr(owner, name, obj)
+    return obj
+
+
 def _known(serving) -> KnownDocuments:
-    known = getattr(serving, "samkv_known_documents", None)
-    if known is None:
-        known = serving.samkv_known_documents = KnownDocuments()
-    return known
+    return _state(serving, "samkv_known_documents", KnownDocuments)
+
+
+def _token_cache(serving) -> DocumentTokenCache:
+    return _state(serving, "samkv_document_tokens", DocumentTokenCache)
 
 
 async def _prefill_documents(serving, plan: DocumentPlan, filler: int, page_size: int, raw_request,
@@ -251,9 +318,12 @@ async def _serve_documents(serving, request, raw_request, body, cfg, received):
     tok = serving.tokenizer_manager.tokenizer
     front_ms = {}
     t0 = time.perf_counter()
-    doc_ids = tuple(tuple(tok.encode(d + SEPARATOR, add_special_tokens=False)) for d in docs)
+    cache = _token_cache(serving)
+    encoded = [cache.encode(tok, d + SEPARATOR) for d in docs]  # each document tokenised once per server
+    doc_ids = tuple(e[0] for e in encoded)
+    plan = DocumentPlan(doc_ids, tuple(_prompt_ids(serving, adapted)), salt, variant,
+                        doc_digests=tuple(e[1] for e in encoded))
     front_ms["tokenize"] = round(1000.0 * (time.perf_counter() - t0), 3)
-    plan = DocumentPlan(doc_ids, tuple(_prompt_ids(serving, adapted)), salt, variant)
     ctx_len = serving.tokenizer_manager.context_len
     max_new = (adapted.sampling_params or {}).get("max_new_tokens") or 0
     if len(plan.input_ids) + max_new > ctx_len:
@@ -263,7 +333,7 @@ async def _serve_documents(serving, request, raw_request, body, cfg, received):
     page = max(1, int(get_global_server_args().page_size or 1))
     filler = int(getattr(tok, "eos_token_id", None) or 0)
     doc_cached = [0] * len(doc_ids)  # -1: known cached, no prefill round trip
-    known, keys = _known(serving), [KnownDocuments.key(plan, d) for d in doc_ids]
+    known, keys = _known(serving), [KnownDocuments.key(plan, i) for i in range(len(doc_ids))]
     if variant != "recompute":
         todo = [i for i, k in enumerate(keys) if not known.has(k)]
         t0 = time.perf_counter()

@@ -135,24 +135,36 @@ def test_dsl_helper_passes_documents(samkv_server):
         qa.run(docs=[""], name="x", backend=sgl.RuntimeEndpoint(server.url)).get_var("answer")
 
 
-def test_bench_smoke_writes_computed_headline(samkv_server, tmp_path):
+def test_bench_smoke_runs_both_sets_and_writes_computed_headline(samkv_server, tmp_path):
     import json
 
-    from bench.samkv_bench import run, write_report
+    from bench.samkv_bench import SMOKE, VARIANTS, main
 
     server, _ = samkv_server
-    res = run(server.url, n_tasks=1, docs=2, words=80, repeats=1, max_tokens=8, log=lambda *a: None)
-    row = res["rows"][0]
-    assert row["warm_documents_prefilled"] in (0, 2) and row["document_tokens"] > 100
-    assert res["ttft_ratio_vs_recompute"] == res["ttft_median_s"]["samkv"] / res["ttft_median_s"]["recompute"]
-    assert 0 < res["kv_kept_ratio"] <= 1.0
-    write_report(tmp_path, res, {"command": "test", "gpu": "none (CPU run)", "docs": 2, "words": 80})
+    assert main(["--url", server.url, "--smoke", "--device", "cpu", "--out", str(tmp_path)]) == 0
     head = json.loads((tmp_path / "samkv.json").read_text())
+    res = head["details"]
+    acc, tt = res["accuracy_set"], res["ttft_set"]
+    # both sets ran, at the smoke sizes; every variant answered every accuracy task
+    assert len(acc["rows"]) == SMOKE.accuracy.tasks and len(tt["rows"]) == SMOKE.ttft.tasks
+    assert set(acc["accuracy"]) == set(VARIANTS) and all(set(r["replies"]) == set(VARIANTS) for r in acc["rows"])
+    assert tt["rows"][0]["document_tokens"] > 100 and tt["rows"][0]["warm_documents_prefilled"] in (0, 2)
+    # headline figures are computed from their own set, and the report says which set
     assert set(head) >= {"gpu", "ttft_ratio_vs_recompute", "kv_kept_ratio", "accuracy_delta_vs_recompute"}
     assert all(isinstance(head[k], float) for k in ("ttft_ratio_vs_recompute", "kv_kept_ratio",
                                                     "accuracy_delta_vs_recompute"))
-    assert head["accuracy_delta_vs_recompute"] == 100.0 * (res["accuracy"]["samkv"] - res["accuracy"]["recompute"])
-    assert "| TTFT samkv / full recompute" in (tmp_path / "samkv.md").read_text()
+    assert head["ttft_ratio_vs_recompute"] == tt["ttft_median_s"]["samkv"] / tt["ttft_median_s"]["recompute"]
+    assert head["kv_kept_ratio"] == tt["kv_kept_ratio"] and 0 < head["kv_kept_ratio"] <= 1.0
+    assert head["accuracy_delta_vs_recompute"] == 100.0 * (acc["accuracy"]["samkv"] - acc["accuracy"]["recompute"])
+    assert head["figure_sources"]["accuracy_delta_vs_recompute"].startswith("accuracy set")
+    assert head["figure_sources"]["ttft_ratio_vs_recompute"].startswith("TTFT set")
+    # reuse / cacheblend keep every document token; the recompute baseline computes the whole context
+    meta = acc["rows"][0]["metadata"]
+    assert meta["reuse"]["kv_kept_ratio"] == 1.0 and meta["cacheblend"]["kv_kept_ratio"] == 1.0
+    assert meta["cacheblend"]["recomputed_tokens"] > 0 and meta["reuse"]["recomputed_tokens"] == 0
+    assert meta["recompute"]["cached_tokens"] == 0
+    md = (tmp_path / "samkv.md").read_text()
+    assert "| TTFT samkv / full recompute" in md and "Accuracy set:" in md and "TTFT set:" in md
 
 
 def test_evicted_documents_fall_back_to_dense_then_are_prefilled_again(samkv_server):

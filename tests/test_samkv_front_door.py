@@ -1,0 +1,63 @@
+"""Contract (no server): the samkv front door tokenises each document text once per server, within its
+bounds, and its per-document identities (digests) keep the cache keys and composite namespaces a function
+of the token ids."""
+
+from __future__ import annotations
+
+import pytest
+
+from sglang_sparse.samkv_api import DocumentPlan, DocumentTokenCache, KnownDocuments, ids_digest
+
+
+class CountingTokenizer:
+    """One token per character (its code point); counts encode calls."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def encode(self, text, add_special_tokens=True):
+        assert add_special_tokens is False
+        self.calls += 1
+        return [ord(c) for c in text]
+
+
+def test_document_token_cache_tokenizes_each_text_once():
+    tok, cache = CountingTokenizer(), DocumentTokenCache(max_entries=8, max_tokens=1000)
+    ids, digest = cache.encode(tok, "abc\n\n")
+    assert ids == tuple(ord(c) for c in "abc\n\n") and digest == ids_digest(ids)
+    assert cache.encode(tok, "abc\n\n") == (ids, digest) and tok.calls == 1
+    assert cache.encode(tok, "abd\n\n")[0] != ids and tok.calls == 2
+    assert (cache.hits, cache.misses) == (1, 2)
+
+
+def test_document_token_cache_stays_within_entry_and_token_bounds():
+    tok, cache = CountingTokenizer(), DocumentTokenCache(max_entries=3, max_tokens=10)
+    for t in ("aaaa", "bbbb"):
+        cache.encode(tok, t)
+    cache.encode(tok, "aaaa")            # a is now the most recent
+    cache.encode(tok, "cccc")            # 12 tokens > 10: the least recent (b) goes
+    assert len(cache) == 2 and cache.tokens == 8
+    calls = tok.calls
+    cache.encode(tok, "aaaa")
+    assert tok.calls == calls            # a survived
+    cache.encode(tok, "bbbb")
+    assert tok.calls == calls + 1        # b was evicted and is tokenised again
+    cache.encode(tok, "x" * 11)          # longer than the whole budget: served, not kept
+    assert cache.tokens <= 10 and len(cache) <= 3
+    with pytest.raises(ValueError):
+        DocumentTokenCache(max_entries=0)
+
+
+def test_plan_identities_are_functions_of_the_token_ids():
+    a = DocumentPlan(((1, 2, 3), (4, 5)), (9,), "s", "samkv")
+    b = DocumentPlan(((1, 2, 3), (4, 5)), (9,), "s", "samkv", doc_digests=(ids_digest((1, 2, 3)), ids_digest((4, 5))))
+    c = DocumentPlan(((1, 2, 3), (4, 6)), (9,), "s", "samkv")
+    assert a.composite_namespace("n") == b.composite_namespace("n") != c.composite_namespace("n")
+    assert KnownDocuments.key(a, 1) == KnownDocuments.key(b, 1) != KnownDocuments.key(c, 1)
+    assert KnownDocuments.key(a, 0) == KnownDocuments.key(c, 0)
+    # the recompute baseline never shares a composite; another salt never shares a document
+    r = DocumentPlan(a.doc_ids, a.prompt_ids, "s", "recompute")
+    assert r.composite_namespace("n1") != r.composite_namespace("n2")
+    assert KnownDocuments.key(DocumentPlan(a.doc_ids, a.prompt_ids, "t", "samkv"), 0) != KnownDocuments.key(a, 0)
+    with pytest.raises(ValueError):
+        DocumentPlan(a.doc_ids, a.prompt_ids, "s", "samkv", doc_digests=("x",))
