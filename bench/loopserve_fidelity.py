@@ -38,7 +38,7 @@ def loopserve_figures(summary: dict, lastwindow_summary: dict | None = None) -> 
             continue
         figs = fidelity_figures(src, mode)
         server = modes[mode].get("server") or {}
-        figs["server_stats"] = (server.get("reported") or {}).get("stats")
+        figs["server_stats"] = (server.get("reported_after") or server.get("reported") or {}).get("stats")
         out[key] = figs["accuracy_ratio_by_position"]
         out[mode] = figs
     lw = out["lastwindow_accuracy_ratio_by_position"]

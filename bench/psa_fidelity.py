@@ -30,7 +30,7 @@ def fidelity_figures(summary: dict, mode: str = "psa") -> dict:
     dense, sparse = modes["off"]["headline"]["accuracy_by_position"], modes[mode]["headline"]["accuracy_by_position"]
     fid = modes[mode].get("fidelity") or {}
     server = modes[mode].get("server") or {}
-    stats = ((server.get("reported") or {}).get("stats")) or {}
+    stats = ((server.get("reported_after") or server.get("reported") or {}).get("stats")) or {}
     return {
         "gpu": summary["meta"].get("gpu"),
         "accuracy_ratio_by_position": {p: _ratio(sparse.get(p), dense.get(p)) for p in ("begin", "middle", "end")},

@@ -142,6 +142,9 @@ def main(argv=None) -> int:
                                   "reported": (states[0] or {}).get("sparse")},
                        "startup_s": srv.startup_s}
                 rec.update(harness.run_mode(srv.base_url, preset, suite, pairs, a.model, log, a.concurrency))
+                # the mode's cumulative statistics after the tasks and probes (`reported` is at start-up)
+                after = srv.server_info().get("internal_states") or [{}]
+                rec["server"]["reported_after"] = (after[0] or {}).get("sparse")
                 results[mode] = rec  # kept even if stopping the server is interrupted
             log(f"[driver] mode {mode} done in {time.monotonic() - t0:.0f}s")
         except KeyboardInterrupt:  # Ctrl-C or SIGTERM (e.g. `timeout`): server already stopped

@@ -65,3 +65,15 @@ def test_lastwindow_figures_from_a_second_run_use_that_runs_dense(tmp_path):
     dense2 = second["modes"]["off"]["headline"]["accuracy_by_position"]
     assert figs["lastwindow_accuracy_ratio_by_position"] == {p: lw[p] / dense2[p] for p in ("begin", "middle", "end")}
     assert figs["accuracy_ratio_by_position"] == loopserve_figures(s)["accuracy_ratio_by_position"]
+
+
+def test_server_stats_are_the_ones_read_after_the_run():
+    """The harness records the mode's statistics at start-up (`reported`, all zero) and after the tasks
+    (`reported_after`); the figures take the latter when it is there."""
+    s = _summary()
+    srv = s["modes"]["loopserve"].setdefault("server", {})
+    srv["reported"] = {"stats": {"sparse_decode_rows": 0}}
+    srv["reported_after"] = {"stats": {"sparse_decode_rows": 7}}
+    assert loopserve_figures(s)["loopserve"]["server_stats"] == {"sparse_decode_rows": 7}
+    del srv["reported_after"]
+    assert loopserve_figures(s)["loopserve"]["server_stats"] == {"sparse_decode_rows": 0}
