@@ -22,7 +22,8 @@
 # loopserve runs before lastwindow so that a timeout costs the baseline, not the headline;
 # bench.loopserve_fidelity --lastwindow-run DIR takes lastwindow from a second run (off,lastwindow) if needed;
 # LS_PRESET (full), LS_MIN_CONTEXT (128: the harness headline contexts are ~130-450 tokens),
-# LS_BUDGET (64: top-B per KV head for both loopserve and lastwindow at those contexts), LS_ALPHA
+# LS_BUDGET (64: top-B per KV head for both loopserve and lastwindow at those contexts; the harness run and
+# the fidelity JSON are named by it, gpu_loopserve_b<B>/ and loopserve_fidelity_b<B>.json), LS_ALPHA
 # (0.97: on SmolLM2-135M the paper's 0.955 lost a planted fact that 0.97 kept, tests/test_loopserve_server.py).
 set -uo pipefail
 rep=${1:?usage: gpu_part_loopserve.sh REPORT_DIR}
@@ -48,8 +49,8 @@ want harness && step harness timeout "${LS_HARNESS_TIMEOUT:-480}" python3 -m ben
     --preset "${LS_PRESET:-full}" --modes off,loopserve,lastwindow --fidelity-probes "${LS_PROBES:-4}" \
     --sparse-config "loopserve={\"min_context\": $mc, \"budget\": $budget, \"alpha\": $alpha}" \
     --sparse-config "lastwindow={\"min_context\": $mc, \"budget\": $budget}" \
-    --device cuda --python python3 --model "$KIT_MODEL" --port 30000 --out "$rep/gpu_loopserve" \
+    --device cuda --python python3 --model "$KIT_MODEL" --port 30000 --out "$rep/gpu_loopserve_b$budget" \
     --server-args "--attention-backend flashinfer --page-size 16"
-want fidelity && step fidelity python3 -m bench.loopserve_fidelity --run "$rep/gpu_loopserve" --out "$rep/loopserve_fidelity.json"
+want fidelity && step fidelity python3 -m bench.loopserve_fidelity --run "$rep/gpu_loopserve_b$budget" --out "$rep/loopserve_fidelity_b$budget.json"
 say "done: exit $rc"
 exit $rc
