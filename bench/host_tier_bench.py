@@ -16,8 +16,9 @@ against the source (a sample is enough to catch a wrong path; the GPU tests chec
 
 Writes ``host_tier.md`` and ``host_tier.json`` into ``--out``. Headline keys (computed, never typed):
 ``gather_fraction_of_h2d`` = fused gather GB/s at page 16 and the largest count / contiguous H2D GB/s;
-``concurrency_ratio_vs_dense``: null with ``concurrency_ratio_vs_dense_reason`` (the end-to-end run
-needs the host tier wired into the server, which is not done yet).
+``concurrency_ratio_vs_dense``: null with ``concurrency_ratio_vs_dense_reason`` here; the end-to-end run
+(``bench/host_tier_concurrency.py --merge-into OUT/host_tier.json``) sets it, and a re-run of this
+script keeps the keys that run merged.
 ``--smoke``: tiny shapes on the CPU through the Triton interpreter (timings meaningless), so a CPU
 test runs the script end to end.
 
@@ -259,9 +260,9 @@ def summary(meta: dict, results: list[dict]) -> dict:
                                             f"{best['fused_bps'] / 1e9:.2f} GB/s",
         "gather_fraction_of_h2d_sweep_best": best["fused_bps"] / h2d if best and h2d else None,
         "concurrency_ratio_vs_dense": None,
-        "concurrency_ratio_vs_dense_reason": "not measured: the end-to-end serving comparison needs the host "
-                                             "tier wired into the server (PSA decode reading only cached "
-                                             "units), which is not implemented yet",
+        "concurrency_ratio_vs_dense_reason": "not measured by this transfer benchmark: the end-to-end "
+                                             "serving comparison is bench/host_tier_concurrency.py "
+                                             "(--merge-into this file sets it)",
         "gather_overlap_with_matmul": next((r["gather_overlap"] for r in results
                                             if r.get("kind") == "overlap" and "error" not in r), None),
         "save_overlap_with_matmul": next((r["save_overlap"] for r in results
@@ -270,9 +271,27 @@ def summary(meta: dict, results: list[dict]) -> dict:
     }
 
 
+CONCURRENCY_KEYS = ("concurrency_ratio_vs_dense", "concurrency_ratio_vs_dense_reason",
+                    "hicache_concurrency_ratio_vs_dense", "hicache_concurrency_ratio_vs_dense_reason",
+                    "throughput_ratio_vs_dense", "hicache_throughput_ratio_vs_dense", "concurrency")
+
+
+def _kept_concurrency(path: Path) -> dict:
+    """The end-to-end keys that ``bench/host_tier_concurrency.py --merge-into`` wrote into an existing
+    ``host_tier.json`` (marked by its ``concurrency`` block): a re-run of this benchmark keeps them."""
+    try:
+        old = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    if not isinstance(old, dict) or "concurrency" not in old:
+        return {}
+    return {k: old[k] for k in CONCURRENCY_KEYS if k in old}
+
+
 def write_report(out: Path, meta: dict, results: list[dict]) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     top = summary(meta, results)
+    top.update(_kept_concurrency(out / "host_tier.json"))
     (out / "host_tier.json").write_text(json.dumps(dict(**top, meta=meta, results=results), indent=1))
     gb = 1e9
     h2d_txt = "n/a (" + meta.get("h2d_error", "not measured") + ")" if not meta.get("h2d_bps") \

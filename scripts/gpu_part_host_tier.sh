@@ -1,10 +1,14 @@
 #!/usr/bin/env bash
 # Host tier (issue #6) GPU part: the host-transfer GPU tests, the host-tier server test (evict -> host ->
-# reload on FlashInfer, page 16) and the transfer benchmark.
+# reload on FlashInfer, page 16), the transfer benchmark and the end-to-end concurrency benchmark (dense vs
+# psa + host tier vs HiCache at the same --mem-fraction-static / KV pool; merges concurrency_ratio_vs_dense
+# into REPORT_DIR/host_tier.json).
 # Run on the device from the repository root with the kit's env already sourced
 # (scripts/gpu_session.sh tests_host calls it):  bash scripts/gpu_part_host_tier.sh REPORT_DIR
-# Reports: REPORT_DIR/{pytest_host_tier.log,junit_host_tier.xml,pytest_host_tier_server.log,junit_host_tier_server.xml,host_tier_bench.log,host_tier.md,host_tier.json}.
-# A failing step is recorded (exit code in the log and status.txt), never fatal; total <= ~10 minutes.
+# Reports: REPORT_DIR/{pytest_host_tier.log,junit_host_tier.xml,pytest_host_tier_server.log,junit_host_tier_server.xml,host_tier_bench.log,host_tier.md,host_tier.json,
+#          host_tier_concurrency.log,host_tier_concurrency/{host_tier_concurrency.md,host_tier_concurrency.json,server_*.log}}.
+# A failing step is recorded (exit code in the log and status.txt), never fatal; total <= ~19 minutes
+# (the end-to-end step alone: 420 s budget, killed at 480 s).
 set -uo pipefail
 rep=${1:?usage: gpu_part_host_tier.sh REPORT_DIR}
 mkdir -p "$rep"
@@ -23,5 +27,9 @@ s=${PIPESTATUS[0]}; say "pytest host tier server (gpu): exit $s in $(( $(date +%
 t0=$(date +%s)
 timeout 240 python3 bench/host_tier_bench.py --out "$rep" 2>&1 | tee "$rep/host_tier_bench.log"
 s=${PIPESTATUS[0]}; say "host_tier_bench: exit $s in $(( $(date +%s) - t0 ))s"; [ "$s" = 0 ] || rc=1
+t0=$(date +%s)
+timeout -k 30 480 python3 bench/host_tier_concurrency.py --out "$rep/host_tier_concurrency" \
+    --merge-into "$rep/host_tier.json" --time-budget 420 2>&1 | tee "$rep/host_tier_concurrency.log"
+s=${PIPESTATUS[0]}; say "host_tier_concurrency: exit $s in $(( $(date +%s) - t0 ))s"; [ "$s" = 0 ] || rc=1
 say "done: exit $rc"
 exit $rc
