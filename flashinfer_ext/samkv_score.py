@@ -13,6 +13,8 @@ context), the rest are the *middle* blocks that selection keeps or drops.
 * :func:`anchor_top_p` - Eq. 2: ``P = (s_max - s_anc) / (s_max - s_min)`` if
   ``s_min < s_anc <= s_max`` else 0, with ``s_anc`` the score of the mean key of the initial + local
   (anchor) tokens and ``s_max`` / ``s_min`` the best / worst middle block.
+* :func:`document_scores` - every document's token scores, block scores and Eq. 2 ``P`` of one layer in one
+  pass (the batched form of the three functions above, index tensors from :class:`ScoreIndex`).
 * :func:`select_middle_blocks` - Eq. 3 (``P_i`` averaged over the stable layers), each document's
   top ``ceil(P_i * middle_i)`` middle blocks by its layer-averaged score as candidates, scores
   min-max normalised per document (so documents compare on one scale), and of all candidates the
@@ -30,7 +32,7 @@ import math
 import torch
 
 __all__ = ["generic_query", "personalized_queries", "block_mean_keys", "block_scores", "anchor_top_p",
-           "block_layout", "select_middle_blocks"]
+           "block_layout", "select_middle_blocks", "ScoreIndex", "document_scores"]
 
 
 def generic_query(q: torch.Tensor) -> torch.Tensor:
@@ -132,3 +134,92 @@ def select_middle_blocks(p_layers: list[torch.Tensor], s_layers: list[torch.Tens
     for _, i, j in cands[:budget]:
         kept[i].append(j)
     return [sorted(k) for k in kept]
+
+
+class ScoreIndex:
+    """Index tensors for :func:`document_scores` of ``D`` documents laid end to end (document ``j`` has
+    ``lengths[j]`` tokens; ``layouts[j]`` = :func:`block_layout` of it), built on the host and moved to
+    ``device`` in one transfer. ``N`` = all tokens, ``TB`` = all blocks (documents in order), ``A`` / ``M`` =
+    most anchor tokens / middle blocks of one document. Pads point one past the end (a zero row).
+
+    tok_doc ``[N]`` (document of each token), tok_pos ``[N]`` (its position in its document), blk_tok ``[TB * block_size]``, blk_doc ``[TB]``, blk_cnt ``[TB]`` fp32 (tokens per block),
+    anc_tok ``[D * A]``, anc_cnt ``[D]`` fp32, mid_blk ``[D * M]`` (into ``TB``), mid_ok ``[D, M]`` bool; and on the
+    host ``blk_start`` (first block of each document) for slicing the results.
+    """
+
+    def __init__(self, lengths: list[int], layouts: list[tuple], block_size: int, device):
+        bs = int(block_size)
+        n_all = sum(lengths)
+        d = len(lengths)
+        tok_doc, tok_pos, blk_tok, blk_doc, blk_cnt, anc, mids, self.blk_start = [], [], [], [], [], [], [], []
+        start = tb = 0
+        for j, (n, (nb, always, middle)) in enumerate(zip(lengths, layouts)):
+            tok_doc += [j] * n
+            tok_pos += range(n)
+            self.blk_start.append(tb)
+            for b in range(nb):
+                lo, hi = start + b * bs, min(start + n, start + (b + 1) * bs)
+                blk_tok += list(range(lo, hi)) + [n_all] * (bs - (hi - lo))
+                blk_doc.append(j)
+                blk_cnt.append(hi - lo)
+            anc.append([p for b in always for p in range(start + b * bs, min(start + n, start + (b + 1) * bs))])
+            mids.append([tb + b for b in middle])
+            start += n
+            tb += nb
+        self.n_tokens, self.n_blocks, self.docs, self.block_size = n_all, tb, d, bs
+        self.a = max(1, max(len(x) for x in anc))
+        self.m = max(len(x) for x in mids)
+        anc_tok = [p for x in anc for p in x + [n_all] * (self.a - len(x))]
+        mid_blk = [p for x in mids for p in x + [tb] * (self.m - len(x))]
+        mid_ok = [int(i < len(x)) for x in mids for i in range(self.m)]
+        ints = [tok_doc, tok_pos, blk_tok, blk_doc, anc_tok, mid_blk, mid_ok]
+        flat = torch.tensor([v for x in ints for v in x], dtype=torch.int64)
+        floats = torch.tensor(blk_cnt + [float(len(x)) for x in anc], dtype=torch.float32)
+        dev_i, dev_f = flat.to(device), floats.to(device)
+        (self.tok_doc, self.tok_pos, self.blk_tok, self.blk_doc, self.anc_tok, self.mid_blk, mid_ok_t) = dev_i.split(
+            [len(x) for x in ints])
+        self.mid_ok = mid_ok_t.view(d, self.m).bool()
+        self.blk_cnt, self.anc_cnt = dev_f.split([tb, d])
+
+
+def _scores_rows(q_rows: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """Row-wise :func:`block_scores`: ``q_rows`` ``[R, q_heads, dim]``, ``keys`` ``[R, kv_heads, dim]`` -> ``[R]`` fp32."""
+    hq, dim = q_rows.shape[-2:]
+    hkv = keys.shape[-2]
+    if hq % hkv:
+        raise ValueError(f"document_scores: q_heads={hq} is not a multiple of kv_heads={hkv}")
+    k = keys.float().repeat_interleave(hq // hkv, dim=-2)
+    return (k * q_rows.float()).sum(-1).mean(-1) / math.sqrt(dim)
+
+
+def document_scores(k0: torch.Tensor, q_hat: torch.Tensor, index: ScoreIndex) -> tuple[torch.Tensor, ...]:
+    """One layer, every document at once: the batched form of the per-document loop (``block_mean_keys``,
+    the anchor mean key, ``block_scores`` of tokens / middle blocks / anchor and ``anchor_top_p``).
+
+    k0 ``[N, kv_heads, dim]``: every document's keys at position 0, documents end to end (any float dtype);
+    q_hat ``[D, q_heads, dim]`` (or ``[1, ...]``: one query for every document) fp32.
+    Returns ``(P [D], block scores [TB], token scores [N])`` fp32: ``P`` is Eq. 2 against the document's middle
+    blocks (0 for a document without middle blocks), block scores are every block's mean-key score against its
+    document's query, token scores every token's.
+    """
+    n, hkv, dim = k0.shape
+    if n != index.n_tokens:
+        raise ValueError(f"document_scores: {n} keys for an index of {index.n_tokens} tokens")
+    q = q_hat.float()
+    if q.shape[0] == 1:
+        q = q.expand(index.docs, *q.shape[1:])
+    kf = torch.cat([k0.float(), k0.new_zeros((1, hkv, dim), dtype=torch.float32)])   # row N = the pad
+    tok = _scores_rows(q.index_select(0, index.tok_doc), kf[:n])
+    sums = kf.index_select(0, index.blk_tok).view(index.n_blocks, index.block_size, hkv, dim).sum(dim=1)
+    means = sums / index.blk_cnt.view(-1, 1, 1)
+    blk = _scores_rows(q.index_select(0, index.blk_doc), means)
+    anc = kf.index_select(0, index.anc_tok).view(index.docs, index.a, hkv, dim).sum(dim=1) / index.anc_cnt.view(-1, 1, 1)
+    s_anc = _scores_rows(q, anc)
+    if index.m == 0:
+        return torch.zeros_like(s_anc), blk, tok
+    mid = torch.cat([blk, blk.new_zeros(1)]).index_select(0, index.mid_blk).view(index.docs, index.m)
+    s_max = mid.masked_fill(~index.mid_ok, float("-inf")).max(dim=-1).values
+    s_min = mid.masked_fill(~index.mid_ok, float("inf")).min(dim=-1).values
+    inside = (s_anc > s_min) & (s_anc <= s_max) & index.mid_ok.any(dim=-1)
+    p = (s_max - s_anc) / (s_max - s_min).clamp_min(1e-30)
+    return torch.where(inside, p, torch.zeros_like(p)), blk, tok

@@ -192,13 +192,14 @@ def _assemble(req, tree_cache, rt, custom) -> dict:
         _tick(rt, "match_documents")
         keep, scores = _select(rt, spans, srcs, ids, variant, tree_cache)
         _tick(rt, "select")
-        new_doc_ids, src_list, delta_list = [], [], []
-        for (s, n), src, kp in zip(spans, srcs, keep):
-            kp_t = torch.as_tensor(kp, dtype=torch.int64)
-            new_pos = torch.arange(len(new_doc_ids), len(new_doc_ids) + len(kp), dtype=torch.int64)
+        # kept tokens: their index into all documents' slots and their RoPE delta (new position - position in
+        # the document), built on the host, moved in one transfer when needed
+        new_doc_ids, gidx, delta_list = [], [], []
+        for (s, n), kp in zip(spans, keep):
+            base = len(new_doc_ids)
             new_doc_ids.extend(ids[s + p] for p in kp)
-            src_list.append(src[kp_t.to(src.device)])
-            delta_list.append(new_pos - kp_t)
+            gidx.extend(s + p for p in kp)
+            delta_list.extend(base + i - p for i, p in enumerate(kp))
         n_kept = len(new_doc_ids)
         new_ids = new_doc_ids + ids[n_doc:]
         aligned = (n_kept // page) * page
@@ -217,8 +218,10 @@ def _assemble(req, tree_cache, rt, custom) -> dict:
                 dst = alloc.alloc(aligned)
             if dst is None:
                 return {"status": "fallback", "reason": "no free KV slots for the composite"}
-            src = torch.cat(src_list)[:aligned]
-            delta = torch.cat(delta_list)[:aligned].to(src.device)
+            src_all = srcs[0] if len(srcs) == 1 else torch.cat(srcs)
+            host = torch.tensor(gidx[:aligned] + delta_list[:aligned], dtype=torch.int64).to(src_all.device)
+            g_t, delta = host.split(aligned)
+            src = src_all.index_select(0, g_t)
             pool = alloc.get_kvcache()
             _tick(rt, "alloc")
             for layer in range(rt.num_layers):

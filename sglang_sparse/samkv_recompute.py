@@ -58,8 +58,7 @@ def recompute(rt, pool, dst: torch.Tensor, comp_ids: list[int], r_idx: list[int]
     if not r_idx:
         return
     dev = dst.device
-    r = torch.as_tensor(r_idx, dtype=torch.int64, device=dev)
-    ids = torch.as_tensor([comp_ids[i] for i in r_idx], device=dev)
+    r, ids = torch.tensor(list(r_idx) + [comp_ids[i] for i in r_idx], dtype=torch.int64).to(dev).split(len(r_idx))
     ctx_k = [pool.get_key_buffer(layer)[dst] for layer in range(rt.num_layers)]
     ctx_v = [pool.get_value_buffer(layer)[dst] for layer in range(rt.num_layers)]
     mask = torch.arange(len(dst), device=dev).unsqueeze(0) <= r.unsqueeze(1)
@@ -70,4 +69,4 @@ def recompute(rt, pool, dst: torch.Tensor, comp_ids: list[int], r_idx: list[int]
         kbuf[rows] = fuse_kv(k, ctx_k[layer_id][r], mode)
         vbuf[rows] = fuse_kv(v, ctx_v[layer_id][r], mode)
 
-    side_forward(rt, ids, r, ctx_k, ctx_v, mask, replace_idx=r, on_layer=write)
+    side_forward(rt, ids, r, ctx_k, ctx_v, mask, replace_idx=r, replace_every_row=True, on_layer=write)

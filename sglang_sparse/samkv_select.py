@@ -26,57 +26,65 @@ from __future__ import annotations
 
 import torch
 
-from flashinfer_ext.samkv_score import (anchor_top_p, block_layout, block_mean_keys, block_scores,
-                                        generic_query, personalized_queries, select_middle_blocks)
+from flashinfer_ext.samkv_score import (ScoreIndex, block_layout, document_scores, generic_query,
+                                        personalized_queries, select_middle_blocks)
 
 
-def _gather_context(rt, pool, spans, srcs, layouts, bs, ids, local_tokens):
+def _gather_context(rt, pool, spans, srcs, layouts, bs, ids, local_tokens, question_ids):
     """The anchor context (initial + local blocks of every document) at positions ``0..C-1``: per layer
-    ``(K, V)`` ``[C, kv_heads, head_dim]``, and per context row its token id, document, position in the
-    document; plus the context rows of each document's last ``local_tokens`` tokens (its local-query rows)."""
-    slots, delta, tok_ids, doc_of, pos_in, local, pos = [], [], [], [], [], [], 0
-    for d, ((s, n), src, (nb, always, _)) in enumerate(zip(spans, srcs, layouts)):
+    ``(K, V)`` ``[C, kv_heads, head_dim]``, and (device int64 tensors, one host->device transfer for all) per
+    context row its token id ``[C]``, document ``[C]``, position in the document ``[C]``; the context rows of each
+    document's last ``local_tokens`` tokens (its local-query rows) ``[L]``; the question's token ids ``[T]``."""
+    gidx, delta, tok_ids, doc_of, pos_in, local, pos, base = [], [], [], [], [], [], 0, 0
+    for d, ((s, n), (nb, always, _)) in enumerate(zip(spans, layouts)):
         tok = [p for b in always for p in range(b * bs, min(n, (b + 1) * bs))]
         loc_from = max(0, n - local_tokens)
         local += [pos + i for i, p in enumerate(tok) if p >= loc_from]
-        t = torch.as_tensor(tok, dtype=torch.int64)
-        slots.append(src[t.to(src.device)])
-        delta.append(torch.arange(pos, pos + len(tok)) - t)
+        gidx += [base + p for p in tok]
+        delta += [pos + i - p for i, p in enumerate(tok)]
         tok_ids += [ids[s + p] for p in tok]
         doc_of += [d] * len(tok)
-        pos_in.append(t)
+        pos_in += tok
         pos += len(tok)
-    slots = torch.cat(slots)
-    dev = slots.device
-    delta = torch.cat(delta).to(dev)
+        base += n
+    src_all = srcs[0] if len(srcs) == 1 else torch.cat(list(srcs))
+    dev = src_all.device
+    parts = [gidx, delta, tok_ids, doc_of, pos_in, local, list(question_ids)]
+    host = torch.tensor([v for x in parts for v in x], dtype=torch.int64)
+    gidx_t, delta_t, ids_t, doc_t, pos_t, loc_t, q_t = host.to(dev).split([len(x) for x in parts])
+    slots = src_all.index_select(0, gidx_t)
     ks, vs = [], []
     for layer in range(rt.num_layers):
-        ks.append(rt.shift_keys(pool.get_key_buffer(layer)[slots], delta))
+        ks.append(rt.shift_keys(pool.get_key_buffer(layer)[slots], delta_t))
         vs.append(pool.get_value_buffer(layer)[slots])
-    meta = (torch.as_tensor(tok_ids, device=dev), torch.as_tensor(doc_of, device=dev), torch.cat(pos_in).to(dev),
-            local)
-    return ks, vs, meta
+    return ks, vs, (ids_t, doc_t, pos_t, loc_t, q_t)
 
 
 @torch.no_grad()
 def side_forward(rt, ids: torch.Tensor, pos: torch.Tensor, ctx_k, ctx_v, mask: torch.Tensor, *,
                  append: torch.Tensor | None = None, replace_idx: torch.Tensor | None = None,
-                 first_layer: int | None = None, on_layer=None) -> list[torch.Tensor]:
+                 replace_every_row: bool = False, first_layer: int | None = None,
+                 on_layer=None) -> list[torch.Tensor]:
     """Run ``R`` rows (token ``ids`` ``[R]`` at positions ``pos`` ``[R]``) through the model's layers with the
     attention computed here: per layer the keys/values are the context ``ctx_k[l]`` / ``ctx_v[l]``
     ``[C, kv_heads, head_dim]``, with the rows' fresh K/V written over context rows ``replace_idx``
-    (``[R]``, -1 = none) and the fresh K/V of rows flagged in ``append`` (bool ``[R]``) appended after the
-    context in row order; ``mask`` bool ``[R, C + appended]`` says which keys each row sees.
+    (``[R]``, -1 = none; ``replace_every_row``: the caller vouches every entry is >= 0, which saves a host
+    sync) and the fresh K/V of rows flagged in ``append`` (bool ``[R]``, or the int64 indices of those rows:
+    no host sync) appended after the context in row order; ``mask`` bool ``[R, C + appended]`` says which keys each row sees.
     ``on_layer(layer_id, k, v)`` gets the rows' fresh post-RoPE ``k``/``v`` ``[R, kv_heads, head_dim]``.
     Returns the rows' pre-RoPE queries ``[R, q_heads, head_dim]`` fp32 of layers ``first_layer ..``."""
     inner = rt.model.model
     r = ids.shape[0]
     # index tensors once (boolean-mask indexing inside the layer loop is a host sync per layer)
-    app_rows = append.nonzero().squeeze(1) if append is not None else None
-    if app_rows is not None and app_rows.numel() == 0:
-        app_rows = None
+    app_rows = None
+    if append is not None:
+        app_rows = append.nonzero().squeeze(1) if append.dtype == torch.bool else append
+        if app_rows.numel() == 0:
+            app_rows = None
     rep_dst = rep_src = None
-    if replace_idx is not None:
+    if replace_idx is not None and replace_every_row:
+        rep_src, rep_dst = torch.arange(r, device=replace_idx.device), replace_idx
+    elif replace_idx is not None:
         sel = replace_idx >= 0
         rep_src = sel.nonzero().squeeze(1)
         rep_dst = replace_idx.index_select(0, rep_src)
@@ -96,10 +104,9 @@ def side_forward(rt, ids: torch.Tensor, pos: torch.Tensor, ctx_k, ctx_v, mask: t
         k = k.reshape(r, a.num_kv_heads, a.head_dim)
         v = v.reshape(r, a.num_kv_heads, a.head_dim)
         kk, vv = ctx_k[layer_id].to(k.dtype), ctx_v[layer_id].to(v.dtype)
-        if rep_dst is not None:
-            kk, vv = kk.clone(), vv.clone()
-            kk[rep_dst] = k.index_select(0, rep_src)
-            vv[rep_dst] = v.index_select(0, rep_src)
+        if rep_dst is not None:  # out of place: the caller's context stays as it was
+            kk = kk.index_copy(0, rep_dst, k.index_select(0, rep_src))
+            vv = vv.index_copy(0, rep_dst, v.index_select(0, rep_src))
         if app_rows is not None:
             kk, vv = torch.cat([kk, k.index_select(0, app_rows)]), torch.cat([vv, v.index_select(0, app_rows)])
         if on_layer is not None:
@@ -115,26 +122,25 @@ def side_forward(rt, ids: torch.Tensor, pos: torch.Tensor, ctx_k, ctx_v, mask: t
     return out
 
 
-def _selection_queries(rt, question_ids, ctx_k, ctx_v, ctx_ids, ctx_doc, ctx_pos_in_doc, local_rows, first):
-    """Q_que (question rows over the whole anchor context) and each document's local queries (its local
-    tokens over its own anchor tokens up to themselves), per stable layer."""
+def _selection_queries(rt, q_ids, ctx_k, ctx_v, ctx_ids, ctx_doc, ctx_pos_in_doc, loc, first):
+    """Q_que (question rows ``q_ids`` ``[T]`` over the whole anchor context) and each document's local queries
+    (its local tokens, context rows ``loc`` ``[L]``, over its own anchor tokens up to themselves), per stable
+    layer; no host sync."""
     dev = ctx_k[0].device
-    c, t = ctx_k[0].shape[0], len(question_ids)
-    loc = torch.as_tensor(local_rows, dtype=torch.int64, device=dev)  # context indices of local tokens
-    ids = torch.cat([torch.as_tensor(question_ids, device=dev), ctx_ids[loc]])
+    c, t = ctx_k[0].shape[0], q_ids.shape[0]
+    ids = torch.cat([q_ids, ctx_ids.index_select(0, loc)])
     pos = torch.cat([torch.arange(c, c + t, device=dev), loc])
-    n = t + len(loc)
+    n = t + loc.shape[0]
     mask = torch.zeros(n, c + t, dtype=torch.bool, device=dev)
     mask[:t, :c] = True
     mask[:t, c:] = torch.tril(torch.ones(t, t, dtype=torch.bool, device=dev))
-    if len(loc):
-        same = ctx_doc[loc].unsqueeze(1) == ctx_doc.unsqueeze(0)
-        before = ctx_pos_in_doc.unsqueeze(0) <= ctx_pos_in_doc[loc].unsqueeze(1)
+    loc_doc = ctx_doc.index_select(0, loc)
+    if loc.shape[0]:
+        same = loc_doc.unsqueeze(1) == ctx_doc.unsqueeze(0)
+        before = ctx_pos_in_doc.unsqueeze(0) <= ctx_pos_in_doc.index_select(0, loc).unsqueeze(1)
         mask[t:, :c] = same & before
-    append = torch.zeros(n, dtype=torch.bool, device=dev)
-    append[:t] = True
-    qs = side_forward(rt, ids, pos, ctx_k, ctx_v, mask, append=append, first_layer=first)
-    return [q[:t] for q in qs], [q[t:] for q in qs], ctx_doc[loc]
+    qs = side_forward(rt, ids, pos, ctx_k, ctx_v, mask, append=torch.arange(t, device=dev), first_layer=first)
+    return [q[:t] for q in qs], [q[t:] for q in qs], loc_doc
 
 
 def _tick(rt, name):
@@ -162,18 +168,18 @@ def select_blocks(rt, spans, srcs, ids, tree_cache, keep_all: bool = False) -> t
     pool = tree_cache.token_to_kv_pool_allocator.get_kvcache()
     layouts = [block_layout(n, bs, cfg.initial_blocks, cfg.local_blocks) for _, n in spans]
     n_doc = spans[-1][0] + spans[-1][1]
-    ctx_k, ctx_v, (ctx_ids, ctx_doc, ctx_pos, local) = _gather_context(rt, pool, spans, srcs, layouts, bs, ids,
-                                                                        cfg.local_query_tokens)
+    ctx_k, ctx_v, (ctx_ids, ctx_doc, ctx_pos, local, q_ids) = _gather_context(
+        rt, pool, spans, srcs, layouts, bs, ids, cfg.local_query_tokens, ids[n_doc:])
     _tick(rt, "select_gather")
     first = max(0, rt.num_layers - cfg.stable_layers)
-    q_que, q_loc_rows, loc_doc = _selection_queries(rt, list(ids[n_doc:]), ctx_k, ctx_v, ctx_ids, ctx_doc, ctx_pos,
-                                                    local, first)
+    q_que, q_loc_rows, loc_doc = _selection_queries(rt, q_ids, ctx_k, ctx_v, ctx_ids, ctx_doc, ctx_pos, local, first)
     del ctx_k, ctx_v
     _tick(rt, "select_side_forward")
     d = len(spans)
-    p_docs, s_docs, tok_scores = [], [], [[] for _ in spans]
     q_hats = []
-    counts = torch.bincount(loc_doc, minlength=d).clamp(min=1) if loc_doc.numel() else None
+    # local queries per document (index_add, not bincount: bincount on CUDA syncs the host for its size)
+    counts = (torch.zeros(d, dtype=torch.int64, device=loc_doc.device).index_add_(0, loc_doc, torch.ones_like(loc_doc))
+              .clamp(min=1) if loc_doc.numel() else None)
     for i in range(len(q_que)):
         ql = q_loc_rows[i]
         per_doc = None
@@ -181,28 +187,24 @@ def select_blocks(rt, spans, srcs, ids, tree_cache, keep_all: bool = False) -> t
             sums = torch.zeros((d,) + tuple(ql.shape[1:]), dtype=ql.dtype, device=ql.device).index_add_(0, loc_doc, ql)
             per_doc = sums / counts.to(ql.dtype).view(d, *([1] * (ql.dim() - 1)))
         q_hats.append(personalized_queries(generic_query(q_que[i]), per_doc if cfg.personalize else None))
-    # every document's keys de-rotated to position 0: one gather + one rope_shift per stable layer
+    # every document's keys de-rotated to position 0 (one gather + one rope_shift per stable layer), then
+    # every document scored at once per layer (flashinfer_ext.samkv_score.document_scores), one host transfer
     src_all = torch.cat(list(srcs))
-    pos_all = torch.cat([torch.arange(n, device=src_all.device) for _, n in spans])
-    k0_all = [rt.shift_keys(pool.get_key_buffer(layer)[src_all], -pos_all) for layer in range(first, rt.num_layers)]
-    for j, ((s, n), src, (nb, always, middle)) in enumerate(zip(spans, srcs, layouts)):
-        assert middle == list(range(middle[0], middle[0] + len(middle))) if middle else True
-        p_l, s_l = [], []
-        for i, layer in enumerate(range(first, rt.num_layers)):
-            q_hat = q_hats[i][min(j, q_hats[i].shape[0] - 1)]
-            k0 = k0_all[i][s:s + n]
-            means = block_mean_keys(k0, bs)                                     # [nb, kv_heads, dim]
-            anchor = torch.cat([k0[b * bs:(b + 1) * bs] for b in always]).float().mean(0, keepdim=True)
-            mid = means[middle[0]:middle[-1] + 1] if middle else None  # contiguous (block_layout): a view, no copy
-            s_mid = block_scores(q_hat.to(means.device), mid) if middle else means.new_zeros(0)
-            s_anc = block_scores(q_hat.to(means.device), anchor)
-            p_l.append(anchor_top_p(s_anc, s_mid.unsqueeze(0))[0])
-            s_l.append(s_mid)
-            tok_scores[j].append(block_scores(q_hat.to(k0.device), k0))
-        p_docs.append(torch.stack(p_l))
-        s_docs.append(torch.stack(s_l))
-    host = _to_host(p_docs + s_docs + [torch.stack(t).mean(0) for t in tok_scores])
-    p_docs, s_docs, scores = host[:d], host[d:2 * d], host[2 * d:]
+    lengths = [n for _, n in spans]
+    index = ScoreIndex(lengths, layouts, bs, src_all.device)
+    pos_all = index.tok_pos
+    p_l, b_l, t_l = [], [], []
+    for i, layer in enumerate(range(first, rt.num_layers)):
+        k0 = rt.shift_keys(pool.get_key_buffer(layer)[src_all], -pos_all)
+        p, blk, tok = document_scores(k0, q_hats[i].to(k0.device), index)
+        p_l.append(p)
+        b_l.append(blk)
+        t_l.append(tok)
+    p_host, b_host, t_host = _to_host([torch.stack(p_l), torch.stack(b_l), torch.stack(t_l).mean(0)])
+    p_docs = [p_host[:, j] for j in range(d)]                                    # [stable_layers] each
+    s_docs = [b_host[:, index.blk_start[j] + mid[0]:index.blk_start[j] + mid[-1] + 1] if mid
+              else b_host.new_zeros(b_host.shape[0], 0) for j, (_, _, mid) in enumerate(layouts)]
+    scores = list(t_host.split(lengths))
     _tick(rt, "select_scoring")
     if keep_all:
         return [list(range(n)) for _, n in spans], scores

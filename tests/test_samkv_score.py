@@ -74,3 +74,50 @@ def test_select_middle_blocks_budget_topp_and_normalisation():
     assert select_middle_blocks(p, s, total_blocks=24, always_kept=8) == [[], [], []]  # no budget left
     wide = select_middle_blocks(p, s, total_blocks=300, always_kept=0)
     assert wide == [[1, 3], [], [0, 1]]  # budget never exceeds the top-P candidates
+
+
+def _per_document_reference(k0, q_hat, lengths, layouts, bs):
+    """The per-document loop the scheduler ran before the batched form (one layer)."""
+    p, blk, tok, start = [], [], [], 0
+    for j, (n, (nb, always, middle)) in enumerate(zip(lengths, layouts)):
+        k = k0[start:start + n]
+        q = q_hat[min(j, q_hat.shape[0] - 1)]
+        means = block_mean_keys(k, bs)
+        anchor = torch.cat([k[b * bs:(b + 1) * bs] for b in always]).float().mean(0, keepdim=True)
+        s_mid = block_scores(q, means[middle]) if middle else means.new_zeros(0)
+        p.append(anchor_top_p(block_scores(q, anchor), s_mid.unsqueeze(0))[0])
+        blk.append(block_scores(q, means))
+        tok.append(block_scores(q, k))
+        start += n
+    return torch.stack(p), torch.cat(blk), torch.cat(tok)
+
+
+@pytest.mark.parametrize("lengths,bs,personal", [
+    ([70, 33, 129, 5, 64], 16, True),   # short last blocks, a one-block document, an exact multiple
+    ([300, 250, 280], 32, False),       # one query for every document
+    ([40, 20], 16, True),               # no middle blocks anywhere
+])
+def test_document_scores_equal_the_per_document_loop_and_select_the_same_blocks(lengths, bs, personal):
+    from flashinfer_ext.samkv_score import ScoreIndex, document_scores
+
+    g = torch.Generator().manual_seed(sum(lengths))
+    k0 = torch.randn(sum(lengths), 3, 8, generator=g).to(torch.bfloat16)
+    q_hat = torch.randn(len(lengths) if personal else 1, 6, 8, generator=g)
+    layouts = [block_layout(n, bs, 1, 2) for n in lengths]
+    index = ScoreIndex(lengths, layouts, bs, "cpu")
+    assert index.tok_pos.tolist() == [p for n in lengths for p in range(n)]
+    p, blk, tok = document_scores(k0, q_hat, index)
+    p_ref, blk_ref, tok_ref = _per_document_reference(k0, q_hat, lengths, layouts, bs)
+    torch.testing.assert_close(tok, tok_ref, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(blk, blk_ref, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(p, p_ref, rtol=1e-4, atol=1e-5)
+    # the selection the scheduler makes from them is the same
+    def mids(b):
+        return [b[index.blk_start[j] + m[0]:index.blk_start[j] + m[-1] + 1].unsqueeze(0) if m else b.new_zeros(1, 0)
+                for j, (_, _, m) in enumerate(layouts)]
+    total = sum(nb for nb, _, _ in layouts)
+    got = select_middle_blocks([x.unsqueeze(0) for x in p], mids(blk), total, 3)
+    want = select_middle_blocks([x.unsqueeze(0) for x in p_ref], mids(blk_ref), total, 3)
+    assert got == want
+    if any(m for _, _, m in layouts):
+        assert any(got), "the case selects nothing: it would not tell a wrong selection apart"
