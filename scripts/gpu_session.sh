@@ -9,11 +9,13 @@
 #   bash scripts/gpu_session.sh psa_load     # SGLang serving benchmark, off vs psa, long inputs
 #   bash scripts/gpu_session.sh tests_host   # pytest -m gpu (every GPU test) + scripts/gpu_part_host_tier.sh
 #   bash scripts/gpu_session.sh loopserve    # scripts/gpu_part_loopserve.sh (prefill bench, harness, fidelity)
+#   bash scripts/gpu_session.sh samkv        # scripts/gpu_part_samkv.sh (GPU tests, accuracy + TTFT sets, 8B dummy TTFT)
+#   bash scripts/gpu_session.sh host_conc    # bench/host_tier_concurrency.py (dense vs psa + host tier vs HiCache)
 #
 # Reports land in /tmp/gpu_reports/<part>/ and are packed into $OUT/<part>_reports.tgz
 # (the device returns at most 8 files from $OUT); each part's log is also copied to $OUT.
 set -uo pipefail
-part=${1:?usage: gpu_session.sh foundation|bench|psa_tests|psa_bench|psa_load|tests_host|loopserve}
+part=${1:?usage: gpu_session.sh foundation|bench|psa_tests|psa_bench|psa_load|tests_host|loopserve|samkv|host_conc}
 out=${OUT:-$PWD/gpu_out}
 rep=/tmp/gpu_reports/$part
 mkdir -p "$out" "$rep"
@@ -76,6 +78,16 @@ case $part in
   loopserve)
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$rep/gpu.txt"
     step loopserve bash scripts/gpu_part_loopserve.sh "$rep/loopserve"
+    ;;
+  samkv)
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$rep/gpu.txt"
+    step samkv bash scripts/gpu_part_samkv.sh "$rep/samkv"
+    ;;
+  host_conc)  # the end-to-end concurrency benchmark alone, merged into a copy of the committed host_tier.json
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$rep/gpu.txt"
+    cp bench/results/host_tier.json "$rep/host_tier.json"
+    step host_tier_concurrency timeout -k 30 "${HTC_TIMEOUT:-540}" python3 bench/host_tier_concurrency.py \
+        --out "$rep/host_tier_concurrency" --merge-into "$rep/host_tier.json" --time-budget "${HTC_BUDGET:-480}"
     ;;
   *) say "unknown part $part"; exit 2 ;;
 esac
