@@ -102,7 +102,7 @@ def vertical_sums_batched(q_rows: torch.Tensor, q_pos: torch.Tensor, q_req: torc
                           req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor,
                           max_len: int, *, sm_scale: float, out: torch.Tensor | None = None,
                           qo_indptr: torch.Tensor | None = None, max_qo_len: int | None = None,
-                          block_r: int = 16, block_n: int = 64) -> torch.Tensor:
+                          lse_buf: torch.Tensor | None = None, block_r: int = 16, block_n: int = 64) -> torch.Tensor:
     """Per-request, per-KV-head vertical sums of the rows' causal softmax attention (module docstring).
 
     Args:
@@ -118,6 +118,7 @@ def vertical_sums_batched(q_rows: torch.Tensor, q_pos: torch.Tensor, q_req: torc
       out: optional preallocated ``[num_reqs, num_kv_heads, >= max_len]`` fp32 (last dim contiguous).
       qo_indptr: optional ``[num_reqs + 1]`` int32 row offsets (else computed from ``q_req`` on the device).
       max_qo_len: optional host bound on the rows of one request (sizes the first grid).
+      lse_buf: optional preallocated ``[num_qo_heads, >= R_total]`` fp32 scratch (the rows' LSE).
     Returns ``v_sum [num_reqs, num_kv_heads, max_len]`` fp32 (a view of ``out`` if given). Two launches,
     no host sync.
     """
@@ -144,7 +145,9 @@ def vertical_sums_batched(q_rows: torch.Tensor, q_pos: torch.Tensor, q_req: torc
         qo_indptr = qo_indptr_of(q_req, n_req)
     meta = launch_meta(group, d, block_r, block_n)
     scale = float(sm_scale) / math.log(2.0)
-    lse = torch.empty(hq, r_total, dtype=torch.float32, device=q_rows.device)
+    lse = lse_buf if lse_buf is not None else torch.empty(hq, r_total, dtype=torch.float32, device=q_rows.device)
+    if lse.dtype != torch.float32 or lse.shape[0] != hq or lse.shape[1] < r_total or lse.stride(1) != 1:
+        raise ValueError(f"lse_buf must be [{hq}, >= {r_total}] fp32 with a contiguous last dim")
     q_pos = q_pos.contiguous()
     rows = r_total if max_qo_len is None else max(min(max_qo_len, r_total), 1)
     _batched_lse_kernel[(n_req, hk, triton.cdiv(rows, meta["BLOCK_R"]))](

@@ -321,7 +321,7 @@ class LoopServeRunner:
         ``q_req`` / ``qo_indptr``, where the current queries go (``cur_rows``, from batch rows ``fire_dev``),
         the scored length per row (``sel_seq``: the context, lastwindow: the prompt), the budgets and the
         top-B width (``max_b min(budget, sel_seq)``); all index tensors in one host->device copy; the
-        kernels' ``vsum_buf [F, Hk, max sel_seq]`` fp32, reused by every layer.
+        kernels' ``vsum_buf [F, Hk, max sel_seq]`` and ``lse_buf [Hq, R_total]`` fp32, reused by every layer.
         """
         cfg, dev = self.cfg, self.device
         fire_j = [j for j, f in enumerate(fire) if f]
@@ -362,10 +362,11 @@ class LoopServeRunner:
         packed = torch.tensor([x for part in parts for x in part], dtype=torch.int64).to(dev)
         views = packed.split([len(part) for part in parts])
         widths = [min(b, n) for b, n in zip(budgets, sel_seq)]
-        vsum_buf = torch.empty(len(fire_j), self.shape.num_kv_heads, max(sel_seq),
-                               dtype=torch.float32, device=dev) if self.use_kernels else None
-        return dict(obs_buf=obs_buf, vsum_buf=vsum_buf, obs_pos=views[0], q_req=views[1], qo_indptr=views[2],
-                    cur_rows=views[3], fire_dev=views[4], sel_seq=views[5], budgets=views[6], max_len=max(sel_seq),
+        kw = dict(dtype=torch.float32, device=dev)
+        vsum_buf, lse_buf = (torch.empty(len(fire_j), self.shape.num_kv_heads, max(sel_seq), **kw),
+                             torch.empty(self.shape.num_qo_heads, r_total, **kw)) if self.use_kernels else (None, None)
+        return dict(obs_buf=obs_buf, vsum_buf=vsum_buf, lse_buf=lse_buf, obs_pos=views[0], q_req=views[1],
+                    qo_indptr=views[2], cur_rows=views[3], fire_dev=views[4], sel_seq=views[5], budgets=views[6], max_len=max(sel_seq),
                     width=max(widths), max_qo_len=max(counts), rpi=rpi[views[4].to(rpi.device)],
                     widths=list(zip(fire_j, widths)))
 
@@ -472,8 +473,8 @@ class LoopServeRunner:
             q_obs.index_copy_(0, sel["cur_rows"], q_s.index_select(0, sel["fire_dev"]).to(q_obs.dtype))
         args = (q_obs, sel["obs_pos"], sel["q_req"], k_buf, rtt, sel["rpi"], sel["sel_seq"], sel["max_len"])
         if self.use_kernels:
-            v_sum = vertical_sums_batched(*args, sm_scale=scale, out=sel["vsum_buf"], qo_indptr=sel["qo_indptr"],
-                                          max_qo_len=sel["max_qo_len"])
+            v_sum = vertical_sums_batched(*args, sm_scale=scale, out=sel["vsum_buf"], lse_buf=sel["lse_buf"],
+                                          qo_indptr=sel["qo_indptr"], max_qo_len=sel["max_qo_len"])
         else:
             v_sum = vertical_sums_batched_reference(*args, sm_scale=scale)
         lists = decode_topb_batched(v_sum, sel["budgets"], sel["sel_seq"], sel["width"])

@@ -60,7 +60,7 @@ def test_vertical_sums_batched_matches_reference_and_single_request(hq, hk, d, d
         torch.testing.assert_close(out[b].sum(1), torch.full((hk,), float(hq // hk * r)), rtol=1e-5, atol=1e-4)
 
 
-def test_vertical_sums_batched_writes_into_out_and_takes_qo_indptr():
+def test_vertical_sums_batched_writes_into_out_and_takes_qo_indptr_and_lse_buf():
     seq_lens, n_rows = [50, 70], [4, 6]
     pool = make_pool(seq_lens, 4, 2, 64, torch.float16, 1, seed=2)
     pos, req = _batch(seq_lens, n_rows, seed=3)
@@ -69,7 +69,8 @@ def test_vertical_sums_batched_writes_into_out_and_takes_qo_indptr():
     indptr = qo_indptr_of(req, 2)
     assert indptr.tolist() == [0, 4, 10]
     got = vertical_sums_batched(q, pos, req, pool.k_buffer, pool.req_to_token, pool.req_pool_indices,
-                                pool.seq_lens, 72, sm_scale=0.125, out=out_buf, qo_indptr=indptr)
+                                pool.seq_lens, 72, sm_scale=0.125, out=out_buf, qo_indptr=indptr,
+                                lse_buf=torch.full((4, 12), float("nan")))
     assert got.data_ptr() == out_buf.data_ptr() and got.shape == (2, 2, 72)
     ref = vertical_sums_batched_reference(q, pos, req, pool.k_buffer, pool.req_to_token, pool.req_pool_indices,
                                           pool.seq_lens, 72, sm_scale=0.125)
