@@ -366,8 +366,8 @@ class LoopServeRunner:
         vsum_buf, lse_buf = (torch.empty(len(fire_j), self.shape.num_kv_heads, max(sel_seq), **kw),
                              torch.empty(self.shape.num_qo_heads, r_total, **kw)) if self.use_kernels else (None, None)
         return dict(obs_buf=obs_buf, vsum_buf=vsum_buf, lse_buf=lse_buf, obs_pos=views[0], q_req=views[1],
-                    qo_indptr=views[2], cur_rows=views[3], fire_dev=views[4], sel_seq=views[5], budgets=views[6], max_len=max(sel_seq),
-                    width=max(widths), max_qo_len=max(counts), rpi=rpi[views[4].to(rpi.device)],
+                    qo_indptr=views[2], cur_rows=views[3], fire_dev=views[4], sel_seq=views[5], budgets=views[6],
+                    max_len=max(sel_seq), width=max(widths), max_qo_len=max(counts), rpi=rpi[views[4].to(rpi.device)],
                     widths=list(zip(fire_j, widths)))
 
     # ------------------------------------------------------------------ per layer
