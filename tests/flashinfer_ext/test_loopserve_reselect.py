@@ -60,7 +60,8 @@ def _setup(lastwindow, seq_lens, prompt_lens, budgets, seed=0, device="cpu"):
         reqs.append(SimpleNamespace(sampling_params=SimpleNamespace(custom_params=None), origin_input_ids=[0] * plen,
                                     req_pool_idx=int(pool.req_pool_indices[b]), **{STATE_ATTR: st}))
     fb = SimpleNamespace(forward_mode=_Mode(), batch_size=len(seq_lens),
-                         sampling_info=SimpleNamespace(sparse_reqs=reqs), seq_lens_cpu=torch.tensor(seq_lens), req_pool_indices=pool.req_pool_indices.long())
+                         sampling_info=SimpleNamespace(sparse_reqs=reqs), seq_lens_cpu=torch.tensor(seq_lens),
+                         req_pool_indices=pool.req_pool_indices.long())
     q3 = torch.randn(len(seq_lens), HQ, D, generator=g).to(device)
     shape = SimpleNamespace(num_layers=L, num_kv_heads=HK, num_qo_heads=HQ, head_dim=D)
     return cfg, shape, backend, fb, reqs, q3, pool
