@@ -215,6 +215,15 @@ class LastWindowConfig(SparseConfig):
     window: int = knob(32, doc="last prompt queries whose attention chooses the budget", range=Range(1, 4096))
     min_context: int = knob(4096, doc="prompts shorter than this decode densely", range=Range(0, 1 << 24))
     sink_tokens: int = knob(4, doc="first key positions always attended", range=Range(0, 1 << 20))
+    pool_kernel: int = knob(7, doc="SnapKV pooling: the window's attention is averaged over this many neighbouring "
+                            "positions before the top-budget choice (odd; 1 = none)", range=Range(1, 63))
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.pool_kernel % 2 == 0:
+            raise ValueError(f"--sparse-config: field 'pool_kernel' of mode 'lastwindow' = {self.pool_kernel} is out of range; "
+                             "allowed: an odd integer in [1, 63]")
+
 
 @dataclass(frozen=True)
 class SamKVConfig(SparseConfig):

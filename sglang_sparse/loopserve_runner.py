@@ -358,15 +358,19 @@ class LoopServeRunner:
             indptr.append(r0 + counts[f])
         budgets = [states[j].budget for j in fire_j]
         sel_seq = [hi for _, _, hi in spans]
-        parts = [obs_pos, q_req, indptr, cur_rows, fire_j, sel_seq, budgets]
+        # the candidates of top-B: lastwindow (SnapKV) chooses from the positions before its observation
+        # window (the window, the sink and the generated tokens are attended anyway); loopserve from all
+        cand = [max(lo, 1) for lo, _, _ in spans] if self.lastwindow else sel_seq
+        parts = [obs_pos, q_req, indptr, cur_rows, fire_j, sel_seq, budgets, cand]
         packed = torch.tensor([x for part in parts for x in part], dtype=torch.int64).to(dev)
         views = packed.split([len(part) for part in parts])
-        widths = [min(b, n) for b, n in zip(budgets, sel_seq)]
+        widths = [min(b, n) for b, n in zip(budgets, cand)]
         kw = dict(dtype=torch.float32, device=dev)
         vsum_buf, lse_buf = (torch.empty(len(fire_j), self.shape.num_kv_heads, max(sel_seq), **kw),
                              torch.empty(self.shape.num_qo_heads, r_total, **kw)) if self.use_kernels else (None, None)
         return dict(obs_buf=obs_buf, vsum_buf=vsum_buf, lse_buf=lse_buf, obs_pos=views[0], q_req=views[1],
                     qo_indptr=views[2], cur_rows=views[3], fire_dev=views[4], sel_seq=views[5], budgets=views[6],
+                    cand_seq=views[7],
                     max_len=max(sel_seq), width=max(widths), max_qo_len=max(counts), rpi=rpi[views[4].to(rpi.device)],
                     widths=list(zip(fire_j, widths)))
 
@@ -477,7 +481,9 @@ class LoopServeRunner:
                                           qo_indptr=sel["qo_indptr"], max_qo_len=sel["max_qo_len"])
         else:
             v_sum = vertical_sums_batched_reference(*args, sm_scale=scale)
-        lists = decode_topb_batched(v_sum, sel["budgets"], sel["sel_seq"], sel["width"])
+        if self.lastwindow:  # SnapKV: pool the scores over neighbouring positions, never pick the sink
+            v_sum = _snapkv_pool(v_sum, self.cfg.pool_kernel, self.cfg.sink_tokens)
+        lists = decode_topb_batched(v_sum, sel["budgets"], sel["cand_seq"], sel["width"])
         d["topb"][sel["fire_dev"], lid, :, : sel["width"]] = lists
 
     def _decode_mask(self, d, lid) -> torch.Tensor:
@@ -527,6 +533,21 @@ class LoopServeRunner:
         from flashinfer_ext.loopserve_reference import masked_decode_reference
 
         return masked_decode_reference(q, k_buf, v_buf, rtt, rpi, mask, scale)
+
+
+def _snapkv_pool(v_sum: torch.Tensor, kernel: int, sink_tokens: int) -> torch.Tensor:
+    """SnapKV's clustering of ``v_sum [F, Hk, N]`` fp32: average over ``kernel`` neighbouring positions
+    (stride 1, same length; a kept token brings its neighbours' evidence, so a multi-token fact such as
+    a 4-digit number is kept whole), then the first ``sink_tokens`` positions (always attended) set to
+    ``-1`` (below every real score, above the ``-inf`` that :func:`decode_topb_batched` gives positions
+    past the candidates, so a budget larger than the candidates never picks such a position).
+    Allocates (lastwindow selects once per request, at its first decode step)."""
+    import torch.nn.functional as F
+
+    out = F.avg_pool1d(v_sum, kernel, stride=1, padding=kernel // 2, count_include_pad=False) if kernel > 1 \
+        else v_sum.clone()
+    out[:, :, :sink_tokens] = -1.0
+    return out
 
 
 def use_kernels_for(device: torch.device) -> bool:
