@@ -42,7 +42,8 @@ want() { case " $steps " in *" $1 "*) return 0 ;; *) return 1 ;; esac; }
 want pytest_gpu && step pytest_gpu timeout "${LS_TEST_TIMEOUT:-150}" python3 -m pytest -m gpu -q -p no:cacheprovider -rA \
     --junitxml="$rep/junit_gpu_loopserve.xml" tests/flashinfer_ext/test_vs_estimate.py \
     tests/flashinfer_ext/test_vs_select.py tests/flashinfer_ext/test_vs_prefill.py \
-    tests/flashinfer_ext/test_vs_decode_batched.py tests/test_gpu_loopserve_server.py
+    tests/flashinfer_ext/test_vs_decode_batched.py tests/flashinfer_ext/test_vs_estimate_batched.py \
+    tests/flashinfer_ext/test_loopserve_reselect.py tests/test_gpu_loopserve_server.py tests/test_gpu_lastwindow_server.py
 want prefill_bench && step prefill_bench timeout "${LS_BENCH_TIMEOUT:-100}" python3 bench/loopserve_prefill_bench.py --out "$rep" \
     --smollm --time-budget "${LS_BENCH_BUDGET:-75}"
 want harness && step harness timeout "${LS_HARNESS_TIMEOUT:-480}" python3 -m bench.run_harness \
