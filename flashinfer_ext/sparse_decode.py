@@ -40,7 +40,7 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["sparse_decode", "mask_to_lists", "decode_union_mask"]
+__all__ = ["sparse_decode", "mask_to_lists", "decode_union_mask", "decode_union_lists", "lists_to_mask"]
 
 
 @triton.jit
@@ -259,3 +259,57 @@ def decode_union_mask(v_idx: torch.Tensor, s_idx: torch.Tensor, topb: torch.Tens
     m |= ar < sink_tokens
     m |= ar >= since.long()[:, None, None]
     return (m & (ar < seq_lens.long()[:, None, None]))[:, :, :n]
+
+
+def decode_union_lists(v_idx: torch.Tensor, s_idx: torch.Tensor, topb: torch.Tensor, pos: torch.Tensor,
+                       since: torch.Tensor, seq_lens: torch.Tensor, *, sink_tokens: int,
+                       max_since: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The sets of :func:`decode_union_mask` as :func:`sparse_decode` lists, without a context-wide mask.
+
+    Same inputs (``v_idx [B, Hk, Wv]``, ``s_idx [B, Hk, Ws]``, ``topb [B, Hk, Wb]``, ``-1`` padded; ``pos``,
+    ``since``, ``seq_lens`` ``[B]``), but ``max_since`` (a host int, ``>= max(seq_lens - since)``: the longest
+    always-attended tail) instead of the context length. Returns ``(lists [B, Hk, W] int32, lens [B, Hk]
+    int32)``, ``W = Wv + Ws + Wb + sink_tokens + max_since``: each list ascending and duplicate-free in its
+    first ``lens`` entries (the rest 0), equal to ``mask_to_lists(decode_union_mask(...))`` there.
+
+    Work and memory are O(W) per (row, KV head), independent of the context (the mask path allocates
+    ``[B, Hk, N]`` several times: at 128k tokens x 32 rows x 8 KV heads that is ~1 GB of temporaries).
+    One concat + one sort + one prefix-sum compaction; no host sync.
+    """
+    b, hk = v_idx.shape[0], v_idx.shape[1]
+    dev = v_idx.device
+    big = torch.iinfo(torch.int32).max
+    seq = seq_lens.long()[:, None, None]
+    v = v_idx.long()
+    s = s_idx.long()
+    sp = pos.long()[:, None, None] - s
+    sp = torch.where(s >= 0, sp, -1)
+    tb = topb.long()
+    sink = torch.arange(sink_tokens, device=dev).expand(b, hk, sink_tokens)
+    tail = since.long()[:, None, None] + torch.arange(max_since, device=dev)[None, None, :]
+    cand = torch.cat([v, sp, tb, sink, tail.expand(b, hk, max_since)], dim=2)
+    cand = torch.where((cand >= 0) & (cand < seq), cand, big)
+    srt = cand.sort(dim=2).values
+    prev = torch.nn.functional.pad(srt[:, :, :-1], (1, 0), value=-1)
+    keep = (srt != big) & (srt != prev)
+    return _compact_kept(srt.to(torch.int32), keep)
+
+
+def _compact_kept(vals: torch.Tensor, keep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Move the kept entries of ``vals [B, Hk, W]`` to the front (order kept): ``(lists, lens)`` int32."""
+    w = vals.shape[2]
+    k = keep.to(torch.int32)
+    dest = torch.where(keep, k.cumsum(2, dtype=torch.int32) - 1, w).long()
+    out = torch.zeros(vals.shape[0], vals.shape[1], w + 1, dtype=torch.int32, device=vals.device)
+    out.scatter_(2, dest, torch.where(keep, vals, 0))
+    return out[:, :, :w].contiguous(), k.sum(2, dtype=torch.int32).contiguous()
+
+
+def lists_to_mask(lists: torch.Tensor, lens: torch.Tensor, max_len: int) -> torch.Tensor:
+    """Inverse of :func:`mask_to_lists`: ``lists [B, Hk, W]`` (first ``lens [B, Hk]`` valid) -> bool
+    ``[B, Hk, max_len]`` (for the fp32 masked-decode reference path)."""
+    b, hk, w = lists.shape
+    valid = torch.arange(w, device=lists.device)[None, None, :] < lens.long()[:, :, None]
+    m = torch.zeros(b, hk, max_len + 1, dtype=torch.bool, device=lists.device)
+    m.scatter_(2, torch.where(valid, lists.long(), max_len), True)
+    return m[:, :, :max_len]

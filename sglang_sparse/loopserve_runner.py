@@ -36,10 +36,12 @@ Where the host work goes (nothing per layer needs a sync; no ``.item()``):
     rows at once: one copy of their current queries into the planned observation buffer, one
     :func:`~flashinfer_ext.vs_estimate_batched.vertical_sums_batched` (two launches), one
     :func:`~flashinfer_ext.vs_estimate_batched.decode_topb_batched` (mask + topk) and one scatter into the
-    step's top-B tensor; then for ALL sparse rows at once: the union mask
-    (:func:`flashinfer_ext.sparse_decode.decode_union_mask` over the batch tensors planned in
-    :meth:`begin_batch`), its prefix-sum compaction (:func:`~flashinfer_ext.sparse_decode.mask_to_lists`)
-    and one :func:`~flashinfer_ext.sparse_decode.sparse_decode` launch over all rows and KV heads.
+    step's top-B tensor, then this layer's token lists for ALL sparse rows
+    (:func:`flashinfer_ext.sparse_decode.decode_union_lists`: stored lines ∪ slash offsets at the current
+    position ∪ top-B ∪ sink ∪ tokens since, concat + sort + dedupe, O(list width) per row, never a
+    context-wide tensor); at a step where no row re-selects (every step of lastwindow after its first, and
+    of loopserve between re-selections) those lists are built once for all layers in :meth:`begin_batch`
+    instead. Then one :func:`~flashinfer_ext.sparse_decode.sparse_decode` launch over all rows and KV heads.
     Statistics are in-place adds into the device step rows.
 Where the remaining host cost is: a decode layer is O(1) launches whatever the batch size (about ten
 at a re-selection step); per request per step there remain the planning copies above (ring gathers,
@@ -49,7 +51,12 @@ estimation + :func:`vs_select` (tens of small torch ops) + sparse prefill; at sh
 launches cost more than the attention they replace (batching them like decode is the next fix).
 The H100 harness figure that motivated the batched decode (SmolLM2-135M, 128-2700-token contexts,
 concurrency 8: loopserve tasks 180 s vs 9 s dense, from ``rows x layers`` single-request decode
-estimations per step before token 16) predates it; not re-measured yet.
+estimations per step before token 16) did not move with it: 149 s vs 19 s (H100, 2026-11-23), and a single
+2700-token request decoded at 13-18 tokens/s under loopserve and lastwindow alike against ~500 with stock
+FlashInfer + CUDA graphs (``bench/results/gpu_loopserve_s12``). Lastwindow does no re-selection after its
+first step, so that cost is the per-layer decode path itself (then: ~40 eager launches per layer, of
+which ~30 built a context-wide union mask and its compaction, eager because the mode runs no CUDA
+graphs): hence the per-step, all-layer list construction above (not re-measured on a GPU yet).
 When every row of a batch is sparse the backend skips the stock attention (K/V written as stock
 writes them); in a mixed batch the stock backend computes all rows first and the sparse rows are
 then overwritten. A mixed batch (``--enable-mixed-chunk``) treats
@@ -304,7 +311,12 @@ class LoopServeRunner:
         self.dec = dict(rows=rows, rows_dev=rows_t.to(dev), states=states, fire=fire, v=v, s=s_, topb=tb,
                         q_buf=q_buf, seq=seq.to(dev), pos=(seq - 1).to(dev), max_len=max(lens[i] for i in rows),
                         since=torch.tensor([st.since for st in states]).to(dev), rpi=rpi,
+                        max_since=max(lens[i] - st.since for st, i in zip(states, rows)),
+                        n_forced=torch.zeros(len(rows), dtype=torch.int32, device=dev),
+                        seq32=seq.to(torch.int32).to(dev),
                         sel=self._plan_selection(states, [lens[i] for i in rows], fire, rpi))
+        if self.dec["sel"] is None:  # no row re-selects at this step: every layer's sets built at once, here
+            self.dec["lists_all"] = self._union_lists_all_layers(self.dec)
         if self.dec["sel"] is not None:  # the new top-B back into the request states at the next begin_batch
             self._pending_topb = (tb, [(states[j], j, w) for j, w in self.dec["sel"]["widths"]])
         units = sh.num_layers * sh.num_kv_heads
@@ -460,10 +472,13 @@ class LoopServeRunner:
             d["q_buf"][lid] = q_s.to(d["q_buf"].dtype)
         if d["sel"] is not None:  # re-selection rows: one batched estimation + one top-B for all of them
             self._reselect(d, d["sel"], q_s, k_buf, rtt, lid, layer.scaling)
-        mask = self._decode_mask(d, lid)  # [nS, Hk, N]
-        o_s = self._masked_decode(q_s, k_buf, v_buf, rtt, d["rpi"], d["seq"], mask, layer.scaling)
+        if "lists_all" in d:  # planned for all layers in begin_batch
+            lists, lens = d["lists_all"][0][lid], d["lists_all"][1][lid]
+        else:  # a re-selection step: this layer's top-B was just written
+            lists, lens = self._union_lists(d, lid)
+        o_s = self._sparse_decode(q_s, k_buf, v_buf, rtt, d, lists, lens, layer.scaling)
         o3[rows] = o_s.to(o3.dtype)
-        self.step_rows[rows, COL_READ] += mask.sum((1, 2), dtype=torch.float32)
+        self.step_rows[rows, COL_READ] += lens.sum(1, dtype=torch.float32)
 
     def _reselect(self, d, sel, q_s, k_buf, rtt, lid, scale) -> None:
         """Alg. 3 / Eq. 7 for all re-selecting rows of this step, one layer: their observation queries
@@ -486,12 +501,29 @@ class LoopServeRunner:
         lists = decode_topb_batched(v_sum, sel["budgets"], sel["cand_seq"], sel["width"])
         d["topb"][sel["fire_dev"], lid, :, : sel["width"]] = lists
 
-    def _decode_mask(self, d, lid) -> torch.Tensor:
-        """This layer's decode sets ``[nS, Hk, max_len]`` from the batch tensors planned in begin_batch."""
-        from flashinfer_ext.sparse_decode import decode_union_mask
+    def _union_lists(self, d, lid):
+        """This layer's decode sets as lists ``([nS, Hk, W] int32, [nS, Hk] int32)`` (``W`` = the summed widths
+        of the line / offset / top-B tensors + sink + the longest tail since the last selection; no
+        context-wide tensor) from the batch tensors planned in begin_batch."""
+        from flashinfer_ext.sparse_decode import decode_union_lists
 
-        return decode_union_mask(d["v"][:, lid], d["s"][:, lid], d["topb"][:, lid], d["pos"], d["since"], d["seq"],
-                                 sink_tokens=self.cfg.sink_tokens, max_len=d["max_len"])
+        return decode_union_lists(d["v"][:, lid], d["s"][:, lid], d["topb"][:, lid], d["pos"], d["since"], d["seq"],
+                                  sink_tokens=self.cfg.sink_tokens, max_since=d["max_since"])
+
+    def _union_lists_all_layers(self, d):
+        """Every layer's lists of a step without re-selection, in one call: ``([L, nS, Hk, W], [L, nS, Hk])``
+        (layer-major, so a layer's slice is contiguous for :func:`sparse_decode`)."""
+        from flashinfer_ext.sparse_decode import decode_union_lists
+
+        n_s, n_l = d["v"].shape[0], d["v"].shape[1]
+
+        def by_layer(t):  # [nS, L, Hk, W] -> [L * nS, Hk, W]
+            return t.transpose(0, 1).reshape(n_l * n_s, t.shape[2], t.shape[3])
+
+        lists, lens = decode_union_lists(by_layer(d["v"]), by_layer(d["s"]), by_layer(d["topb"]), d["pos"].repeat(n_l),
+                                         d["since"].repeat(n_l), d["seq"].repeat(n_l),
+                                         sink_tokens=self.cfg.sink_tokens, max_since=d["max_since"])
+        return lists.view(n_l, n_s, *lists.shape[1:]), lens.view(n_l, n_s, lens.shape[1])
 
     # ------------------------------------------------------------------ compute, per path
     def _estimate(self, q_rows, pos, k_buf, slots, seq, scale):
@@ -519,20 +551,20 @@ class LoopServeRunner:
                                     v_cnt=v_cnt, s_idx=s_idx, s_cnt=s_cnt, sm_scale=scale)
         return o
 
-    def _masked_decode(self, q, k_buf, v_buf, rtt, rpi, seq, mask, scale):
-        """Decode of rows ``q [nS, Hq, D]`` over the per-(row, KV head) token sets ``mask [nS, Hk, N]``:
-        one batched launch over all rows and KV heads (prefix-sum compaction, no sort, no host sync)."""
+    def _sparse_decode(self, q, k_buf, v_buf, rtt, d, lists, lens, scale):
+        """Decode of rows ``q [nS, Hq, D]`` over the per-(row, KV head) token lists ``lists [nS, Hk, W]``
+        (first ``lens [nS, Hk]`` entries): one :func:`sparse_decode` launch over all rows and KV heads (no
+        host sync); the reference path attends the same sets as a mask in fp32."""
         if self.use_kernels:
-            from flashinfer_ext.sparse_decode import mask_to_lists, sparse_decode
+            from flashinfer_ext.sparse_decode import sparse_decode
 
-            lists, lens = mask_to_lists(mask)
-            o, _, _ = sparse_decode(q.contiguous(), k_buf, v_buf, rtt, rpi, seq.to(torch.int32), lists, lens,
-                                    torch.zeros(mask.shape[0], dtype=torch.int32, device=q.device), block_size=1,
-                                    sm_scale=scale, epsilon=1.0)
+            o, _, _ = sparse_decode(q.contiguous(), k_buf, v_buf, rtt, d["rpi"], d["seq32"], lists, lens,
+                                    d["n_forced"], block_size=1, sm_scale=scale, epsilon=1.0)
             return o
         from flashinfer_ext.loopserve_reference import masked_decode_reference
+        from flashinfer_ext.sparse_decode import lists_to_mask
 
-        return masked_decode_reference(q, k_buf, v_buf, rtt, rpi, mask, scale)
+        return masked_decode_reference(q, k_buf, v_buf, rtt, d["rpi"], lists_to_mask(lists, lens, d["max_len"]), scale)
 
 
 def _snapkv_pool(v_sum: torch.Tensor, kernel: int, sink_tokens: int) -> torch.Tensor:

@@ -35,7 +35,7 @@ class _Mode:
         return False
 
 
-def _setup(lastwindow, seq_lens, prompt_lens, budgets, seed=0, device="cpu"):
+def _setup(lastwindow, seq_lens, prompt_lens, budgets, seed=0, device="cpu", all_topb=False):
     pool = make_pool(seq_lens, HQ, HK, D, torch.float32, 1, seed=seed, device=device)
     g = torch.Generator().manual_seed(seed + 1)
     k_bufs = [pool.k_buffer, torch.randn(pool.k_buffer.shape, generator=g).to(device)]
@@ -55,7 +55,7 @@ def _setup(lastwindow, seq_lens, prompt_lens, budgets, seed=0, device="cpu"):
                       ring=torch.randn(L, n_ring, HQ, D, generator=g).to(device),
                       ring_lo=max(plen - n_ring, 0) if lastwindow else 0, prefill_done=True,
                       lines=(none, cnt, none.clone(), cnt.clone()))
-        if b == len(seq_lens) - 1 and not lastwindow:  # a row that does not re-select at this step
+        if all_topb or (b == len(seq_lens) - 1 and not lastwindow):  # rows that do not re-select now
             st.topb = torch.randint(0, plen, (L, HK, 5), generator=g, dtype=torch.int32).to(device)
         reqs.append(SimpleNamespace(sampling_params=SimpleNamespace(custom_params=None), origin_input_ids=[0] * plen,
                                     req_pool_idx=int(pool.req_pool_indices[b]), **{STATE_ATTR: st}))
@@ -67,9 +67,9 @@ def _setup(lastwindow, seq_lens, prompt_lens, budgets, seed=0, device="cpu"):
     return cfg, shape, backend, fb, reqs, q3, pool
 
 
-def _run(lastwindow, use_kernels, seq_lens, prompt_lens, budgets, device="cpu"):
+def _run(lastwindow, use_kernels, seq_lens, prompt_lens, budgets, device="cpu", all_topb=False):
     cfg, shape, backend, fb, reqs, q3, pool = _setup(lastwindow, seq_lens, prompt_lens, budgets,
-                                                     device=device)
+                                                     device=device, all_topb=all_topb)
     old_topb = [None if getattr(r, STATE_ATTR).topb is None else getattr(r, STATE_ATTR).topb.clone() for r in reqs]
     rings = [getattr(r, STATE_ATTR).ring.clone() for r in reqs]
     runner = LoopServeRunner(cfg, shape, torch.device(device), use_kernels=use_kernels)
@@ -165,3 +165,44 @@ def test_kernel_path_decodes_like_the_reference_path(lastwindow):
     assert torch.equal(ref_runner.step_rows, ker_runner.step_rows)  # same token sets read
     torch.testing.assert_close(o_ker, o_ref, rtol=1e-4, atol=1e-4)
     assert float(o_ref.abs().sum()) > 0
+
+
+# no row re-selects: loopserve rows at generated tokens 30, 40, 19 (Alg. 3 fires at 16, 32, ...), lastwindow
+# rows past their first decode step; every row carries its earlier top-B
+STEADY = {False: ([300, 140, 90], [270, 100, 71], [32, 200, 8]), True: ([300, 41, 90], [290, 30, 80], [32, 200, 16])}
+
+
+@pytest.mark.parametrize("lastwindow", [False, True], ids=["loopserve", "lastwindow"])
+def test_step_without_reselection_builds_every_layers_sets_once_and_decodes_them(lastwindow):
+    """A step where no row re-selects plans all layers' token lists in begin_batch (``lists_all``, layer-major);
+    each layer then attends exactly the union of lines, slash offsets, kept top-B, sink and tail (the
+    definition, :func:`decode_union_mask`), on the reference and the kernel path alike."""
+    from flashinfer_ext.loopserve_reference import masked_decode_reference
+    from flashinfer_ext.sparse_decode import decode_union_mask
+
+    seq_lens, prompt_lens, budgets = STEADY[lastwindow]
+    outs = []
+    for use_kernels in (False, True):
+        runner, o3, env = _run(lastwindow, use_kernels, seq_lens, prompt_lens, budgets, all_topb=True)
+        d = runner.dec
+        assert d["fire"] == [False] * len(seq_lens) and d["sel"] is None
+        lists, lens = d["lists_all"]
+        assert lists.shape[:3] == (L, len(seq_lens), HK) and lists[0].is_contiguous()
+        pool, q3 = env["pool"], env["q3"]
+        read = torch.zeros(len(seq_lens))
+        for lid in range(L):
+            mask = decode_union_mask(d["v"][:, lid], d["s"][:, lid], d["topb"][:, lid], d["pos"], d["since"],
+                                     d["seq"], sink_tokens=runner.cfg.sink_tokens, max_len=d["max_len"])
+            assert torch.equal(lens[lid], mask.sum(2, dtype=torch.int32))
+            read += mask.sum((1, 2)).float()
+            k_buf = env["backend"].token_to_kv_pool.get_key_buffer(lid)
+            v_buf = env["backend"].token_to_kv_pool.get_value_buffer(lid)
+            want = masked_decode_reference(q3, k_buf, v_buf, pool.req_to_token, pool.req_pool_indices, mask,
+                                           D ** -0.5)
+            if lid == L - 1:  # o3 holds the last layer's output
+                torch.testing.assert_close(o3, want, rtol=1e-4, atol=1e-4)
+        from sglang_sparse.loopserve_stats import COL_READ
+
+        assert torch.equal(runner.step_rows[:, COL_READ], read)
+        outs.append(o3)
+    torch.testing.assert_close(outs[1], outs[0], rtol=1e-4, atol=1e-4)

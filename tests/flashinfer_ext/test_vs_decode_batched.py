@@ -3,7 +3,9 @@ relative to the current position, top-B, sink and tokens since the last selectio
 (:func:`flashinfer_ext.sparse_decode.decode_union_mask`), compacted by prefix sums
 (:func:`~flashinfer_ext.sparse_decode.mask_to_lists`) and attended in one :func:`sparse_decode` launch
 over all rows and KV heads — equals the fp32 masked decode over the same sets, for GQA 4/1, 3/1 and 4/1 at
-Llama shapes, bf16 and fp16, page sizes 1/16 (partial last pages), rows of different lengths."""
+Llama shapes, bf16 and fp16, page sizes 1/16 (partial last pages), rows of different lengths; and the
+context-independent list construction the server uses (:func:`~flashinfer_ext.sparse_decode.decode_union_lists`:
+concat + sort + dedupe, O(width) per row) gives exactly the mask's compacted lists."""
 
 from __future__ import annotations
 
@@ -11,7 +13,8 @@ import pytest
 import torch
 
 from flashinfer_ext.loopserve_reference import masked_decode_reference
-from flashinfer_ext.sparse_decode import decode_union_mask, mask_to_lists, sparse_decode
+from flashinfer_ext.sparse_decode import (decode_union_lists, decode_union_mask, lists_to_mask, mask_to_lists,
+                                          sparse_decode)
 
 from .kv_pool import make_pool
 
@@ -54,6 +57,7 @@ def _check(seq_lens, hq, hk, d, dtype, page, device, seed=0):
     for b in range(len(seq_lens)):
         for h in range(hk):
             assert lists[b, h, : lens[b, h]].tolist() == torch.nonzero(mask[b, h]).flatten().tolist()
+    lists, lens = _union_lists_checked(v, s, tb, pos, since, seq, mask)
     o, lse, nread = sparse_decode(pool.q, pool.k_buffer, pool.v_buffer, pool.req_to_token, pool.req_pool_indices,
                                   pool.seq_lens, lists, lens, torch.zeros(len(seq_lens), dtype=torch.int32,
                                                                           device=device),
@@ -62,6 +66,39 @@ def _check(seq_lens, hq, hk, d, dtype, page, device, seed=0):
                                   mask, pool.sm_scale)
     assert torch.equal(nread, lens)
     torch.testing.assert_close(o.float(), ref, rtol=TOL[dtype], atol=TOL[dtype])
+
+
+def _union_lists_checked(v, s, tb, pos, since, seq, mask, sink=4):
+    """decode_union_lists equals the mask's compaction entry for entry (lens, then the valid prefix)."""
+    max_since = int((seq.long() - since.long()).max())
+    lists, lens = decode_union_lists(v, s, tb, pos, since, seq, sink_tokens=sink, max_since=max_since)
+    want_lists, want_lens = mask_to_lists(mask)
+    assert lists.shape[2] == v.shape[2] + s.shape[2] + tb.shape[2] + sink + max_since
+    assert torch.equal(lens, want_lens)
+    valid = torch.arange(lists.shape[2], device=lists.device)[None, None, :] < lens[:, :, None]
+    w = lists.shape[2]
+    want = torch.nn.functional.pad(want_lists, (0, max(0, w - want_lists.shape[2])))[:, :, :w]
+    assert torch.equal(torch.where(valid, lists, 0), want * valid)
+    assert torch.equal(lists_to_mask(lists, lens, mask.shape[2]), mask)
+    return lists, lens
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("seq_lens,hk", [([1, 2, 300], 3), ([64, 65], 1), ([1000, 17, 513, 5], 8)])
+def test_union_lists_equal_the_compacted_union_mask(seq_lens, hk, seed):
+    # duplicates across the sources (a slash hitting a vertical line, top-B inside the sink or the tail),
+    # entries past a row's length, empty sources (all -1), rows shorter than the sink
+    v, s, tb, pos, since, seq = _sets(seq_lens, hk, seed, "cpu", wv=13, ws=5, wb=17)
+    g = torch.Generator().manual_seed(100 + seed)
+    if seed % 3 == 0:
+        tb[:, :, :4] = v[:, :, :4]                            # exact duplicates of vertical lines
+        s[:, :, 0] = pos[:, None] - v[:, :, 0].clamp(min=0)   # a slash landing on a vertical line
+    if seed % 3 == 1:
+        v.fill_(-1)                                           # no stored lines at all
+    if seed % 2:
+        since = (seq - torch.randint(1, 40, (len(seq_lens),), generator=g)).clamp(min=0)
+    mask = decode_union_mask(v, s, tb, pos, since, seq, sink_tokens=4, max_len=max(seq_lens))
+    _union_lists_checked(v, s, tb, pos, since, seq, mask)
 
 
 @pytest.mark.parametrize("seq_lens,hq,hk,d,dtype,page", [
