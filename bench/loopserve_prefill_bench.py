@@ -292,7 +292,8 @@ def main():
     ap.add_argument("--max-ctx", type=int, default=131072)
     ap.add_argument("--smollm", action="store_true", help="also SmolLM2-135M captures (8k tokens, layer 15)")
     ap.add_argument("--time-budget", type=float, default=1e9,
-                    help="seconds: cases not started by then are recorded as skipped (headline contexts run first)")
+                    help="seconds after the first case: extra cases not started by then are recorded as skipped "
+                         "(the 128k/32k/4k planted cases and --smollm always run)")
     args = ap.parse_args()
     t0 = time.time()
     import triton
@@ -323,10 +324,17 @@ def main():
         cases += [("planted-diffuse", c, dict(llama, plant=DIFFUSE)) for c in (32768, 131072) if c <= args.max_ctx]
         cases += [("planted", c, llama) for c in CONTEXTS[3:] if c <= args.max_ctx]
     results = []
+    # the headline contexts and the SmolLM2 capture always run; --time-budget only drops the extra cases,
+    # and its clock starts after the first case (on a cold machine the JIT compiles of FlashInfer and of
+    # the Triton kernels took 89 s of an 80 s budget there, H100 2026-11-23, and every later case was skipped)
+    required = {("planted", c) for c in CONTEXTS[:3]} | {("smollm2", 8192)}
+    t_budget0 = None
     for name, ctx, sh in cases:
-        if time.time() - t0 > args.time_budget:
+        if (name, ctx) not in required and t_budget0 is not None and time.time() - t_budget0 > args.time_budget:
             results.append(dict(case=name, ctx=ctx, error=f"skipped: --time-budget {args.time_budget:.0f} s spent"))
             continue
+        if t_budget0 is None and results:
+            t_budget0 = time.time()
         if name == "smollm2":
             try:
                 q, k, v = capture_smollm(ctx, 15, dev)
