@@ -14,7 +14,10 @@
 #   prefill_bench bench/loopserve_prefill_bench.py -> loopserve_prefill.{md,json,png}
 #   harness       bench.run_harness off,loopserve,lastwindow on FlashInfer (page 16)
 #   fidelity      bench.loopserve_fidelity -> loopserve_fidelity.json
-# Budgets: LS_TEST_TIMEOUT (150 s), LS_BENCH_TIMEOUT (100 s), LS_HARNESS_TIMEOUT (480 s). The H100 run
+# Budgets: LS_TEST_TIMEOUT (420 s: on a machine without kept kernel caches the first GPU server test compiles
+# FlashInfer cold, and 380 s ran out after the 13 kernel tests on 2026-11-23), LS_BENCH_TIMEOUT (150 s; the bench
+# itself always runs its headline contexts + --smollm, LS_BENCH_BUDGET bounds the rest), LS_HARNESS_TIMEOUT
+# (480 s; 2026-11-23 with warm caches: off 95 s, loopserve 246 s, lastwindow 141 s = 509 s in all). The H100 run
 # of the harness (full preset, 378 tasks, concurrency 8): off 81 s in all (server start 57 s, tasks 9 s,
 # 30 probes 9 s), loopserve start 53 s + tasks 180 s + 30 probes > 140 s (~2678-token probes, killed),
 # so LS_PROBES (4) runs the first 4 of the preset's 30 fidelity probes (--fidelity-probes; the same
@@ -22,8 +25,10 @@
 # loopserve runs before lastwindow so that a timeout costs the baseline, not the headline;
 # bench.loopserve_fidelity --lastwindow-run DIR takes lastwindow from a second run (off,lastwindow) if needed;
 # LS_PRESET (full), LS_MIN_CONTEXT (128: the harness headline contexts are ~130-450 tokens),
-# LS_BUDGET (64: top-B per KV head for both loopserve and lastwindow at those contexts; the harness run and
-# the fidelity JSON are named by it, gpu_loopserve_b<B>/ and loopserve_fidelity_b<B>.json), LS_ALPHA
+# LS_BUDGET (64: top-B per KV head for loopserve at those contexts; the harness run and the fidelity JSON are
+# named by it, gpu_loopserve_b<B>/ and loopserve_fidelity_b<B>.json), LS_LW_BUDGET (lastwindow's budget, default
+# LS_BUDGET: at 64 the H100 run of 2026-11-23 lost the needle's last digit even with the question at the end,
+# 0.30/0.27/0.19; the CPU harness, preset cpu, showed the position effect at 128: 0.57/0.31/0.78 of dense), LS_ALPHA
 # (0.97: on SmolLM2-135M the paper's 0.955 lost a planted fact that 0.97 kept, tests/test_loopserve_server.py).
 set -uo pipefail
 rep=${1:?usage: gpu_part_loopserve.sh REPORT_DIR}
@@ -35,23 +40,25 @@ part=gpu_part_loopserve
 source "$(dirname "${BASH_SOURCE[0]}")/gpu_steps.sh"
 mc=${LS_MIN_CONTEXT:-128}
 budget=${LS_BUDGET:-64}
+lw_budget=${LS_LW_BUDGET:-$budget}
+run=b$budget; [ "$lw_budget" = "$budget" ] || run=${run}_lw$lw_budget
 alpha=${LS_ALPHA:-0.97}
 steps=${LS_STEPS:-pytest_gpu prefill_bench harness fidelity}
 want() { case " $steps " in *" $1 "*) return 0 ;; *) return 1 ;; esac; }
 # kernels first (seconds), then the server module (two servers, ~1 min to start each on an H100)
-want pytest_gpu && step pytest_gpu timeout "${LS_TEST_TIMEOUT:-150}" python3 -m pytest -m gpu -q -p no:cacheprovider -rA \
+want pytest_gpu && step pytest_gpu timeout "${LS_TEST_TIMEOUT:-420}" python3 -m pytest -m gpu -q -p no:cacheprovider -rA \
     --junitxml="$rep/junit_gpu_loopserve.xml" tests/flashinfer_ext/test_vs_estimate.py \
     tests/flashinfer_ext/test_vs_select.py tests/flashinfer_ext/test_vs_prefill.py \
     tests/flashinfer_ext/test_vs_decode_batched.py tests/flashinfer_ext/test_vs_estimate_batched.py \
     tests/flashinfer_ext/test_loopserve_reselect.py tests/test_gpu_loopserve_server.py tests/test_gpu_lastwindow_server.py
-want prefill_bench && step prefill_bench timeout "${LS_BENCH_TIMEOUT:-100}" python3 bench/loopserve_prefill_bench.py --out "$rep" \
+want prefill_bench && step prefill_bench timeout "${LS_BENCH_TIMEOUT:-150}" python3 bench/loopserve_prefill_bench.py --out "$rep" \
     --smollm --time-budget "${LS_BENCH_BUDGET:-75}"
 want harness && step harness timeout "${LS_HARNESS_TIMEOUT:-480}" python3 -m bench.run_harness \
     --preset "${LS_PRESET:-full}" --modes off,loopserve,lastwindow --fidelity-probes "${LS_PROBES:-4}" \
     --sparse-config "loopserve={\"min_context\": $mc, \"budget\": $budget, \"alpha\": $alpha}" \
-    --sparse-config "lastwindow={\"min_context\": $mc, \"budget\": $budget}" \
-    --device cuda --python python3 --model "$KIT_MODEL" --port 30000 --out "$rep/gpu_loopserve_b$budget" \
+    --sparse-config "lastwindow={\"min_context\": $mc, \"budget\": $lw_budget}" \
+    --device cuda --python python3 --model "$KIT_MODEL" --port 30000 --out "$rep/gpu_loopserve_$run" \
     --server-args "--attention-backend flashinfer --page-size 16"
-want fidelity && step fidelity python3 -m bench.loopserve_fidelity --run "$rep/gpu_loopserve_b$budget" --out "$rep/loopserve_fidelity_b$budget.json"
+want fidelity && step fidelity python3 -m bench.loopserve_fidelity --run "$rep/gpu_loopserve_$run" --out "$rep/loopserve_fidelity_$run.json"
 say "done: exit $rc"
 exit $rc
