@@ -11,7 +11,9 @@ are the same in every request: that is the per-document cache key. Validation (H
 the field, the server keeps serving): :func:`sglang_sparse.documents.parse_documents` (non-empty
 list of non-empty strings, count and character limits of the config), ``cache_salt`` a string,
 ``samkv.variant`` one of the config's variants, documents + prompt + ``max_tokens`` within the
-model's context, no batch prompt, no streaming with documents.
+model's context, no batch prompt. ``stream=true`` streams the reply like any SGLang stream (the
+per-request report below is not in the chunks, the OpenAI stream format has no metadata field;
+``stream_options.include_usage`` gives the composite context's ``prompt_tokens``).
 
 Why this design (SGLang 0.5.17, no patched files): the radix tree is SGLang's KV store for
 documents too. (1) Each document is prefilled alone, from position 0, by an internal generate
@@ -309,8 +311,7 @@ async def _serve_documents(serving, request, raw_request, body, cfg, received):
     from sglang.srt.server_args import get_global_server_args
 
     docs, salt, variant = _parse_extra(body, cfg)
-    if getattr(request, "stream", False):
-        raise ValueError(f"'{FIELD}' is not supported with stream=true")
+    stream = bool(getattr(request, "stream", False))
     err = serving._validate_request(request)
     if err:
         raise ValueError(err)
@@ -350,6 +351,9 @@ async def _serve_documents(serving, request, raw_request, body, cfg, received):
     sp["custom_params"] = custom
     adapted.sampling_params = sp
     adapted.received_time = received
+    if stream:  # SGLang's own stream over the composite request; documents stay "unknown" to this front door
+        # (a fallback in the scheduler is not seen here), so the next request re-checks them: one cached token
+        return await serving._handle_streaming_request(adapted, processed, raw_request)
     t0 = time.perf_counter()
     ret = await serving.tokenizer_manager.generate_request(adapted, raw_request).__anext__()
     ret = ret if isinstance(ret, list) else [ret]

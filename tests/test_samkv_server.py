@@ -4,7 +4,7 @@ Documents are prefilled and cached alone (per salt), a request's composite conte
 their KV in the scheduler and reused as its prefix (only the question is extended: `cached_tokens`),
 the planted fact is retrieved, salts isolate, the `samkv` variant keeps fewer KV tokens than there are
 document tokens, `recompute` is the dense baseline, bad payloads are 400s naming the field and the
-server keeps serving, and the DSL helper reaches the same path. The server log stays free of
+server keeps serving, a streamed request streams the same reply, and the DSL helper reaches the same path. The server log stays free of
 tracebacks and KV-leak reports."""
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ def _ask(server, task, *, variant=None, salt=None, max_tokens=12, endpoint="chat
     if salt:
         body["cache_salt"] = salt
     path = "/v1/chat/completions" if endpoint == "chat" else "/v1/completions"
-    return requests.post(server.url + path, json=body, timeout=600)
+    return requests.post(server.url + path, json=body, timeout=600, stream=bool(extra.get("stream")))
 
 
 def _text(r):
@@ -100,7 +100,6 @@ def test_samkv_variant_keeps_fewer_blocks_and_reuses(samkv_server):
     ({"documents": ["word " * 9000]}, "'documents' is too long for the context"),
     ({"documents": ["ok"], "cache_salt": 5}, "'cache_salt'"),  # pydantic's own 400 names it
     ({"documents": ["ok"], "samkv": {"variant": "bogus"}}, "'samkv.variant'='bogus' must be one of"),
-    ({"documents": ["ok"], "stream": True}, "not supported with stream=true"),
 ])
 def test_bad_documents_payloads_are_400_and_server_keeps_serving(samkv_server, extra, fragment):
     server, _ = samkv_server
@@ -111,6 +110,41 @@ def test_bad_documents_payloads_are_400_and_server_keeps_serving(samkv_server, e
     ok = requests.post(server.url + "/v1/chat/completions", timeout=120, json={
         "model": "default", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2})
     assert ok.status_code == 200 and "sparse" not in (ok.json().get("metadata") or {})
+
+
+def _streamed(r):
+    """(text, usage of the last chunk that has one) of an SSE response."""
+    import json
+
+    parts, usage = [], None
+    for line in r.iter_lines(decode_unicode=True):
+        if not line or not line.startswith("data: ") or line == "data: [DONE]":
+            continue
+        chunk = json.loads(line[len("data: "):])
+        usage = chunk.get("usage") or usage
+        for c in chunk.get("choices") or []:
+            parts.append((c.get("delta") or {}).get("content") or c.get("text") or "")
+    return "".join(parts), usage
+
+
+@pytest.mark.parametrize("endpoint", ["chat", "completions"])
+def test_streamed_documents_request_streams_the_same_reply(samkv_server, endpoint):
+    server, log = samkv_server
+    task = make_task(3, docs=2, words=80)
+    plain = _ask(server, task, variant="reuse", salt="stream", endpoint=endpoint)
+    assert plain.status_code == 200, plain.text
+    with _ask(server, task, variant="reuse", salt="stream", endpoint=endpoint, stream=True,
+              stream_options={"include_usage": True}) as r:
+        assert r.status_code == 200, r.text
+        assert r.headers["content-type"].startswith("text/event-stream")
+        streamed, usage = _streamed(r)
+    assert streamed and streamed == _text(plain)
+    # the documents were in the streamed request's context (kept context + question), not dropped
+    m = plain.json()["metadata"]["sparse"]
+    assert usage["prompt_tokens"] == plain.json()["usage"]["prompt_tokens"] == m["context_tokens"]
+    assert m["context_tokens"] > m["question_tokens"] + m["document_tokens"] // 2
+    text = log.read_text(errors="replace").lower()
+    assert "traceback" not in text and "leak" not in text
 
 
 def test_dsl_helper_passes_documents(samkv_server):
