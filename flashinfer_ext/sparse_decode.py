@@ -278,21 +278,19 @@ def decode_union_lists(v_idx: torch.Tensor, s_idx: torch.Tensor, topb: torch.Ten
     """
     b, hk = v_idx.shape[0], v_idx.shape[1]
     dev = v_idx.device
-    big = torch.iinfo(torch.int32).max
-    seq = seq_lens.long()[:, None, None]
-    v = v_idx.long()
-    s = s_idx.long()
-    sp = pos.long()[:, None, None] - s
-    sp = torch.where(s >= 0, sp, -1)
-    tb = topb.long()
-    sink = torch.arange(sink_tokens, device=dev).expand(b, hk, sink_tokens)
-    tail = since.long()[:, None, None] + torch.arange(max_since, device=dev)[None, None, :]
-    cand = torch.cat([v, sp, tb, sink, tail.expand(b, hk, max_since)], dim=2)
+    i32 = torch.int32  # positions < 2^31: int32 halves the temporaries of the all-layer call
+    big = torch.iinfo(i32).max
+    seq = seq_lens.to(i32)[:, None, None]
+    s = s_idx.to(i32)
+    sp = torch.where(s >= 0, pos.to(i32)[:, None, None] - s, -1)
+    sink = torch.arange(sink_tokens, device=dev, dtype=i32).expand(b, hk, sink_tokens)
+    tail = since.to(i32)[:, None, None] + torch.arange(max_since, device=dev, dtype=i32)[None, None, :]
+    cand = torch.cat([v_idx.to(i32), sp, topb.to(i32), sink, tail.expand(b, hk, max_since)], dim=2)
     cand = torch.where((cand >= 0) & (cand < seq), cand, big)
     srt = cand.sort(dim=2).values
     prev = torch.nn.functional.pad(srt[:, :, :-1], (1, 0), value=-1)
     keep = (srt != big) & (srt != prev)
-    return _compact_kept(srt.to(torch.int32), keep)
+    return _compact_kept(srt, keep)
 
 
 def _compact_kept(vals: torch.Tensor, keep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
