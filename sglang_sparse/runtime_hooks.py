@@ -64,6 +64,8 @@ def internal_state_hook(result, scheduler, *args, **kwargs):
         "stats": stats.to_dict() if (stats := getattr(backend, "sparse_stats", None)) is not None else None,
         "host_tier": tier.report() if (tier := getattr(getattr(scheduler, "tree_cache", None), "tier", None))
         is not None else None,
+        "samkv": rt.stats.to_dict() if (rt := getattr(getattr(scheduler, "tree_cache", None), "samkv_runtime",
+                                                      None)) is not None else None,
     }
     return result
 

@@ -58,14 +58,24 @@ class SamKVRuntime:
     num_layers: KV layers.
     """
 
-    def __init__(self, config, rope_theta: float, rotary_dim: int, model, num_layers: int):
+    def __init__(self, config, rope_theta: float, rotary_dim: int, model, num_layers: int, metrics=None):
+        from sglang_sparse.samkv_stats import SamKVStats
+
         self.config = config
         self.rope_theta = float(rope_theta)
         self.rotary_dim = int(rotary_dim)
         self.model = model
         self.num_layers = int(num_layers)
+        self.stats = SamKVStats()
+        self.metrics = metrics  # SamKVMetrics under --enable-metrics
         self._times: dict[str, float] | None = None
         self._last = 0.0
+
+    def record(self, result: dict) -> None:
+        """Count one request's assembly result (server statistics and metrics)."""
+        self.stats.record(result)
+        if self.metrics is not None:
+            self.metrics.record(result)
 
     def timing_start(self) -> None:
         """Start the per-request phase clock (:meth:`tick`); off until called, so direct callers pay nothing."""
@@ -108,8 +118,13 @@ def scheduler_init_hook(result, scheduler, *args, **kwargs):
     if rope is None or not getattr(rope, "is_neox_style", True) or type(rope).__name__ != "RotaryEmbedding":
         raise RuntimeError(f"sglang-sparse samkv: the model's RoPE ({type(rope).__name__}) is not plain NeoX "
                            "RoPE; re-rotating reused keys is only exact for it")
+    metrics = None
+    if scheduler.server_args.enable_metrics:
+        from sglang_sparse.samkv_stats import SamKVMetrics
+
+        metrics = SamKVMetrics()
     scheduler.tree_cache.samkv_runtime = SamKVRuntime(
-        ctx.config, rope.base, rope.rotary_dim, model, runner.model_config.num_hidden_layers)
+        ctx.config, rope.base, rope.rotary_dim, model, runner.model_config.num_hidden_layers, metrics=metrics)
     return result
 
 
@@ -137,9 +152,11 @@ def init_round_hook(result, req, *args, **kwargs):
         logger.exception("sglang-sparse samkv: assembly failed for %s; serving it densely", req.rid)
         req.samkv_result = {"status": "error"}
         rt.timing_done()
+        rt.record(req.samkv_result)
         return result
     # where the scheduler's time went (ms per phase, CUDA-synchronised): metadata["sparse"]["scheduler_ms"]
     req.samkv_result["timing_ms"] = rt.timing_done()
+    rt.record(req.samkv_result)
     logger.info("sglang-sparse samkv: %s %s timing_ms=%s", req.rid, req.samkv_result.get("status"),
                 req.samkv_result["timing_ms"])
     # to the response: SGLang carries req.customized_info[key] (one entry per output token, sliced from

@@ -13,7 +13,7 @@ import pytest
 import requests
 
 from bench.samkv_bench import correct, make_task
-from tests.serverproc import start_cpu_server
+from tests.serverproc import sparse_metrics_when, start_cpu_server
 
 pytestmark = pytest.mark.server
 
@@ -21,7 +21,8 @@ pytestmark = pytest.mark.server
 @pytest.fixture(scope="module")
 def samkv_server(default_model, tmp_path_factory):
     log = tmp_path_factory.mktemp("samkv") / "server.log"
-    handle = start_cpu_server(default_model, log, mode="samkv", sparse_config='{"block_size": 16}')
+    handle = start_cpu_server(default_model, log, mode="samkv", sparse_config='{"block_size": 16}',
+                              extra_args=("--enable-metrics",))
     try:
         yield handle, log
     finally:
@@ -112,6 +113,11 @@ def test_bad_documents_payloads_are_400_and_server_keeps_serving(samkv_server, e
     assert ok.status_code == 200 and "sparse" not in (ok.json().get("metadata") or {})
 
 
+def _samkv_stats(server):
+    info = requests.get(server.url + "/server_info", timeout=60).json()
+    return info["internal_states"][0]["sparse"]["samkv"]
+
+
 def _streamed(r):
     """(text, usage of the last chunk that has one) of an SSE response."""
     import json
@@ -133,6 +139,7 @@ def test_streamed_documents_request_streams_the_same_reply(samkv_server, endpoin
     task = make_task(3, docs=2, words=80)
     plain = _ask(server, task, variant="reuse", salt="stream", endpoint=endpoint)
     assert plain.status_code == 200, plain.text
+    before = _samkv_stats(server)
     with _ask(server, task, variant="reuse", salt="stream", endpoint=endpoint, stream=True,
               stream_options={"include_usage": True}) as r:
         assert r.status_code == 200, r.text
@@ -143,6 +150,15 @@ def test_streamed_documents_request_streams_the_same_reply(samkv_server, endpoin
     m = plain.json()["metadata"]["sparse"]
     assert usage["prompt_tokens"] == plain.json()["usage"]["prompt_tokens"] == m["context_tokens"]
     assert m["context_tokens"] > m["question_tokens"] + m["document_tokens"] // 2
+    # its figures are in the server counters (/server_info and /metrics): one more assembled request
+    after = _samkv_stats(server)
+    assert after["requests"] == before["requests"] + 1
+    assert after["by_status"]["assembled"] == before["by_status"]["assembled"] + 1
+    assert after["document_tokens"] - before["document_tokens"] == m["document_tokens"]
+    assert after["kept_tokens"] - before["kept_tokens"] == m["kv_kept_tokens"] and after["kv_kept_ratio"] > 0
+    metrics = sparse_metrics_when(server, "sglang_sparse:samkv_", "sglang_sparse:samkv_document_tokens_total",
+                                  lambda v: v >= after["document_tokens"])
+    assert metrics["sglang_sparse:samkv_document_tokens_total"] == after["document_tokens"]
     text = log.read_text(errors="replace").lower()
     assert "traceback" not in text and "leak" not in text
 
