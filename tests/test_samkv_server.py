@@ -4,8 +4,8 @@ Documents are prefilled and cached alone (per salt), a request's composite conte
 their KV in the scheduler and reused as its prefix (only the question is extended: `cached_tokens`),
 the planted fact is retrieved, salts isolate, the `samkv` variant keeps fewer KV tokens than there are
 document tokens, `recompute` is the dense baseline, bad payloads are 400s naming the field and the
-server keeps serving, a streamed request streams the same reply, and the DSL helper reaches the same path. The server log stays free of
-tracebacks and KV-leak reports."""
+server keeps serving, a streamed request streams the same reply (and shows in the server counters), and
+the DSL helper reaches the same path. The server log stays free of tracebacks and KV-leak reports."""
 
 from __future__ import annotations
 
