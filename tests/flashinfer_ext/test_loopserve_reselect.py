@@ -172,24 +172,25 @@ def test_kernel_path_decodes_like_the_reference_path(lastwindow):
 STEADY = {False: ([300, 140, 90], [270, 100, 71], [32, 200, 8]), True: ([300, 41, 90], [290, 30, 80], [32, 200, 16])}
 
 
-@pytest.mark.parametrize("lastwindow", [False, True], ids=["loopserve", "lastwindow"])
-def test_step_without_reselection_builds_every_layers_sets_once_and_decodes_them(lastwindow):
+def _check_steady_step(lastwindow, device="cpu", tol=1e-4):
     """A step where no row re-selects plans all layers' token lists in begin_batch (``lists_all``, layer-major);
     each layer then attends exactly the union of lines, slash offsets, kept top-B, sink and tail (the
-    definition, :func:`decode_union_mask`), on the reference and the kernel path alike."""
+    definition, :func:`decode_union_mask`), on the reference and the kernel path alike (``tol``: the kernel's
+    fp32 dots are tf32 on a GPU)."""
     from flashinfer_ext.loopserve_reference import masked_decode_reference
     from flashinfer_ext.sparse_decode import decode_union_mask
 
     seq_lens, prompt_lens, budgets = STEADY[lastwindow]
     outs = []
     for use_kernels in (False, True):
-        runner, o3, env = _run(lastwindow, use_kernels, seq_lens, prompt_lens, budgets, all_topb=True)
+        runner, o3, env = _run(lastwindow, use_kernels, seq_lens, prompt_lens, budgets, device=device,
+                               all_topb=True)
         d = runner.dec
         assert d["fire"] == [False] * len(seq_lens) and d["sel"] is None
         lists, lens = d["lists_all"]
         assert lists.shape[:3] == (L, len(seq_lens), HK) and lists[0].is_contiguous()
         pool, q3 = env["pool"], env["q3"]
-        read = torch.zeros(len(seq_lens))
+        read = torch.zeros(len(seq_lens), device=device)
         for lid in range(L):
             mask = decode_union_mask(d["v"][:, lid], d["s"][:, lid], d["topb"][:, lid], d["pos"], d["since"],
                                      d["seq"], sink_tokens=runner.cfg.sink_tokens, max_len=d["max_len"])
@@ -200,9 +201,21 @@ def test_step_without_reselection_builds_every_layers_sets_once_and_decodes_them
             want = masked_decode_reference(q3, k_buf, v_buf, pool.req_to_token, pool.req_pool_indices, mask,
                                            D ** -0.5)
             if lid == L - 1:  # o3 holds the last layer's output
-                torch.testing.assert_close(o3, want, rtol=1e-4, atol=1e-4)
+                torch.testing.assert_close(o3, want, rtol=tol, atol=tol)
         from sglang_sparse.loopserve_stats import COL_READ
 
-        assert torch.equal(runner.step_rows[:, COL_READ], read)
+        assert torch.equal(runner.step_rows[:, COL_READ].cpu(), read.cpu())
         outs.append(o3)
-    torch.testing.assert_close(outs[1], outs[0], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(outs[1], outs[0], rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("lastwindow", [False, True], ids=["loopserve", "lastwindow"])
+def test_step_without_reselection_builds_every_layers_sets_once_and_decodes_them(lastwindow):
+    _check_steady_step(lastwindow)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("lastwindow", [False, True], ids=["loopserve", "lastwindow"])
+def test_gpu_step_without_reselection_builds_every_layers_sets_once_and_decodes_them(lastwindow):
+    _check_steady_step(lastwindow, device="cuda", tol=2e-3)
