@@ -41,7 +41,7 @@ Where the host work goes (nothing per layer needs a sync; no ``.item()``):
     position ∪ top-B ∪ sink ∪ tokens since, concat + sort + dedupe, O(list width) per row, never a
     context-wide tensor); at a step where no row re-selects (every step of lastwindow after its first, and
     of loopserve between re-selections) those lists are built once for all layers in :meth:`begin_batch`
-    instead. Then one :func:`~flashinfer_ext.sparse_decode.sparse_decode` launch over all rows and KV heads.
+    instead (below ``LISTS_ALL_MAX_ENTRIES`` entries; larger steps keep the per-layer build). Then one :func:`~flashinfer_ext.sparse_decode.sparse_decode` launch over all rows and KV heads.
     Statistics are in-place adds into the device step rows.
 Where the remaining host cost is: a decode layer is O(1) launches whatever the batch size (about ten
 at a re-selection step); per request per step there remain the planning copies above (ring gathers,
@@ -79,6 +79,9 @@ from sglang_sparse.loopserve_stats import (
 )
 
 FIRST_RESELECT = 16  # Alg. 3: the first re-selection at the 16th generated token
+# the all-layer list build of a step without re-selection holds ~4 int32 tensors of L x rows x Hk x width
+# entries at once; above this many entries (~256 MiB each) the lists are built per layer instead
+LISTS_ALL_MAX_ENTRIES = 1 << 26
 
 STATE_ATTR = "sparse_loopserve"
 
@@ -315,7 +318,9 @@ class LoopServeRunner:
                         n_forced=torch.zeros(len(rows), dtype=torch.int32, device=dev),
                         seq32=seq.to(torch.int32).to(dev),
                         sel=self._plan_selection(states, [lens[i] for i in rows], fire, rpi))
-        if self.dec["sel"] is None:  # no row re-selects at this step: every layer's sets built at once, here
+        width = v.shape[3] + s_.shape[3] + tb.shape[3] + cfg.sink_tokens + self.dec["max_since"]
+        if self.dec["sel"] is None and sh.num_layers * len(rows) * sh.num_kv_heads * width <= LISTS_ALL_MAX_ENTRIES:
+            # no row re-selects at this step: every layer's sets built at once, here (else per layer, below)
             self.dec["lists_all"] = self._union_lists_all_layers(self.dec)
         if self.dec["sel"] is not None:  # the new top-B back into the request states at the next begin_batch
             self._pending_topb = (tb, [(states[j], j, w) for j, w in self.dec["sel"]["widths"]])

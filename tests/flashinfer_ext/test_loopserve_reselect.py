@@ -172,7 +172,7 @@ def test_kernel_path_decodes_like_the_reference_path(lastwindow):
 STEADY = {False: ([300, 140, 90], [270, 100, 71], [32, 200, 8]), True: ([300, 41, 90], [290, 30, 80], [32, 200, 16])}
 
 
-def _check_steady_step(lastwindow, device="cpu", tol=1e-4):
+def _check_steady_step(lastwindow, device="cpu", tol=1e-4, all_layers=True):
     """A step where no row re-selects plans all layers' token lists in begin_batch (``lists_all``, layer-major);
     each layer then attends exactly the union of lines, slash offsets, kept top-B, sink and tail (the
     definition, :func:`decode_union_mask`), on the reference and the kernel path alike (``tol``: the kernel's
@@ -187,8 +187,13 @@ def _check_steady_step(lastwindow, device="cpu", tol=1e-4):
                                all_topb=True)
         d = runner.dec
         assert d["fire"] == [False] * len(seq_lens) and d["sel"] is None
-        lists, lens = d["lists_all"]
-        assert lists.shape[:3] == (L, len(seq_lens), HK) and lists[0].is_contiguous()
+        assert ("lists_all" in d) == all_layers
+        if all_layers:
+            lists, lens = d["lists_all"]
+            assert lists.shape[:3] == (L, len(seq_lens), HK) and lists[0].is_contiguous()
+        else:  # over the size cap: built per layer, the same sets
+            built = [runner._union_lists(d, lid) for lid in range(L)]
+            lens = torch.stack([b[1] for b in built])
         pool, q3 = env["pool"], env["q3"]
         read = torch.zeros(len(seq_lens), device=device)
         for lid in range(L):
@@ -212,6 +217,14 @@ def _check_steady_step(lastwindow, device="cpu", tol=1e-4):
 @pytest.mark.parametrize("lastwindow", [False, True], ids=["loopserve", "lastwindow"])
 def test_step_without_reselection_builds_every_layers_sets_once_and_decodes_them(lastwindow):
     _check_steady_step(lastwindow)
+
+
+@pytest.mark.parametrize("lastwindow", [False, True], ids=["loopserve", "lastwindow"])
+def test_step_without_reselection_over_the_size_cap_builds_sets_per_layer(lastwindow, monkeypatch):
+    import sglang_sparse.loopserve_runner as lr
+
+    monkeypatch.setattr(lr, "LISTS_ALL_MAX_ENTRIES", 0)
+    _check_steady_step(lastwindow, all_layers=False)
 
 
 @pytest.mark.gpu
