@@ -41,7 +41,8 @@ Where the host work goes (nothing per layer needs a sync; no ``.item()``):
     position ∪ top-B ∪ sink ∪ tokens since, concat + sort + dedupe, O(list width) per row, never a
     context-wide tensor); at a step where no row re-selects (every step of lastwindow after its first, and
     of loopserve between re-selections) those lists are built once for all layers in :meth:`begin_batch`
-    instead (below ``LISTS_ALL_MAX_ENTRIES`` entries; larger steps keep the per-layer build). Then one :func:`~flashinfer_ext.sparse_decode.sparse_decode` launch over all rows and KV heads.
+    instead (below ``LISTS_ALL_MAX_ENTRIES`` entries; larger steps keep the per-layer build). Then one
+    :func:`~flashinfer_ext.sparse_decode.sparse_decode` launch over all rows and KV heads.
     Statistics are in-place adds into the device step rows.
 Where the remaining host cost is: a decode layer is O(1) launches whatever the batch size (about ten
 at a re-selection step); per request per step there remain the planning copies above (ring gathers,
