@@ -290,17 +290,9 @@ def decode_union_lists(v_idx: torch.Tensor, s_idx: torch.Tensor, topb: torch.Ten
     srt = cand.sort(dim=2).values
     prev = torch.nn.functional.pad(srt[:, :, :-1], (1, 0), value=-1)
     keep = (srt != big) & (srt != prev)
-    return _compact_kept(srt, keep)
-
-
-def _compact_kept(vals: torch.Tensor, keep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Move the kept entries of ``vals [B, Hk, W]`` to the front (order kept): ``(lists, lens)`` int32."""
-    w = vals.shape[2]
-    k = keep.to(torch.int32)
-    dest = torch.where(keep, k.cumsum(2, dtype=torch.int32) - 1, w).long()
-    out = torch.zeros(vals.shape[0], vals.shape[1], w + 1, dtype=torch.int32, device=vals.device)
-    out.scatter_(2, dest, torch.where(keep, vals, 0))
-    return out[:, :, :w].contiguous(), k.sum(2, dtype=torch.int32).contiguous()
+    at, lens = mask_to_lists(keep)  # where the kept entries sit, ascending (the rest 0)
+    valid = torch.arange(at.shape[2], device=dev)[None, None, :] < lens[:, :, None]
+    return torch.where(valid, srt.gather(2, at.long()), 0).contiguous(), lens
 
 
 def lists_to_mask(lists: torch.Tensor, lens: torch.Tensor, max_len: int) -> torch.Tensor:
