@@ -43,7 +43,10 @@ Where the host work goes (nothing per layer needs a sync; no ``.item()``):
     of loopserve between re-selections) those lists are built once for all layers in :meth:`begin_batch`
     instead (below ``LISTS_ALL_MAX_ENTRIES`` entries; larger steps keep the per-layer build). Then one
     :func:`~flashinfer_ext.sparse_decode.sparse_decode` launch over all rows and KV heads.
-    Statistics are in-place adds into the device step rows.
+    Statistics are in-place adds into the device step rows. When every row of the batch is sparse (the
+    usual case) the queries are read and the output written in place (no gather / scatter), the kernel's side
+    outputs are step buffers and a steady step's read counts are added once in :meth:`begin_batch`: such a
+    layer costs two launches (the ring copy and :func:`~flashinfer_ext.sparse_decode.sparse_decode`).
 Where the remaining host cost is: a decode layer is O(1) launches whatever the batch size (about ten
 at a re-selection step); per request per step there remain the planning copies above (ring gathers,
 top-B write-back, the padding of the line lists) -- host work once per step, not per layer. The
@@ -202,6 +205,8 @@ class LoopServeRunner:
         elif mode.is_extend():
             self._plan_extend(backend, forward_batch, reqs)
         self.step_rows = host.to(self.device) if self.device.type != "cpu" else host
+        if self.dec is not None and "lists_all" in self.dec:  # tokens read this step, all layers at once
+            self.step_rows[self.dec["rows_dev"], COL_READ] += self.dec["lists_all"][1].sum((0, 2), dtype=torch.float32)
 
     def _new_state(self, req, alpha, budget, prefix, backend) -> ReqState:
         sh, dev = self.shape, self.device
@@ -317,6 +322,10 @@ class LoopServeRunner:
                         since=torch.tensor([st.since for st in states]).to(dev), rpi=rpi,
                         max_since=max(lens[i] - st.since for st, i in zip(states, rows)),
                         n_forced=torch.zeros(len(rows), dtype=torch.int32, device=dev),
+                        all_rows=len(rows) == self.bs,
+                        # sparse_decode's side outputs, shared by every layer of the step (never read back)
+                        lse_buf=torch.empty(len(rows), sh.num_qo_heads, dtype=torch.float32, device=dev),
+                        nread_buf=torch.empty(len(rows), sh.num_kv_heads, dtype=torch.int32, device=dev),
                         seq32=seq.to(torch.int32).to(dev),
                         sel=self._plan_selection(states, [lens[i] for i in rows], fire, rpi))
         width = v.shape[3] + s_.shape[3] + tb.shape[3] + cfg.sink_tokens + self.dec["max_since"]
@@ -473,7 +482,7 @@ class LoopServeRunner:
         k_buf, v_buf = pool.get_key_buffer(lid), pool.get_value_buffer(lid)
         rtt = backend.req_to_token_pool.req_to_token
         rows = d["rows_dev"]
-        q_s = q3[rows]
+        q_s = q3 if d["all_rows"] else q3[rows]  # all rows sparse (the usual case): no gather
         if d["q_buf"] is not None:  # this step's queries, one copy for all rows (rings updated next batch)
             d["q_buf"][lid] = q_s.to(d["q_buf"].dtype)
         if d["sel"] is not None:  # re-selection rows: one batched estimation + one top-B for all of them
@@ -482,9 +491,12 @@ class LoopServeRunner:
             lists, lens = d["lists_all"][0][lid], d["lists_all"][1][lid]
         else:  # a re-selection step: this layer's top-B was just written
             lists, lens = self._union_lists(d, lid)
-        o_s = self._sparse_decode(q_s, k_buf, v_buf, rtt, d, lists, lens, layer.scaling)
-        o3[rows] = o_s.to(o3.dtype)
-        self.step_rows[rows, COL_READ] += lens.sum(1, dtype=torch.float32)
+        direct = d["all_rows"] and o3.dtype == q_s.dtype and o3.is_contiguous()
+        o_s = self._sparse_decode(q_s, k_buf, v_buf, rtt, d, lists, lens, layer.scaling, out=o3 if direct else None)
+        if not direct:
+            o3[rows] = o_s.to(o3.dtype)
+        if "lists_all" not in d:  # else counted once for all layers in begin_batch
+            self.step_rows[rows, COL_READ] += lens.sum(1, dtype=torch.float32)
 
     def _reselect(self, d, sel, q_s, k_buf, rtt, lid, scale) -> None:
         """Alg. 3 / Eq. 7 for all re-selecting rows of this step, one layer: their observation queries
@@ -557,20 +569,25 @@ class LoopServeRunner:
                                     v_cnt=v_cnt, s_idx=s_idx, s_cnt=s_cnt, sm_scale=scale)
         return o
 
-    def _sparse_decode(self, q, k_buf, v_buf, rtt, d, lists, lens, scale):
+    def _sparse_decode(self, q, k_buf, v_buf, rtt, d, lists, lens, scale, out=None):
         """Decode of rows ``q [nS, Hq, D]`` over the per-(row, KV head) token lists ``lists [nS, Hk, W]``
         (first ``lens [nS, Hk]`` entries): one :func:`sparse_decode` launch over all rows and KV heads (no
         host sync); the reference path attends the same sets as a mask in fp32."""
         if self.use_kernels:
             from flashinfer_ext.sparse_decode import sparse_decode
 
-            o, _, _ = sparse_decode(q.contiguous(), k_buf, v_buf, rtt, d["rpi"], d["seq32"], lists, lens,
-                                    d["n_forced"], block_size=1, sm_scale=scale, epsilon=1.0)
+            o, _, _ = sparse_decode(q if q.stride(2) == 1 else q.contiguous(), k_buf, v_buf, rtt, d["rpi"],
+                                    d["seq32"], lists, lens, d["n_forced"], block_size=1, sm_scale=scale,
+                                    epsilon=1.0, out=out, lse_out=d["lse_buf"], nread_out=d["nread_buf"])
             return o
         from flashinfer_ext.loopserve_reference import masked_decode_reference
         from flashinfer_ext.sparse_decode import lists_to_mask
 
-        return masked_decode_reference(q, k_buf, v_buf, rtt, d["rpi"], lists_to_mask(lists, lens, d["max_len"]), scale)
+        o = masked_decode_reference(q, k_buf, v_buf, rtt, d["rpi"], lists_to_mask(lists, lens, d["max_len"]), scale)
+        if out is not None:
+            out.copy_(o)
+            return out
+        return o
 
 
 def _snapkv_pool(v_sum: torch.Tensor, kernel: int, sink_tokens: int) -> torch.Tensor:
