@@ -46,7 +46,7 @@ alpha=${LS_ALPHA:-0.97}
 steps=${LS_STEPS:-pytest_gpu prefill_bench harness fidelity}
 want() { case " $steps " in *" $1 "*) return 0 ;; *) return 1 ;; esac; }
 # kernels first (seconds), then the server module (two servers, ~1 min to start each on an H100)
-want pytest_gpu && step pytest_gpu timeout "${LS_TEST_TIMEOUT:-420}" python3 -m pytest -m gpu -q -p no:cacheprovider -rA \
+want pytest_gpu && step pytest_gpu timeout "${LS_TEST_TIMEOUT:-420}" python3 -m pytest -m gpu -v -p no:cacheprovider -rA --durations=15 \
     --junitxml="$rep/junit_gpu_loopserve.xml" tests/flashinfer_ext/test_vs_estimate.py \
     tests/flashinfer_ext/test_vs_select.py tests/flashinfer_ext/test_vs_prefill.py \
     tests/flashinfer_ext/test_vs_decode_batched.py tests/flashinfer_ext/test_vs_estimate_batched.py \
