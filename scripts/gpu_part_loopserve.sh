@@ -15,7 +15,8 @@
 #   harness       bench.run_harness off,loopserve,lastwindow on FlashInfer (page 16)
 #   fidelity      bench.loopserve_fidelity -> loopserve_fidelity.json
 # Budgets: LS_TEST_TIMEOUT (420 s: on a machine without kept kernel caches the first GPU server test compiles
-# FlashInfer cold, and 380 s ran out after the 13 kernel tests on 2026-11-23), LS_BENCH_TIMEOUT (150 s; the bench
+# FlashInfer cold, and 380 s ran out after the 13 kernel tests on 2026-11-23), LS_BENCH_TIMEOUT (240 s: on 2026-11-24 150 s ran out while the --smollm case loaded the model, after the
+# 128k/32k/4k cases had taken ~140 s with warm caches; the bench
 # itself always runs its headline contexts + --smollm, LS_BENCH_BUDGET bounds the rest), LS_HARNESS_TIMEOUT
 # (480 s; 2026-11-23 with warm caches: off 95 s, loopserve 246 s, lastwindow 141 s = 509 s in all). The H100 run
 # of the harness (full preset, 378 tasks, concurrency 8): off 81 s in all (server start 57 s, tasks 9 s,
@@ -51,7 +52,7 @@ want pytest_gpu && step pytest_gpu timeout "${LS_TEST_TIMEOUT:-420}" python3 -m 
     tests/flashinfer_ext/test_vs_select.py tests/flashinfer_ext/test_vs_prefill.py \
     tests/flashinfer_ext/test_vs_decode_batched.py tests/flashinfer_ext/test_vs_estimate_batched.py \
     tests/flashinfer_ext/test_loopserve_reselect.py tests/test_gpu_loopserve_server.py tests/test_gpu_lastwindow_server.py
-want prefill_bench && step prefill_bench timeout "${LS_BENCH_TIMEOUT:-150}" python3 bench/loopserve_prefill_bench.py --out "$rep" \
+want prefill_bench && step prefill_bench timeout "${LS_BENCH_TIMEOUT:-240}" python3 bench/loopserve_prefill_bench.py --out "$rep" \
     --smollm --time-budget "${LS_BENCH_BUDGET:-75}"
 want harness && step harness timeout "${LS_HARNESS_TIMEOUT:-480}" python3 -m bench.run_harness \
     --preset "${LS_PRESET:-full}" --modes off,loopserve,lastwindow --fidelity-probes "${LS_PROBES:-4}" \

@@ -26,14 +26,18 @@ part=gpu_part_samkv
 # shellcheck disable=SC1091
 source "$(dirname "${BASH_SOURCE[0]}")/gpu_steps.sh"
 samkv_cfg=${SAMKV_SPARSE_CONFIG:-'{"block_size": 16}'}
-step pytest_gpu timeout "${SAMKV_TEST_TIMEOUT:-150}" python3 -m pytest -q -p no:cacheprovider -rA \
+# SAMKV_STEPS picks the steps (default all four: up to ~700 s, more than one 600 s device call allows; on
+# 2026-11-24 "pytest_gpu bench" took 216 s and "bench_acc_block8 bench_dummy8b" ~330 s)
+steps=${SAMKV_STEPS:-pytest_gpu bench bench_dummy8b bench_acc_block8}
+want() { case " $steps " in *" $1 "*) return 0 ;; *) return 1 ;; esac; }
+want pytest_gpu && step pytest_gpu timeout "${SAMKV_TEST_TIMEOUT:-150}" python3 -m pytest -q -p no:cacheprovider -rA \
     --junitxml="$rep/junit_gpu_samkv.xml" tests/test_gpu_samkv_server.py tests/flashinfer_ext/test_rope_shift.py \
     tests/test_samkv_score.py tests/test_samkv_assembly.py
-step bench timeout "${SAMKV_BENCH_TIMEOUT:-200}" python3 -m bench.samkv_bench --launch --device cuda \
+want bench && step bench timeout "${SAMKV_BENCH_TIMEOUT:-200}" python3 -m bench.samkv_bench --launch --device cuda \
     --python python3 --model "$KIT_MODEL" --port 30020 --out "$rep" --tasks "${SAMKV_TASKS:-6}" \
     --acc-tasks "${SAMKV_ACC_TASKS:-60}" --sparse-config "$samkv_cfg" \
     --server-args "--attention-backend flashinfer --page-size 16 --mem-fraction-static 0.5"
-step bench_dummy8b timeout "${SAMKV_DUMMY_TIMEOUT:-200}" python3 -m bench.samkv_bench --launch --device cuda \
+want bench_dummy8b && step bench_dummy8b timeout "${SAMKV_DUMMY_TIMEOUT:-200}" python3 -m bench.samkv_bench --launch --device cuda \
     --python python3 --model "$KIT_MODEL" --dummy-8b "${TMPDIR:-/tmp}/samkv_llama8b_dummy" --port 30021 \
     --out "$rep/dummy8b" --headline "$rep/samkv.json" --tasks 2 --repeats 3 --ttft-only \
     --sparse-config "$samkv_cfg" \
@@ -41,7 +45,7 @@ step bench_dummy8b timeout "${SAMKV_DUMMY_TIMEOUT:-200}" python3 -m bench.samkv_
 # the accuracy set again at block_size 8: at 16 the ~190-token documents have 12 blocks, and with 8 documents
 # the 0.2 kept cap (19 of 96 blocks) is below the always-kept initial + local blocks (24), so no middle block
 # is selected by attention at all; at 8 (24 blocks a document) 14 middle blocks are (report only, not merged)
-[ "${SAMKV_ACC_BLOCK8:-1}" = 1 ] && step bench_acc_block8 timeout "${SAMKV_ACC8_TIMEOUT:-150}" python3 -m bench.samkv_bench \
+[ "${SAMKV_ACC_BLOCK8:-1}" = 1 ] && want bench_acc_block8 && step bench_acc_block8 timeout "${SAMKV_ACC8_TIMEOUT:-150}" python3 -m bench.samkv_bench \
     --launch --device cuda --python python3 --model "$KIT_MODEL" --port 30022 --out "$rep/acc_block8" --tasks 0 \
     --acc-tasks "${SAMKV_ACC_TASKS:-60}" --sparse-config '{"block_size": 8}' \
     --server-args "--attention-backend flashinfer --page-size 16 --mem-fraction-static 0.5"
