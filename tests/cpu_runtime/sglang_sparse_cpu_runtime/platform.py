@@ -37,6 +37,14 @@ class SparseCpuTestPlatform(CpuSRTPlatform):
     def support_piecewise_cuda_graph(self) -> bool:
         return False
 
+    def get_torch_profiler_activity_str(self) -> str:  # SGLang's /start_profile (bench/decode_profile.py)
+        return "CPU"
+
+    def get_torch_profiler_activity(self):
+        import torch
+
+        return torch.profiler.ProfilerActivity.CPU
+
 
 def _allocator_factory(size, *, page_size, dtype, device, kvcache, need_sort):
     """SGLang asks an out-of-tree platform for one allocator class for every page size."""

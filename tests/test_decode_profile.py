@@ -1,0 +1,69 @@
+"""bench/decode_profile.py: the trace reduction on a synthetic chrome trace (per-step figures, host-sync
+markers), argument checks, and the driver end to end against a real CPU server (SGLang's own profiler)."""
+
+from __future__ import annotations
+
+import gzip
+import json
+
+import pytest
+
+from bench import decode_profile as dp
+from tests.serverproc import free_port
+
+
+def _trace(tmp_path, events):
+    p = tmp_path / "m-TP-0-DECODE.trace.json.gz"
+    with gzip.open(p, "wt") as f:
+        json.dump({"traceEvents": events}, f)
+    return p
+
+
+def test_summarize_trace_counts_per_step_work_and_host_syncs(tmp_path):
+    ev = []
+    for step in range(2):  # two steps of 1000 us: 3 kernels (10 us each), 3 launches, one item() + one sync
+        t = step * 1000
+        ev += [{"ph": "X", "cat": "kernel", "name": f"k{i}", "ts": t + 100 + 10 * i, "dur": 10} for i in range(3)]
+        ev += [{"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": t + 5 * i, "dur": 4}
+               for i in range(3)]
+        ev += [{"ph": "X", "cat": "cuda_runtime", "name": "cudaStreamSynchronize", "ts": t + 50, "dur": 30},
+               {"ph": "X", "cat": "cuda_runtime", "name": "cudaMemcpyAsync", "ts": t + 90, "dur": 5,
+                "args": {"kind": "DtoH"}},
+               {"ph": "X", "cat": "cpu_op", "name": "aten::item", "ts": t + 40, "dur": 45},
+               {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": t, "dur": 1000 if step else 900}]
+    ev.append({"ph": "i", "cat": "cpu_op", "name": "instant", "ts": 0})  # not a complete event: ignored
+    s = dp.summarize_trace(_trace(tmp_path, ev), steps=2)
+    assert s["wall_us_per_step"] == pytest.approx(1000.0)
+    assert s["gpu_kernel_us_per_step"] == pytest.approx(30.0) and s["kernels_per_step"] == 3
+    assert s["kernel_launches_per_step"] == 3 and s["cuda_runtime_calls_per_step"] == 5
+    assert s["host_syncs_per_step"] == {"cudaStreamSynchronize": 1, "aten::item": 1, "device_to_host_copies": 1}
+    assert s["top_cpu_ops"][0] == {"name": "aten::mm", "us_per_step": 950.0, "calls_per_step": 1.0}
+
+
+def test_summarize_trace_rejects_an_empty_trace(tmp_path):
+    with pytest.raises(ValueError, match="no complete events"):
+        dp.summarize_trace(_trace(tmp_path, []), steps=1)
+
+
+@pytest.mark.parametrize("args,msg", [(["--steps", "0"], "--steps must be >= 1"),
+                                      (["--steps", "20", "--max-tokens", "20"], "must be below --max-tokens"),
+                                      (["--sparse-config", "loopserve"], "MODE=JSON")])
+def test_bad_arguments_are_refused(tmp_path, capsys, args, msg):
+    with pytest.raises(SystemExit) as e:
+        dp.main(["--device", "cpu", "--out", str(tmp_path), *args])
+    assert e.value.code == 2 and msg in capsys.readouterr().err
+
+
+@pytest.mark.server
+def test_driver_profiles_decode_steps_on_a_cpu_server(tmp_path):
+    out = tmp_path / "dp"
+    rc = dp.main(["--device", "cpu", "--modes", "off", "--prompt-tokens", "60", "--max-tokens", "10", "--steps", "4",
+                  "--port", str(free_port()), "--out", str(out)])
+    rep = json.loads((out / "decode_profile.json").read_text())
+    assert rc == 0, rep
+    (r,) = rep["modes"]
+    assert r["mode"] == "off" and r["unprofiled"]["chunks"] >= 5 and r["unprofiled"]["decode_tok_s"] > 0
+    t = r["trace"]
+    assert t["steps"] == 4 and t["wall_us_per_step"] > 0 and t["top_cpu_ops"]
+    assert not list((out / "off").glob("*.trace.json*"))  # reduced, then removed (no --keep-traces)
+    assert "| off |" in (out / "decode_profile.md").read_text()
