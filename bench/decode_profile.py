@@ -3,14 +3,14 @@
 For each mode, one server (``bench.server``), a warm-up request, then ``/start_profile`` with
 ``profile_by_stage`` (SGLang profiles ``--steps`` decode steps on their own and writes
 ``<out>/<mode>/*-decode.trace.json.gz``), then one long greedy request streamed through
-``/v1/completions`` (prompt of ``--prompt-tokens`` words of real prose, ``--max-tokens`` tokens,
-``ignore_eos``). The trace is reduced to a small report, so that no trace needs to leave the GPU machine:
+``/v1/chat/completions`` (:func:`bench.host_tier_concurrency.stream_chat`; a user message of ``--prompt-tokens``
+words of real prose, ``--max-tokens`` tokens, ``ignore_eos``). The trace is reduced to a small report, so that no trace needs to leave the GPU machine:
 
   * client side: TTFT and decode tokens/s (inter-token time of the stream);
   * trace side, per profiled decode step: wall time (trace span / steps), GPU kernel time and count,
     the CUDA runtime calls (launches, copies, synchronisations) and the CPU ops that take the most time,
     and the host-sync markers (``aten::item`` / ``aten::_local_scalar_dense``, ``cudaStreamSynchronize``,
-    ``cudaDeviceSynchronize``, device-to-host ``cudaMemcpy``).
+    ``cudaDeviceSynchronize``, device-to-host copies (``gpu_memcpy`` events)).
 
 Writes ``<out>/decode_profile.json`` and ``<out>/decode_profile.md``; ``--keep-traces`` keeps the traces.
 
@@ -43,34 +43,21 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from bench import corpus  # noqa: E402
+from bench.host_tier_concurrency import device_name, stream_chat  # noqa: E402
 from bench.server import Server, ServerSpec  # noqa: E402
 
 SYNC_RUNTIME = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
 SYNC_OPS = ("aten::item", "aten::_local_scalar_dense")
 
 
-def stream_completion(url: str, prompt: str, max_tokens: int, timeout: float = 600.0) -> dict:
-    """One greedy streamed completion; returns TTFT and the decode rate from the chunks' arrival times."""
-    payload = {"model": "default", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
-               "ignore_eos": True, "stream": True}
-    t0 = time.perf_counter()
-    times, text = [], []
-    with requests.post(url + "/v1/completions", json=payload, stream=True, timeout=timeout) as r:
-        if r.status_code != 200:
-            raise RuntimeError(f"POST /v1/completions -> HTTP {r.status_code}: {r.text[:300]}")
-        for line in r.iter_lines():
-            if not line or not line.startswith(b"data: ") or line == b"data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            piece = (chunk.get("choices") or [{}])[0].get("text") or ""
-            if piece:
-                times.append(time.perf_counter())
-                text.append(piece)
-    if not times:
-        raise RuntimeError("the stream returned no text")
-    span = times[-1] - times[0]
-    return {"ttft_s": times[0] - t0, "chunks": len(times), "decode_tok_s": (len(times) - 1) / span if span > 0 else None,
-            "text_head": "".join(text)[:80]}
+def measure(url: str, prompt: str, max_tokens: int, timeout: float = 600.0) -> dict:
+    """One greedy streamed request (:func:`bench.host_tier_concurrency.stream_chat`, ``ignore_eos``): TTFT and the
+    decode rate (1 / TPOT of the stream)."""
+    r = stream_chat(url, [{"role": "user", "content": prompt}], max_tokens, timeout)
+    if not r["ok"]:
+        raise RuntimeError(f"streamed request failed: {r['error']}")
+    return {"ttft_s": r["ttft_s"], "completion_tokens": r["completion_tokens"], "prompt_tokens": r["prompt_tokens"],
+            "decode_tok_s": 1.0 / r["tpot_s"] if r["tpot_s"] else None, "text_head": r["text"][:80]}
 
 
 def _events(trace_path: Path) -> list[dict]:
@@ -94,8 +81,6 @@ def summarize_trace(trace_path: Path, steps: int, top: int = 12) -> dict:
         name = e.get("name", "")
         by_cat[cat][name] += e.get("dur", 0)
         counts[cat][name] += 1
-        if cat == "cuda_runtime" and name.startswith("cudaMemcpy") and "DtoH" in json.dumps(e.get("args", {})):
-            d2h += 1
         if cat == "gpu_memcpy" and "DtoH" in name:
             d2h += 1
     per = max(steps, 1)
@@ -132,26 +117,28 @@ def profile_mode(a, mode: str, sparse_config: str | None, out: Path, log) -> dic
                       sparse_config=sparse_config, extra_args=shlex.split(a.server_args))
     rec: dict = {"mode": mode, "sparse_config": sparse_config, "server": " ".join(spec.argv())}
     with Server(spec, mdir / "server.log", timeout_s=a.server_timeout, log=log) as srv:
-        stream_completion(srv.url, _prompt(40, a.seed + 1), 8)  # warm-up (kernels compiled, graphs captured)
-        rec["unprofiled"] = stream_completion(srv.url, _prompt(a.prompt_tokens, a.seed), a.max_tokens)
+        measure(srv.url, _prompt(40, a.seed + 1), 8)  # warm-up (kernels compiled, graphs captured)
+        rec["unprofiled"] = measure(srv.url, _prompt(a.prompt_tokens, a.seed), a.max_tokens)
         activities = ["CPU", "GPU"] if a.device == "cuda" else ["CPU"]
         r = requests.post(srv.url + "/start_profile", json={
             "output_dir": str(mdir), "num_steps": a.steps, "activities": activities, "profile_by_stage": True,
             "profile_prefix": mode, "with_stack": False, "record_shapes": False}, timeout=60)
         if r.status_code != 200:
             raise RuntimeError(f"/start_profile -> HTTP {r.status_code}: {r.text[:300]}")
-        rec["profiled"] = stream_completion(srv.url, _prompt(a.prompt_tokens, a.seed), a.max_tokens)
+        rec["profiled"] = measure(srv.url, _prompt(a.prompt_tokens, a.seed), a.max_tokens)
         deadline = time.time() + 120
-        traces = []
-        while time.time() < deadline:  # the trace is written by the scheduler after the last profiled step
+        while "trace" not in rec:  # the scheduler writes the trace after the last profiled step
             traces = sorted(p for p in mdir.glob("*.trace.json*") if "decode" in p.name.lower())
-            if traces and all(t.stat().st_size > 0 for t in traces):
-                time.sleep(2)
-                break
-            time.sleep(1)
-    if not traces:
-        raise RuntimeError(f"{mode}: no decode trace in {mdir} (files: {[p.name for p in mdir.iterdir()]})")
-    rec["trace"] = summarize_trace(traces[-1], a.steps)
+            try:
+                if traces:
+                    rec["trace"] = summarize_trace(traces[-1], a.steps)
+            except (EOFError, OSError, ValueError):  # still being written
+                pass
+            if "trace" not in rec:
+                if time.time() > deadline:
+                    raise RuntimeError(f"{mode}: no readable decode trace in {mdir} "
+                                       f"(files: {[p.name for p in mdir.iterdir()]})")
+                time.sleep(1)
     if not a.keep_traces:
         for t in mdir.glob("*.trace.json*"):
             t.unlink()
@@ -223,11 +210,7 @@ def main(argv: list[str] | None = None) -> int:
     def log(msg: str) -> None:
         print(f"{time.strftime('%H:%M:%S')} [decode_profile] {msg}", flush=True)
 
-    device = "cpu"
-    if a.device == "cuda":
-        import torch
-
-        device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cuda (not available)"
+    device = device_name(a.device)
     meta = {"command": " ".join(shlex.quote(x) for x in [sys.executable, "-m", "bench.decode_profile",
                                                           *(argv if argv is not None else sys.argv[1:])]),
             "device": device, "prompt_words": a.prompt_tokens, "max_tokens": a.max_tokens, "steps": a.steps}
