@@ -11,11 +11,12 @@
 #   bash scripts/gpu_session.sh loopserve    # scripts/gpu_part_loopserve.sh (prefill bench, harness, fidelity)
 #   bash scripts/gpu_session.sh samkv        # scripts/gpu_part_samkv.sh (GPU tests, accuracy + TTFT sets, 8B dummy TTFT)
 #   bash scripts/gpu_session.sh host_conc    # bench/host_tier_concurrency.py (dense vs psa + host tier vs HiCache)
+#   bash scripts/gpu_session.sh decode       # sparse-decode kernel tests + bench/sparse_decode_bench.py + bench/decode_profile.py
 #
 # Reports land in /tmp/gpu_reports/<part>/ and are packed into $OUT/<part>_reports.tgz
 # (the device returns at most 8 files from $OUT); each part's log is also copied to $OUT.
 set -uo pipefail
-part=${1:?usage: gpu_session.sh foundation|bench|psa_tests|psa_bench|psa_load|tests_host|loopserve|samkv|host_conc}
+part=${1:?usage: gpu_session.sh foundation|bench|psa_tests|psa_bench|psa_load|tests_host|loopserve|samkv|host_conc|decode}
 out=${OUT:-$PWD/gpu_out}
 rep=/tmp/gpu_reports/$part
 mkdir -p "$out" "$rep"
@@ -88,6 +89,27 @@ case $part in
     cp bench/results/host_tier.json "$rep/host_tier.json"
     step host_tier_concurrency timeout -k 30 "${HTC_TIMEOUT:-540}" python3 bench/host_tier_concurrency.py \
         --out "$rep/host_tier_concurrency" --merge-into "$rep/host_tier.json" --time-budget "${HTC_BUDGET:-480}"
+    ;;
+  decode)  # LoopServe / lastwindow decode speed: DEC_STEPS picks (default all three)
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$rep/gpu.txt"
+    dsteps=${DEC_STEPS:-pytest_kernels kernel_bench profile}
+    case " $dsteps " in *" pytest_kernels "*)
+      step pytest_kernels timeout "${DEC_TEST_TIMEOUT:-240}" python3 -m pytest -m gpu -v -p no:cacheprovider -rA \
+          --durations=10 --junitxml="$rep/junit_gpu_decode.xml" tests/flashinfer_ext/test_split_decode.py \
+          tests/flashinfer_ext/test_sparse_decode.py tests/flashinfer_ext/test_loopserve_reselect.py \
+          tests/flashinfer_ext/test_vs_decode_batched.py ;;
+    esac
+    case " $dsteps " in *" kernel_bench "*)
+      step kernel_bench timeout "${DEC_BENCH_TIMEOUT:-180}" python3 bench/sparse_decode_bench.py --out "$rep" ;;
+    esac
+    case " $dsteps " in *" profile "*)
+      step decode_profile timeout "${DEC_PROFILE_TIMEOUT:-300}" python3 -m bench.decode_profile --device cuda \
+          --modes "${DEC_MODES:-off,lastwindow,loopserve}" --prompt-tokens 2000 --max-tokens 96 --steps 48 \
+          --out "$rep/decode_profile${DEC_TAG:-}" \
+          --sparse-config 'loopserve={"min_context": 128, "budget": 64, "alpha": 0.97}' \
+          --sparse-config 'lastwindow={"min_context": 128, "budget": 128}' \
+          --server-args "--attention-backend flashinfer --page-size 16 --mem-fraction-static 0.3 ${DEC_SERVER_ARGS:---disable-cuda-graph}" ;;
+    esac
     ;;
   *) say "unknown part $part"; exit 2 ;;
 esac

@@ -56,12 +56,13 @@ def forward_batch_hook(result, *args, **kwargs):
 
 def graph_gate_hook(result, graph_runner, forward_batch, *args, **kwargs):
     """AFTER ``DecodeCudaGraphRunner.can_run_graph``: under psa, replay a decode graph only for
-    batches with at least one sparse row (those graphs were captured over the PSA path); other
-    batches run eagerly through the stock decode."""
+    batches with at least one sparse row (those graphs were captured over the PSA path); under
+    loopserve / lastwindow only for steady steps (``sglang_sparse.loopserve_graph``); other
+    batches run eagerly."""
     if not result:
         return result
     backend = getattr(getattr(graph_runner, "model_runner", None), "attn_backend", None)
-    wants = getattr(backend, "psa_wants_graph", None)
+    wants = getattr(backend, "psa_wants_graph", None) or getattr(backend, "sparse_wants_graph", None)
     return result if wants is None else bool(wants(forward_batch))
 
 

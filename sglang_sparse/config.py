@@ -172,6 +172,14 @@ class PsaConfig(SparseConfig):
     working_set_window: int = _host_tier_knobs()["working_set_window"]
 
 
+def _graph_list_width_knob():
+    """Decode-graph key shared by loopserve and lastwindow (``sglang_sparse.loopserve_graph``)."""
+    return knob(2048, doc="decode CUDA graphs (a server without --disable-cuda-graph): the widest per-(row, KV head) "
+                "token list a graph-replayed step takes (steps with wider lists, selection steps and steps with rows "
+                "in prefill run eagerly; decode lists are split into spans as if this wide, graphs on or off). "
+                "Static buffers of layers x max graph batch x KV heads x this many int32", range=Range(1, 1 << 20))
+
+
 @dataclass(frozen=True)
 class LoopServeConfig(SparseConfig):
     """LoopServe online prefill lines + progressive decode (LoopServe Alg. 1-3)."""
@@ -197,6 +205,7 @@ class LoopServeConfig(SparseConfig):
                               range=Range(0, 1 << 20))
     initial_topb: bool = knob(True, doc="also select the top-B tokens at every decode step before generated token 16, "
                               "from the last n_d queries (false: Alg. 3 exactly, stored lines only until token 16)")
+    graph_list_width: int = _graph_list_width_knob()
     host_tier_gb: float = _host_tier_knobs()["host_tier_gb"]
     gpu_cache_mb: float = _host_tier_knobs()["gpu_cache_mb"]
     working_set_window: int = _host_tier_knobs()["working_set_window"]
@@ -217,6 +226,7 @@ class LastWindowConfig(SparseConfig):
     sink_tokens: int = knob(4, doc="first key positions always attended", range=Range(0, 1 << 20))
     pool_kernel: int = knob(7, doc="SnapKV pooling: the window's attention is averaged over this many neighbouring "
                             "positions before the top-budget choice (odd; 1 = none)", range=Range(1, 63))
+    graph_list_width: int = _graph_list_width_knob()
 
     def __post_init__(self):
         super().__post_init__()
@@ -243,10 +253,14 @@ class SamKVConfig(SparseConfig):
     personalize: bool = knob(True, doc="add the other documents' local queries to the question's (Eq. 1)")
     local_query_tokens: int = knob(16, doc="last tokens of each document whose queries form its local query "
                                    "(side forward rows; SGLang keeps no Q cache)", range=Range(1, 1 << 20))
-    max_kept_ratio: float = knob(0.2, doc="cap of the kept blocks (initial + local + selected middle) as a fraction "
-                                 "of all document blocks; the middle-block budget is min(SamKV's total_blocks // D "
-                                 "- always kept, floor(max_kept_ratio * total_blocks) - always kept); 1 = SamKV's "
-                                 "rule alone", range=Range(0.0, 1.0))
+    max_kept_ratio: float = knob(0.2, doc="cap of the kept document tokens (initial + local + selected middle "
+                                 "blocks) as a fraction of all document tokens; the middle-block budget is "
+                                 "min(SamKV's total_blocks // D - always kept, (floor(max_kept_ratio * tokens) - "
+                                 "always-kept tokens) // block_size); 1 = SamKV's rule alone", range=Range(0.0, 1.0))
+    anchor_share: float = knob(0.5, doc="most of the max_kept_ratio token budget the always-kept (initial + local) "
+                               "blocks may take; beyond it local blocks are trimmed, oldest first, down to one "
+                               "(short documents); 1 = trim only when they exceed the whole budget",
+                               range=Range(0.0, 1.0))
     recompute_ratio: float = knob(0.15, doc="fraction of each document's kept tokens recomputed over the composite "
                                   "(samkv, cacheblend; 0 = none)", range=Range(0.0, 1.0))
     max_documents: int = knob(64, doc="most documents in one request", range=Range(1, 4096))

@@ -39,8 +39,24 @@ class LoopServeMixin:
     """Methods placed in front of a stock backend class (reached through ``self._ls_base``)."""
 
     def init_forward_metadata(self, forward_batch):
-        self._ls_base.init_forward_metadata(self, forward_batch)
+        self._ls_in_eager_init = True  # a base that routes through _out_graph must not graph-plan
+        try:
+            self._ls_base.init_forward_metadata(self, forward_batch)
+        finally:
+            self._ls_in_eager_init = False
         self._ls_runner.begin_batch(self, forward_batch)
+
+    def init_forward_metadata_out_graph(self, forward_batch, in_capture=False):
+        """Decode CUDA graph capture / replay preparation (SGLang calls it outside the graph)."""
+        self._ls_base.init_forward_metadata_out_graph(self, forward_batch, in_capture)
+        graphs = self._ls_graphs
+        if graphs is None or getattr(self, "_ls_in_eager_init", False) or not forward_batch.forward_mode.is_decode():
+            return
+        graphs.plan(self, forward_batch, in_capture)
+
+    def sparse_wants_graph(self, forward_batch) -> bool:
+        """``can_run_graph`` gate (``api_hooks.graph_gate_hook``): replay only the steady decode steps."""
+        return self._ls_graphs is not None and self._ls_graphs.wants_graph(forward_batch)
 
     def forward_extend(self, q, k, v, layer, forward_batch, *args, **kwargs):
         runner = self._ls_runner
@@ -127,9 +143,7 @@ def install(backend, config: LoopServeConfig, page_size: int, enable_metrics: bo
 
     device = torch.device(model_runner.device) if isinstance(model_runner.device, str) else model_runner.device
     args = model_runner.server_args
-    if device.type == "cuda" and not getattr(args, "disable_cuda_graph", True):
-        raise RuntimeError("sglang-sparse loopserve plans on the host per batch: start the server with "
-                           "--disable-cuda-graph")
+    graphs_on = device.type == "cuda" and not getattr(args, "disable_cuda_graph", True)
     base = type(backend)
     methods = {k: v for k, v in vars(LoopServeMixin).items() if not k.startswith("__")}
     prefix = "LoopServe" if mode == "loopserve" else "LastWindow"
@@ -143,8 +157,16 @@ def install(backend, config: LoopServeConfig, page_size: int, enable_metrics: bo
     backend._ls_runner = LoopServeRunner(config, AttnShape.of(model_runner), device, use_kernels=kernels,
                                          store=store)
     backend._ls_metrics = metrics
+    backend._ls_graphs = None
+    if graphs_on:  # steady decode steps replay SGLang's decode graphs (sglang_sparse.loopserve_graph)
+        if not kernels:
+            raise RuntimeError("sglang-sparse loopserve: CUDA graphs need the kernel path")
+        from sglang_sparse.loopserve_graph import LoopServeGraphs
+
+        backend._ls_graphs = LoopServeGraphs(backend._ls_runner, config.graph_list_width, stats=stats)
     backend.sparse_stats = stats
     backend.sparse_installed_mode = mode
-    logger.info("sglang-sparse %s: %s path (%s), line store %d MiB", mode, "kernel" if kernels else "reference",
-                device.type, getattr(config, "line_store_mb", 0))
+    logger.info("sglang-sparse %s: %s path (%s), line store %d MiB, decode CUDA graphs %s", mode,
+                "kernel" if kernels else "reference", device.type, getattr(config, "line_store_mb", 0),
+                f"for steady steps (lists <= {config.graph_list_width})" if graphs_on else "off")
     return backend

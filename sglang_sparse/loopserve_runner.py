@@ -171,6 +171,14 @@ class LoopServeRunner:
         # lastwindow (SnapKV-like baseline): dense prefill that only records the prompt's last `window`
         # queries; one top-B selection at the first decode step; no lines, no re-selection
         self.lastwindow = cfg.mode == "lastwindow"
+        self.planning_for_graph = False  # set by loopserve_graph while it plans a replayed step
+        # lists are split as if graph_list_width wide, graphs on or off: eager and graph-replayed steps (and
+        # servers with and without graphs) cut the same lists into the same spans, so their outputs agree bit
+        # for bit (loopserve_graph sets it to its own width)
+        self.split_width = int(getattr(cfg, "graph_list_width", 0))
+        # split-list decode (flashinfer_ext.split_decode): aim at about two waves of programs per layer
+        self.target_programs = 2 * torch.cuda.get_device_properties(device).multi_processor_count \
+            if device.type == "cuda" else 8
 
     # ------------------------------------------------------------------ planning (once per batch)
     def _commit_ring(self) -> None:
@@ -204,7 +212,7 @@ class LoopServeRunner:
             self._plan_decode(backend, forward_batch, reqs, host)
         elif mode.is_extend():
             self._plan_extend(backend, forward_batch, reqs)
-        self.step_rows = host.to(self.device) if self.device.type != "cpu" else host
+        self.step_rows = _h2d(host, self.device)
         if self.dec is not None and "lists_all" in self.dec:  # tokens read this step, all layers at once
             self.step_rows[self.dec["rows_dev"], COL_READ] += self.dec["lists_all"][1].sum((0, 2), dtype=torch.float32)
 
@@ -253,12 +261,25 @@ class LoopServeRunner:
                     sample_query_rows(e, cfg.sampled_rows)
                 self.ext_rows.append(_ExtRow(i, st, q_lo, p, seq, int(fb.req_pool_indices_cpu[i])
                                              if getattr(fb, "req_pool_indices_cpu", None) is not None
-                                             else int(req.req_pool_idx), sample.to(self.device),
+                                             else int(req.req_pool_idx), _h2d(sample, self.device),
                                              seq >= len(req.origin_input_ids),
-                                             sample_pos=(sample + p).to(self.device),
+                                             sample_pos=_h2d(sample + p, self.device),
                                              sel_cfg=None if sel_base is None
                                              else dataclasses.replace(sel_base, alpha=st.alpha)))
             q_lo += e
+
+    def row_fires(self, st: ReqState, seq_len: int) -> tuple[bool, bool]:
+        """``(re-selects by Alg. 3, selects top-B at this step)`` of a decode row whose prefill is done, at
+        context length ``seq_len`` (host ints only)."""
+        n_o = seq_len - st.prompt_len  # tokens generated so far (the first one came from prefill)
+        if self.lastwindow:  # one selection, at the first decode step, from the prompt's last window
+            return False, n_o == 1
+        f = n_o >= FIRST_RESELECT and (n_o - FIRST_RESELECT) % self.cfg.n_d == 0
+        # initial_topb: until Alg. 3's first re-selection (token 16) every decode step selects top-B too,
+        # observing the last n_d queries (the prompt's last ones, then the generated ones): the stored
+        # prefill lines alone lost a planted fact on SmolLM2 (CPU reference and H100 alike), and one
+        # selection from the prompt's last queries alone still lost it at budget 128 (CPU reference)
+        return f, f or (n_o < FIRST_RESELECT and self.cfg.initial_topb)
 
     def _plan_decode(self, backend, fb, reqs, host) -> None:
         cfg, sh = self.cfg, self.shape
@@ -269,23 +290,12 @@ class LoopServeRunner:
             if st is None or not st.prefill_done:
                 continue
             st.finalize()
-            pos = lens[i] - 1
             if st.since == 0:
                 st.since = st.prompt_len
-            n_o = pos - st.prompt_len + 1  # tokens generated so far (the first one came from prefill)
-            if self.lastwindow:  # one selection, at the first decode step, from the prompt's last window
-                rows.append(i)
-                resel.append(False)
-                fire.append(n_o == 1)
-                continue
-            f = n_o >= FIRST_RESELECT and (n_o - FIRST_RESELECT) % cfg.n_d == 0
+            r, f = self.row_fires(st, lens[i])
             rows.append(i)
-            resel.append(f)
-            # initial_topb: until Alg. 3's first re-selection (token 16) every decode step selects top-B too,
-            # observing the last n_d queries (the prompt's last ones, then the generated ones): the stored
-            # prefill lines alone lost a planted fact on SmolLM2 (CPU reference and H100 alike), and one
-            # selection from the prompt's last queries alone still lost it at budget 128 (CPU reference)
-            fire.append(f or (n_o < FIRST_RESELECT and cfg.initial_topb))
+            resel.append(r)
+            fire.append(f)
         if not rows:
             return
         dev = self.device
@@ -311,24 +321,38 @@ class LoopServeRunner:
             if f:  # lastwindow keeps its observation window too
                 st.since = max(st.prompt_len - self.cfg.window, 0) if self.lastwindow else lens[i] - 1
         rows_t = torch.tensor(rows)
-        seq = torch.tensor([lens[i] for i in rows])
+        seq_host = [lens[i] for i in rows]
+        # every per-row int of the step in one pinned, non-blocking host->device copy (a pageable copy
+        # blocks the host until the GPU has caught up: one stream sync per copy)
+        n_s = len(rows)
+        packed = _h2d(torch.tensor(rows + seq_host + [st.since for st in states], dtype=torch.int64), dev)
+        rows_dev, seq_dev, since_dev = packed.split(n_s)
         q_buf = None if self.lastwindow else torch.empty(
             sh.num_layers, len(rows), sh.num_qo_heads, sh.head_dim, dtype=states[0].ring.dtype, device=dev)
         self._pending_ring = None if q_buf is None else \
             (q_buf, [(st, (lens[i] - 1) % cfg.n_d) for st, i in zip(states, rows)])
-        rpi = fb.req_pool_indices[rows_t.to(fb.req_pool_indices.device)]
-        self.dec = dict(rows=rows, rows_dev=rows_t.to(dev), states=states, fire=fire, v=v, s=s_, topb=tb,
-                        q_buf=q_buf, seq=seq.to(dev), pos=(seq - 1).to(dev), max_len=max(lens[i] for i in rows),
-                        since=torch.tensor([st.since for st in states]).to(dev), rpi=rpi,
+        all_rows = n_s == self.bs
+        rpi = fb.req_pool_indices if all_rows else fb.req_pool_indices[rows_dev.to(fb.req_pool_indices.device)]
+        self.dec = dict(rows=rows, rows_dev=rows_dev, states=states, fire=fire, v=v, s=s_, topb=tb,
+                        q_buf=q_buf, seq=seq_dev, pos=seq_dev - 1, max_len=max(seq_host),
+                        since=since_dev, rpi=rpi,
                         max_since=max(lens[i] - st.since for st, i in zip(states, rows)),
                         n_forced=torch.zeros(len(rows), dtype=torch.int32, device=dev),
-                        all_rows=len(rows) == self.bs,
+                        all_rows=all_rows,
                         # sparse_decode's side outputs, shared by every layer of the step (never read back)
                         lse_buf=torch.empty(len(rows), sh.num_qo_heads, dtype=torch.float32, device=dev),
                         nread_buf=torch.empty(len(rows), sh.num_kv_heads, dtype=torch.int32, device=dev),
-                        seq32=seq.to(torch.int32).to(dev),
+                        seq32=seq_dev.to(torch.int32),
                         sel=self._plan_selection(states, [lens[i] for i in rows], fire, rpi))
         width = v.shape[3] + s_.shape[3] + tb.shape[3] + cfg.sink_tokens + self.dec["max_since"]
+        if self.use_kernels and not self.planning_for_graph:  # split plan + partial buffers, shared by every layer
+            from flashinfer_ext.split_decode import alloc_split_buffers, plan_splits
+
+            split = plan_splits(max(width, self.split_width), n_s * sh.num_kv_heads, block_size=1,
+                                target_programs=self.target_programs)
+            self.dec["split"] = split
+            if split.num_splits > 1:
+                self.dec["split_bufs"] = alloc_split_buffers(n_s, sh.num_qo_heads, sh.head_dim, split.num_splits, dev)
         if self.dec["sel"] is None and sh.num_layers * len(rows) * sh.num_kv_heads * width <= LISTS_ALL_MAX_ENTRIES:
             # no row re-selects at this step: every layer's sets built at once, here (else per layer, below)
             self.dec["lists_all"] = self._union_lists_all_layers(self.dec)
@@ -336,7 +360,7 @@ class LoopServeRunner:
             self._pending_topb = (tb, [(states[j], j, w) for j, w in self.dec["sel"]["widths"]])
         units = sh.num_layers * sh.num_kv_heads
         host[rows_t, COL_KIND] = float(KIND_LASTWINDOW if self.lastwindow else KIND_DECODE)
-        host[rows_t, COL_TTOT] = seq.float() * units
+        host[rows_t, COL_TTOT] = torch.tensor(seq_host, dtype=torch.float32) * units
         host[rows_t, COL_RESEL] = torch.tensor(resel, dtype=torch.float32)
 
     def _plan_selection(self, states, lens, fire, rpi) -> dict | None:
@@ -389,7 +413,7 @@ class LoopServeRunner:
         # window (the window, the sink and the generated tokens are attended anyway); loopserve from all
         cand = [max(lo, 1) for lo, _, _ in spans] if self.lastwindow else sel_seq
         parts = [obs_pos, q_req, indptr, cur_rows, fire_j, sel_seq, budgets, cand]
-        packed = torch.tensor([x for part in parts for x in part], dtype=torch.int64).to(dev)
+        packed = _h2d(torch.tensor([x for part in parts for x in part], dtype=torch.int64), dev)
         views = packed.split([len(part) for part in parts])
         widths = [min(b, n) for b, n in zip(budgets, cand)]
         kw = dict(dtype=torch.float32, device=dev)
@@ -573,7 +597,16 @@ class LoopServeRunner:
         """Decode of rows ``q [nS, Hq, D]`` over the per-(row, KV head) token lists ``lists [nS, Hk, W]``
         (first ``lens [nS, Hk]`` entries): one :func:`sparse_decode` launch over all rows and KV heads (no
         host sync); the reference path attends the same sets as a mask in fp32."""
-        if self.use_kernels:
+        if self.use_kernels and d["split"].num_splits > 1:  # spans of the lists on separate programs, one merge
+            from flashinfer_ext.split_decode import sparse_decode_split
+
+            po, plse = d["split_bufs"]
+            o, _, _ = sparse_decode_split(q if q.stride(2) == 1 else q.contiguous(), k_buf, v_buf, rtt, d["rpi"],
+                                          d["seq32"], lists, lens, d["split"], block_size=1, sm_scale=scale,
+                                          partial_o_buf=po, partial_lse_buf=plse, out=out, lse_out=d["lse_buf"],
+                                          nread_out=d["nread_buf"])
+            return o
+        if self.use_kernels:  # lists short enough for one program per (row, KV head)
             from flashinfer_ext.sparse_decode import sparse_decode
 
             o, _, _ = sparse_decode(q if q.stride(2) == 1 else q.contiguous(), k_buf, v_buf, rtt, d["rpi"],
@@ -603,6 +636,14 @@ def _snapkv_pool(v_sum: torch.Tensor, kernel: int, sink_tokens: int) -> torch.Te
         else v_sum.clone()
     out[:, :, :sink_tokens] = -1.0
     return out
+
+
+def _h2d(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``host`` on ``device`` without blocking the host: staged through pinned memory (the caching host
+    allocator keeps the pinned block until the copy has run), a non-blocking copy on the current stream."""
+    if device.type != "cuda":
+        return host
+    return host.pin_memory().to(device, non_blocking=True)
 
 
 def use_kernels_for(device: torch.device) -> bool:

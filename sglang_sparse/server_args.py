@@ -90,7 +90,9 @@ class SparseServerArgs(_BaseServerArgs):
 def _apply_mode_requirements(args, ctx: SparseContext) -> None:
     """Server settings a mode needs, set before SGLang resolves them (logged, never silent).
 
-    loopserve / lastwindow on CUDA: CUDA graphs off (line / token sets are planned per request on the host).
+    loopserve / lastwindow on CUDA: prefill CUDA graphs off (the sparse prefill plans per request on the host);
+    decode graphs stay on (``--disable-cuda-graph`` turns them off): the steady decode steps replay them
+    (:mod:`sglang_sparse.loopserve_graph`), the others run eagerly.
     psa on CUDA: the page is the PSA block, so ``--page-size`` defaults to ``block_size`` (another
     explicit page size is refused); prefill CUDA graphs are off (the block-metadata update after an
     extend takes a host bound); decode graphs stay on unless the config's ``cuda_graph`` is false.
@@ -98,12 +100,12 @@ def _apply_mode_requirements(args, ctx: SparseContext) -> None:
     if _device_type(args.device) != "cuda":
         return
     if ctx.mode in ("loopserve", "lastwindow"):
-        if not args.disable_cuda_graph:
+        if not args.disable_prefill_cuda_graph:
             import logging
 
             logging.getLogger("sglang_sparse").info(
-                "sglang-sparse %s: CUDA graphs disabled (per-request host planning of token sets)", ctx.mode)
-            args.disable_cuda_graph = True
+                "sglang-sparse %s: prefill CUDA graphs disabled (per-request host planning of line sets)", ctx.mode)
+            args.disable_prefill_cuda_graph = True
         return
     if ctx.mode != "psa":
         return

@@ -1,6 +1,8 @@
 """Contract (GPU): `--sparse lastwindow` serves on stock SGLang's FlashInfer backend: dense prefill, then
 decode over the fixed top-budget (Triton sparse_decode, all-sparse batches skip the stock decode),
-reported per request as `mode: lastwindow`; short prompts decode densely; no leak, no traceback.
+reported per request as `mode: lastwindow`; short prompts decode densely; no leak, no traceback. With CUDA
+graphs on, every decode step after the first replays a captured graph and the greedy output equals the eager
+server's.
 (One server: the dense comparison of short prompts is the loopserve GPU module's and the CPU test's.)"""
 
 from __future__ import annotations
@@ -9,6 +11,7 @@ import sys
 import time
 
 import pytest
+import requests
 
 from bench.server import Server, ServerSpec
 from tests.serverproc import DEFAULT_MODEL, chat, free_port
@@ -55,4 +58,36 @@ def test_gpu_lastwindow_decodes_over_the_fixed_budget(lw_gpu_server):
     assert rep["decode_read_fraction"] <= (BUDGET + 4 + 32 + n_out) / n_prompt
     time.sleep(3)  # let the scheduler go idle and run its leak check
     text = (d / "lastwindow.log").read_text(errors="replace").lower()
+    assert "leak" not in text and "traceback" not in text
+
+
+@pytest.fixture(scope="module")
+def lw_graph_server(tmp_path_factory):
+    d = tmp_path_factory.mktemp("gpu_lastwindow_graph")
+    args = ["--attention-backend", "flashinfer", "--mem-fraction-static", "0.2", "--cuda-graph-max-bs", "4"]
+    lw = Server(ServerSpec(python=sys.executable, model=str(DEFAULT_MODEL), device="cuda", port=free_port(),
+                           mode="lastwindow", sparse_config=f'{{"min_context": {MIN_CONTEXT}, "budget": {BUDGET}}}',
+                           extra_args=args), d / "lastwindow_graph.log", timeout_s=600).start()
+    try:
+        yield lw, d
+    finally:
+        lw.stop()
+
+
+def test_gpu_lastwindow_graph_replay_gives_the_eager_output(lw_gpu_server, lw_graph_server):
+    eager, _ = lw_gpu_server
+    server, d = lw_graph_server
+    prompt = "Graph replay. " + _long_prompt()
+    stats = lambda: server.server_info()["internal_states"][0]["sparse"]["stats"]["graph_decode_steps"]  # noqa: E731
+    before = stats()
+    for s in (eager, server):  # no earlier request's prefix (and, loopserve, its stored lines) on either side
+        requests.post(s.url + "/flush_cache", timeout=60).raise_for_status()
+    want = chat(eager, prompt, 48, ignore_eos=True)
+    got = chat(server, prompt, 48, ignore_eos=True)
+    assert got["choices"][0]["message"]["content"] == want["choices"][0]["message"]["content"], (
+        got["choices"][0]["message"]["content"], want["choices"][0]["message"]["content"])
+    # decode steps 2..47 are steady (step 1 selects, and compacts the request's lines first)
+    assert stats() - before == 46
+    time.sleep(3)
+    text = (d / "lastwindow_graph.log").read_text(errors="replace").lower()
     assert "leak" not in text and "traceback" not in text

@@ -3,7 +3,8 @@ Triton kernels (vs_estimate, vs_prefill, sparse_decode) — alpha = 1.0 (per req
 below `min_context` give the greedy output of `--sparse off` on the same backend; above it prefill
 and decode are sparse (fewer lines / tokens than dense, reported per request and by the scheduler),
 a planted fact is still retrieved when dense retrieves it, a 2-turn conversation reuses turn 1's
-lines (/metrics), and SGLang's idle KV-leak check stays silent."""
+lines (/metrics), and SGLang's idle KV-leak check stays silent. With CUDA graphs on, the steady decode steps
+replay SGLang's decode graphs and the greedy output equals the eager server's token for token."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import sys
 import time
 
 import pytest
+import requests
 
 from bench.server import Server, ServerSpec
 from tests.serverproc import DEFAULT_MODEL, chat, free_port, sparse_metrics
@@ -20,15 +22,19 @@ from tests.test_server_e2e import PROMPT
 pytestmark = [pytest.mark.gpu, pytest.mark.server]
 
 MIN_CONTEXT = 512
-# loopserve plans on the host per batch: CUDA graphs off (the installer refuses them); the dense side
-# runs the same way so that greedy outputs are compared like for like
+# the eager servers: CUDA graphs off (the dense side too, so that greedy outputs are compared like for like);
+# the graph server (loopserve_graph: steady decode steps replay graphs) captures batch sizes up to 4
 ARGS = ["--attention-backend", "flashinfer", "--mem-fraction-static", "0.2", "--enable-metrics",
         "--disable-cuda-graph"]
+GRAPH_ARGS = ["--attention-backend", "flashinfer", "--mem-fraction-static", "0.2", "--cuda-graph-max-bs", "4"]
+# graph_list_width 8192: the default budget (1024) + the prompt's lines fit, so the steady steps replay; both
+# servers have it (it also fixes how the decode lists are split, eager or replayed)
+SPARSE_CONFIG = f'{{"min_context": {MIN_CONTEXT}, "alpha": 0.97, "graph_list_width": 8192}}'
 
 
-def _server(mode, log, sparse_config=None):
+def _server(mode, log, sparse_config=None, args=ARGS):
     spec = ServerSpec(python=sys.executable, model=str(DEFAULT_MODEL), device="cuda", port=free_port(),
-                      mode=mode, sparse_config=sparse_config, extra_args=list(ARGS))
+                      mode=mode, sparse_config=sparse_config, extra_args=list(args))
     return Server(spec, log, timeout_s=600).start()
 
 
@@ -37,8 +43,7 @@ def gpu_servers(tmp_path_factory):
     d = tmp_path_factory.mktemp("gpu_loopserve")
     dense = _server("off", d / "off.log")
     try:
-        sparse = _server("loopserve", d / "loopserve.log",
-                         sparse_config=f'{{"min_context": {MIN_CONTEXT}, "alpha": 0.97}}')
+        sparse = _server("loopserve", d / "loopserve.log", sparse_config=SPARSE_CONFIG)
     except Exception:
         dense.stop()
         raise
@@ -114,4 +119,35 @@ def test_gpu_loopserve_log_has_no_leak_or_traceback(gpu_servers):
     _, _, d = gpu_servers
     time.sleep(3)  # let the scheduler go idle and run its leak check
     text = (d / "loopserve.log").read_text(errors="replace").lower()
+    assert "leak" not in text and "traceback" not in text
+
+
+@pytest.fixture(scope="module")
+def graph_server(tmp_path_factory):
+    d = tmp_path_factory.mktemp("gpu_loopserve_graph")
+    server = _server("loopserve", d / "loopserve_graph.log", sparse_config=SPARSE_CONFIG, args=GRAPH_ARGS)
+    try:
+        yield server, d
+    finally:
+        server.stop()
+
+
+def test_gpu_loopserve_graph_replay_gives_the_eager_output(gpu_servers, graph_server):
+    """64 greedy tokens of one long request: steps 1-16, 32 and 48 select top-B (eager), the others replay a
+    captured graph; the text equals the eager server's, the steps replayed are counted, the log stays clean."""
+    _, eager, _ = gpu_servers
+    server, d = graph_server
+    prompt = "Graph replay. " + _long_prompt()
+    before = server.server_info()["internal_states"][0]["sparse"]["stats"]["graph_decode_steps"]
+    for s in (eager, server):  # no earlier request's prefix (and, loopserve, its stored lines) on either side
+        requests.post(s.url + "/flush_cache", timeout=60).raise_for_status()
+    want = chat(eager, prompt, 64, ignore_eos=True)
+    got = chat(server, prompt, 64, ignore_eos=True)
+    assert got["metadata"]["sparse"]["sparse_decode_steps"] == want["metadata"]["sparse"]["sparse_decode_steps"] == 63
+    assert got["choices"][0]["message"]["content"] == want["choices"][0]["message"]["content"], (
+        got["choices"][0]["message"]["content"], want["choices"][0]["message"]["content"])
+    replayed = server.server_info()["internal_states"][0]["sparse"]["stats"]["graph_decode_steps"] - before
+    assert replayed == 63 - 18  # every steady step: not generated tokens 1-16 (initial top-B), 32, 48
+    time.sleep(3)
+    text = (d / "loopserve_graph.log").read_text(errors="replace").lower()
     assert "leak" not in text and "traceback" not in text

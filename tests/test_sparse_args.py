@@ -147,9 +147,10 @@ def test_psa_on_cuda_takes_the_block_as_page_and_turns_prefill_graphs_off():
     cpu = args("cpu")
     _apply_mode_requirements(cpu, resolve_sparse("psa", None))
     assert (cpu.page_size, cpu.disable_cuda_graph, cpu.disable_prefill_cuda_graph) == (None, False, False)
-    a = args()
-    _apply_mode_requirements(a, resolve_sparse("loopserve", None))
-    assert a.disable_cuda_graph and a.page_size is None
+    for mode in ("loopserve", "lastwindow"):  # decode graphs stay on (steady steps replay them), prefill graphs off
+        a = args()
+        _apply_mode_requirements(a, resolve_sparse(mode, None))
+        assert (a.disable_cuda_graph, a.disable_prefill_cuda_graph, a.page_size) == (False, True, None)
     with pytest.raises(SparseConfigError, match="must be one of \\[16, 32, 64\\]"):
         _apply_mode_requirements(args(), resolve_sparse("psa", '{"block_size": 8}'))
 

@@ -1,0 +1,109 @@
+"""Contract: a LoopServe / lastwindow steady decode step planned for a CUDA-graph replay (sglang_sparse.loopserve_graph)
+decodes exactly like the eager step: same outputs for the real rows, zeros for the padding rows, same statistics,
+the same queries committed to the rings; only steady steps that fit the captured buffers are replayed.
+
+On the CPU the captured decode is run as Python over the static buffers it would record (Triton interpreter);
+the GPU server test (tests/test_gpu_loopserve_server.py) replays real graphs."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from sglang_sparse.loopserve_graph import LoopServeGraphs
+from sglang_sparse.loopserve_runner import STATE_ATTR, LoopServeRunner
+
+from .test_loopserve_reselect import D, HQ, LOOPSERVE, STEADY, L, _Mode, _setup
+
+MAX_BS = 4
+
+
+def _decode_layers(runner, backend, q3):
+    o3 = torch.zeros(q3.shape[0], HQ, D)
+    for lid in range(L):
+        runner.decode(backend, o3, q3, SimpleNamespace(layer_id=lid, scaling=D ** -0.5))
+    return o3
+
+
+def _captured(lastwindow, case, width=256, all_topb=True):
+    """A runner with its graphs captured at batch sizes 4 and 2 (largest first, as SGLang does) over a static
+    request-index buffer, and the batch of ``case`` (3 rows) ready to be replayed at padded size 4."""
+    cfg, shape, backend, fb, reqs, q3, pool = _setup(lastwindow, *case, all_topb=all_topb)
+    runner = LoopServeRunner(cfg, shape, torch.device("cpu"), use_kernels=True)
+    graphs = LoopServeGraphs(runner, width)
+    rpi_buf = torch.zeros(MAX_BS, dtype=torch.int64)
+    for bs in (MAX_BS, 2):
+        view = SimpleNamespace(batch_size=bs, forward_mode=_Mode(), req_pool_indices=rpi_buf[:bs],
+                               seq_lens_cpu=torch.ones(bs, dtype=torch.int64))
+        graphs.plan(backend, view, in_capture=True)
+        _decode_layers(runner, backend, torch.zeros(bs, HQ, D))  # the capture's forward
+    return SimpleNamespace(runner=runner, graphs=graphs, backend=backend, fb=fb, reqs=reqs, q3=q3, rpi_buf=rpi_buf)
+
+
+def _replay(c):
+    """SGLang's load_batch: the static buffers filled (padding rows: index 0, length 1), then the view planned."""
+    raw = c.fb.batch_size
+    c.rpi_buf.zero_()
+    c.rpi_buf[:raw] = c.fb.req_pool_indices
+    lens = torch.ones(MAX_BS, dtype=torch.int64)
+    lens[:raw] = c.fb.seq_lens_cpu
+    view = SimpleNamespace(batch_size=MAX_BS, forward_mode=_Mode(), req_pool_indices=c.rpi_buf, seq_lens_cpu=lens)
+    c.graphs.plan(c.backend, view, in_capture=False)
+    q_pad = torch.zeros(MAX_BS, HQ, D)
+    q_pad[:raw] = c.q3
+    return _decode_layers(c.runner, c.backend, q_pad)
+
+
+@pytest.mark.parametrize("lastwindow", [False, True], ids=["loopserve", "lastwindow"])
+def test_replayed_steady_step_decodes_like_the_eager_step(lastwindow):
+    eager_cfg, shape, backend, fb, reqs, q3, _ = _setup(lastwindow, *STEADY[lastwindow], all_topb=True)
+    eager = LoopServeRunner(eager_cfg, shape, torch.device("cpu"), use_kernels=True)
+    eager.begin_batch(backend, fb)
+    o_eager = _decode_layers(eager, backend, q3)
+
+    c = _captured(lastwindow, STEADY[lastwindow])
+    assert c.graphs.wants_graph(c.fb)
+    o_pad = _replay(c)
+    raw = c.fb.batch_size
+    assert c.graphs.replays == 1 and c.runner.bs == raw
+    torch.testing.assert_close(o_pad[:raw], o_eager, rtol=1e-5, atol=1e-5)
+    assert float(o_pad[raw:].abs().sum()) == 0.0  # padding rows read nothing
+    assert float(o_eager.abs().sum()) > 0
+    assert torch.equal(c.runner.step_rows, eager.step_rows)  # same lists read: same statistics
+    # the step's queries reach the rings at the next batch exactly as in the eager path
+    eager._commit_ring()
+    c.runner._commit_ring()
+    for r_e, r_g in zip(reqs, c.reqs):
+        assert torch.equal(getattr(r_e, STATE_ATTR).ring, getattr(r_g, STATE_ATTR).ring)
+
+
+def test_steps_that_select_or_do_not_fit_are_not_replayed():
+    # loopserve rows at generated tokens 5 and 15 (initial top-B) and 19: selecting rows -> eager
+    c = _captured(False, LOOPSERVE, all_topb=False)
+    assert not c.graphs.wants_graph(c.fb)
+    # steady, but the lists are wider than the captured width
+    c = _captured(False, STEADY[False], width=40)
+    assert not c.graphs.wants_graph(c.fb)
+    # steady, but larger than the largest captured batch
+    c = _captured(True, STEADY[True])
+    c.fb.batch_size = MAX_BS + 1
+    assert not c.graphs.wants_graph(c.fb)
+
+
+def test_a_replay_without_a_planned_batch_is_refused():
+    c = _captured(True, STEADY[True])
+    with pytest.raises(RuntimeError, match="wants_graph"):
+        _replay(c)
+    # and a replay view whose lengths are not the batch can_run_graph saw
+    assert c.graphs.wants_graph(c.fb)
+    c.fb.seq_lens_cpu = c.fb.seq_lens_cpu + 1
+    with pytest.raises(RuntimeError, match="not the one"):
+        _replay(c)
+
+
+def test_graph_list_width_is_validated():
+    cfg, shape, *_ = _setup(True, *STEADY[True])
+    with pytest.raises(ValueError, match="graph_list_width"):
+        LoopServeGraphs(LoopServeRunner(cfg, shape, torch.device("cpu"), use_kernels=True), 0)
