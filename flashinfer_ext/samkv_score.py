@@ -17,9 +17,12 @@ context), the rest are the *middle* blocks that selection keeps or drops.
   pass (the batched form of the three functions above, index tensors from :class:`ScoreIndex`).
 * :func:`select_middle_blocks` - Eq. 3 (``P_i`` averaged over the stable layers), each document's
   top ``ceil(P_i * middle_i)`` middle blocks by its layer-averaged score as candidates, scores
-  min-max normalised per document (so documents compare on one scale), and of all candidates the
-  best ``total_blocks // D - always_kept_blocks`` kept (never negative: the paper's budget of
-  ``total blocks / D`` counts the always-kept blocks too).
+  min-max normalised per document (so documents compare on one scale; equal normalised scores -
+  every document's best block is 1.0 - are ordered by the raw score, never by document order), and of
+  all candidates the best ``total_blocks // D - always_kept_blocks`` kept (never negative: the paper's
+  budget of ``total blocks / D`` counts the always-kept blocks too).
+* :func:`anchor_layouts` - every document's :func:`block_layout`, local blocks trimmed when the
+  always-kept blocks would take more than their share of the KV budget (short documents).
 
 Cautions: scores use position-free vectors (queries before RoPE, keys de-rotated to position 0) so a
 block's score does not depend on where the document sits; the paper does not say which it uses.
@@ -32,7 +35,7 @@ import math
 import torch
 
 __all__ = ["generic_query", "personalized_queries", "block_mean_keys", "block_scores", "anchor_top_p",
-           "block_layout", "select_middle_blocks", "ScoreIndex", "document_scores"]
+           "block_layout", "anchor_layouts", "select_middle_blocks", "ScoreIndex", "document_scores"]
 
 
 def generic_query(q: torch.Tensor) -> torch.Tensor:
@@ -102,6 +105,30 @@ def block_layout(n_tokens: int, block_size: int, initial_blocks: int, local_bloc
     return nb, always, middle
 
 
+def _block_tokens(n_tokens: int, block_size: int, blocks) -> int:
+    return sum(min(n_tokens, (b + 1) * block_size) - b * block_size for b in blocks)
+
+
+def anchor_layouts(lengths: list[int], block_size: int, initial_blocks: int, local_blocks: int,
+                   max_anchor_tokens: int | None = None) -> tuple[list[tuple], int]:
+    """:func:`block_layout` of every document, with the local blocks trimmed (the oldest first, one at a time,
+    never below one) while the always-kept tokens of all documents exceed ``max_anchor_tokens`` (None: no
+    trimming). Returns ``(layouts, local blocks used)``.
+
+    Why: the always-kept (initial + local) blocks are taken from the same KV budget as the selected middle
+    blocks; on short documents (e.g. 8 x ~190 tokens, 16-token blocks: 1 + 2 blocks are ~20 % of the tokens)
+    they alone used the whole ``max_kept_ratio`` budget and no middle block could ever be kept (SamKV's
+    selection was switched off). SamKV keeps initial + local blocks because they are a small part of long
+    documents (§3.2: 1 + 2 blocks of 64 tokens); this keeps that premise on short ones."""
+    lb = int(local_blocks)
+    while True:
+        layouts = [block_layout(n, block_size, initial_blocks, lb) for n in lengths]
+        anchors = sum(_block_tokens(n, block_size, a) for n, (_, a, _) in zip(lengths, layouts))
+        if max_anchor_tokens is None or anchors <= max_anchor_tokens or lb <= 1:
+            return layouts, lb
+        lb -= 1
+
+
 def select_middle_blocks(p_layers: list[torch.Tensor], s_layers: list[torch.Tensor], total_blocks: int,
                          always_kept: int, max_middle: int | None = None) -> list[list[int]]:
     """Eq. 3 + cross-document normalisation and budget.
@@ -115,7 +142,7 @@ def select_middle_blocks(p_layers: list[torch.Tensor], s_layers: list[torch.Tens
     budget = max(0, total_blocks // max(d, 1) - always_kept)
     if max_middle is not None:
         budget = min(budget, max(0, int(max_middle)))
-    cands = []  # (normalised score, doc, middle index)
+    cands = []  # (normalised score, raw layer-averaged score, doc, middle index)
     for i, (p, s) in enumerate(zip(p_layers, s_layers)):
         m = s.shape[-1]
         if m == 0:
@@ -128,10 +155,12 @@ def select_middle_blocks(p_layers: list[torch.Tensor], s_layers: list[torch.Tens
         lo, hi = float(mean.min()), float(mean.max())
         norm = (mean - lo) / (hi - lo) if hi > lo else torch.ones_like(mean)
         top = torch.topk(mean, take).indices.tolist()
-        cands += [(float(norm[j]), i, j) for j in top]
-    cands.sort(key=lambda c: (-c[0], c[1], c[2]))
+        cands += [(float(norm[j]), float(mean[j]), i, j) for j in top]
+    # ties of the normalised score (each document's best block is 1.0) go to the higher raw score: ordering
+    # them by document index gave a small budget to the first documents whatever their scores were
+    cands.sort(key=lambda c: (-c[0], -c[1], c[2], c[3]))
     kept: list[list[int]] = [[] for _ in range(d)]
-    for _, i, j in cands[:budget]:
+    for _, _, i, j in cands[:budget]:
         kept[i].append(j)
     return [sorted(k) for k in kept]
 

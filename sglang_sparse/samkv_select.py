@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import torch
 
-from flashinfer_ext.samkv_score import (ScoreIndex, block_layout, document_scores, generic_query,
+from flashinfer_ext.samkv_score import (ScoreIndex, anchor_layouts, document_scores, generic_query,
                                         personalized_queries, select_middle_blocks)
 
 
@@ -166,8 +166,15 @@ def select_blocks(rt, spans, srcs, ids, tree_cache, keep_all: bool = False) -> t
     cfg = rt.config
     bs = cfg.block_size
     pool = tree_cache.token_to_kv_pool_allocator.get_kvcache()
-    layouts = [block_layout(n, bs, cfg.initial_blocks, cfg.local_blocks) for _, n in spans]
     n_doc = spans[-1][0] + spans[-1][1]
+    # the KV budget in tokens (what kv_kept_ratio reports); the always-kept blocks may take at most
+    # anchor_share of it (local blocks trimmed, flashinfer_ext.samkv_score.anchor_layouts), the rest is
+    # for the selected middle blocks
+    ratio = float(getattr(cfg, "max_kept_ratio", 1.0))
+    token_cap = int(ratio * n_doc + 1e-9)
+    share = float(getattr(cfg, "anchor_share", 1.0))
+    layouts, _ = anchor_layouts([n for _, n in spans], bs, cfg.initial_blocks, cfg.local_blocks,
+                                int(share * token_cap + 1e-9) if ratio < 1.0 and not keep_all else None)
     ctx_k, ctx_v, (ctx_ids, ctx_doc, ctx_pos, local, q_ids) = _gather_context(
         rt, pool, spans, srcs, layouts, bs, ids, cfg.local_query_tokens, ids[n_doc:])
     _tick(rt, "select_gather")
@@ -209,8 +216,11 @@ def select_blocks(rt, spans, srcs, ids, tree_cache, keep_all: bool = False) -> t
     if keep_all:
         return [list(range(n)) for _, n in spans], scores
     always_total = sum(len(a) for _, a, _ in layouts)
+    always_tokens = sum(min(n, (b + 1) * bs) - b * bs for (_, n), (_, a, _) in zip(spans, layouts) for b in a)
     total_blocks = sum(nb for nb, _, _ in layouts)
-    cap = int(getattr(cfg, "max_kept_ratio", 1.0) * total_blocks + 1e-9) - always_total  # max_kept_ratio rule
+    # max_kept_ratio rule, in tokens: middle blocks are full blocks (a short block is always the last, kept
+    # as local unless local_blocks is 0; then it is counted as a full one here)
+    cap = max(0, token_cap - always_tokens) // bs if ratio < 1.0 else None
     kept_mid = select_middle_blocks(p_docs, s_docs, total_blocks, always_total // max(1, len(spans)), max_middle=cap)
     out = []
     for (s, n), (nb, always, middle), km in zip(spans, layouts, kept_mid):

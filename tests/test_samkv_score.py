@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from flashinfer_ext.samkv_score import (anchor_top_p, block_layout, block_mean_keys, block_scores,
+from flashinfer_ext.samkv_score import (anchor_layouts, anchor_top_p, block_layout, block_mean_keys, block_scores,
                                         generic_query, personalized_queries, select_middle_blocks)
 
 
@@ -74,6 +74,37 @@ def test_select_middle_blocks_budget_topp_and_normalisation():
     assert select_middle_blocks(p, s, total_blocks=24, always_kept=8) == [[], [], []]  # no budget left
     wide = select_middle_blocks(p, s, total_blocks=300, always_kept=0)
     assert wide == [[1, 3], [], [0, 1]]  # budget never exceeds the top-P candidates
+
+
+def test_select_middle_blocks_orders_tied_normalised_scores_by_raw_score_not_document_order():
+    # every document's best block normalises to 1.0; with a budget of one block the document whose best
+    # block scores higher gets it (before: the first document, whatever its scores)
+    p = [torch.tensor([1.0]), torch.tensor([1.0])]
+    s = [torch.tensor([[0.0, 1.0]]), torch.tensor([[0.0, 10.0]])]
+    assert select_middle_blocks(p, s, total_blocks=20, always_kept=0, max_middle=1) == [[], [1]]
+    s_swapped = [s[1], s[0]]
+    assert select_middle_blocks(p, s_swapped, total_blocks=20, always_kept=0, max_middle=1) == [[1], []]
+
+
+def _anchor_tokens(lengths, layouts, bs):
+    return sum(min(n, (b + 1) * bs) - b * bs for n, (_, a, _) in zip(lengths, layouts) for b in a)
+
+
+def test_anchor_layouts_trim_local_blocks_of_short_documents_to_leave_budget_for_middle_blocks():
+    # 8 documents of ~190 tokens, 16-token blocks: 1 initial + 2 local blocks are ~22 % of the tokens, i.e.
+    # more than a 0.2 KV budget: no middle block could be kept. Anchors may take half of it -> one local block.
+    lengths, bs = [190, 185, 201, 176, 193, 188, 199, 181], 16
+    cap = int(0.2 * sum(lengths))
+    full = [block_layout(n, bs, 1, 2) for n in lengths]
+    assert _anchor_tokens(lengths, full, bs) > cap
+    layouts, lb = anchor_layouts(lengths, bs, 1, 2, cap // 2)
+    assert lb == 1 and layouts == [block_layout(n, bs, 1, 1) for n in lengths]
+    assert _anchor_tokens(lengths, layouts, bs) < cap and all(m for _, _, m in layouts)
+    # long documents (8 x 960 tokens) keep the configured anchors; no limit = no trimming; never below one
+    long_layouts, lb_long = anchor_layouts([960] * 8, bs, 1, 2, int(0.2 * 960 * 8) // 2)
+    assert lb_long == 2 and long_layouts == [block_layout(960, bs, 1, 2)] * 8
+    assert anchor_layouts(lengths, bs, 1, 2, None)[1] == 2
+    assert anchor_layouts(lengths, bs, 1, 3, 0)[1] == 1
 
 
 def _per_document_reference(k0, q_hat, lengths, layouts, bs):
