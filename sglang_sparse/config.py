@@ -172,12 +172,17 @@ class PsaConfig(SparseConfig):
     working_set_window: int = _host_tier_knobs()["working_set_window"]
 
 
-def _graph_list_width_knob():
-    """Decode-graph key shared by loopserve and lastwindow (``sglang_sparse.loopserve_graph``)."""
-    return knob(2048, doc="decode CUDA graphs (a server without --disable-cuda-graph): the widest per-(row, KV head) "
-                "token list a graph-replayed step takes (steps with wider lists, selection steps and steps with rows "
-                "in prefill run eagerly; decode lists are split into spans as if this wide, graphs on or off). "
-                "Static buffers of layers x max graph batch x KV heads x this many int32", range=Range(1, 1 << 20))
+def _graph_knobs(width: int):
+    """Decode-graph keys shared by loopserve and lastwindow (``sglang_sparse.loopserve_graph``)."""
+    return dict(
+        graph_list_width=knob(width, doc="decode CUDA graphs (a server without --disable-cuda-graph): the widest "
+                              "per-(row, KV head) token list a graph-replayed step takes (steps with wider lists, "
+                              "selection steps and steps with rows in prefill run eagerly; decode lists are split "
+                              "into spans as if this wide, graphs on or off). Static buffers of layers x "
+                              "graph_max_bs x KV heads x this many int32", range=Range(1, 1 << 20)),
+        graph_max_bs=knob(16, doc="decode CUDA graphs: largest batch replayed over the sparse path (larger batches "
+                          "run eagerly)", range=Range(1, 4096)),
+    )
 
 
 @dataclass(frozen=True)
@@ -205,7 +210,9 @@ class LoopServeConfig(SparseConfig):
                               range=Range(0, 1 << 20))
     initial_topb: bool = knob(True, doc="also select the top-B tokens at every decode step before generated token 16, "
                               "from the last n_d queries (false: Alg. 3 exactly, stored lines only until token 16)")
-    graph_list_width: int = _graph_list_width_knob()
+    # lines of both kinds can reach the context length: a wider default than lastwindow's budget-bound lists
+    graph_list_width: int = _graph_knobs(8192)["graph_list_width"]
+    graph_max_bs: int = _graph_knobs(8192)["graph_max_bs"]
     host_tier_gb: float = _host_tier_knobs()["host_tier_gb"]
     gpu_cache_mb: float = _host_tier_knobs()["gpu_cache_mb"]
     working_set_window: int = _host_tier_knobs()["working_set_window"]
@@ -226,7 +233,8 @@ class LastWindowConfig(SparseConfig):
     sink_tokens: int = knob(4, doc="first key positions always attended", range=Range(0, 1 << 20))
     pool_kernel: int = knob(7, doc="SnapKV pooling: the window's attention is averaged over this many neighbouring "
                             "positions before the top-budget choice (odd; 1 = none)", range=Range(1, 63))
-    graph_list_width: int = _graph_list_width_knob()
+    graph_list_width: int = _graph_knobs(2048)["graph_list_width"]
+    graph_max_bs: int = _graph_knobs(2048)["graph_max_bs"]
 
     def __post_init__(self):
         super().__post_init__()
@@ -257,7 +265,7 @@ class SamKVConfig(SparseConfig):
                                  "blocks) as a fraction of all document tokens; the middle-block budget is "
                                  "min(SamKV's total_blocks // D - always kept, (floor(max_kept_ratio * tokens) - "
                                  "always-kept tokens) // block_size); 1 = SamKV's rule alone", range=Range(0.0, 1.0))
-    anchor_share: float = knob(0.5, doc="most of the max_kept_ratio token budget the always-kept (initial + local) "
+    anchor_share: float = knob(1.0, doc="most of the max_kept_ratio token budget the always-kept (initial + local) "
                                "blocks may take; beyond it local blocks are trimmed, oldest first, down to one "
                                "(short documents); 1 = trim only when they exceed the whole budget",
                                range=Range(0.0, 1.0))

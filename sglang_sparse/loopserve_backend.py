@@ -163,10 +163,12 @@ def install(backend, config: LoopServeConfig, page_size: int, enable_metrics: bo
             raise RuntimeError("sglang-sparse loopserve: CUDA graphs need the kernel path")
         from sglang_sparse.loopserve_graph import LoopServeGraphs
 
-        backend._ls_graphs = LoopServeGraphs(backend._ls_runner, config.graph_list_width, stats=stats)
+        backend._ls_graphs = LoopServeGraphs(backend._ls_runner, config.graph_list_width, stats=stats,
+                                             max_bs=config.graph_max_bs)
     backend.sparse_stats = stats
     backend.sparse_installed_mode = mode
     logger.info("sglang-sparse %s: %s path (%s), line store %d MiB, decode CUDA graphs %s", mode,
                 "kernel" if kernels else "reference", device.type, getattr(config, "line_store_mb", 0),
-                f"for steady steps (lists <= {config.graph_list_width})" if graphs_on else "off")
+                f"for steady steps (lists <= {config.graph_list_width}, batch <= {config.graph_max_bs})"
+                if graphs_on else "off")
     return backend

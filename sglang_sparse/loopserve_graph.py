@@ -19,8 +19,9 @@ it steady, are its lists at most ``W`` wide? keeps the batch for the replay plan
 ``load_batch`` -> ``init_forward_metadata_out_graph(view)`` -> :meth:`LoopServeGraphs.plan` (the eager planning
 of the kept batch, then one copy of its lists / lengths / lengths into the static buffers) -> graph replay.
 Every other step (prefill, re-selection, lists wider than ``W``, a batch larger than the captured ones)
-runs eagerly as before. Memory: ``lists_buf`` + ``lens_buf`` take ``L * max_bs * num_kv_heads * (W + 1) * 4``
-bytes (logged at allocation).
+runs eagerly as before. Captured batch sizes above the config's ``graph_max_bs`` record the stock decode and are
+never replayed. Memory: ``lists_buf`` + ``lens_buf`` take ``L * max_bs * num_kv_heads * (W + 1) * 4`` bytes,
+``max_bs`` = the largest captured size <= ``graph_max_bs`` (logged at allocation).
 """
 
 from __future__ import annotations
@@ -39,11 +40,14 @@ logger = logging.getLogger("sglang_sparse")
 class LoopServeGraphs:
     """Static buffers and planning of the graph-replayed decode steps of one :class:`LoopServeRunner`."""
 
-    def __init__(self, runner, list_width: int, stats=None):
+    def __init__(self, runner, list_width: int, stats=None, max_bs: int = 16):
         if list_width < 1:
             raise ValueError(f"graph_list_width={list_width} must be >= 1 to replay decode graphs")
+        if max_bs < 1:
+            raise ValueError(f"graph_max_bs={max_bs} must be >= 1 to replay decode graphs")
         self.runner = runner
         self.width = list_width
+        self.bs_cap = max_bs               # captured batch sizes above it record the stock decode, never replayed
         self.stats = stats                 # LoopServeStats: graph_decode_steps
         runner.split_width = list_width    # eager steps split their lists like the captured ones
         self.max_bs = 0
@@ -124,6 +128,10 @@ class LoopServeGraphs:
 
     def _capture(self, backend, view, bs: int) -> None:
         r, sh = self.runner, self.runner.shape
+        if bs > self.bs_cap:  # the stock decode is recorded; wants_graph never picks this size (> max_bs)
+            r._commit_ring()
+            r.ext_rows, r.dec, r.bs, r.is_decode, r.step_rows = [], None, bs, True, None
+            return
         if self.max_bs == 0:  # SGLang captures the largest batch size first: size the buffers by it
             self._allocate(backend, bs)
         if bs > self.max_bs:

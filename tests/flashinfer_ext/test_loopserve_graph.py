@@ -27,18 +27,19 @@ def _decode_layers(runner, backend, q3):
     return o3
 
 
-def _captured(lastwindow, case, width=256, all_topb=True):
+def _captured(lastwindow, case, width=256, all_topb=True, bs_cap=16):
     """A runner with its graphs captured at batch sizes 4 and 2 (largest first, as SGLang does) over a static
     request-index buffer, and the batch of ``case`` (3 rows) ready to be replayed at padded size 4."""
     cfg, shape, backend, fb, reqs, q3, pool = _setup(lastwindow, *case, all_topb=all_topb)
     runner = LoopServeRunner(cfg, shape, torch.device("cpu"), use_kernels=True)
-    graphs = LoopServeGraphs(runner, width)
+    graphs = LoopServeGraphs(runner, width, max_bs=bs_cap)
     rpi_buf = torch.zeros(MAX_BS, dtype=torch.int64)
     for bs in (MAX_BS, 2):
         view = SimpleNamespace(batch_size=bs, forward_mode=_Mode(), req_pool_indices=rpi_buf[:bs],
                                seq_lens_cpu=torch.ones(bs, dtype=torch.int64))
         graphs.plan(backend, view, in_capture=True)
-        _decode_layers(runner, backend, torch.zeros(bs, HQ, D))  # the capture's forward
+        if runner.dec is not None:  # the capture's forward over the sparse path (else the backend records stock)
+            _decode_layers(runner, backend, torch.zeros(bs, HQ, D))
     return SimpleNamespace(runner=runner, graphs=graphs, backend=backend, fb=fb, reqs=reqs, q3=q3, rpi_buf=rpi_buf)
 
 
@@ -107,3 +108,11 @@ def test_graph_list_width_is_validated():
     cfg, shape, *_ = _setup(True, *STEADY[True])
     with pytest.raises(ValueError, match="graph_list_width"):
         LoopServeGraphs(LoopServeRunner(cfg, shape, torch.device("cpu"), use_kernels=True), 0)
+
+
+def test_batch_sizes_above_graph_max_bs_capture_the_stock_decode_and_never_replay():
+    c = _captured(True, STEADY[True], bs_cap=2)  # captures 4 (stock: no sparse dict) then 2 (sparse, buffers for 2)
+    assert c.graphs.max_bs == 2 and set(c.graphs._dicts) == {2}
+    assert not c.graphs.wants_graph(c.fb)  # 3 rows > 2
+    with pytest.raises(ValueError, match="graph_max_bs"):
+        LoopServeGraphs(c.runner, 64, max_bs=0)
