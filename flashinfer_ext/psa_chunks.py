@@ -35,6 +35,8 @@ import torch
 import triton
 import triton.language as tl
 
+from flashinfer_ext.tile_attention import attend_slots, group_query_state, list_tile_slots
+
 __all__ = ["psa_chunk_attention", "plan_waves"]
 
 
@@ -72,44 +74,17 @@ def _chunk_kernel(
         rtt_row = rtt_ptr + rpi * stride_rtt
         order_row = order_ptr + r64 * stride_ob + h * stride_oh
         scores_row = scores_ptr + r64 * stride_ob + h * stride_oh
-        g = tl.arange(0, G_PAD)
-        d = tl.arange(0, D_PAD)
-        gmask = g < GROUP
-        dmask = d < HEAD_DIM
-        q = tl.load(q_ptr + r64 * stride_qb + (h * GROUP + g)[:, None] * stride_qh + d[None, :],
-                    mask=gmask[:, None] & dmask[None, :], other=0.0).to(k_ptr.dtype.element_ty)
-        m_i = tl.full([G_PAD], float("-inf"), tl.float32)
-        l_i = tl.zeros([G_PAD], tl.float32)
-        acc = tl.zeros([G_PAD, D_PAD], tl.float32)
+        q, g, d, gmask, dmask, m_i, l_i, acc = group_query_state(q_ptr, stride_qb, stride_qh, r64, h, k_ptr,
+                                                                 GROUP, G_PAD, HEAD_DIM, D_PAD)
         lmin = tl.full([G_PAD], float("inf"), tl.float32)
         dmax = tl.full([G_PAD], float("-inf"), tl.float32)
         TOK: tl.constexpr = SUB * BLOCK_SIZE
         tok = tl.arange(0, TOK)
         for t0 in range(lo, hi, SUB):
-            rank_tok = t0 + tok // BLOCK_SIZE
-            lb_tok = tl.load(order_row + rank_tok, mask=rank_tok < hi, other=0).to(tl.int64)
-            pos = lb_tok * BLOCK_SIZE + tok % BLOCK_SIZE
-            tvalid = (rank_tok < hi) & (pos < seq_len)
-            slot = tl.load(rtt_row + pos, mask=tvalid, other=0).to(tl.int64)
-            kv_mask = tvalid[:, None] & dmask[None, :]
-            k = tl.load(k_ptr + slot[:, None] * stride_k_slot + h * stride_k_head + d[None, :], mask=kv_mask, other=0.0)
-            if DOT_FP32:
-                s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)))
-            else:
-                s = tl.dot(q, tl.trans(k))
-            s = tl.where(tvalid[None, :], s * sm_scale_log2, float("-inf"))  # [G_PAD, TOK] base 2
-            m_new = tl.maximum(m_i, tl.max(s, axis=1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = tl.exp2(m_i - m_safe)
-            p = tl.exp2(s - m_safe[:, None])
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            v = tl.load(v_ptr + slot[:, None] * stride_v_slot + h * stride_v_head + d[None, :], mask=kv_mask, other=0.0)
-            if DOT_FP32:
-                pv = tl.dot(p.to(v.dtype).to(tl.float32), v.to(tl.float32))
-            else:
-                pv = tl.dot(p.to(v.dtype), v)
-            acc = acc * alpha[:, None] + pv
-            m_i = m_new
+            slot, tvalid = list_tile_slots(order_row, rtt_row, t0, hi, seq_len, tok, BLOCK_SIZE)
+            m_i, m_safe, l_i, acc, p = attend_slots(q, k_ptr, v_ptr, stride_k_slot, stride_k_head, stride_v_slot,
+                                                    stride_v_head, h, slot, tvalid, d, dmask, m_i, l_i, acc,
+                                                    sm_scale_log2, DOT_FP32)
             # per ranked block: AS_min over full blocks, bound tightness over all ranked blocks
             ranks = t0 + tl.arange(0, SUB)
             in_rank = (ranks < hi) & (ranks >= nf)

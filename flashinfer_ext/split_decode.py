@@ -34,6 +34,8 @@ import torch
 import triton
 import triton.language as tl
 
+from flashinfer_ext.tile_attention import attend_slots, group_query_state, list_tile_slots
+
 __all__ = ["SplitPlan", "plan_splits", "sparse_decode_split", "alloc_split_buffers"]
 
 
@@ -105,42 +107,15 @@ def _split_kernel(
     rtt_row_ptr = rtt_ptr + tl.load(rpi_ptr + r).to(tl.int64) * stride_rtt
     lists_row_ptr = lists_ptr + r64 * stride_lb + h * stride_lh
 
-    g = tl.arange(0, G_PAD)
-    d = tl.arange(0, D_PAD)
-    gmask = g < GROUP
-    dmask = d < HEAD_DIM
-    q = tl.load(q_ptr + r64 * stride_qb + (h * GROUP + g)[:, None] * stride_qh + d[None, :],
-                mask=gmask[:, None] & dmask[None, :], other=0.0).to(k_ptr.dtype.element_ty)
-    m_i = tl.full([G_PAD], float("-inf"), tl.float32)
-    l_i = tl.zeros([G_PAD], tl.float32)
-    acc = tl.zeros([G_PAD, D_PAD], tl.float32)
+    q, g, d, gmask, dmask, m_i, l_i, acc = group_query_state(q_ptr, stride_qb, stride_qh, r64, h, k_ptr,
+                                                             GROUP, G_PAD, HEAD_DIM, D_PAD)
     TOK: tl.constexpr = SUB * BLOCK_SIZE
     tok = tl.arange(0, TOK)
     for t0 in range(t_lo, t_hi, SUB):
-        rank_tok = t0 + tok // BLOCK_SIZE
-        lb = tl.load(lists_row_ptr + rank_tok, mask=rank_tok < t_hi, other=0).to(tl.int64)
-        pos = lb * BLOCK_SIZE + tok % BLOCK_SIZE
-        tvalid = (rank_tok < t_hi) & (pos < seq_len)
-        slot = tl.load(rtt_row_ptr + pos, mask=tvalid, other=0).to(tl.int64)
-        kv_mask = tvalid[:, None] & dmask[None, :]
-        k = tl.load(k_ptr + slot[:, None] * stride_k_slot + h * stride_k_head + d[None, :], mask=kv_mask, other=0.0)
-        if DOT_FP32:  # the Triton CPU interpreter mis-computes bf16 tl.dot: emulate in fp32 there
-            sc = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)))
-        else:
-            sc = tl.dot(q, tl.trans(k))
-        sc = tl.where(tvalid[None, :], sc * sm_scale_log2, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(sc, axis=1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(sc - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = tl.load(v_ptr + slot[:, None] * stride_v_slot + h * stride_v_head + d[None, :], mask=kv_mask, other=0.0)
-        if DOT_FP32:
-            pv = tl.dot(p.to(v.dtype).to(tl.float32), v.to(tl.float32))
-        else:
-            pv = tl.dot(p.to(v.dtype), v)
-        acc = acc * alpha[:, None] + pv
-        m_i = m_new
+        slot, tvalid = list_tile_slots(lists_row_ptr, rtt_row_ptr, t0, t_hi, seq_len, tok, BLOCK_SIZE)
+        m_i, _, l_i, acc, _ = attend_slots(q, k_ptr, v_ptr, stride_k_slot, stride_k_head, stride_v_slot,
+                                           stride_v_head, h, slot, tvalid, d, dmask, m_i, l_i, acc, sm_scale_log2,
+                                           DOT_FP32)
     has = l_i > 0.0
     l_safe = tl.where(has, l_i, 1.0)
     row = (r64 * NUM_KV_HEADS + h) * GROUP + g  # = r * num_qo_heads + qo head
