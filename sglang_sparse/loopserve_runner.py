@@ -42,25 +42,21 @@ Where the host work goes (nothing per layer needs a sync; no ``.item()``):
     context-wide tensor); at a step where no row re-selects (every step of lastwindow after its first, and
     of loopserve between re-selections) those lists are built once for all layers in :meth:`begin_batch`
     instead (below ``LISTS_ALL_MAX_ENTRIES`` entries; larger steps keep the per-layer build). Then one
-    :func:`~flashinfer_ext.sparse_decode.sparse_decode` launch over all rows and KV heads.
+    split-list decode over all rows and KV heads (:func:`flashinfer_ext.split_decode.sparse_decode_split`: two
+    launches; :func:`~flashinfer_ext.sparse_decode.sparse_decode` when one span covers the lists). The lists
+    are cut as if ``graph_list_width`` wide, so eager and graph-replayed steps give the same outputs.
     Statistics are in-place adds into the device step rows. When every row of the batch is sparse (the
     usual case) the queries are read and the output written in place (no gather / scatter), the kernel's side
-    outputs are step buffers and a steady step's read counts are added once in :meth:`begin_batch`: such a
-    layer costs two launches (the ring copy and :func:`~flashinfer_ext.sparse_decode.sparse_decode`).
-Where the remaining host cost is: a decode layer is O(1) launches whatever the batch size (about ten
-at a re-selection step); per request per step there remain the planning copies above (ring gathers,
-top-B write-back, the padding of the line lists) -- host work once per step, not per layer. The
-prefill side is still per request per layer: a prefill batch runs ``rows x layers`` single-request
-estimation + :func:`vs_select` (tens of small torch ops) + sparse prefill; at short contexts these
-launches cost more than the attention they replace (batching them like decode is the next fix).
-The H100 harness figure that motivated the batched decode (SmolLM2-135M, 128-2700-token contexts,
-concurrency 8: loopserve tasks 180 s vs 9 s dense, from ``rows x layers`` single-request decode
-estimations per step before token 16) did not move with it: 149 s vs 19 s (H100, 2026-11-23), and a single
-2700-token request decoded at 13-18 tokens/s under loopserve and lastwindow alike against ~500 with stock
-FlashInfer + CUDA graphs (``bench/results/gpu_loopserve_s12``). Lastwindow does no re-selection after its
-first step, so that cost is the per-layer decode path itself (then: ~40 eager launches per layer, of
-which ~30 built a context-wide union mask and its compaction, eager because the mode runs no CUDA
-graphs): hence the per-step, all-layer list construction above (not re-measured on a GPU yet).
+    outputs are step buffers and a steady step's read counts are added once in :meth:`begin_batch`.
+    The host->device planning copies are pinned and non-blocking (:func:`_h2d`).
+  * steady decode steps (no row selects top-B) replay SGLang's decode CUDA graph over static buffers
+    planned by :mod:`sglang_sparse.loopserve_graph` (it calls :meth:`begin_batch` outside the graph).
+Where the remaining host cost is: a re-selection step runs eagerly, about 25 launches per layer; per request
+per step there remain the planning copies above (ring gathers, top-B write-back, the padding of the line
+lists), once per step. The prefill side is still per request per layer: ``rows x layers`` single-request
+estimation + :func:`vs_select` (tens of small torch ops) + sparse prefill; at short contexts these launches
+cost more than the attention they replace (H100 harness, SmolLM2, concurrency 8, 2026-11-24: loopserve tasks
+175 s vs 14 s dense; decode figures in ``bench/results/gpu_s14/``).
 When every row of a batch is sparse the backend skips the stock attention (K/V written as stock
 writes them); in a mixed batch the stock backend computes all rows first and the sparse rows are
 then overwritten. A mixed batch (``--enable-mixed-chunk``) treats
