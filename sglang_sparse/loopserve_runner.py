@@ -25,7 +25,7 @@ Where the host work goes (nothing per layer needs a sync; no ``.item()``):
     looks earlier turns' lines up in the line store, compacts the line masks of requests whose prefill
     just finished (one device->host read of their counts), and pads the per-row line lists of a decode
     batch into batch tensors (small host->device copies). For the re-selecting rows of a decode step it
-    also plans the batched selection (:meth:`_plan_selection`): one gather per row of its earlier
+    also plans the batched selection (:func:`sglang_sparse.loopserve_select.plan_selection`): one gather per row of its earlier
     observation queries from its ring for all layers, and the rows' positions, request indices, pool
     rows, scored lengths and budgets in one host->device copy.
   * per layer, extend: estimation + selection + sparse prefill per sparse extend row (one request per
@@ -48,7 +48,7 @@ Where the host work goes (nothing per layer needs a sync; no ``.item()``):
     Statistics are in-place adds into the device step rows. When every row of the batch is sparse (the
     usual case) the queries are read and the output written in place (no gather / scatter), the kernel's side
     outputs are step buffers and a steady step's read counts are added once in :meth:`begin_batch`.
-    The host->device planning copies are pinned and non-blocking (:func:`_h2d`).
+    The host->device planning copies are pinned and non-blocking (:func:`sglang_sparse.loopserve_select.h2d`).
   * steady decode steps (no row selects top-B) replay SGLang's decode CUDA graph over static buffers
     planned by :mod:`sglang_sparse.loopserve_graph` (it calls :meth:`begin_batch` outside the graph).
 Where the remaining host cost is: a re-selection step runs eagerly, about 25 launches per layer; per request
@@ -73,6 +73,7 @@ import torch
 from flashinfer_ext.vs_estimate import sample_query_rows
 from flashinfer_ext.vs_select import VSSelectConfig, _compact, vs_select
 from sglang_sparse.config import LoopServeConfig
+from sglang_sparse.loopserve_select import h2d as _h2d, plan_selection, reselect
 from sglang_sparse.loopserve_stats import (
     COL_ALPHA, COL_COV, COL_KIND, COL_LTOT, COL_READ, COL_RESEL, COL_REUSED, COL_S, COL_TTOT, COL_UNITS, COL_V,
     KIND_DECODE, KIND_DENSE, KIND_LASTWINDOW, KIND_PREFILL, STEP_COLS,
@@ -339,7 +340,7 @@ class LoopServeRunner:
                         lse_buf=torch.empty(len(rows), sh.num_qo_heads, dtype=torch.float32, device=dev),
                         nread_buf=torch.empty(len(rows), sh.num_kv_heads, dtype=torch.int32, device=dev),
                         seq32=seq_dev.to(torch.int32),
-                        sel=self._plan_selection(states, [lens[i] for i in rows], fire, rpi))
+                        sel=plan_selection(self, states, [lens[i] for i in rows], fire, rpi))
         width = v.shape[3] + s_.shape[3] + tb.shape[3] + cfg.sink_tokens + self.dec["max_since"]
         if self.use_kernels and not self.planning_for_graph:  # split plan + partial buffers, shared by every layer
             from flashinfer_ext.split_decode import alloc_split_buffers, plan_splits
@@ -358,68 +359,6 @@ class LoopServeRunner:
         host[rows_t, COL_KIND] = float(KIND_LASTWINDOW if self.lastwindow else KIND_DECODE)
         host[rows_t, COL_TTOT] = torch.tensor(seq_host, dtype=torch.float32) * units
         host[rows_t, COL_RESEL] = torch.tensor(resel, dtype=torch.float32)
-
-    def _plan_selection(self, states, lens, fire, rpi) -> dict | None:
-        """Alg. 3's batched re-selection inputs of this decode step (host work, once per step).
-
-        For the re-selecting rows (``F`` of them, in row order): their observation queries' earlier
-        positions copied from the rings for all layers at once into ``obs_buf [L, R_total, Hq, D]`` (the
-        current query's row is filled per layer), the rows' positions ``obs_pos [R_total]``, request index
-        ``q_req`` / ``qo_indptr``, where the current queries go (``cur_rows``, from batch rows ``fire_dev``),
-        the scored length per row (``sel_seq``: the context, lastwindow: the prompt), the budgets and the
-        top-B width (``max_b min(budget, sel_seq)``); all index tensors in one host->device copy; the
-        kernels' ``vsum_buf [F, Hk, max sel_seq]`` and ``lse_buf [Hq, R_total]`` fp32, reused by every layer.
-        """
-        cfg, dev = self.cfg, self.device
-        fire_j = [j for j, f in enumerate(fire) if f]
-        if not fire_j:
-            return None
-        st0 = states[fire_j[0]]
-        spans = []  # (first observed position, ring rows, scored length) per re-selecting row
-        for j in fire_j:
-            st = states[j]
-            if self.lastwindow:  # the prompt's last `window` queries, recorded at prefill; keys up to the prompt
-                spans.append((st.ring_lo, st.prompt_len - st.ring_lo, st.prompt_len))
-            else:  # the last n_d queries: the ring holds the positions before this one
-                pos = lens[j] - 1
-                lo = max(st.ring_lo, pos - cfg.n_d + 1)
-                spans.append((lo, pos - lo, pos + 1))
-        n_cur = 0 if self.lastwindow else 1
-        counts = [n + n_cur for _, n, _ in spans]
-        r_total = sum(counts)
-        obs_buf = torch.empty(st0.ring.shape[0], r_total, st0.ring.shape[2], st0.ring.shape[3],
-                              dtype=st0.ring.dtype, device=dev)
-        obs_pos, q_req, cur_rows, indptr = [], [], [], [0]
-        for f, (j, (lo, n_ring, _)) in enumerate(zip(fire_j, spans)):
-            r0 = indptr[-1]
-            ring = states[j].ring  # positions lo.. sit at ring slots lo % R.. (at most one wrap: two slices)
-            s0 = lo % ring.shape[1]
-            first = min(n_ring, ring.shape[1] - s0)
-            if first > 0:
-                obs_buf[:, r0: r0 + first] = ring[:, s0: s0 + first]
-            if n_ring > first:
-                obs_buf[:, r0 + first: r0 + n_ring] = ring[:, : n_ring - first]
-            cur_rows += [r0 + n_ring] * n_cur
-            obs_pos += range(lo, lo + counts[f])
-            q_req += [f] * counts[f]
-            indptr.append(r0 + counts[f])
-        budgets = [states[j].budget for j in fire_j]
-        sel_seq = [hi for _, _, hi in spans]
-        # the candidates of top-B: lastwindow (SnapKV) chooses from the positions before its observation
-        # window (the window, the sink and the generated tokens are attended anyway); loopserve from all
-        cand = [max(lo, 1) for lo, _, _ in spans] if self.lastwindow else sel_seq
-        parts = [obs_pos, q_req, indptr, cur_rows, fire_j, sel_seq, budgets, cand]
-        packed = _h2d(torch.tensor([x for part in parts for x in part], dtype=torch.int64), dev)
-        views = packed.split([len(part) for part in parts])
-        widths = [min(b, n) for b, n in zip(budgets, cand)]
-        kw = dict(dtype=torch.float32, device=dev)
-        vsum_buf, lse_buf = (torch.empty(len(fire_j), self.shape.num_kv_heads, max(sel_seq), **kw),
-                             torch.empty(self.shape.num_qo_heads, r_total, **kw)) if self.use_kernels else (None, None)
-        return dict(obs_buf=obs_buf, vsum_buf=vsum_buf, lse_buf=lse_buf, obs_pos=views[0], q_req=views[1],
-                    qo_indptr=views[2], cur_rows=views[3], fire_dev=views[4], sel_seq=views[5], budgets=views[6],
-                    cand_seq=views[7],
-                    max_len=max(sel_seq), width=max(widths), max_qo_len=max(counts), rpi=rpi[views[4].to(rpi.device)],
-                    widths=list(zip(fire_j, widths)))
 
     # ------------------------------------------------------------------ per layer
     @property
@@ -506,7 +445,7 @@ class LoopServeRunner:
         if d["q_buf"] is not None:  # this step's queries, one copy for all rows (rings updated next batch)
             d["q_buf"][lid] = q_s.to(d["q_buf"].dtype)
         if d["sel"] is not None:  # re-selection rows: one batched estimation + one top-B for all of them
-            self._reselect(d, d["sel"], q_s, k_buf, rtt, lid, layer.scaling)
+            reselect(self, d, d["sel"], q_s, k_buf, rtt, lid, layer.scaling)
         if "lists_all" in d:  # planned for all layers in begin_batch
             lists, lens = d["lists_all"][0][lid], d["lists_all"][1][lid]
         else:  # a re-selection step: this layer's top-B was just written
@@ -517,27 +456,6 @@ class LoopServeRunner:
             o3[rows] = o_s.to(o3.dtype)
         if "lists_all" not in d:  # else counted once for all layers in begin_batch
             self.step_rows[rows, COL_READ] += lens.sum(1, dtype=torch.float32)
-
-    def _reselect(self, d, sel, q_s, k_buf, rtt, lid, scale) -> None:
-        """Alg. 3 / Eq. 7 for all re-selecting rows of this step, one layer: their observation queries
-        (earlier ones planned in ``obs_buf``, this step's from ``q_s [nS, Hq, D]``), one batched vertical-sum
-        estimation, one top-B, one scatter into the step's ``topb [nS, L, Hk, W]``."""
-        from flashinfer_ext.vs_estimate_batched import (decode_topb_batched, vertical_sums_batched,
-                                                        vertical_sums_batched_reference)
-
-        q_obs = sel["obs_buf"][lid]
-        if not self.lastwindow:
-            q_obs.index_copy_(0, sel["cur_rows"], q_s.index_select(0, sel["fire_dev"]).to(q_obs.dtype))
-        args = (q_obs, sel["obs_pos"], sel["q_req"], k_buf, rtt, sel["rpi"], sel["sel_seq"], sel["max_len"])
-        if self.use_kernels:
-            v_sum = vertical_sums_batched(*args, sm_scale=scale, out=sel["vsum_buf"], lse_buf=sel["lse_buf"],
-                                          qo_indptr=sel["qo_indptr"], max_qo_len=sel["max_qo_len"])
-        else:
-            v_sum = vertical_sums_batched_reference(*args, sm_scale=scale)
-        if self.lastwindow:  # SnapKV: pool the scores over neighbouring positions, never pick the sink
-            v_sum = _snapkv_pool(v_sum, self.cfg.pool_kernel, self.cfg.sink_tokens)
-        lists = decode_topb_batched(v_sum, sel["budgets"], sel["cand_seq"], sel["width"])
-        d["topb"][sel["fire_dev"], lid, :, : sel["width"]] = lists
 
     def _union_lists(self, d, lid):
         """This layer's decode sets as lists ``([nS, Hk, W] int32, [nS, Hk] int32)`` (``W`` = the summed widths
@@ -617,29 +535,6 @@ class LoopServeRunner:
             out.copy_(o)
             return out
         return o
-
-
-def _snapkv_pool(v_sum: torch.Tensor, kernel: int, sink_tokens: int) -> torch.Tensor:
-    """SnapKV's clustering of ``v_sum [F, Hk, N]`` fp32: average over ``kernel`` neighbouring positions
-    (stride 1, same length; a kept token brings its neighbours' evidence, so a multi-token fact such as
-    a 4-digit number is kept whole), then the first ``sink_tokens`` positions (always attended) set to
-    ``-1`` (below every real score, above the ``-inf`` that :func:`decode_topb_batched` gives positions
-    past the candidates, so a budget larger than the candidates never picks such a position).
-    Allocates (lastwindow selects once per request, at its first decode step)."""
-    import torch.nn.functional as F
-
-    out = F.avg_pool1d(v_sum, kernel, stride=1, padding=kernel // 2, count_include_pad=False) if kernel > 1 \
-        else v_sum.clone()
-    out[:, :, :sink_tokens] = -1.0
-    return out
-
-
-def _h2d(host: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """``host`` on ``device`` without blocking the host: staged through pinned memory (the caching host
-    allocator keeps the pinned block until the copy has run), a non-blocking copy on the current stream."""
-    if device.type != "cuda":
-        return host
-    return host.pin_memory().to(device, non_blocking=True)
 
 
 def use_kernels_for(device: torch.device) -> bool:
