@@ -137,6 +137,30 @@ def _sparse_decode_kernel(
     tl.store(nread_ptr + r64 * stride_nb + h, cur)
 
 
+def decode_shapes(q: torch.Tensor, k_buffer: torch.Tensor, block_size: int) -> tuple[int, int, int, int]:
+    """``(batch, num_qo_heads, head_dim, num_kv_heads)`` of a list decode call, checked (GQA group, block size)."""
+    batch, num_qo_heads, head_dim = q.shape
+    num_kv_heads = k_buffer.shape[1]
+    if num_qo_heads % num_kv_heads:
+        raise ValueError(f"num_qo_heads={num_qo_heads} is not a multiple of num_kv_heads={num_kv_heads}")
+    if not 1 <= block_size <= 128 or block_size & (block_size - 1):
+        raise ValueError(f"block_size={block_size} must be a power of two in [1, 128]")
+    return batch, num_qo_heads, head_dim, num_kv_heads
+
+
+def decode_outputs(q: torch.Tensor, num_kv_heads: int, out=None, lse_out=None, nread_out=None):
+    """The outputs of a list decode call, allocated where not given: ``out`` like ``q``, ``lse_out [batch,
+    num_qo_heads]`` fp32, ``nread_out [batch, num_kv_heads]`` int32."""
+    batch, num_qo_heads, _ = q.shape
+    if out is None:
+        out = torch.empty_like(q)
+    if lse_out is None:
+        lse_out = torch.empty(batch, num_qo_heads, dtype=torch.float32, device=q.device)
+    if nread_out is None:
+        nread_out = torch.empty(batch, num_kv_heads, dtype=torch.int32, device=q.device)
+    return out, lse_out, nread_out
+
+
 def sparse_decode(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor,
                   req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor,
                   block_lists: torch.Tensor, list_lens: torch.Tensor, n_forced: torch.Tensor, *,
@@ -160,18 +184,8 @@ def sparse_decode(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tenso
 
     Returns ``(out, lse_out, nread_out)``. One launch; allocation-free when the outputs are given.
     """
-    batch, num_qo_heads, head_dim = q.shape
-    num_kv_heads = k_buffer.shape[1]
-    if num_qo_heads % num_kv_heads:
-        raise ValueError(f"num_qo_heads={num_qo_heads} is not a multiple of num_kv_heads={num_kv_heads}")
-    if not 1 <= block_size <= 128 or block_size & (block_size - 1):
-        raise ValueError(f"block_size={block_size} must be a power of two in [1, 128]")
-    if out is None:
-        out = torch.empty_like(q)
-    if lse_out is None:
-        lse_out = torch.empty(batch, num_qo_heads, dtype=torch.float32, device=q.device)
-    if nread_out is None:
-        nread_out = torch.empty(batch, num_kv_heads, dtype=torch.int32, device=q.device)
+    batch, num_qo_heads, head_dim, num_kv_heads = decode_shapes(q, k_buffer, block_size)
+    out, lse_out, nread_out = decode_outputs(q, num_kv_heads, out, lse_out, nread_out)
     if batch == 0:
         return out, lse_out, nread_out
     assert k_buffer.stride(2) == 1 and v_buffer.stride(2) == 1 and q.stride(2) == 1

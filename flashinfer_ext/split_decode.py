@@ -34,6 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
+from flashinfer_ext.sparse_decode import decode_outputs, decode_shapes
 from flashinfer_ext.tile_attention import attend_slots, group_query_state, list_tile_slots
 
 __all__ = ["SplitPlan", "plan_splits", "sparse_decode_split", "alloc_split_buffers"]
@@ -187,20 +188,10 @@ def sparse_decode_split(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch
 
     Returns ``(out, lse_out, nread_out)``. Two launches; allocation-free when every buffer is given.
     """
-    batch, num_qo_heads, head_dim = q.shape
-    num_kv_heads = k_buffer.shape[1]
-    if num_qo_heads % num_kv_heads:
-        raise ValueError(f"num_qo_heads={num_qo_heads} is not a multiple of num_kv_heads={num_kv_heads}")
-    if not 1 <= block_size <= 128 or block_size & (block_size - 1):
-        raise ValueError(f"block_size={block_size} must be a power of two in [1, 128]")
+    batch, num_qo_heads, head_dim, num_kv_heads = decode_shapes(q, k_buffer, block_size)
     if plan.sub * block_size < 16 or plan.sub & (plan.sub - 1):
         raise ValueError(f"plan.sub={plan.sub} does not tile block_size={block_size} (use plan_splits)")
-    if out is None:
-        out = torch.empty_like(q)
-    if lse_out is None:
-        lse_out = torch.empty(batch, num_qo_heads, dtype=torch.float32, device=q.device)
-    if nread_out is None:
-        nread_out = torch.empty(batch, num_kv_heads, dtype=torch.int32, device=q.device)
+    out, lse_out, nread_out = decode_outputs(q, num_kv_heads, out, lse_out, nread_out)
     if partial_o_buf is None or partial_lse_buf is None:
         partial_o_buf, partial_lse_buf = alloc_split_buffers(batch, num_qo_heads, head_dim, plan.num_splits, q.device)
     if batch == 0:

@@ -62,7 +62,7 @@ def graph_gate_hook(result, graph_runner, forward_batch, *args, **kwargs):
     if not result:
         return result
     backend = getattr(getattr(graph_runner, "model_runner", None), "attn_backend", None)
-    wants = getattr(backend, "psa_wants_graph", None) or getattr(backend, "sparse_wants_graph", None)
+    wants = getattr(backend, "sparse_wants_graph", None)  # the mode's gate (psa, loopserve, lastwindow)
     return result if wants is None else bool(wants(forward_batch))
 
 

@@ -159,12 +159,9 @@ def install(backend, config: LoopServeConfig, page_size: int, enable_metrics: bo
     backend._ls_metrics = metrics
     backend._ls_graphs = None
     if graphs_on:  # steady decode steps replay SGLang's decode graphs (sglang_sparse.loopserve_graph)
-        if not kernels:
-            raise RuntimeError("sglang-sparse loopserve: CUDA graphs need the kernel path")
         from sglang_sparse.loopserve_graph import LoopServeGraphs
 
-        backend._ls_graphs = LoopServeGraphs(backend._ls_runner, config.graph_list_width, stats=stats,
-                                             max_bs=config.graph_max_bs)
+        backend._ls_graphs = LoopServeGraphs(backend._ls_runner, stats=stats, max_bs=config.graph_max_bs)
     backend.sparse_stats = stats
     backend.sparse_installed_mode = mode
     logger.info("sglang-sparse %s: %s path (%s), line store %d MiB, decode CUDA graphs %s", mode,

@@ -40,7 +40,9 @@ logger = logging.getLogger("sglang_sparse")
 class LoopServeGraphs:
     """Static buffers and planning of the graph-replayed decode steps of one :class:`LoopServeRunner`."""
 
-    def __init__(self, runner, list_width: int, stats=None, max_bs: int = 16):
+    def __init__(self, runner, list_width: int | None = None, stats=None, max_bs: int = 16):
+        """``list_width`` defaults to the runner's ``split_width`` (the config's ``graph_list_width``)."""
+        list_width = runner.split_width if list_width is None else list_width
         if list_width < 1:
             raise ValueError(f"graph_list_width={list_width} must be >= 1 to replay decode graphs")
         if max_bs < 1:
@@ -49,7 +51,6 @@ class LoopServeGraphs:
         self.width = list_width
         self.bs_cap = max_bs               # captured batch sizes above it record the stock decode, never replayed
         self.stats = stats                 # LoopServeStats: graph_decode_steps
-        runner.split_width = list_width    # eager steps split their lists like the captured ones
         self.max_bs = 0
         self._dicts: dict[int, dict] = {}  # per captured batch size: the decode dict the graph recorded
         self._pending = None               # (forward batch, reqs, lens) kept by wants_graph for plan()
@@ -119,6 +120,7 @@ class LoopServeGraphs:
         self.lens_buf[:, raw:bs].zero_()
         self.seq32_buf[:raw].copy_(e["seq32"])
         if r._pending_ring is not None:  # this step's queries land in the static buffer: commit from there
+            # (planning_for_graph left the eager plan without a query buffer of its own)
             r._pending_ring = (self.q_buf[:, :raw], r._pending_ring[1])
         # the eager plan's per-row facts (statistics, rows) with the static tensors the graph recorded
         r.dec = {**e, **{k: d[k] for k in _STATIC_KEYS}}

@@ -171,7 +171,7 @@ class LoopServeRunner:
         self.planning_for_graph = False  # set by loopserve_graph while it plans a replayed step
         # lists are split as if graph_list_width wide, graphs on or off: eager and graph-replayed steps (and
         # servers with and without graphs) cut the same lists into the same spans, so their outputs agree bit
-        # for bit (loopserve_graph sets it to its own width)
+        # for bit (loopserve_graph sizes its static lists by it)
         self.split_width = int(getattr(cfg, "graph_list_width", 0))
         # split-list decode (flashinfer_ext.split_decode): aim at about two waves of programs per layer
         self.target_programs = 2 * torch.cuda.get_device_properties(device).multi_processor_count \
@@ -324,9 +324,11 @@ class LoopServeRunner:
         n_s = len(rows)
         packed = _h2d(torch.tensor(rows + seq_host + [st.since for st in states], dtype=torch.int64), dev)
         rows_dev, seq_dev, since_dev = packed.split(n_s)
-        q_buf = None if self.lastwindow else torch.empty(
+        # the step's queries (committed to the rings at the next batch); a graph-replayed step writes them into
+        # the graph's static buffer instead (loopserve_graph puts it in _pending_ring)
+        q_buf = None if self.lastwindow or self.planning_for_graph else torch.empty(
             sh.num_layers, len(rows), sh.num_qo_heads, sh.head_dim, dtype=states[0].ring.dtype, device=dev)
-        self._pending_ring = None if q_buf is None else \
+        self._pending_ring = None if self.lastwindow else \
             (q_buf, [(st, (lens[i] - 1) % cfg.n_d) for st, i in zip(states, rows)])
         all_rows = n_s == self.bs
         rpi = fb.req_pool_indices if all_rows else fb.req_pool_indices[rows_dev.to(fb.req_pool_indices.device)]

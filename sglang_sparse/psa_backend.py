@@ -63,7 +63,7 @@ class PsaDecodeMixin:
             if self._psa_metrics is not None:
                 self._psa_metrics.sparse_steps.inc()
 
-    def psa_wants_graph(self, forward_batch) -> bool:
+    def sparse_wants_graph(self, forward_batch) -> bool:
         return self._psa_runner.wants_graph(forward_batch)
 
     def forward_extend(self, q, k, v, layer, forward_batch, *args, **kwargs):

@@ -2,8 +2,8 @@
 
 Documents are prefilled and cached alone (per salt), a request's composite context is assembled from
 their KV in the scheduler and reused as its prefix (only the question is extended: `cached_tokens`),
-the planted fact is retrieved, salts isolate, the `samkv` variant keeps fewer KV tokens than there are
-document tokens, `recompute` is the dense baseline, bad payloads are 400s naming the field and the
+the planted fact is retrieved, salts isolate, the `samkv` variant keeps at most `max_kept_ratio` of the
+document tokens (the token cap of `sglang_sparse.samkv_select`), `recompute` is the dense baseline, bad payloads are 400s naming the field and the
 server keeps serving, a streamed request streams the same reply (and shows in the server counters), and
 the DSL helper reaches the same path. The server log stays free of tracebacks and KV-leak reports."""
 
@@ -86,6 +86,9 @@ def test_samkv_variant_keeps_fewer_blocks_and_reuses(samkv_server):
     m = r.json()["metadata"]["sparse"]
     assert m["variant"] == "samkv" and m["documents_reused"] == 3 and m["assembled"]
     assert 0 < m["kv_kept_tokens"] < m["document_tokens"] and m["kv_kept_ratio"] < 1.0
+    # the default max_kept_ratio (0.2) holds in tokens: 3 x ~200-token documents with 16-token blocks, whose
+    # 1 initial + 2 local blocks alone are ~0.24 (kept before the token cap), so local blocks are trimmed
+    assert m["kv_kept_tokens"] <= int(0.2 * m["document_tokens"]), m
     # the prompt became kept document tokens + question; the kept context came from the cache
     assert m["context_tokens"] == m["kv_kept_tokens"] + m["question_tokens"]
     assert m["cached_tokens"] >= m["kv_kept_tokens"] - 1

@@ -104,10 +104,13 @@ def test_a_replay_without_a_planned_batch_is_refused():
         _replay(c)
 
 
-def test_graph_list_width_is_validated():
+def test_graph_list_width_is_the_configs_and_is_validated():
     cfg, shape, *_ = _setup(True, *STEADY[True])
+    runner = LoopServeRunner(cfg, shape, torch.device("cpu"), use_kernels=True)
+    # one width for the static lists and for how every step's lists are split (eager and replayed alike)
+    assert LoopServeGraphs(runner).width == runner.split_width == cfg.graph_list_width
     with pytest.raises(ValueError, match="graph_list_width"):
-        LoopServeGraphs(LoopServeRunner(cfg, shape, torch.device("cpu"), use_kernels=True), 0)
+        LoopServeGraphs(runner, 0)
 
 
 def test_batch_sizes_above_graph_max_bs_capture_the_stock_decode_and_never_replay():
@@ -116,3 +119,19 @@ def test_batch_sizes_above_graph_max_bs_capture_the_stock_decode_and_never_repla
     assert not c.graphs.wants_graph(c.fb)  # 3 rows > 2
     with pytest.raises(ValueError, match="graph_max_bs"):
         LoopServeGraphs(c.runner, 64, max_bs=0)
+
+
+def test_can_run_graph_gate_asks_the_modes_backend():
+    """``api_hooks.graph_gate_hook`` (AFTER SGLang's ``can_run_graph``, installed with ``sglang_sparse.loopserve_backend``
+    and psa): a graph is replayed only when SGLang allows it and the backend's ``sparse_wants_graph`` says yes."""
+    from sglang_sparse.api_hooks import graph_gate_hook
+
+    def runner_with(backend):
+        return SimpleNamespace(model_runner=SimpleNamespace(attn_backend=backend))
+
+    seen = []
+    wants = SimpleNamespace(sparse_wants_graph=lambda fb: seen.append(fb) or fb == "steady")
+    assert graph_gate_hook(True, runner_with(wants), "steady") is True
+    assert graph_gate_hook(True, runner_with(wants), "selecting") is False
+    assert graph_gate_hook(False, runner_with(wants), "steady") is False and seen == ["steady", "selecting"]
+    assert graph_gate_hook(True, runner_with(SimpleNamespace()), "any") is True  # a mode without a gate: stock

@@ -1,4 +1,5 @@
-"""Contract: LoopServe's batched decode re-selection (LoopServeRunner, Alg. 3 / Eq. 7) picks, for every
+"""Contract: LoopServe's batched decode re-selection (LoopServeRunner + sglang_sparse.loopserve_select, Alg. 3 /
+Eq. 7) picks, for every
 re-selecting row and layer, the top-min(budget, length) set of the fp32 reference over that row's own
 observation queries (the ring's earlier ones + the current one; lastwindow: the prompt's last window over
 the prompt's keys), keeps the other rows' earlier top-B, writes the new top-B back to the request state at

@@ -1,5 +1,6 @@
 """Contract: the split-list sparse decode equals the fp32 reference and the one-program sparse decode on the same
-lists, for any split count (empty spans included), and its plan covers every list entry."""
+lists, for any split count (empty spans included), and its plan covers every list entry. (Both kernels run the
+shared tile helpers of ``flashinfer_ext.tile_attention``.)"""
 
 from __future__ import annotations
 
