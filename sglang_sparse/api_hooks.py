@@ -57,7 +57,7 @@ def forward_batch_hook(result, *args, **kwargs):
 def graph_gate_hook(result, graph_runner, forward_batch, *args, **kwargs):
     """AFTER ``DecodeCudaGraphRunner.can_run_graph``: under psa, replay a decode graph only for
     batches with at least one sparse row (those graphs were captured over the PSA path); under
-    loopserve / lastwindow only for all-sparse steps that fit (``sglang_sparse.loopserve_graph``); other
+    loopserve / lastwindow only for steady steps (``sglang_sparse.loopserve_graph``); other
     batches run eagerly."""
     if not result:
         return result

@@ -177,7 +177,7 @@ def _graph_knobs(width: int):
     return dict(
         graph_list_width=knob(width, doc="decode CUDA graphs (a server without --disable-cuda-graph): the widest "
                               "per-(row, KV head) token list a graph-replayed step takes (steps with wider lists, "
-                              "a request's first decode step and steps with rows in prefill run eagerly; decode lists are split "
+                              "selection steps and steps with rows in prefill run eagerly; decode lists are split "
                               "into spans as if this wide, graphs on or off). Static buffers of layers x "
                               "graph_max_bs x KV heads x this many int32", range=Range(1, 1 << 20)),
         graph_max_bs=knob(16, doc="decode CUDA graphs: largest batch replayed over the sparse path (larger batches "

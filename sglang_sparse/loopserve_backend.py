@@ -166,6 +166,6 @@ def install(backend, config: LoopServeConfig, page_size: int, enable_metrics: bo
     backend.sparse_installed_mode = mode
     logger.info("sglang-sparse %s: %s path (%s), line store %d MiB, decode CUDA graphs %s", mode,
                 "kernel" if kernels else "reference", device.type, getattr(config, "line_store_mb", 0),
-                f"for sparse steps (lists <= {config.graph_list_width}, batch <= {config.graph_max_bs})"
+                f"for steady steps (lists <= {config.graph_list_width}, batch <= {config.graph_max_bs})"
                 if graphs_on else "off")
     return backend

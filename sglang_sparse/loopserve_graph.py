@@ -1,12 +1,11 @@
-"""CUDA-graph decode for LoopServe / lastwindow: replay SGLang's decode graphs at the sparse decode steps.
+"""CUDA-graph decode for LoopServe / lastwindow: replay SGLang's decode graphs at the steady steps.
 
-A replayable step is a decode step where every row of the batch is a sparse decode row whose prefill is done and
-whose line lists are compacted (every step but a request's first decode step), re-selection steps included:
-Alg. 3's top-B selection runs in the planning, before the forward
-(:func:`sglang_sparse.loopserve_select.select_all_layers`). Such a step's per-layer work is two device operations
-with no host decision: the copy of the step's queries into the ring buffer and the split-list sparse decode over
-lists planned for all layers before the forward (:meth:`sglang_sparse.loopserve_runner.LoopServeRunner.decode`).
-Those run inside SGLang's captured decode graph over static buffers owned here:
+A steady step is a decode step where every row of the batch is a sparse decode row whose prefill is done and
+no row selects top-B (loopserve: 15 of every ``n_d`` = 16 steps after generated token 16; lastwindow: every
+step after its first). Such a step's per-layer work is two device operations with no host decision: the copy
+of the step's queries into the ring buffer and the split-list sparse decode over lists planned for all layers
+before the forward (:meth:`sglang_sparse.loopserve_runner.LoopServeRunner.decode`). Those run inside SGLang's
+captured decode graph over static buffers owned here:
 
   * ``lists_buf [L, max_bs, num_kv_heads, W]`` int32 / ``lens_buf [L, max_bs, num_kv_heads]`` int32: every
     layer's token lists (``W`` = the config's ``graph_list_width``); rows past the real batch have length 0;
@@ -16,11 +15,11 @@ Those run inside SGLang's captured decode graph over static buffers owned here:
     batch size from ``W``, the same at capture and replay).
 
 Host flow: ``DecodeCudaGraphRunner.can_run_graph`` -> :meth:`LoopServeGraphs.wants_graph` (the real batch: is
-it replayable, are its lists at most ``W`` wide? keeps the batch for the replay planning) -> SGLang's
+it steady, are its lists at most ``W`` wide? keeps the batch for the replay planning) -> SGLang's
 ``load_batch`` -> ``init_forward_metadata_out_graph(view)`` -> :meth:`LoopServeGraphs.plan` (the eager planning
-of the kept batch -- a re-selection step's top-B of every layer included -- then one copy of its lists / lengths
-into the static buffers) -> graph replay. Every other step (prefill, a request's first decode step, lists wider
-than ``W``, a batch larger than the captured ones, a batch with a dense row) runs eagerly as before. Captured batch sizes above the config's ``graph_max_bs`` record the stock decode and are
+of the kept batch, then one copy of its lists / lengths / lengths into the static buffers) -> graph replay.
+Every other step (prefill, re-selection, lists wider than ``W``, a batch larger than the captured ones)
+runs eagerly as before. Captured batch sizes above the config's ``graph_max_bs`` record the stock decode and are
 never replayed. Memory: ``lists_buf`` + ``lens_buf`` take ``L * max_bs * num_kv_heads * (W + 1) * 4`` bytes,
 ``max_bs`` = the largest captured size <= ``graph_max_bs`` (logged at allocation).
 """
@@ -59,7 +58,7 @@ class LoopServeGraphs:
 
     # ------------------------------------------------------------------ host test (can_run_graph)
     def wants_graph(self, forward_batch) -> bool:
-        """True when the batch is a replayable step (see the module docstring) that fits the captured buffers;
+        """True when the batch is a steady step (see the module docstring) that fits the captured buffers;
         then keeps it for :meth:`plan`. Host ints only, no device work."""
         from sglang_sparse.loopserve_runner import STATE_ATTR
 
@@ -78,16 +77,11 @@ class LoopServeGraphs:
         wv = ws = wb = tail = 0
         for req, n in zip(reqs, lens):
             st = getattr(req, STATE_ATTR, None)
-            if st is None or not st.prefill_done or st.lines is None:
-                return False  # not sparse yet, or lines not compacted yet (the first decode step)
+            if st is None or not st.prefill_done or st.lines is None or r.row_fires(st, n)[1]:
+                return False  # not sparse yet, lines not compacted yet (first decode step), or selecting
             wv, ws = max(wv, st.lines[0].shape[2]), max(ws, st.lines[2].shape[2])
-            if r.row_fires(st, n)[1]:  # selecting: its new top-B is padded to min(budget, length); its tail restarts
-                wb = max(wb, min(st.budget, n))
-                since = max(st.prompt_len - r.cfg.window, 0) if r.lastwindow else n - 1
-            else:
-                wb = max(wb, 0 if st.topb is None else st.topb.shape[2])
-                since = st.since or st.prompt_len
-            tail = max(tail, n - since)
+            wb = max(wb, 0 if st.topb is None else st.topb.shape[2])
+            tail = max(tail, n - (st.since or st.prompt_len))
         if max(wv, 1) + max(ws, 1) + max(wb, 1) + r.cfg.sink_tokens + tail > self.width:
             return False
         self._pending = (forward_batch, reqs, lens)
@@ -117,8 +111,8 @@ class LoopServeGraphs:
         finally:
             r.planning_for_graph = False
         e = r.dec
-        if e is None or "lists_all" not in e or len(e["rows"]) != raw:
-            raise RuntimeError("sglang-sparse loopserve: a graph step planned as a non-replayable step")
+        if e is None or "lists_all" not in e or e["sel"] is not None or len(e["rows"]) != raw:
+            raise RuntimeError("sglang-sparse loopserve: a graph step planned as a non-steady step")
         lists, lens_all = e["lists_all"]
         w = lists.shape[3]
         self.lists_buf[:, :raw, :, :w].copy_(lists)

@@ -27,35 +27,33 @@ Where the host work goes (nothing per layer needs a sync; no ``.item()``):
     batch into batch tensors (small host->device copies). For the re-selecting rows of a decode step it
     also plans the batched selection (:func:`sglang_sparse.loopserve_select.plan_selection`): one gather per row of its earlier
     observation queries from its ring for all layers, and the rows' positions, request indices, pool
-    rows, scored lengths and budgets in one host->device copy -- and runs it for every layer
-    (:func:`sglang_sparse.loopserve_select.select_all_layers`: per layer one
-    :func:`~flashinfer_ext.vs_estimate_batched.vertical_sums_batched` (two launches) and one
-    :func:`~flashinfer_ext.vs_estimate_batched.decode_topb_batched` (mask + topk) + scatter into the step's
-    top-B tensor; device work only). The observation window is the ``n_d`` queries BEFORE the current one
-    (their keys and queries exist before the forward; the current token is attended anyway, as a token
-    generated since the selection), so nothing of the selection runs inside the forward. Then every
-    layer's token lists for ALL sparse rows in one call
-    (:func:`flashinfer_ext.sparse_decode.decode_union_lists`: stored lines ∪ slash offsets at the current
-    position ∪ top-B ∪ sink ∪ tokens since, concat + sort + dedupe, O(list width) per row, never a
-    context-wide tensor; above ``LISTS_ALL_MAX_ENTRIES`` entries per layer instead, in :meth:`decode`).
+    rows, scored lengths and budgets in one host->device copy.
   * per layer, extend: estimation + selection + sparse prefill per sparse extend row (one request per
     kernel call: the kernels are single-request); device work only (the selection's split sizes are
     built without ``unique`` so that it never syncs).
   * per layer, decode: one copy of all sparse rows' queries into the step's query buffer (committed to
-    the per-request rings at the next :meth:`begin_batch`), then one split-list decode over all rows and
-    KV heads (:func:`flashinfer_ext.split_decode.sparse_decode_split`: two launches;
-    :func:`~flashinfer_ext.sparse_decode.sparse_decode` when one span covers the lists). The lists are cut
-    as if ``graph_list_width`` wide, so eager and graph-replayed steps give the same outputs.
+    the per-request rings at the next :meth:`begin_batch`); at re-selection steps, for ALL re-selecting
+    rows at once: one copy of their current queries into the planned observation buffer, one
+    :func:`~flashinfer_ext.vs_estimate_batched.vertical_sums_batched` (two launches), one
+    :func:`~flashinfer_ext.vs_estimate_batched.decode_topb_batched` (mask + topk) and one scatter into the
+    step's top-B tensor, then this layer's token lists for ALL sparse rows
+    (:func:`flashinfer_ext.sparse_decode.decode_union_lists`: stored lines ∪ slash offsets at the current
+    position ∪ top-B ∪ sink ∪ tokens since, concat + sort + dedupe, O(list width) per row, never a
+    context-wide tensor); at a step where no row re-selects (every step of lastwindow after its first, and
+    of loopserve between re-selections) those lists are built once for all layers in :meth:`begin_batch`
+    instead (below ``LISTS_ALL_MAX_ENTRIES`` entries; larger steps keep the per-layer build). Then one
+    split-list decode over all rows and KV heads (:func:`flashinfer_ext.split_decode.sparse_decode_split`: two
+    launches; :func:`~flashinfer_ext.sparse_decode.sparse_decode` when one span covers the lists). The lists
+    are cut as if ``graph_list_width`` wide, so eager and graph-replayed steps give the same outputs.
     Statistics are in-place adds into the device step rows. When every row of the batch is sparse (the
     usual case) the queries are read and the output written in place (no gather / scatter), the kernel's side
-    outputs are step buffers and a step's read counts are added once in :meth:`begin_batch`.
+    outputs are step buffers and a steady step's read counts are added once in :meth:`begin_batch`.
     The host->device planning copies are pinned and non-blocking (:func:`sglang_sparse.loopserve_select.h2d`).
-  * decode steps whose rows are all sparse and whose lists fit replay SGLang's decode CUDA graph over static
-    buffers planned by :mod:`sglang_sparse.loopserve_graph` (it calls :meth:`begin_batch` outside the graph),
-    re-selection steps included.
-Where the remaining host cost is: a re-selection step launches about 5 kernels per layer in its planning (no
-host sync); per request per step there remain the planning copies above (ring gathers, top-B write-back,
-the padding of the line lists), once per step. The prefill side is still per request per layer: ``rows x layers`` single-request
+  * steady decode steps (no row selects top-B) replay SGLang's decode CUDA graph over static buffers
+    planned by :mod:`sglang_sparse.loopserve_graph` (it calls :meth:`begin_batch` outside the graph).
+Where the remaining host cost is: a re-selection step runs eagerly, about 25 launches per layer; per request
+per step there remain the planning copies above (ring gathers, top-B write-back, the padding of the line
+lists), once per step. The prefill side is still per request per layer: ``rows x layers`` single-request
 estimation + :func:`vs_select` (tens of small torch ops) + sparse prefill; at short contexts these launches
 cost more than the attention they replace (H100 harness, SmolLM2, concurrency 8, 2026-11-24: loopserve tasks
 175 s vs 14 s dense; decode figures in ``bench/results/gpu_s14/``).
@@ -75,7 +73,7 @@ import torch
 from flashinfer_ext.vs_estimate import sample_query_rows
 from flashinfer_ext.vs_select import VSSelectConfig, _compact, vs_select
 from sglang_sparse.config import LoopServeConfig
-from sglang_sparse.loopserve_select import h2d as _h2d, plan_selection, select_all_layers
+from sglang_sparse.loopserve_select import h2d as _h2d, plan_selection, reselect
 from sglang_sparse.loopserve_stats import (
     COL_ALPHA, COL_COV, COL_KIND, COL_LTOT, COL_READ, COL_RESEL, COL_REUSED, COL_S, COL_TTOT, COL_UNITS, COL_V,
     KIND_DECODE, KIND_DENSE, KIND_LASTWINDOW, KIND_PREFILL, STEP_COLS,
@@ -171,7 +169,6 @@ class LoopServeRunner:
         # queries; one top-B selection at the first decode step; no lines, no re-selection
         self.lastwindow = cfg.mode == "lastwindow"
         self.planning_for_graph = False  # set by loopserve_graph while it plans a replayed step
-        self.sm_scale: float | None = None  # the layers' softmax scale, recorded by every forward (selection uses it)
         # lists are split as if graph_list_width wide, graphs on or off: eager and graph-replayed steps (and
         # servers with and without graphs) cut the same lists into the same spans, so their outputs agree bit
         # for bit (loopserve_graph sizes its static lists by it)
@@ -346,8 +343,6 @@ class LoopServeRunner:
                         nread_buf=torch.empty(len(rows), sh.num_kv_heads, dtype=torch.int32, device=dev),
                         seq32=seq_dev.to(torch.int32),
                         sel=plan_selection(self, states, [lens[i] for i in rows], fire, rpi))
-        if self.dec["sel"] is not None:  # Alg. 3: every layer's new top-B, before the forward (device work only)
-            select_all_layers(self, backend, self.dec["sel"], tb)
         width = v.shape[3] + s_.shape[3] + tb.shape[3] + cfg.sink_tokens + self.dec["max_since"]
         if self.use_kernels and not self.planning_for_graph:  # split plan + partial buffers, shared by every layer
             from flashinfer_ext.split_decode import alloc_split_buffers, plan_splits
@@ -357,8 +352,8 @@ class LoopServeRunner:
             self.dec["split"] = split
             if split.num_splits > 1:
                 self.dec["split_bufs"] = alloc_split_buffers(n_s, sh.num_qo_heads, sh.head_dim, split.num_splits, dev)
-        if sh.num_layers * len(rows) * sh.num_kv_heads * width <= LISTS_ALL_MAX_ENTRIES:
-            # every layer's sets built at once, here (else per layer, in decode)
+        if self.dec["sel"] is None and sh.num_layers * len(rows) * sh.num_kv_heads * width <= LISTS_ALL_MAX_ENTRIES:
+            # no row re-selects at this step: every layer's sets built at once, here (else per layer, below)
             self.dec["lists_all"] = self._union_lists_all_layers(self.dec)
         if self.dec["sel"] is not None:  # the new top-B back into the request states at the next begin_batch
             self._pending_topb = (tb, [(states[j], j, w) for j, w in self.dec["sel"]["widths"]])
@@ -385,7 +380,6 @@ class LoopServeRunner:
         """Overwrite the sparse rows of ``o3 [T, Hq, D]`` with their vertical/slash sparse prefill."""
         cfg = self.cfg
         lid = layer.layer_id
-        self.sm_scale = layer.scaling
         pool = backend.token_to_kv_pool
         k_buf, v_buf = pool.get_key_buffer(lid), pool.get_value_buffer(lid)
         rtt = backend.req_to_token_pool.req_to_token
@@ -443,19 +437,20 @@ class LoopServeRunner:
 
     def decode(self, backend, o3, q3, layer) -> None:
         """Overwrite the sparse decode rows of ``o3 [bs, Hq, D]`` (the current K/V already written)."""
-        d = self.dec
+        d, cfg = self.dec, self.cfg
         lid = layer.layer_id
         pool = backend.token_to_kv_pool
         k_buf, v_buf = pool.get_key_buffer(lid), pool.get_value_buffer(lid)
         rtt = backend.req_to_token_pool.req_to_token
         rows = d["rows_dev"]
-        self.sm_scale = layer.scaling
         q_s = q3 if d["all_rows"] else q3[rows]  # all rows sparse (the usual case): no gather
         if d["q_buf"] is not None:  # this step's queries, one copy for all rows (rings updated next batch)
             d["q_buf"][lid] = q_s.to(d["q_buf"].dtype)
+        if d["sel"] is not None:  # re-selection rows: one batched estimation + one top-B for all of them
+            reselect(self, d, d["sel"], q_s, k_buf, rtt, lid, layer.scaling)
         if "lists_all" in d:  # planned for all layers in begin_batch
             lists, lens = d["lists_all"][0][lid], d["lists_all"][1][lid]
-        else:  # lists over the size cap of the all-layer build: this layer's, from the planned tensors
+        else:  # a re-selection step: this layer's top-B was just written
             lists, lens = self._union_lists(d, lid)
         direct = d["all_rows"] and o3.dtype == q_s.dtype and o3.is_contiguous()
         o_s = self._sparse_decode(q_s, k_buf, v_buf, rtt, d, lists, lens, layer.scaling, out=o3 if direct else None)

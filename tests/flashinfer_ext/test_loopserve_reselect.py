@@ -1,9 +1,8 @@
 """Contract: LoopServe's batched decode re-selection (LoopServeRunner + sglang_sparse.loopserve_select, Alg. 3 /
 Eq. 7) picks, for every
 re-selecting row and layer, the top-min(budget, length) set of the fp32 reference over that row's own
-observation queries (the ``n_d`` queries before the current position, over the keys before it; lastwindow: the
-prompt's last window over the prompt's keys), already in ``begin_batch`` (before the forward: the step's own
-queries play no part), keeps the other rows' earlier top-B, writes the new top-B back to the request state at
+observation queries (the ring's earlier ones + the current one; lastwindow: the prompt's last window over
+the prompt's keys), keeps the other rows' earlier top-B, writes the new top-B back to the request state at
 the next batch, and the kernel path (Triton under the interpreter on the CPU) decodes like the reference path.
 
 Runs the runner on SGLang-shaped stand-ins (no sglang import): the shapes and names it reads from
@@ -76,12 +75,11 @@ def _run(lastwindow, use_kernels, seq_lens, prompt_lens, budgets, device="cpu", 
     rings = [getattr(r, STATE_ATTR).ring.clone() for r in reqs]
     runner = LoopServeRunner(cfg, shape, torch.device(device), use_kernels=use_kernels)
     runner.begin_batch(backend, fb)
-    planned_topb = runner.dec["topb"].clone()
     o3 = torch.zeros(len(seq_lens), HQ, D, device=device)
     for lid in range(L):
         runner.decode(backend, o3, q3, SimpleNamespace(layer_id=lid, scaling=D ** -0.5))
     return runner, o3, dict(cfg=cfg, backend=backend, fb=fb, reqs=reqs, q3=q3, pool=pool, old_topb=old_topb,
-                            rings=rings, planned_topb=planned_topb)
+                            rings=rings)
 
 
 # seq_lens, prompt lens, budgets: rows 0-1 re-select (initial top-B at generated token 5; Alg. 3's
@@ -98,7 +96,6 @@ def _check_reselection(lastwindow, use_kernels, device="cpu"):
     d = runner.dec
     fires = [True, True, lastwindow]
     assert d["fire"] == fires
-    assert torch.equal(d["topb"], env["planned_topb"])  # all selected in begin_batch; the forward changed nothing
     pool, reqs = env["pool"], env["reqs"]
     rtt, rpi = pool.req_to_token.cpu(), pool.req_pool_indices.cpu()
     for j, (n, plen, bud) in enumerate(zip(seq_lens, prompt_lens, budgets)):
@@ -114,8 +111,9 @@ def _check_reselection(lastwindow, use_kernels, device="cpu"):
                 obs_pos = torch.arange(st.ring_lo, plen)
                 q_obs, hi = ring[obs_pos % ring.shape[0]], plen
             else:
-                obs_pos = torch.arange(max(0, n - 1 - 16), n - 1)  # the 16 positions before the current one
-                q_obs, hi = ring[obs_pos % 16], n - 1
+                obs_pos = torch.arange(max(0, n - 16), n)
+                q_obs = torch.cat([ring[obs_pos[:-1] % 16], env["q3"][j: j + 1].cpu()])
+                hi = n
             k_buf = env["backend"].token_to_kv_pool.get_key_buffer(lid).cpu()
             want, score = decode_topb_reference(q_obs, obs_pos, k_buf, rtt[rpi[j].long()], hi, D ** -0.5, bud)
             keep = min(bud, hi)
@@ -143,7 +141,7 @@ def _check_reselection(lastwindow, use_kernels, device="cpu"):
     for j, (n, plen, bud) in enumerate(zip(seq_lens, prompt_lens, budgets)):
         if fires[j]:
             st = getattr(reqs[j], STATE_ATTR)
-            assert st.topb.shape == (L, HK, min(bud, st.ring_lo if lastwindow else n - 1))
+            assert st.topb.shape == (L, HK, min(bud, st.ring_lo if lastwindow else n))
             assert torch.equal(st.topb, d["topb"][j, :, :, : st.topb.shape[2]])
 
 
