@@ -42,7 +42,10 @@ import triton.language as tl
 
 from flashinfer_ext.tile_attention import attend_slots, group_query_state, list_tile_slots
 
-__all__ = ["sparse_decode", "mask_to_lists", "decode_union_mask", "decode_union_lists", "lists_to_mask"]
+__all__ = ["sparse_decode", "mask_to_lists", "decode_union_mask", "decode_union_lists", "decode_union_static",
+           "decode_union_merge", "lists_to_mask"]
+
+_BIG = torch.iinfo(torch.int32).max  # an invalid or duplicate list candidate (sorts last)
 
 
 @triton.jit
@@ -250,6 +253,41 @@ def decode_union_mask(v_idx: torch.Tensor, s_idx: torch.Tensor, topb: torch.Tens
     return (m & (ar < seq_lens.long()[:, None, None]))[:, :, :n]
 
 
+def decode_union_static(v_idx: torch.Tensor, s_idx: torch.Tensor, pos: torch.Tensor, since: torch.Tensor,
+                        seq_lens: torch.Tensor, *, sink_tokens: int, max_since: int) -> torch.Tensor:
+    """The part of :func:`decode_union_lists`' sets that does not depend on top-B, as unsorted candidates.
+
+    Inputs as :func:`decode_union_lists` (no ``topb``). Returns ``[B, Hk, Wv + Ws + sink_tokens + max_since]``
+    int32: the line positions, the slash offsets taken at ``pos``, the sink and the tail from ``since``, every
+    entry outside ``[0, seq_lens)`` set to ``INT32_MAX`` (duplicates kept). Built once per decode step for all
+    layers (a layer-major batch ``B = L * rows``); :func:`decode_union_merge` adds a layer's top-B."""
+    b, hk = v_idx.shape[0], v_idx.shape[1]
+    dev = v_idx.device
+    i32 = torch.int32  # positions < 2^31: int32 halves the temporaries of the all-layer call
+    seq = seq_lens.to(i32)[:, None, None]
+    s = s_idx.to(i32)
+    sp = torch.where(s >= 0, pos.to(i32)[:, None, None] - s, -1)
+    sink = torch.arange(sink_tokens, device=dev, dtype=i32).expand(b, hk, sink_tokens)
+    tail = since.to(i32)[:, None, None] + torch.arange(max_since, device=dev, dtype=i32)[None, None, :]
+    cand = torch.cat([v_idx.to(i32), sp, sink, tail.expand(b, hk, max_since)], dim=2)
+    return torch.where((cand >= 0) & (cand < seq), cand, _BIG)
+
+
+def decode_union_merge(static: torch.Tensor, topb: torch.Tensor,
+                       seq_lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`decode_union_static`'s candidates ``[B, Hk, Ws]`` ∪ the top-B positions ``topb [B, Hk, Wb]``
+    (``-1`` padded, clipped to ``< seq_lens [B]``) as lists: ``(lists [B, Hk, Ws + Wb] int32, lens [B, Hk]
+    int32)``, each list ascending and duplicate-free in its first ``lens`` entries, the rest 0. Two sorts (the
+    second moves the duplicates, marked ``INT32_MAX``, behind the kept entries); no host sync."""
+    tb = topb.to(torch.int32)
+    tb = torch.where((tb >= 0) & (tb < seq_lens.to(torch.int32)[:, None, None]), tb, _BIG)
+    srt = torch.cat([static, tb], dim=2).sort(dim=2).values
+    prev = torch.nn.functional.pad(srt[:, :, :-1], (1, 0), value=-1)
+    srt = torch.where(srt == prev, _BIG, srt).sort(dim=2).values
+    kept = srt != _BIG
+    return torch.where(kept, srt, 0).contiguous(), kept.sum(2, dtype=torch.int32)
+
+
 def decode_union_lists(v_idx: torch.Tensor, s_idx: torch.Tensor, topb: torch.Tensor, pos: torch.Tensor,
                        since: torch.Tensor, seq_lens: torch.Tensor, *, sink_tokens: int,
                        max_since: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -263,25 +301,10 @@ def decode_union_lists(v_idx: torch.Tensor, s_idx: torch.Tensor, topb: torch.Ten
 
     Work and memory are O(W) per (row, KV head), independent of the context (the mask path allocates
     ``[B, Hk, N]`` several times: at 128k tokens x 32 rows x 8 KV heads that is ~1 GB of temporaries).
-    One concat + one sort + one prefix-sum compaction; no host sync.
+    :func:`decode_union_static` + :func:`decode_union_merge`: one concat + two sorts; no host sync.
     """
-    b, hk = v_idx.shape[0], v_idx.shape[1]
-    dev = v_idx.device
-    i32 = torch.int32  # positions < 2^31: int32 halves the temporaries of the all-layer call
-    big = torch.iinfo(i32).max
-    seq = seq_lens.to(i32)[:, None, None]
-    s = s_idx.to(i32)
-    sp = torch.where(s >= 0, pos.to(i32)[:, None, None] - s, -1)
-    sink = torch.arange(sink_tokens, device=dev, dtype=i32).expand(b, hk, sink_tokens)
-    tail = since.to(i32)[:, None, None] + torch.arange(max_since, device=dev, dtype=i32)[None, None, :]
-    cand = torch.cat([v_idx.to(i32), sp, topb.to(i32), sink, tail.expand(b, hk, max_since)], dim=2)
-    cand = torch.where((cand >= 0) & (cand < seq), cand, big)
-    srt = cand.sort(dim=2).values
-    prev = torch.nn.functional.pad(srt[:, :, :-1], (1, 0), value=-1)
-    keep = (srt != big) & (srt != prev)
-    at, lens = mask_to_lists(keep)  # where the kept entries sit, ascending (the rest 0)
-    valid = torch.arange(at.shape[2], device=dev)[None, None, :] < lens[:, :, None]
-    return torch.where(valid, srt.gather(2, at.long()), 0).contiguous(), lens
+    static = decode_union_static(v_idx, s_idx, pos, since, seq_lens, sink_tokens=sink_tokens, max_since=max_since)
+    return decode_union_merge(static, topb, seq_lens)
 
 
 def lists_to_mask(lists: torch.Tensor, lens: torch.Tensor, max_len: int) -> torch.Tensor:

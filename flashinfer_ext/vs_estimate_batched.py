@@ -39,7 +39,8 @@ import triton.language as tl
 
 from .vs_estimate import _group_probs, _load_q, _rows_lse, check_heads, launch_meta
 
-__all__ = ["vertical_sums_batched", "vertical_sums_batched_reference", "decode_topb_batched", "qo_indptr_of"]
+__all__ = ["vertical_sums_batched", "vertical_sums_batched_reference", "decode_topb_batched", "decode_topb_masks",
+           "decode_topb_masked", "qo_indptr_of"]
 
 
 @triton.jit
@@ -182,6 +183,27 @@ def vertical_sums_batched_reference(q_rows: torch.Tensor, q_pos: torch.Tensor, q
     return out
 
 
+def decode_topb_masks(budgets: torch.Tensor, seq_lens: torch.Tensor, n: int,
+                      width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The per-request masks of :func:`decode_topb_batched` for scores ``[num_reqs, Hk, n]``: ``(excluded
+    [num_reqs, 1, n] bool: positions >= seq_lens, valid [num_reqs, 1, width] bool: the first
+    min(budget, seq_len) ranks)``. The same for every layer of a decode step: planned once per step."""
+    if not 0 < width <= n:
+        raise ValueError(f"width={width} is out of range: expected an integer in [1, {n}]")
+    dev = budgets.device
+    seq = seq_lens.to(dev).long()
+    excluded = (torch.arange(n, device=dev)[None, :] >= seq[:, None])[:, None, :]
+    keep = torch.minimum(budgets.to(dev).long(), seq)
+    return excluded, (torch.arange(width, device=dev)[None, :] < keep[:, None])[:, None, :]
+
+
+def decode_topb_masked(v_sum: torch.Tensor, excluded: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """:func:`decode_topb_batched` with its masks (:func:`decode_topb_masks`) given: ``v_sum [num_reqs, Hk, n]``
+    fp32 -> ``lists [num_reqs, Hk, width]`` int32 (one masked fill, one ``topk``, one select)."""
+    top = torch.topk(v_sum.masked_fill(excluded, float("-inf")), valid.shape[2], dim=2, sorted=True).indices
+    return torch.where(valid, top, -1).to(torch.int32)
+
+
 def decode_topb_batched(v_sum: torch.Tensor, budgets: torch.Tensor, seq_lens: torch.Tensor,
                         width: int) -> torch.Tensor:
     """Top-``min(budget, seq_len)`` key positions per request and KV head (LoopServe Alg. 3 / Eq. 7), batched.
@@ -196,14 +218,5 @@ def decode_topb_batched(v_sum: torch.Tensor, budgets: torch.Tensor, seq_lens: to
     set, :func:`flashinfer_ext.vs_select.decode_topb`'s), the rest ``-1``. One ``topk``, no host sync;
     ties break arbitrarily.
     """
-    n_req, hk, n = v_sum.shape
-    if not 0 < width <= n:
-        raise ValueError(f"width={width} is out of range: expected an integer in [1, {n}]")
-    dev = v_sum.device
-    ar = torch.arange(n, device=dev)
-    seq = seq_lens.to(dev).long()
-    scores = v_sum.masked_fill((ar[None, :] >= seq[:, None])[:, None, :], float("-inf"))
-    top = torch.topk(scores, width, dim=2, sorted=True).indices
-    keep = torch.minimum(budgets.to(dev).long(), seq)                      # [num_reqs]
-    valid = torch.arange(width, device=dev)[None, None, :] < keep[:, None, None]
-    return torch.where(valid, top, -1).to(torch.int32)
+    excluded, valid = decode_topb_masks(budgets.to(v_sum.device), seq_lens, v_sum.shape[2], width)
+    return decode_topb_masked(v_sum, excluded, valid)

@@ -36,12 +36,14 @@ Where the host work goes (nothing per layer needs a sync; no ``.item()``):
     rows at once: one copy of their current queries into the planned observation buffer, one
     :func:`~flashinfer_ext.vs_estimate_batched.vertical_sums_batched` (two launches), one
     :func:`~flashinfer_ext.vs_estimate_batched.decode_topb_batched` (mask + topk) and one scatter into the
-    step's top-B tensor, then this layer's token lists for ALL sparse rows
-    (:func:`flashinfer_ext.sparse_decode.decode_union_lists`: stored lines ∪ slash offsets at the current
-    position ∪ top-B ∪ sink ∪ tokens since, concat + sort + dedupe, O(list width) per row, never a
-    context-wide tensor); at a step where no row re-selects (every step of lastwindow after its first, and
-    of loopserve between re-selections) those lists are built once for all layers in :meth:`begin_batch`
-    instead (below ``LISTS_ALL_MAX_ENTRIES`` entries; larger steps keep the per-layer build). Then one
+    step's top-B tensor (top-B's masks planned once per step), then this layer's token lists for ALL sparse
+    rows: the candidates that do not depend on top-B (stored lines, slash offsets at the current position,
+    sink, tokens since: :func:`flashinfer_ext.sparse_decode.decode_union_static`) are built for every layer
+    at once in :meth:`begin_batch`, and each layer merges its new top-B into them
+    (:func:`~flashinfer_ext.sparse_decode.decode_union_merge`: concat + two sorts, O(list width) per row,
+    never a context-wide tensor); at a step where no row re-selects (every step of lastwindow after its
+    first, and of loopserve between re-selections) the merge too runs once for all layers in
+    :meth:`begin_batch` (below ``LISTS_ALL_MAX_ENTRIES`` entries; larger steps build everything per layer). Then one
     split-list decode over all rows and KV heads (:func:`flashinfer_ext.split_decode.sparse_decode_split`: two
     launches; :func:`~flashinfer_ext.sparse_decode.sparse_decode` when one span covers the lists). The lists
     are cut as if ``graph_list_width`` wide, so eager and graph-replayed steps give the same outputs.
@@ -51,7 +53,8 @@ Where the host work goes (nothing per layer needs a sync; no ``.item()``):
     The host->device planning copies are pinned and non-blocking (:func:`sglang_sparse.loopserve_select.h2d`).
   * steady decode steps (no row selects top-B) replay SGLang's decode CUDA graph over static buffers
     planned by :mod:`sglang_sparse.loopserve_graph` (it calls :meth:`begin_batch` outside the graph).
-Where the remaining host cost is: a re-selection step runs eagerly, about 25 launches per layer; per request
+Where the remaining host cost is: a re-selection step runs eagerly, about 20 launches per layer (45 before
+stop 15); per request
 per step there remain the planning copies above (ring gathers, top-B write-back, the padding of the line
 lists), once per step. The prefill side is still per request per layer: ``rows x layers`` single-request
 estimation + :func:`vs_select` (tens of small torch ops) + sparse prefill; at short contexts these launches
@@ -352,9 +355,12 @@ class LoopServeRunner:
             self.dec["split"] = split
             if split.num_splits > 1:
                 self.dec["split_bufs"] = alloc_split_buffers(n_s, sh.num_qo_heads, sh.head_dim, split.num_splits, dev)
-        if self.dec["sel"] is None and sh.num_layers * len(rows) * sh.num_kv_heads * width <= LISTS_ALL_MAX_ENTRIES:
-            # no row re-selects at this step: every layer's sets built at once, here (else per layer, below)
-            self.dec["lists_all"] = self._union_lists_all_layers(self.dec)
+        if sh.num_layers * len(rows) * sh.num_kv_heads * width <= LISTS_ALL_MAX_ENTRIES:
+            # every layer's top-B-independent candidates at once, here; no row re-selects at this step: every
+            # layer's sets too (else merged with each layer's new top-B in decode; over the cap: all per layer)
+            self.dec["static_all"] = self._static_all_layers(self.dec)
+            if self.dec["sel"] is None:
+                self.dec["lists_all"] = self._merge_all_layers(self.dec)
         if self.dec["sel"] is not None:  # the new top-B back into the request states at the next begin_batch
             self._pending_topb = (tb, [(states[j], j, w) for j, w in self.dec["sel"]["widths"]])
         units = sh.num_layers * sh.num_kv_heads
@@ -450,7 +456,11 @@ class LoopServeRunner:
             reselect(self, d, d["sel"], q_s, k_buf, rtt, lid, layer.scaling)
         if "lists_all" in d:  # planned for all layers in begin_batch
             lists, lens = d["lists_all"][0][lid], d["lists_all"][1][lid]
-        else:  # a re-selection step: this layer's top-B was just written
+        elif "static_all" in d:  # a re-selection step: the planned candidates merged with this layer's new top-B
+            from flashinfer_ext.sparse_decode import decode_union_merge
+
+            lists, lens = decode_union_merge(d["static_all"][lid], d["topb"][:, lid], d["seq32"])
+        else:  # over the size cap of the all-layer build: this layer's whole build
             lists, lens = self._union_lists(d, lid)
         direct = d["all_rows"] and o3.dtype == q_s.dtype and o3.is_contiguous()
         o_s = self._sparse_decode(q_s, k_buf, v_buf, rtt, d, lists, lens, layer.scaling, out=o3 if direct else None)
@@ -468,19 +478,30 @@ class LoopServeRunner:
         return decode_union_lists(d["v"][:, lid], d["s"][:, lid], d["topb"][:, lid], d["pos"], d["since"], d["seq"],
                                   sink_tokens=self.cfg.sink_tokens, max_since=d["max_since"])
 
-    def _union_lists_all_layers(self, d):
-        """Every layer's lists of a step without re-selection, in one call: ``([L, nS, Hk, W], [L, nS, Hk])``
-        (layer-major, so a layer's slice is contiguous for :func:`sparse_decode`)."""
-        from flashinfer_ext.sparse_decode import decode_union_lists
+    @staticmethod
+    def _by_layer(t):  # [nS, L, ...] -> [L * nS, ...] (layer-major: a layer's slice is contiguous)
+        return t.transpose(0, 1).reshape(t.shape[0] * t.shape[1], *t.shape[2:])
+
+    def _static_all_layers(self, d):
+        """Every layer's top-B-independent candidates (:func:`~flashinfer_ext.sparse_decode.decode_union_static`:
+        lines, slash positions, sink, tail) in one call: ``[L, nS, Hk, Ws]`` int32."""
+        from flashinfer_ext.sparse_decode import decode_union_static
 
         n_s, n_l = d["v"].shape[0], d["v"].shape[1]
+        static = decode_union_static(self._by_layer(d["v"]), self._by_layer(d["s"]), d["pos"].repeat(n_l),
+                                     d["since"].repeat(n_l), d["seq"].repeat(n_l), sink_tokens=self.cfg.sink_tokens,
+                                     max_since=d["max_since"])
+        return static.view(n_l, n_s, *static.shape[1:])
 
-        def by_layer(t):  # [nS, L, Hk, W] -> [L * nS, Hk, W]
-            return t.transpose(0, 1).reshape(n_l * n_s, t.shape[2], t.shape[3])
+    def _merge_all_layers(self, d):
+        """Every layer's lists of a step without re-selection, in one call: ``([L, nS, Hk, W], [L, nS, Hk])``
+        (layer-major, so a layer's slice is contiguous for :func:`sparse_decode`)."""
+        from flashinfer_ext.sparse_decode import decode_union_merge
 
-        lists, lens = decode_union_lists(by_layer(d["v"]), by_layer(d["s"]), by_layer(d["topb"]), d["pos"].repeat(n_l),
-                                         d["since"].repeat(n_l), d["seq"].repeat(n_l),
-                                         sink_tokens=self.cfg.sink_tokens, max_since=d["max_since"])
+        static = d["static_all"]
+        n_l, n_s = static.shape[0], static.shape[1]
+        lists, lens = decode_union_merge(static.view(n_l * n_s, *static.shape[2:]), self._by_layer(d["topb"]),
+                                         d["seq"].repeat(n_l))
         return lists.view(n_l, n_s, *lists.shape[1:]), lens.view(n_l, n_s, lens.shape[1])
 
     # ------------------------------------------------------------------ compute, per path

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import torch
 
+from flashinfer_ext.vs_estimate_batched import decode_topb_masks
+
 __all__ = ["plan_selection", "reselect", "snapkv_pool", "h2d"]
 
 
@@ -74,13 +76,15 @@ def plan_selection(runner, states, lens, fire, rpi) -> dict | None:
     packed = h2d(torch.tensor([x for part in parts for x in part], dtype=torch.int64), dev)
     views = packed.split([len(part) for part in parts])
     widths = [min(b, n) for b, n in zip(budgets, cand)]
+    # top-B's masks are the same at every layer of the step: built once here
+    excluded, valid = decode_topb_masks(views[6], views[7], max(sel_seq), max(widths))
     kw = dict(dtype=torch.float32, device=dev)
     vsum_buf, lse_buf = (torch.empty(len(fire_j), runner.shape.num_kv_heads, max(sel_seq), **kw),
                          torch.empty(runner.shape.num_qo_heads, r_total, **kw)) if runner.use_kernels else (None, None)
     return dict(obs_buf=obs_buf, vsum_buf=vsum_buf, lse_buf=lse_buf, obs_pos=views[0], q_req=views[1],
                 qo_indptr=views[2], cur_rows=views[3], fire_dev=views[4], sel_seq=views[5], budgets=views[6],
                 cand_seq=views[7],
-                max_len=max(sel_seq), width=max(widths), max_qo_len=max(counts), rpi=rpi[views[4].to(rpi.device)],
+                excluded=excluded, valid=valid, max_len=max(sel_seq), width=max(widths), max_qo_len=max(counts), rpi=rpi[views[4].to(rpi.device)],
                 widths=list(zip(fire_j, widths)))
 
 
@@ -88,7 +92,7 @@ def reselect(runner, d, sel, q_s, k_buf, rtt, lid, scale) -> None:
     """Alg. 3 / Eq. 7 for all re-selecting rows of this step, one layer: their observation queries
     (earlier ones planned in ``obs_buf``, this step's from ``q_s [nS, Hq, D]``), one batched vertical-sum
     estimation, one top-B, one scatter into the step's ``topb [nS, L, Hk, W]``."""
-    from flashinfer_ext.vs_estimate_batched import (decode_topb_batched, vertical_sums_batched,
+    from flashinfer_ext.vs_estimate_batched import (decode_topb_masked, vertical_sums_batched,
                                                     vertical_sums_batched_reference)
 
     q_obs = sel["obs_buf"][lid]
@@ -102,7 +106,7 @@ def reselect(runner, d, sel, q_s, k_buf, rtt, lid, scale) -> None:
         v_sum = vertical_sums_batched_reference(*args, sm_scale=scale)
     if runner.lastwindow:  # SnapKV: pool the scores over neighbouring positions, never pick the sink
         v_sum = snapkv_pool(v_sum, runner.cfg.pool_kernel, runner.cfg.sink_tokens)
-    lists = decode_topb_batched(v_sum, sel["budgets"], sel["cand_seq"], sel["width"])
+    lists = decode_topb_masked(v_sum, sel["excluded"], sel["valid"])
     d["topb"][sel["fire_dev"], lid, :, : sel["width"]] = lists
 
 
