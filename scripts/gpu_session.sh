@@ -90,14 +90,19 @@ case $part in
     step host_tier_concurrency timeout -k 30 "${HTC_TIMEOUT:-540}" python3 bench/host_tier_concurrency.py \
         --out "$rep/host_tier_concurrency" --merge-into "$rep/host_tier.json" --time-budget "${HTC_BUDGET:-480}"
     ;;
-  decode)  # LoopServe / lastwindow decode speed: DEC_STEPS picks (default all three)
+  decode)  # LoopServe / lastwindow decode speed: DEC_STEPS picks (default: pytest_kernels kernel_bench profile;
+           # step_bench: bench/loopserve_step_bench.py, the runner's eager step alone)
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$rep/gpu.txt"
     dsteps=${DEC_STEPS:-pytest_kernels kernel_bench profile}
     case " $dsteps " in *" pytest_kernels "*)
       step pytest_kernels timeout "${DEC_TEST_TIMEOUT:-240}" python3 -m pytest -m gpu -v -p no:cacheprovider -rA \
           --durations=10 --junitxml="$rep/junit_gpu_decode.xml" tests/flashinfer_ext/test_split_decode.py \
           tests/flashinfer_ext/test_sparse_decode.py tests/flashinfer_ext/test_loopserve_reselect.py \
-          tests/flashinfer_ext/test_vs_decode_batched.py ;;
+          tests/flashinfer_ext/test_vs_decode_batched.py tests/flashinfer_ext/test_list_union.py \
+          tests/flashinfer_ext/test_vs_estimate_batched.py ;;
+    esac
+    case " $dsteps " in *" step_bench "*)
+      step step_bench timeout "${DEC_STEP_TIMEOUT:-240}" python3 bench/loopserve_step_bench.py --out "$rep" ;;
     esac
     case " $dsteps " in *" kernel_bench "*)
       step kernel_bench timeout "${DEC_BENCH_TIMEOUT:-180}" python3 bench/sparse_decode_bench.py --out "$rep" ;;

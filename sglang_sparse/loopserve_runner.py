@@ -361,6 +361,8 @@ class LoopServeRunner:
             self.dec["static_all"] = self._static_all_layers(self.dec)
             if self.dec["sel"] is None:
                 self.dec["lists_all"] = self._merge_all_layers(self.dec)
+            elif self.use_kernels:  # sorted + deduplicated once here; each layer appends its top-B (one launch)
+                self._plan_union_append(self.dec)
         if self.dec["sel"] is not None:  # the new top-B back into the request states at the next begin_batch
             self._pending_topb = (tb, [(states[j], j, w) for j, w in self.dec["sel"]["widths"]])
         units = sh.num_layers * sh.num_kv_heads
@@ -456,7 +458,12 @@ class LoopServeRunner:
             reselect(self, d, d["sel"], q_s, k_buf, rtt, lid, layer.scaling)
         if "lists_all" in d:  # planned for all layers in begin_batch
             lists, lens = d["lists_all"][0][lid], d["lists_all"][1][lid]
-        elif "static_all" in d:  # a re-selection step: the planned candidates merged with this layer's new top-B
+        elif "static_sorted" in d:  # a re-selection step: this layer's new top-B appended to the planned lists
+            from flashinfer_ext.list_union import union_append
+
+            lists, lens = union_append(d["static_sorted"][lid], d["static_lens"][lid], d["topb"][:, lid], d["seq32"],
+                                       out=d["union_buf"], lens_out=d["union_lens_buf"])
+        elif "static_all" in d:  # the same sets on the reference path: merged with this layer's new top-B
             from flashinfer_ext.sparse_decode import decode_union_merge
 
             lists, lens = decode_union_merge(d["static_all"][lid], d["topb"][:, lid], d["seq32"])
@@ -492,6 +499,21 @@ class LoopServeRunner:
                                      d["since"].repeat(n_l), d["seq"].repeat(n_l), sink_tokens=self.cfg.sink_tokens,
                                      max_since=d["max_since"])
         return static.view(n_l, n_s, *static.shape[1:])
+
+    @staticmethod
+    def _plan_union_append(d) -> None:
+        """A re-selection step on the kernel path: every layer's candidates sorted and deduplicated at once
+        (``static_sorted [L, nS, Hk, Ws]`` / ``static_lens [L, nS, Hk]``) and the step's union buffers, reused by
+        every layer (:func:`flashinfer_ext.list_union.union_append`)."""
+        from flashinfer_ext.sparse_decode import decode_union_merge
+
+        static = d["static_all"]
+        n_l, n_s, hk, ws = static.shape
+        no_topb = static.new_empty(n_l * n_s, hk, 0)
+        lists, lens = decode_union_merge(static.view(n_l * n_s, hk, ws), no_topb, d["seq32"].repeat(n_l))
+        d["static_sorted"], d["static_lens"] = lists.view(n_l, n_s, hk, ws), lens.view(n_l, n_s, hk)
+        d["union_buf"] = static.new_empty(n_s, hk, ws + d["topb"].shape[3])
+        d["union_lens_buf"] = static.new_empty(n_s, hk)
 
     def _merge_all_layers(self, d):
         """Every layer's lists of a step without re-selection, in one call: ``([L, nS, Hk, W], [L, nS, Hk])``
