@@ -1,6 +1,7 @@
 """Where a decode step's time goes, per ``--sparse`` mode: SGLang's own torch profiler on a served request.
 
-For each mode, one server (``bench.server``), a warm-up request, then ``/start_profile`` with
+For each mode, one server (``bench.server``), two warm-up requests (a short one; one as long as the measured one, 24
+tokens: every sparse kernel compiled), then ``/start_profile`` with
 ``profile_by_stage`` (SGLang profiles ``--steps`` decode steps on their own and writes
 ``<out>/<mode>/*-decode.trace.json.gz``), then one long greedy request streamed through
 ``/v1/chat/completions`` (:func:`bench.host_tier_concurrency.stream_chat`; a user message of ``--prompt-tokens``
@@ -117,7 +118,11 @@ def profile_mode(a, mode: str, sparse_config: str | None, out: Path, log) -> dic
                       sparse_config=sparse_config, extra_args=shlex.split(a.server_args))
     rec: dict = {"mode": mode, "sparse_config": sparse_config, "server": " ".join(spec.argv())}
     with Server(spec, mdir / "server.log", timeout_s=a.server_timeout, log=log) as srv:
-        measure(srv.url, _prompt(40, a.seed + 1), 8)  # warm-up (kernels compiled, graphs captured)
+        # warm-up: a short request, then one as long as the measured one (another text: no prefix hit) and past
+        # generated token 16, so that the sparse modes' prefill, selection and decode kernels are compiled before
+        # the measured request (a 40-word prompt stays under a sparse mode's min_context: dense)
+        measure(srv.url, _prompt(40, a.seed + 1), 8)
+        measure(srv.url, _prompt(a.prompt_tokens, a.seed + 2), min(a.max_tokens, 24))
         rec["unprofiled"] = measure(srv.url, _prompt(a.prompt_tokens, a.seed), a.max_tokens)
         activities = ["CPU", "GPU"] if a.device == "cuda" else ["CPU"]
         r = requests.post(srv.url + "/start_profile", json={
