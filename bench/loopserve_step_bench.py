@@ -44,7 +44,9 @@ CASES = [("smollm2_b1", 30, 9, 3, 64, 1, 2700, 64, 64), ("smollm2_b8", 30, 9, 3,
 SMOKE = [("smoke", 2, 4, 2, 64, 2, 300, 16, 8)]
 
 
-class _Decode:  # SGLang's ForwardMode, decode
+class DecodeMode:
+    """Stand-in for SGLang's ``ForwardMode`` of a decode batch (the three questions the runner asks)."""
+
     def is_idle(self):
         return False
 
@@ -91,7 +93,7 @@ def build(case, kind: str, dev: torch.device, seed: int = 0):
             st.topb = torch.randint(0, plen, (n_l, hk, budget), device=dev, generator=g, dtype=torch.int32)
         reqs.append(SimpleNamespace(sampling_params=SimpleNamespace(custom_params=None), origin_input_ids=[0] * plen,
                                     req_pool_idx=b, **{STATE_ATTR: st}))
-    fb = SimpleNamespace(forward_mode=_Decode(), batch_size=batch, sampling_info=SimpleNamespace(sparse_reqs=reqs),
+    fb = SimpleNamespace(forward_mode=DecodeMode(), batch_size=batch, sampling_info=SimpleNamespace(sparse_reqs=reqs),
                          seq_lens_cpu=torch.full((batch,), ctx), req_pool_indices=torch.arange(batch, device=dev))
     runner = LoopServeRunner(cfg, SimpleNamespace(num_layers=n_l, num_kv_heads=hk, num_qo_heads=hq, head_dim=d),
                              dev, use_kernels=True)

@@ -4,25 +4,12 @@ decode step on the CPU (Triton interpreter) and writes its report."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
-import pytest
-
-ROOT = Path(__file__).resolve().parent.parent
+from .bench_smoke import run_smoke
 
 
 def test_smoke_times_a_selecting_and_a_steady_step_and_writes_the_report(tmp_path):
-    import torch
-
-    if torch.cuda.is_available():
-        pytest.skip("the smoke path is the CPU interpreter run")
-    r = subprocess.run([sys.executable, str(ROOT / "bench" / "loopserve_step_bench.py"), "--smoke", "--out",
-                        str(tmp_path)], capture_output=True, text=True, timeout=300, cwd=ROOT,
-                       env=dict(os.environ, OMP_NUM_THREADS="1"))
-    assert r.returncode == 0, r.stderr[-3000:]
+    run_smoke("loopserve_step_bench.py", tmp_path)
     js = json.loads((tmp_path / "loopserve_step.json").read_text())
     assert [row["kind"] for row in js["rows"]] == ["selecting", "steady"]  # the bench asserts each step's kind
     for row in js["rows"]:

@@ -3,25 +3,16 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+from .bench_smoke import ROOT, run_smoke
 
 
 def test_smoke_writes_a_report_whose_ratios_are_computed_from_its_timings(tmp_path):
-    import torch
-
-    if torch.cuda.is_available():
-        pytest.skip("the smoke path is the CPU interpreter run")
-    r = subprocess.run([sys.executable, str(ROOT / "bench" / "sparse_decode_bench.py"), "--smoke", "--out",
-                        str(tmp_path)], capture_output=True, text=True, timeout=300, cwd=ROOT,
-                       env=dict(os.environ, OMP_NUM_THREADS="1"))
-    assert r.returncode == 0, r.stderr[-3000:]
+    run_smoke("sparse_decode_bench.py", tmp_path)
     js = json.loads((tmp_path / "sparse_decode.json").read_text())
     (res,) = js["results"]
     assert res["num_splits"] > 1  # the smoke lists span several tiles: the split path is exercised

@@ -15,6 +15,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from bench.loopserve_step_bench import DecodeMode
 from flashinfer_ext.loopserve_reference import decode_topb_reference
 from sglang_sparse.config import LastWindowConfig, LoopServeConfig
 from sglang_sparse.loopserve_runner import STATE_ATTR, LoopServeRunner, ReqState
@@ -25,15 +26,7 @@ from .kv_pool import make_pool
 L, HQ, HK, D = 2, 4, 2, 64
 
 
-class _Mode:
-    def is_idle(self):
-        return False
-
-    def is_decode(self):
-        return True
-
-    def is_extend(self):
-        return False
+_Mode = DecodeMode  # SGLang's ForwardMode of a decode batch (the bench's stand-in)
 
 
 def _setup(lastwindow, seq_lens, prompt_lens, budgets, seed=0, device="cpu", all_topb=False):
