@@ -70,3 +70,11 @@ def sparse_metrics_when(server, prefix: str, key: str, pred, timeout_s: float = 
         if pred(m.get(key, 0.0)) or time.monotonic() > deadline:
             return m
         time.sleep(0.5)
+
+
+def flush_cache(server, timeout_s: float = 60.0) -> None:
+    """``/flush_cache``, waiting (SGLang's ``timeout`` query) until the scheduler has no running or waiting request:
+    right after a reply the scheduler may still be finishing it, and an immediate flush is refused with a 400."""
+    import requests
+
+    requests.post(server.url + "/flush_cache", params={"timeout": timeout_s}, timeout=timeout_s + 30).raise_for_status()

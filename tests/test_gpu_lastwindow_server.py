@@ -11,10 +11,9 @@ import sys
 import time
 
 import pytest
-import requests
 
 from bench.server import Server, ServerSpec
-from tests.serverproc import DEFAULT_MODEL, chat, free_port
+from tests.serverproc import DEFAULT_MODEL, chat, flush_cache, free_port
 from tests.test_gpu_psa_server import _long_prompt
 from tests.test_server_e2e import PROMPT
 
@@ -81,7 +80,7 @@ def test_gpu_lastwindow_graph_replay_gives_the_eager_output(lw_gpu_server, lw_gr
     stats = lambda: server.server_info()["internal_states"][0]["sparse"]["stats"]["graph_decode_steps"]  # noqa: E731
     before = stats()
     for s in (eager, server):  # no earlier request's prefix (and, loopserve, its stored lines) on either side
-        requests.post(s.url + "/flush_cache", timeout=60).raise_for_status()
+        flush_cache(s)
     want = chat(eager, prompt, 48, ignore_eos=True)
     got = chat(server, prompt, 48, ignore_eos=True)
     assert got["choices"][0]["message"]["content"] == want["choices"][0]["message"]["content"], (

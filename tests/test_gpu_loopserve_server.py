@@ -12,10 +12,9 @@ import sys
 import time
 
 import pytest
-import requests
 
 from bench.server import Server, ServerSpec
-from tests.serverproc import DEFAULT_MODEL, chat, free_port, sparse_metrics
+from tests.serverproc import DEFAULT_MODEL, chat, flush_cache, free_port, sparse_metrics
 from tests.test_gpu_psa_server import _long_prompt
 from tests.test_server_e2e import PROMPT
 
@@ -140,7 +139,7 @@ def test_gpu_loopserve_graph_replay_gives_the_eager_output(gpu_servers, graph_se
     prompt = "Graph replay. " + _long_prompt()
     before = server.server_info()["internal_states"][0]["sparse"]["stats"]["graph_decode_steps"]
     for s in (eager, server):  # no earlier request's prefix (and, loopserve, its stored lines) on either side
-        requests.post(s.url + "/flush_cache", timeout=60).raise_for_status()
+        flush_cache(s)
     want = chat(eager, prompt, 64, ignore_eos=True)
     got = chat(server, prompt, 64, ignore_eos=True)
     assert got["metadata"]["sparse"]["sparse_decode_steps"] == want["metadata"]["sparse"]["sparse_decode_steps"] == 63

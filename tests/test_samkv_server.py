@@ -13,7 +13,7 @@ import pytest
 import requests
 
 from bench.samkv_bench import correct, make_task
-from tests.serverproc import sparse_metrics_when, start_cpu_server
+from tests.serverproc import flush_cache, sparse_metrics_when, start_cpu_server
 
 pytestmark = pytest.mark.server
 
@@ -224,7 +224,7 @@ def test_evicted_documents_fall_back_to_dense_then_are_prefilled_again(samkv_ser
     server, log = samkv_server
     task = make_task(5, docs=2, words=80)
     assert _ask(server, task, variant="reuse", salt="evict").json()["metadata"]["sparse"]["documents_prefilled"] == 2
-    requests.post(server.url + "/flush_cache", timeout=60).raise_for_status()  # the tree forgets the documents
+    flush_cache(server)  # the tree forgets the documents
     stale = _ask(server, task, variant="reuse", salt="evict")
     m = stale.json()["metadata"]["sparse"]
     assert stale.status_code == 200 and m["scheduler_status"] == "fallback" and m["cached_tokens"] == 0
