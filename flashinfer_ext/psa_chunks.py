@@ -83,8 +83,8 @@ def _chunk_kernel(
         for t0 in range(lo, hi, SUB):
             slot, tvalid = list_tile_slots(order_row, rtt_row, t0, hi, seq_len, tok, BLOCK_SIZE)
             m_i, m_safe, l_i, acc, p = attend_slots(q, k_ptr, v_ptr, stride_k_slot, stride_k_head, stride_v_slot,
-                                                    stride_v_head, h, slot, tvalid, d, dmask, m_i, l_i, acc,
-                                                    sm_scale_log2, DOT_FP32)
+                                                    stride_v_head, h, slot, tvalid, tvalid[None, :], d, dmask, m_i,
+                                                    l_i, acc, sm_scale_log2, DOT_FP32)
             # per ranked block: AS_min over full blocks, bound tightness over all ranked blocks
             ranks = t0 + tl.arange(0, SUB)
             in_rank = (ranks < hi) & (ranks >= nf)

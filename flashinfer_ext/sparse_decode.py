@@ -61,8 +61,8 @@ def _attend_tile(q, k_ptr, v_ptr, stride_k_slot, stride_k_head, stride_v_slot, s
     tok = tl.arange(0, TOK)
     slot, tvalid = list_tile_slots(lists_row_ptr, rtt_row_ptr, t0, t_end, seq_len, tok, BLOCK_SIZE)
     m_new, m_safe, l_i, acc, p = attend_slots(q, k_ptr, v_ptr, stride_k_slot, stride_k_head, stride_v_slot,
-                                              stride_v_head, h, slot, tvalid, d, dmask, m_i, l_i, acc, sm_scale_log2,
-                                              DOT_FP32)
+                                              stride_v_head, h, slot, tvalid, tvalid[None, :], d, dmask, m_i, l_i,
+                                              acc, sm_scale_log2, DOT_FP32)
     # AS_min over full, ranked blocks of this tile (absolute base-2 log mass per query head)
     ranks = t0 + tl.arange(0, SUB)
     lb = tl.load(lists_row_ptr + ranks, mask=ranks < t_end, other=0).to(tl.int64)

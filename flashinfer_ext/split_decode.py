@@ -115,8 +115,8 @@ def _split_kernel(
     for t0 in range(t_lo, t_hi, SUB):
         slot, tvalid = list_tile_slots(lists_row_ptr, rtt_row_ptr, t0, t_hi, seq_len, tok, BLOCK_SIZE)
         m_i, _, l_i, acc, _ = attend_slots(q, k_ptr, v_ptr, stride_k_slot, stride_k_head, stride_v_slot,
-                                           stride_v_head, h, slot, tvalid, d, dmask, m_i, l_i, acc, sm_scale_log2,
-                                           DOT_FP32)
+                                           stride_v_head, h, slot, tvalid, tvalid[None, :], d, dmask, m_i, l_i, acc,
+                                           sm_scale_log2, DOT_FP32)
     has = l_i > 0.0
     l_safe = tl.where(has, l_i, 1.0)
     row = (r64 * NUM_KV_HEADS + h) * GROUP + g  # = r * num_qo_heads + qo head

@@ -3,8 +3,9 @@
 Supports: a tile of ``TOK = SUB * BLOCK_SIZE`` key positions taken from a per-(request, KV head) list of
 logical blocks (:func:`list_tile_slots`), SGLang's KV layout ``[num_slots, num_kv_heads, head_dim]`` reached
 through a ``req_to_token`` row, one decode query per request with its GQA group ``[G_PAD, D_PAD]``, and the
-base-2 online-softmax update of a running ``(m, l, acc)`` state (:func:`attend_slots`). Used by
-:mod:`flashinfer_ext.sparse_decode`, :mod:`flashinfer_ext.split_decode` and :mod:`flashinfer_ext.psa_chunks`.
+base-2 online-softmax update of a running ``(m, l, acc)`` state over any query rows and score mask
+(:func:`attend_slots`). Used by :mod:`flashinfer_ext.sparse_decode`, :mod:`flashinfer_ext.split_decode`,
+:mod:`flashinfer_ext.psa_chunks` and (the update only) :mod:`flashinfer_ext.vs_prefill`.
 
 Cautions: scores are base 2 (``sm_scale_log2 = sm_scale / ln 2``); masked positions score ``-inf``; a tile with
 no valid position leaves the state unchanged (``m_safe`` guards ``-inf - -inf``). ``DOT_FP32`` emulates the
@@ -50,17 +51,19 @@ def list_tile_slots(list_row_ptr, rtt_row_ptr, t0, t_hi, seq_len, tok, BLOCK_SIZ
 
 @triton.jit
 def attend_slots(q, k_ptr, v_ptr, stride_k_slot, stride_k_head, stride_v_slot, stride_v_head, h, slot, tvalid,
-                 d, dmask, m_i, l_i, acc, sm_scale_log2, DOT_FP32: tl.constexpr):
-    """Online-softmax update of ``(m_i [G_PAD], l_i [G_PAD], acc [G_PAD, D_PAD])`` by the keys / values at
-    ``slot`` of KV head ``h``. Returns ``(m_new, m_safe, l_i, acc, p)``: ``p [G_PAD, TOK]`` the tile's
-    probabilities relative to ``m_safe`` (callers that track block masses read it)."""
+                 ok, d, dmask, m_i, l_i, acc, sm_scale_log2, DOT_FP32: tl.constexpr):
+    """Online-softmax update of ``(m_i [ROWS], l_i [ROWS], acc [ROWS, D_PAD])`` for query rows ``q [ROWS, D_PAD]``
+    by the keys / values at ``slot [TOK]`` of KV head ``h``: ``tvalid [TOK]`` masks the loads, ``ok`` (broadcast
+    to ``[ROWS, TOK]``: ``tvalid[None, :]`` for decode, a causal / line mask for prefill) the scores. Returns
+    ``(m_new, m_safe, l_i, acc, p)``: ``p [ROWS, TOK]`` the tile's probabilities relative to ``m_safe`` (callers
+    that track block masses read it)."""
     kv_mask = tvalid[:, None] & dmask[None, :]
     k = tl.load(k_ptr + slot[:, None] * stride_k_slot + h * stride_k_head + d[None, :], mask=kv_mask, other=0.0)
     if DOT_FP32:
         s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)))
     else:
         s = tl.dot(q, tl.trans(k))
-    s = tl.where(tvalid[None, :], s * sm_scale_log2, float("-inf"))  # [G_PAD, TOK] base-2 scores
+    s = tl.where(ok, s * sm_scale_log2, float("-inf"))  # [ROWS, TOK] base-2 scores
     m_new = tl.maximum(m_i, tl.max(s, axis=1))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
     alpha = tl.exp2(m_i - m_safe)

@@ -37,32 +37,9 @@ import torch
 import triton
 import triton.language as tl
 
+from flashinfer_ext.tile_attention import attend_slots
+
 __all__ = ["vs_prefill"]
-
-
-@triton.jit
-def _update(q, k_ptr, v_ptr, stride_ks, stride_kh, stride_vs, stride_vh, h, slot, ok, kvalid,
-            m_i, l_i, acc, sm_scale_log2, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, DOT_FP32: tl.constexpr):
-    d = tl.arange(0, D_PAD)
-    kvm = kvalid[:, None] & (d < HEAD_DIM)[None, :]
-    k = tl.load(k_ptr + slot[:, None] * stride_ks + h * stride_kh + d[None, :], mask=kvm, other=0.0)
-    if DOT_FP32:  # the Triton CPU interpreter mis-computes bf16 tl.dot: emulate in fp32 there
-        s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)))
-    else:
-        s = tl.dot(q, tl.trans(k))
-    s = tl.where(ok, s * sm_scale_log2, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, axis=1))
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-    alpha = tl.exp2(m_i - m_safe)
-    p = tl.exp2(s - m_safe[:, None])
-    l_i = l_i * alpha + tl.sum(p, axis=1)
-    v = tl.load(v_ptr + slot[:, None] * stride_vs + h * stride_vh + d[None, :], mask=kvm, other=0.0)
-    if DOT_FP32:
-        pv = tl.dot(p.to(v.dtype).to(tl.float32), v.to(tl.float32))
-    else:
-        pv = tl.dot(p.to(v.dtype), v)
-    acc = acc * alpha[:, None] + pv
-    return m_new, l_i, acc
 
 
 @triton.jit
@@ -83,7 +60,8 @@ def _vs_prefill_kernel(
     rvalid = (t < T) & (g < GROUP)
     pos = (prefix_len + t).to(tl.int64)
     d = tl.arange(0, D_PAD)
-    qmask = rvalid[:, None] & (d < HEAD_DIM)[None, :]
+    dmask = d < HEAD_DIM
+    qmask = rvalid[:, None] & dmask[None, :]
     q = tl.load(q_ptr + t.to(tl.int64)[:, None] * stride_qt + (h * GROUP + g)[:, None] * stride_qh + d[None, :],
                 mask=qmask, other=0.0).to(k_ptr.dtype.element_ty)
     q_lo = prefix_len + qb * BLOCK_Q
@@ -105,8 +83,8 @@ def _vs_prefill_kernel(
         ok = rvalid[:, None] & jvalid[None, :] & (off >= 0)
         on_s = tl.load(sflag_row + off, mask=ok, other=0)
         ok = ok & (on_s == 0)
-        m_i, l_i, acc = _update(q, k_ptr, v_ptr, stride_ks, stride_kh, stride_vs, stride_vh, h, slot, ok, jvalid,
-                                m_i, l_i, acc, sm_scale_log2, HEAD_DIM, D_PAD, DOT_FP32)
+        m_i, _, l_i, acc, _ = attend_slots(q, k_ptr, v_ptr, stride_ks, stride_kh, stride_vs, stride_vh, h, slot,
+                                           jvalid, ok, d, dmask, m_i, l_i, acc, sm_scale_log2, DOT_FP32)
 
     # phase B: key blocks crossed by a selected slash band, exact diagonals
     for n0 in range(0, q_hi + 1, BLOCK_N):
@@ -122,8 +100,8 @@ def _vs_prefill_kernel(
             ok = rvalid[:, None] & kvalid[None, :] & (off >= 0)
             on_s = tl.load(sflag_row + off, mask=ok, other=0)
             ok = ok & (on_s != 0)
-            m_i, l_i, acc = _update(q, k_ptr, v_ptr, stride_ks, stride_kh, stride_vs, stride_vh, h, slot, ok,
-                                    kvalid, m_i, l_i, acc, sm_scale_log2, HEAD_DIM, D_PAD, DOT_FP32)
+            m_i, _, l_i, acc, _ = attend_slots(q, k_ptr, v_ptr, stride_ks, stride_kh, stride_vs, stride_vh, h, slot,
+                                               kvalid, ok, d, dmask, m_i, l_i, acc, sm_scale_log2, DOT_FP32)
 
     has = l_i > 0.0
     l_safe = tl.where(has, l_i, 1.0)

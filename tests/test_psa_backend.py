@@ -116,3 +116,19 @@ def test_api_hooks_summarise_whichever_mode_left_step_rows():
     psa = request_summary({"sparse_psa_steps": [_row(0, 0, 0, 0, 0, 0.9), _row(1, 4, 10, 1.8, 2, 0.9)]})
     assert psa["mode"] == "psa" and psa["blocks_read"] == 4 and psa["read_fraction"] == 0.4
     assert request_summary({"weight_version": "default"}) is None and request_summary(None) is None
+
+
+def test_psa_backend_gate_is_the_one_the_graph_hook_asks():
+    """``api_hooks.graph_gate_hook`` asks the backend's ``sparse_wants_graph`` (one name for every mode): the psa
+    backend's gate defers to its runner's ``wants_graph`` (which decides on the real batch)."""
+    from types import SimpleNamespace
+
+    from sglang_sparse.api_hooks import graph_gate_hook
+    from sglang_sparse.psa_backend import PsaDecodeMixin
+
+    backend = type("PsaBackend", (), dict(vars(PsaDecodeMixin)))()
+    backend._psa_runner = SimpleNamespace(wants_graph=lambda fb: fb == "sparse batch")
+    runner = SimpleNamespace(model_runner=SimpleNamespace(attn_backend=backend))
+    assert graph_gate_hook(True, runner, "sparse batch") is True
+    assert graph_gate_hook(True, runner, "dense batch") is False
+    assert graph_gate_hook(False, runner, "sparse batch") is False
