@@ -5,8 +5,10 @@ one document holds the asked person's secret number, the others a distractor fac
 The documents go in ``extra_body.documents``. Two task sets, one server, one report (:class:`BenchPlan`):
 
 * **accuracy set** (``--acc-tasks`` x ``--acc-docs`` documents of ``--acc-words`` words; default 60 x 8 x
-  120 words, ~190 tokens each): short enough that SmolLM2-135M's *dense* prefill answers most of them
-  (it fails the long set even densely). Asked through ``/v1/completions`` with the raw prompt
+  400 words, ~550 tokens each, ~4.4k in all): short enough that SmolLM2-135M's *dense* prefill answers them
+  (it fails the long set even densely), long enough that the 0.2 KV cap leaves room to select blocks (at
+  120 words, the set of stops 11-15, the initial + local blocks took all but 0-7 blocks of 16 tokens).
+  Asked through ``/v1/completions`` with the raw prompt
   ``Question: What is <name>'s secret number?\nAnswer: The answer is`` after the documents (no chat
   template: measured on the CPU server, SmolLM2 answers the chat-template form of these tasks with one
   digit and stops). Per task: a warm-up request caches every document alone, then one greedy answer of
@@ -96,7 +98,7 @@ class BenchPlan:
     up to ``max_tokens`` greedy tokens), the TTFT set (``repeats`` timed samkv / recompute requests per
     task) and the variants (must hold ``recompute`` and ``samkv``: the headline compares them)."""
 
-    accuracy: SetSpec = field(default_factory=lambda: SetSpec(60, 8, 120))
+    accuracy: SetSpec = field(default_factory=lambda: SetSpec(60, 8, 400))
     ttft: SetSpec = field(default_factory=lambda: SetSpec(6, 8, 760))
     repeats: int = 3
     max_tokens: int = 16

@@ -24,6 +24,11 @@ context), the rest are the *middle* blocks that selection keeps or drops.
 * :func:`anchor_layouts` - every document's :func:`block_layout`, local blocks trimmed when the
   always-kept blocks would take more than their share of the KV budget (short documents).
 
+* :func:`question_block_mass` / :func:`select_mass_blocks` - the ``selection="mass"`` rule (not the paper's):
+  each question row's softmax attention over *all* documents' tokens (position-free logits, per query head),
+  averaged over rows and heads and summed per block; of all documents' middle blocks the ``budget`` with the
+  most mass are kept. One scale for every document (no per-document normalisation, no Eq. 2 ratio).
+
 Cautions: scores use position-free vectors (queries before RoPE, keys de-rotated to position 0) so a
 block's score does not depend on where the document sits; the paper does not say which it uses.
 """
@@ -34,7 +39,7 @@ import math
 
 import torch
 
-__all__ = ["generic_query", "personalized_queries", "block_mean_keys", "block_scores", "anchor_top_p",
+__all__ = ["question_block_mass", "select_mass_blocks", "generic_query", "personalized_queries", "block_mean_keys", "block_scores", "anchor_top_p",
            "block_layout", "anchor_layouts", "select_middle_blocks", "ScoreIndex", "document_scores"]
 
 
@@ -252,3 +257,62 @@ def document_scores(k0: torch.Tensor, q_hat: torch.Tensor, index: ScoreIndex) ->
     inside = (s_anc > s_min) & (s_anc <= s_max) & index.mid_ok.any(dim=-1)
     p = (s_max - s_anc) / (s_max - s_min).clamp_min(1e-30)
     return torch.where(inside, p, torch.zeros_like(p)), blk, tok
+
+
+def question_block_mass(k0: torch.Tensor, q_rows: torch.Tensor, index: ScoreIndex, scale: float) -> torch.Tensor:
+    """The question's attention mass per block, one layer, every document at once.
+
+    k0 ``[N, kv_heads, dim]``: every document's keys at position 0 (any float dtype), documents end to end;
+    q_rows ``[T, q_heads, dim]``: the question rows' queries before RoPE (any float dtype); ``scale`` the
+    softmax scale (``1 / sqrt(dim)``). Each row and query head gets one softmax over all ``N`` keys (GQA: head
+    ``h`` reads KV head ``h // (q_heads / kv_heads)``); the probabilities are averaged over rows and heads and
+    summed per block. Returns ``[TB]`` fp32 (sums to 1 over all blocks).
+    """
+    n, hkv, dim = k0.shape
+    t, hq, qdim = q_rows.shape
+    if n != index.n_tokens:
+        raise ValueError(f"question_block_mass: {n} keys for an index of {index.n_tokens} tokens")
+    if qdim != dim or hq % hkv:
+        raise ValueError(f"question_block_mass: q_rows {tuple(q_rows.shape)} do not fit keys {tuple(k0.shape)} "
+                         "(head_dim must match, q_heads a multiple of kv_heads)")
+    q = q_rows.float().view(t, hkv, hq // hkv, dim)
+    logits = torch.einsum("tkgd,nkd->kgtn", q, k0.float()) * float(scale)     # [kv_heads, group, T, N]
+    tok = logits.softmax(dim=-1).mean(dim=(0, 1, 2))                            # [N]
+    tok = torch.cat([tok, tok.new_zeros(1)])                                    # row N = the pad
+    return tok.index_select(0, index.blk_tok).view(index.n_blocks, index.block_size).sum(dim=1)
+
+
+def question_block_mass_reference(k_docs: list[torch.Tensor], q_rows: torch.Tensor, block_size: int,
+                                  scale: float) -> list[torch.Tensor]:
+    """Loop reference of :func:`question_block_mass`: ``k_docs[j]`` ``[n_j, kv_heads, dim]``; returns per document
+    its blocks' mass ``[ceil(n_j / block_size)]`` fp32."""
+    k = torch.cat([x.float() for x in k_docs])
+    hq, hkv = q_rows.shape[1], k.shape[1]
+    probs = torch.zeros(k.shape[0])
+    for h in range(hq):
+        for r in range(q_rows.shape[0]):
+            probs += torch.softmax((k[:, h // (hq // hkv)] @ q_rows[r, h].float()) * scale, dim=0)
+    probs /= hq * q_rows.shape[0]
+    out, start = [], 0
+    for x in k_docs:
+        n = x.shape[0]
+        out.append(torch.stack([probs[start + b: start + min(n, b + block_size)].sum()
+                                for b in range(0, n, block_size)]))
+        start += n
+    return out
+
+
+def select_mass_blocks(mass: list[torch.Tensor], layouts: list[tuple], budget: int) -> list[list[int]]:
+    """The ``selection="mass"`` rule: ``mass[j]`` ``[blocks_j]`` (document j's blocks, layer-summed
+    :func:`question_block_mass`), ``layouts[j]`` its :func:`block_layout`. Of all documents' middle blocks the
+    ``budget`` with the most mass are kept (ties: earlier document, then earlier block). Returns, per document,
+    the kept positions in its middle list (sorted), as :func:`select_middle_blocks` does."""
+    cands = []
+    for j, (m, (_, _, middle)) in enumerate(zip(mass, layouts)):
+        vals = m.float().tolist()
+        cands += [(-vals[b], j, i) for i, b in enumerate(middle)]
+    cands.sort()
+    kept: list[list[int]] = [[] for _ in layouts]
+    for _, j, i in cands[:max(0, int(budget))]:
+        kept[j].append(i)
+    return [sorted(k) for k in kept]

@@ -8,10 +8,10 @@
 #   pytest_gpu    tests/test_gpu_samkv_server.py + the rope_shift / score / assembly tests       (<= 150 s)
 #   bench         bench/samkv_bench.py, the real model ($KIT_MODEL), FlashInfer page 16, one server, one report
 #                 REPORT_DIR/samkv.{md,json} of two task sets: the accuracy set (SAMKV_ACC_TASKS (60) x 8
-#                 documents of ~120 words: recompute / samkv / reuse / cacheblend answers,
+#                 documents of ~400 words, ~550 tokens: recompute / samkv / reuse / cacheblend answers,
 #                 accuracy_delta_vs_recompute) and the TTFT set (SAMKV_TASKS (6) x 8 documents of ~960 tokens:
 #                 ttft_ratio_vs_recompute, kv_kept_ratio); server config SAMKV_SPARSE_CONFIG
-#                 ('{"block_size": 16}': ~190-token accuracy documents have 12 blocks, not 6)        (<= 200 s)
+#                 ('{"block_size": 16}')                                                              (<= 200 s)
 #   bench_dummy8b the same TTFT measurement on a Llama-3.1-8B-shaped model with DUMMY (generated) weights
 #                 (bench/dummy_model.py; SmolLM2 tokenizer; --load-format dummy, ~15 GB): TTFT set only, no
 #                 accuracy -> REPORT_DIR/dummy8b/samkv.{md,json}, and its figures added, labelled with the
@@ -26,9 +26,9 @@ part=gpu_part_samkv
 # shellcheck disable=SC1091
 source "$(dirname "${BASH_SOURCE[0]}")/gpu_steps.sh"
 samkv_cfg=${SAMKV_SPARSE_CONFIG:-'{"block_size": 16}'}
-# SAMKV_STEPS picks the steps (default all four: up to ~700 s, more than one 600 s device call allows; on
-# 2026-11-24 "pytest_gpu bench" took 216 s and "bench_acc_block8 bench_dummy8b" ~330 s)
-steps=${SAMKV_STEPS:-pytest_gpu bench bench_dummy8b bench_acc_block8}
+# SAMKV_STEPS picks the steps (default all five: more than one 600 s device call allows; on 2026-11-24
+# "pytest_gpu bench" took 216 s and "bench_acc_block8 bench_dummy8b" ~330 s)
+steps=${SAMKV_STEPS:-pytest_gpu bench bench_dummy8b bench_acc_paper bench_acc_short}
 want() { case " $steps " in *" $1 "*) return 0 ;; *) return 1 ;; esac; }
 want pytest_gpu && step pytest_gpu timeout "${SAMKV_TEST_TIMEOUT:-150}" python3 -m pytest -q -p no:cacheprovider -rA \
     --junitxml="$rep/junit_gpu_samkv.xml" tests/test_gpu_samkv_server.py tests/flashinfer_ext/test_rope_shift.py \
@@ -42,12 +42,18 @@ want bench_dummy8b && step bench_dummy8b timeout "${SAMKV_DUMMY_TIMEOUT:-200}" p
     --out "$rep/dummy8b" --headline "$rep/samkv.json" --tasks 2 --repeats 3 --ttft-only \
     --sparse-config "$samkv_cfg" \
     --server-args "--attention-backend flashinfer --page-size 16 --mem-fraction-static 0.6 --disable-cuda-graph"
-# the accuracy set again at block_size 8: at 16 the ~190-token documents have 12 blocks, and with 8 documents
-# the 0.2 kept cap (19 of 96 blocks) is below the always-kept initial + local blocks (24), so no middle block
-# is selected by attention at all; at 8 (24 blocks a document) 14 middle blocks are (report only, not merged)
-[ "${SAMKV_ACC_BLOCK8:-1}" = 1 ] && want bench_acc_block8 && step bench_acc_block8 timeout "${SAMKV_ACC8_TIMEOUT:-150}" python3 -m bench.samkv_bench \
-    --launch --device cuda --python python3 --model "$KIT_MODEL" --port 30022 --out "$rep/acc_block8" --tasks 0 \
-    --acc-tasks "${SAMKV_ACC_TASKS:-60}" --sparse-config '{"block_size": 8}' \
+# report-only accuracy sets (not merged into the headline):
+#   bench_acc_paper  the accuracy set with the paper's selection rule (selection anchor_top_p: Eq. 2-3 ratios,
+#                    mean-key block scores, cross-document normalisation) instead of the default question mass
+#   bench_acc_short  8 documents of ~120 words (~190 tokens, the set of stops 11-15): the 0.2 kept cap leaves
+#                    0-7 middle blocks of 16 tokens for all 8 documents after their initial + local blocks
+want bench_acc_paper && step bench_acc_paper timeout "${SAMKV_ACC_TIMEOUT:-150}" python3 -m bench.samkv_bench \
+    --launch --device cuda --python python3 --model "$KIT_MODEL" --port 30022 --out "$rep/acc_paper" --tasks 0 \
+    --acc-tasks "${SAMKV_ACC_TASKS:-60}" --sparse-config '{"block_size": 16, "selection": "anchor_top_p"}' \
+    --server-args "--attention-backend flashinfer --page-size 16 --mem-fraction-static 0.5"
+want bench_acc_short && step bench_acc_short timeout "${SAMKV_ACC_TIMEOUT:-150}" python3 -m bench.samkv_bench \
+    --launch --device cuda --python python3 --model "$KIT_MODEL" --port 30023 --out "$rep/acc_short" --tasks 0 \
+    --acc-tasks "${SAMKV_ACC_TASKS:-60}" --acc-words 120 --sparse-config "$samkv_cfg" \
     --server-args "--attention-backend flashinfer --page-size 16 --mem-fraction-static 0.5"
 say "done: exit $rc"
 exit $rc

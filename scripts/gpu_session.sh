@@ -7,6 +7,7 @@
 #   bash scripts/gpu_session.sh psa_tests    # pytest -m gpu (kernels + the psa server on FlashInfer)
 #   bash scripts/gpu_session.sh psa_bench    # PSA kernel benchmark + harness fidelity off vs psa
 #   bash scripts/gpu_session.sh psa_load     # SGLang serving benchmark, off vs psa, long inputs
+#   bash scripts/gpu_session.sh gpu_tests    # pytest -m gpu on GPU_TEST_ARGS only
 #   bash scripts/gpu_session.sh tests_host   # pytest -m gpu (every GPU test) + scripts/gpu_part_host_tier.sh
 #   bash scripts/gpu_session.sh loopserve    # scripts/gpu_part_loopserve.sh (prefill bench, harness, fidelity)
 #   bash scripts/gpu_session.sh samkv        # scripts/gpu_part_samkv.sh (GPU tests, accuracy + TTFT sets, 8B dummy TTFT)
@@ -16,7 +17,7 @@
 # Reports land in /tmp/gpu_reports/<part>/ and are packed into $OUT/<part>_reports.tgz
 # (the device returns at most 8 files from $OUT); each part's log is also copied to $OUT.
 set -uo pipefail
-part=${1:?usage: gpu_session.sh foundation|bench|psa_tests|psa_bench|psa_load|tests_host|loopserve|samkv|host_conc|decode}
+part=${1:?usage: gpu_session.sh foundation|bench|psa_tests|psa_bench|psa_load|gpu_tests|tests_host|loopserve|samkv|host_conc|decode}
 out=${OUT:-$PWD/gpu_out}
 rep=/tmp/gpu_reports/$part
 mkdir -p "$out" "$rep"
@@ -69,6 +70,11 @@ case $part in
         --python python3 --model "$KIT_MODEL" --port 30001 --concurrency "${BENCH_LOAD_CONCURRENCY:-1,8,32}" \
         --input-len "${PSA_LOAD_INPUT:-6000}" --output-len 128 --out "$rep/gpu_load_psa" \
         --sparse-config "psa={\"min_context\": 2048}" --server-args "--attention-backend flashinfer --page-size 16"
+    ;;
+  gpu_tests)  # pytest -m gpu on GPU_TEST_ARGS (default tests) alone, with --durations
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$rep/gpu.txt"
+    step pytest_gpu${GPU_TEST_TAG:-} timeout "${GPU_TEST_TIMEOUT:-420}" python3 -m pytest -m gpu -q -p no:cacheprovider \
+        -rA --durations=15 --junitxml="$rep/junit_gpu${GPU_TEST_TAG:-}.xml" ${GPU_TEST_ARGS:-tests}
     ;;
   tests_host)
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$rep/gpu.txt"

@@ -258,6 +258,15 @@ class SamKVConfig(SparseConfig):
                         "recompute = dense "
                         "prefill of the concatenation, cacheblend = reuse of every block + selective recompute",
                         choices=("samkv", "reuse", "recompute", "cacheblend"))
+    selection: str = knob("mass", doc="how middle blocks are chosen: mass = the question's attention mass per block "
+                          "(softmax over all documents' tokens, layers mass_layers) and the best blocks of all "
+                          "documents kept; anchor_top_p = the paper's Eq. 2-3 ratio per document, mean-key block "
+                          "scores of the last stable_layers layers, cross-document normalisation",
+                          choices=("mass", "anchor_top_p"))
+    mass_layer_from: float = knob(0.4, doc="selection=mass: first layer whose question attention is summed, as a "
+                                  "fraction of the layers (layer floor(from * L))", range=Range(0.0, 1.0, hi_open=True))
+    mass_layer_to: float = knob(0.7, doc="selection=mass: end of those layers, as a fraction (layers up to "
+                                "ceil(to * L), exclusive); must be > mass_layer_from", range=Range(0.0, 1.0, lo_open=True))
     personalize: bool = knob(True, doc="add the other documents' local queries to the question's (Eq. 1)")
     local_query_tokens: int = knob(16, doc="last tokens of each document whose queries form its local query "
                                    "(side forward rows; SGLang keeps no Q cache)", range=Range(1, 1 << 20))
@@ -274,3 +283,14 @@ class SamKVConfig(SparseConfig):
     max_documents: int = knob(64, doc="most documents in one request", range=Range(1, 4096))
     max_document_chars: int = knob(4_000_000, doc="most characters of all documents of one request",
                                    range=Range(1, 1 << 40))
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.mass_layer_to <= self.mass_layer_from:
+            raise SparseConfigError(f"--sparse-config: field 'mass_layer_to' of mode 'samkv' = {self.mass_layer_to} is out of "
+                             f"range; allowed: greater than mass_layer_from = {self.mass_layer_from}, at most 1")
+
+    def mass_layer_range(self, num_layers: int) -> range:
+        """The layers ``selection="mass"`` sums: ``floor(from * L) .. ceil(to * L)`` (at least one)."""
+        lo = min(num_layers - 1, math.floor(self.mass_layer_from * num_layers))
+        return range(lo, max(lo + 1, min(num_layers, math.ceil(self.mass_layer_to * num_layers))))

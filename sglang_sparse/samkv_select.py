@@ -27,7 +27,8 @@ from __future__ import annotations
 import torch
 
 from flashinfer_ext.samkv_score import (ScoreIndex, anchor_layouts, document_scores, generic_query,
-                                        personalized_queries, select_middle_blocks)
+                                        personalized_queries, question_block_mass, select_mass_blocks,
+                                        select_middle_blocks)
 
 
 def _gather_context(rt, pool, spans, srcs, layouts, bs, ids, local_tokens, question_ids):
@@ -179,7 +180,11 @@ def select_blocks(rt, spans, srcs, ids, tree_cache, keep_all: bool = False) -> t
         rt, pool, spans, srcs, layouts, bs, ids, cfg.local_query_tokens, ids[n_doc:])
     _tick(rt, "select_gather")
     first = max(0, rt.num_layers - cfg.stable_layers)
-    q_que, q_loc_rows, loc_doc = _selection_queries(rt, q_ids, ctx_k, ctx_v, ctx_ids, ctx_doc, ctx_pos, local, first)
+    mass_layers = cfg.mass_layer_range(rt.num_layers) if cfg.selection == "mass" and not keep_all else range(0)
+    lo = min([first] + list(mass_layers[:1]))
+    q_rows, q_loc_rows, loc_doc = _selection_queries(rt, q_ids, ctx_k, ctx_v, ctx_ids, ctx_doc, ctx_pos, local, lo)
+    q_loc_rows = q_loc_rows[first - lo:]
+    q_que = q_rows[first - lo:]
     del ctx_k, ctx_v
     _tick(rt, "select_side_forward")
     d = len(spans)
@@ -207,7 +212,15 @@ def select_blocks(rt, spans, srcs, ids, tree_cache, keep_all: bool = False) -> t
         p_l.append(p)
         b_l.append(blk)
         t_l.append(tok)
-    p_host, b_host, t_host = _to_host([torch.stack(p_l), torch.stack(b_l), torch.stack(t_l).mean(0)])
+    mass = None
+    if mass_layers:  # selection="mass": the question's attention mass per block, summed over mass_layers
+        mass, scale = 0.0, rt.model.model.layers[0].self_attn.scaling
+        for layer in mass_layers:
+            k0 = rt.shift_keys(pool.get_key_buffer(layer)[src_all], -pos_all)
+            mass = mass + question_block_mass(k0, q_rows[layer - lo], index, scale)
+        mass = [mass]
+    p_host, b_host, t_host, *m_host = _to_host([torch.stack(p_l), torch.stack(b_l), torch.stack(t_l).mean(0)]
+                                               + (mass or []))
     p_docs = [p_host[:, j] for j in range(d)]                                    # [stable_layers] each
     s_docs = [b_host[:, index.blk_start[j] + mid[0]:index.blk_start[j] + mid[-1] + 1] if mid
               else b_host.new_zeros(b_host.shape[0], 0) for j, (_, _, mid) in enumerate(layouts)]
@@ -221,7 +234,13 @@ def select_blocks(rt, spans, srcs, ids, tree_cache, keep_all: bool = False) -> t
     # max_kept_ratio rule, in tokens: middle blocks are full blocks (a short block is always the last, kept
     # as local unless local_blocks is 0; then it is counted as a full one here)
     cap = max(0, token_cap - always_tokens) // bs if ratio < 1.0 else None
-    kept_mid = select_middle_blocks(p_docs, s_docs, total_blocks, always_total // max(1, len(spans)), max_middle=cap)
+    if m_host:
+        budget = max(0, total_blocks // max(d, 1) - always_total // max(1, d))
+        budget = budget if cap is None else min(budget, cap)
+        mass_docs = [m_host[0][index.blk_start[j]:index.blk_start[j] + nb] for j, (nb, _, _) in enumerate(layouts)]
+        kept_mid = select_mass_blocks(mass_docs, layouts, budget)
+    else:
+        kept_mid = select_middle_blocks(p_docs, s_docs, total_blocks, always_total // max(1, d), max_middle=cap)
     out = []
     for (s, n), (nb, always, middle), km in zip(spans, layouts, kept_mid):
         blocks = sorted(set(always) | {middle[j] for j in km})

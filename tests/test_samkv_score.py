@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from flashinfer_ext.samkv_score import (anchor_layouts, anchor_top_p, block_layout, block_mean_keys, block_scores,
-                                        generic_query, personalized_queries, select_middle_blocks)
+                                        generic_query, personalized_queries, select_mass_blocks,
+                                        select_middle_blocks)
 
 
 def test_personalized_queries_match_eq1_loop():
@@ -152,3 +153,53 @@ def test_document_scores_equal_the_per_document_loop_and_select_the_same_blocks(
     assert got == want
     if any(m for _, _, m in layouts):
         assert any(got), "the case selects nothing: it would not tell a wrong selection apart"
+
+
+@pytest.mark.parametrize("lengths,bs,hq,hkv,dtype", [
+    ([70, 33, 129, 5, 64], 16, 6, 3, torch.bfloat16),   # short last blocks, a one-block document, GQA 2
+    ([300, 250, 280], 32, 4, 4, torch.float16),        # MHA
+    ([40], 8, 8, 1, torch.float32),                    # one document, MQA
+])
+def test_question_block_mass_equals_the_softmax_loop_over_all_documents(lengths, bs, hq, hkv, dtype):
+    from flashinfer_ext.samkv_score import ScoreIndex, question_block_mass, question_block_mass_reference
+
+    g = torch.Generator().manual_seed(len(lengths) * 7 + bs)
+    k_docs = [torch.randn(n, hkv, 16, generator=g).to(dtype) for n in lengths]
+    q = torch.randn(5, hq, 16, generator=g).to(dtype)
+    index = ScoreIndex(lengths, [block_layout(n, bs, 1, 1) for n in lengths], bs, "cpu")
+    got = question_block_mass(torch.cat(k_docs), q, index, 0.25)
+    want = torch.cat(question_block_mass_reference(k_docs, q, bs, 0.25))
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
+    assert abs(float(got.sum()) - 1.0) < 1e-5
+    with pytest.raises(ValueError, match="keys for an index"):
+        question_block_mass(torch.cat(k_docs)[1:], q, index, 0.25)
+
+
+def test_question_block_mass_finds_the_block_a_planted_key_is_in():
+    """A key equal to the question's query direction, in the middle of the third document, puts that block
+    first in all documents' ranking (the rule compares documents on one scale)."""
+    from flashinfer_ext.samkv_score import ScoreIndex, question_block_mass
+
+    g = torch.Generator().manual_seed(3)
+    lengths, bs = [64, 64, 96, 64], 16
+    k = 0.1 * torch.randn(sum(lengths), 2, 32, generator=g)
+    q = torch.randn(4, 4, 32, generator=g)
+    k[128 + 40] = 3.0 * q.mean(0).view(2, 2, 32).mean(1)          # document 2, block 2 (a middle block)
+    layouts = [block_layout(n, bs, 1, 1) for n in lengths]
+    index = ScoreIndex(lengths, layouts, bs, "cpu")
+    mass = question_block_mass(k, q, index, 32 ** -0.5)
+    docs = list(mass.split([-(-n // bs) for n in lengths]))
+    assert select_mass_blocks(docs, layouts, 1) == [[], [], [1], []]   # middle list of doc 2 is [1, 2, 3, 4]
+
+
+def test_select_mass_blocks_keeps_the_heaviest_middle_blocks_of_all_documents():
+    layouts = [block_layout(n, 4, 1, 1) for n in (20, 12, 4)]     # middle: [1, 2, 3], [1], []
+    mass = [torch.tensor([0.9, 0.1, 0.3, 0.2, 0.9]), torch.tensor([0.5, 0.25, 0.5]), torch.tensor([1.0])]
+    # middle masses: document 0 [0.1, 0.3, 0.2], document 1 [0.25]; the always-kept blocks' mass does not count
+    assert select_mass_blocks(mass, layouts, 2) == [[1], [0], []]
+    assert select_mass_blocks(mass, layouts, 3) == [[1, 2], [0], []]
+    assert select_mass_blocks(mass, layouts, 0) == [[], [], []]
+    assert select_mass_blocks(mass, layouts, 99) == [[0, 1, 2], [0], []]
+    # ties: earlier document first
+    assert select_mass_blocks([torch.tensor([0, .5, 0]), torch.tensor([0, .5, 0])],
+                              [block_layout(12, 4, 1, 1)] * 2, 1) == [[0], []]

@@ -192,3 +192,18 @@ def test_help_lists_both_flags(default_model):
     assert proc.returncode == 0
     assert "--sparse SPARSE" in proc.stdout and "--sparse-config SPARSE_CONFIG" in proc.stdout
     assert "'off': dense" in proc.stdout
+
+
+def test_samkv_mass_layers_must_be_an_increasing_fraction_range_and_map_to_layers():
+    with pytest.raises(SparseConfigError, match="'mass_layer_to' of mode 'samkv' = 0.3 is out of range; allowed: greater "
+                                                "than mass_layer_from = 0.4"):
+        SamKVConfig(mass_layer_to=0.3)
+    with pytest.raises(SparseConfigError, match="'mass_layer_from' of mode 'samkv' = 1.0 is out of range"):
+        SamKVConfig(mass_layer_from=1.0)
+    with pytest.raises(SparseConfigError, match="'selection' of mode 'samkv' = 'topk' is not allowed"):
+        SamKVConfig(selection="topk")
+    cfg = SamKVConfig()
+    assert cfg.selection == "mass"
+    assert list(cfg.mass_layer_range(30)) == list(range(12, 21))      # SmolLM2-135M
+    assert list(cfg.mass_layer_range(32)) == list(range(12, 23))      # Llama-3.1-8B
+    assert list(SamKVConfig(mass_layer_from=0.9, mass_layer_to=0.95).mass_layer_range(2)) == [1]
