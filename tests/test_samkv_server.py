@@ -96,6 +96,24 @@ def test_samkv_variant_keeps_fewer_blocks_and_reuses(samkv_server):
     assert "traceback" not in text and "leak" not in text
 
 
+def test_samkv_finds_a_fact_in_a_dropped_middle_block_under_the_kv_cap(samkv_server):
+    """4 documents of ~400 words; the fact sits at tokens 98-109 of the 511-token needed document (neither its
+    initial nor its last blocks). Under the 0.2 cap ~80 % of the KV is dropped; the question-mass selection
+    must keep the fact's block (the paper's rule, selection=anchor_top_p, kept it in 2 of 8 such CPU tasks)."""
+    from bench.samkv_bench import WORDINGS, ask
+
+    server, _ = samkv_server
+    task = make_task(2, docs=4, words=400)
+    ask(server.url, task, "reuse", 1, wording=len(WORDINGS) - 1, style="completion")  # documents cached
+    dense = ask(server.url, task, "recompute", 12, style="completion")
+    assert correct(dense["text"], task.answer), dense["text"]
+    got = ask(server.url, task, "samkv", 12, style="completion")
+    m = got["sparse"]
+    assert m["variant"] == "samkv" and m["assembled"] and m["documents_reused"] == 4, m
+    assert m["kv_kept_tokens"] <= int(0.2 * m["document_tokens"]), m
+    assert correct(got["text"], task.answer), (got["text"], m)
+
+
 @pytest.mark.parametrize("extra,fragment", [
     ({"documents": []}, "'documents' must hold at least one document"),
     ({"documents": ["ok", ""]}, "'documents[1]' is empty"),
