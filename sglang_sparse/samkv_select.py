@@ -112,12 +112,14 @@ def side_forward(rt, ids: torch.Tensor, pos: torch.Tensor, ctx_k, ctx_v, mask: t
             kk, vv = torch.cat([kk, k.index_select(0, app_rows)]), torch.cat([vv, v.index_select(0, app_rows)])
         if on_layer is not None:
             on_layer(layer_id, k, v)
-        group = a.num_heads // a.num_kv_heads
-        qh = q.reshape(r, a.num_heads, a.head_dim).transpose(0, 1).float()
-        kh = kk.repeat_interleave(group, dim=1).transpose(0, 1).float()
-        vh = vv.repeat_interleave(group, dim=1).transpose(0, 1).float()
-        o = torch.nn.functional.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=a.scaling)
-        h, _ = a.o_proj(o.transpose(0, 1).reshape(r, a.q_size).to(h.dtype))
+        # fp32 [1, heads, rows, dim], KV heads shared by their query-head group (enable_gqa: no repeated KV per
+        # layer). fp32, not the model's dtype: bf16 side attention moved a full recompute's first-token
+        # log-probs 0.2 from dense on the CPU server (tests/test_samkv_recompute.py)
+        qh = q.reshape(r, a.num_heads, a.head_dim).transpose(0, 1).unsqueeze(0).float()
+        o = torch.nn.functional.scaled_dot_product_attention(
+            qh, kk.transpose(0, 1).unsqueeze(0).float(), vv.transpose(0, 1).unsqueeze(0).float(), attn_mask=mask,
+            scale=a.scaling, enable_gqa=a.num_heads != a.num_kv_heads)
+        h, _ = a.o_proj(o[0].transpose(0, 1).reshape(r, a.q_size).to(h.dtype))
         h, residual = layer.post_attention_layernorm(h, residual)
         h = layer.mlp(h)
     return out

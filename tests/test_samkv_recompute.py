@@ -70,3 +70,16 @@ def test_full_recompute_through_the_server_equals_dense(default_model, tmp_path)
         assert "traceback" not in text and "leak" not in text
     finally:
         server.stop()
+
+
+@pytest.mark.parametrize("mode", ["fusion", "overwrite"])
+def test_fuse_kv_layers_is_fuse_kv_of_each_layer(mode):
+    from sglang_sparse.samkv_recompute import fuse_kv_layers
+
+    g = torch.Generator().manual_seed(5)
+    old = torch.randn(4, 7, 3, 16, generator=g).to(torch.bfloat16)
+    new = (old.float() + torch.randn(4, 7, 3, 16, generator=g) * torch.tensor([0.1, 1.0, 3.0, -1.0]).view(4, 1, 1, 1))
+    got = fuse_kv_layers(new, old, mode)
+    assert got.dtype == old.dtype and got.shape == old.shape
+    for layer in range(4):
+        assert torch.equal(got[layer], fuse_kv(new[layer], old[layer], mode))
