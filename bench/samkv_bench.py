@@ -36,6 +36,7 @@ import argparse
 import json
 import random
 import shlex
+import signal
 import statistics
 import sys
 import time
@@ -324,6 +325,10 @@ def add_to_headline(path: Path, res: dict, facts: dict, source: Path) -> None:
     path.write_text(json.dumps(head, indent=1))
 
 
+def _sigterm(signum, frame):
+    raise KeyboardInterrupt
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--url", help="a running --sparse samkv server")
@@ -372,6 +377,9 @@ def main(argv: list[str] | None = None) -> int:
              "gpu": _gpu_name() if a.device == "cuda" else "none (CPU run)", "model": model_label, "weights": weights}
     server = None
     url = a.url
+    # `timeout` sends SIGTERM: unwind through the finally below, which stops the launched server by its process
+    # group (a killed bench left its 8B server holding 0.6 of the GPU on 2026-11-24)
+    signal.signal(signal.SIGTERM, _sigterm)
     if a.launch:
         from bench.server import Server, ServerSpec
 
