@@ -259,14 +259,16 @@ def document_scores(k0: torch.Tensor, q_hat: torch.Tensor, index: ScoreIndex) ->
     return torch.where(inside, p, torch.zeros_like(p)), blk, tok
 
 
-def question_block_mass(k0: torch.Tensor, q_rows: torch.Tensor, index: ScoreIndex, scale: float) -> torch.Tensor:
+def question_block_mass(k0: torch.Tensor, q_rows: torch.Tensor, index: ScoreIndex, scale: float,
+                        chunk_elems: int = 1 << 26) -> torch.Tensor:
     """The question's attention mass per block, one layer, every document at once.
 
     k0 ``[N, kv_heads, dim]``: every document's keys at position 0 (any float dtype), documents end to end;
     q_rows ``[T, q_heads, dim]``: the question rows' queries before RoPE (any float dtype); ``scale`` the
     softmax scale (``1 / sqrt(dim)``). Each row and query head gets one softmax over all ``N`` keys (GQA: head
     ``h`` reads KV head ``h // (q_heads / kv_heads)``); the probabilities are averaged over rows and heads and
-    summed per block. Returns ``[TB]`` fp32 (sums to 1 over all blocks).
+    summed per block. Returns ``[TB]`` fp32 (sums to 1 over all blocks). Memory: the probabilities of a chunk of
+    rows at a time, at most ``chunk_elems`` fp32 (or one row's ``q_heads * N``).
     """
     n, hkv, dim = k0.shape
     t, hq, qdim = q_rows.shape
@@ -276,8 +278,15 @@ def question_block_mass(k0: torch.Tensor, q_rows: torch.Tensor, index: ScoreInde
         raise ValueError(f"question_block_mass: q_rows {tuple(q_rows.shape)} do not fit keys {tuple(k0.shape)} "
                          "(head_dim must match, q_heads a multiple of kv_heads)")
     q = q_rows.float().view(t, hkv, hq // hkv, dim)
-    logits = torch.einsum("tkgd,nkd->kgtn", q, k0.float()) * float(scale)     # [kv_heads, group, T, N]
-    tok = logits.softmax(dim=-1).mean(dim=(0, 1, 2))                            # [N]
+    kf = k0.float()
+    # rows in chunks: the fp32 probabilities of one chunk stay under ~2^26 elements (256 MB), whatever the
+    # documents' length (a 128k-token request with 32 query heads would need 16 MB per question row)
+    step = max(1, int(chunk_elems) // max(1, hq * n))
+    tok = torch.zeros(n, dtype=torch.float32, device=k0.device)
+    for r0 in range(0, t, step):
+        logits = torch.einsum("tkgd,nkd->kgtn", q[r0:r0 + step], kf) * float(scale)  # [kv_heads, group, rows, N]
+        tok += logits.softmax(dim=-1).sum(dim=(0, 1, 2))
+    tok /= t * hq                                                               # [N]: mean over rows and heads
     tok = torch.cat([tok, tok.new_zeros(1)])                                    # row N = the pad
     return tok.index_select(0, index.blk_tok).view(index.n_blocks, index.block_size).sum(dim=1)
 

@@ -170,6 +170,10 @@ def test_question_block_mass_equals_the_softmax_loop_over_all_documents(lengths,
     got = question_block_mass(torch.cat(k_docs), q, index, 0.25)
     want = torch.cat(question_block_mass_reference(k_docs, q, bs, 0.25))
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
+    # rows in chunks (here 1 and 2 rows at a time) give the same mass
+    for rows in (1, 2):
+        chunked = question_block_mass(torch.cat(k_docs), q, index, 0.25, chunk_elems=rows * hq * sum(lengths))
+        torch.testing.assert_close(chunked, want, rtol=1e-5, atol=1e-7)
     assert abs(float(got.sum()) - 1.0) < 1e-5
     with pytest.raises(ValueError, match="keys for an index"):
         question_block_mass(torch.cat(k_docs)[1:], q, index, 0.25)
