@@ -8,13 +8,19 @@ composite context keeps (SamKV §3.1-3.2; maths in :mod:`flashinfer_ext.samkv_sc
    context: the question tokens (the request's prompt after the documents; each sees the whole anchor
    context and the question up to itself) and every document's last ``local_query_tokens`` tokens (each
    sees its own document's anchor tokens up to itself). Kept: the pre-RoPE queries of the last ``stable_layers``
-   layers; mean-pooled they are ``Q_que`` and each document's local query ``Q_doc-j,loc``. Their KV is
+   layers (and, under ``selection="mass"``, of the layers ``mass_layer_range``); mean-pooled they are ``Q_que``
+   and each document's local query ``Q_doc-j,loc``. Their KV is
    thrown away; SGLang prefills the question again over the selected context (SamKV's "re-perform an
    incremental prefill of the user query").
 3. Per stable layer and document: personalised query (Eq. 1), keys de-rotated to position 0, mean key
    per block, Eq. 2-3, then the cross-document budget
-   (:func:`flashinfer_ext.samkv_score.select_middle_blocks`). Each token's layer-averaged score against
-   its document's personalised query is returned too (the recompute set is chosen by it).
+   (:func:`flashinfer_ext.samkv_score.select_middle_blocks`; ``selection="anchor_top_p"``). Each token's
+   layer-averaged score against its document's personalised query is returned too (the recompute set is
+   chosen by it).
+4. ``selection="mass"`` (the default; not the paper's rule): the question rows' softmax attention over all
+   documents' position-0 keys, per mass layer (:func:`flashinfer_ext.samkv_score.question_block_mass`), summed
+   per block; the heaviest middle blocks of all documents are kept within the same budget
+   (:func:`flashinfer_ext.samkv_score.select_mass_blocks`).
 
 Departure (stated in the README): SGLang keeps no Q cache, so a document's local queries come from its
 local tokens run over its own initial + local tokens, not over the whole document. Supports Llama-style
