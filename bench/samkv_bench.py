@@ -160,13 +160,39 @@ def correct(text: str, answer: str) -> bool:
     return bool(nums) and nums[0] == answer
 
 
+def fact_kept(tokenizer, task: SamKVTask, kept_ranges) -> bool | None:
+    """Whether every token of the planted fact lies in the kept ranges the server reported for the needed
+    document (``metadata.sparse.kept_ranges``: flat ``[start, end, ...]`` in ``tok(document + "\n\n")``); None
+    without a tokenizer (``--url`` runs) or ranges (no assembly)."""
+    if tokenizer is None or not kept_ranges or task.needed_doc >= len(kept_ranges):
+        return None
+    text = task.documents[task.needed_doc] + "\n\n"  # samkv_api.SEPARATOR
+    fact = T._fact(task.name, task.answer)
+    c0 = text.index(fact)
+    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    toks = [i for i, (a, b) in enumerate(enc["offset_mapping"]) if b > c0 and a < c0 + len(fact)]
+    r = kept_ranges[task.needed_doc]
+    return all(any(lo <= i < hi for lo, hi in zip(r[::2], r[1::2])) for i in toks)
+
+
+def load_tokenizer(model: str | None):
+    """The model folder's HF tokenizer (the server's own files), or None."""
+    if not model:
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model)
+
+
 def _mean(xs) -> float | None:
     xs = [x for x in xs if x is not None]
     return statistics.fmean(xs) if xs else None
 
 
-def run_accuracy(url: str, spec: SetSpec, variants: tuple[str, ...], max_tokens: int, log=print) -> dict:
-    """The accuracy set: per task a warm-up (documents cached alone), then one greedy answer per variant."""
+def run_accuracy(url: str, spec: SetSpec, variants: tuple[str, ...], max_tokens: int, log=print,
+                 tokenizer=None) -> dict:
+    """The accuracy set: per task a warm-up (documents cached alone), then one greedy answer per variant;
+    with ``tokenizer``, whether samkv kept the fact's tokens (``fact_kept``)."""
     rows = []
     for seed in range(spec.tasks):
         task = make_task(seed, spec.docs, spec.words)
@@ -177,13 +203,19 @@ def run_accuracy(url: str, spec: SetSpec, variants: tuple[str, ...], max_tokens:
                "correct": {v: correct(a["text"], task.answer) for v, a in answers.items()},
                "replies": {v: a["text"] for v, a in answers.items()},
                "kv_kept_ratio": answers["samkv"]["sparse"].get("kv_kept_ratio"),
+               "fact_kept": fact_kept(tokenizer, task, answers["samkv"]["sparse"].get("kept_ranges")),
                "recomputed_tokens": {v: answers[v]["sparse"].get("recomputed_tokens") for v in variants},
                "metadata": {v: a["sparse"] for v, a in answers.items()}}
         log(f"[samkv_bench] accuracy {task.tid}: tokens={row['document_tokens']} correct={row['correct']} "
-            f"kept={row['kv_kept_ratio']}")
+            f"kept={row['kv_kept_ratio']} fact_kept={row['fact_kept']}")
         rows.append(row)
     acc = {v: sum(r["correct"][v] for r in rows) / len(rows) for v in variants} if rows else {}
-    return {"spec": asdict(spec), "rows": rows, "accuracy": acc,
+    known = [r for r in rows if r["fact_kept"] is not None]
+    facts = ({"tasks": len(known), "kept": sum(r["fact_kept"] for r in known),
+              "samkv_misses": sum(not r["correct"]["samkv"] for r in known),
+              "samkv_misses_with_fact_dropped": sum(not r["correct"]["samkv"] and not r["fact_kept"] for r in known)}
+             if known else None)
+    return {"spec": asdict(spec), "rows": rows, "accuracy": acc, "fact_kept": facts,
             "delta_vs_recompute_points": {v: 100.0 * (acc[v] - acc["recompute"]) for v in acc},
             "kv_kept_ratio": _mean(r["kv_kept_ratio"] for r in rows)}
 
@@ -217,10 +249,11 @@ def run_ttft(url: str, spec: SetSpec, repeats: int, log=print) -> dict:
             "kv_kept_ratio": _mean(r["kv_kept_ratio"] for r in rows)}
 
 
-def run(url: str, plan: BenchPlan = BenchPlan(), log=print) -> dict:
+def run(url: str, plan: BenchPlan = BenchPlan(), log=print, tokenizer=None) -> dict:
     """Both task sets of ``plan`` against one server; the headline figures computed from them, each with
-    its source set under ``figure_sources``."""
-    acc = run_accuracy(url, plan.accuracy, plan.variants, plan.max_tokens, log) if plan.accuracy.tasks else None
+    its source set under ``figure_sources``. ``tokenizer``: the server's, for the accuracy set's ``fact_kept``."""
+    acc = (run_accuracy(url, plan.accuracy, plan.variants, plan.max_tokens, log, tokenizer=tokenizer)
+           if plan.accuracy.tasks else None)
     tt = run_ttft(url, plan.ttft, plan.repeats, log) if plan.ttft.tasks else None
 
     def where(s: SetSpec) -> str:
@@ -286,6 +319,11 @@ def write_report(out: Path, res: dict, facts: dict) -> None:
                   f"{src['accuracy_delta_vs_recompute']} |",
                   f"| KV kept ratio (samkv) on the accuracy set | {f3(acc['kv_kept_ratio'])} | "
                   f"{src['accuracy_delta_vs_recompute']} |"]
+        fk = acc.get("fact_kept")
+        if fk:
+            lines.append(f"| samkv kept the fact's tokens / misses with the fact dropped | {fk['kept']} of {fk['tasks']} "
+                         f"/ {fk['samkv_misses_with_fact_dropped']} of {fk['samkv_misses']} | "
+                         f"{src['accuracy_delta_vs_recompute']} |")
     else:
         lines.append("| accuracy | n/a (no accuracy set in this run) | |")
     lines += ["", "TTFT = latency of a non-streaming chat request with max_tokens 1 (documents cached and known to "
@@ -295,11 +333,12 @@ def write_report(out: Path, res: dict, facts: dict) -> None:
               "completion after `Question: ...\\nAnswer: The answer is`)."]
     if acc:
         vs = list(acc["accuracy"])
-        lines += ["", "Accuracy set:", "", "| task | answer | " + " | ".join(vs) + " | kept |",
-                  "|---" * (len(vs) + 3) + "|"]
+        lines += ["", "Accuracy set:", "", "| task | answer | " + " | ".join(vs) + " | kept | fact kept |",
+                  "|---" * (len(vs) + 4) + "|"]
         for r in acc["rows"]:
             cells = [("ok " if r["correct"][v] else "") + repr(r["replies"][v][:40]) for v in vs]
-            lines.append(f"| {r['task']} | {r['answer']} | " + " | ".join(cells) + f" | {f3(r['kv_kept_ratio'])} |")
+            fk = {True: "yes", False: "**no**", None: "?"}[r.get("fact_kept")]
+            lines.append(f"| {r['task']} | {r['answer']} | " + " | ".join(cells) + f" | {f3(r['kv_kept_ratio'])} | {fk} |")
     if tt:
         lines += ["", "TTFT set:", "", "| task | document tokens | TTFT samkv (s) | TTFT recompute (s) | kept |",
                   "|---|---|---|---|---|"]
@@ -393,7 +432,7 @@ def main(argv: list[str] | None = None) -> int:
     if not url:
         ap.error("give --url or --launch")
     try:
-        res = run(url, plan)
+        res = run(url, plan, tokenizer=None if a.dummy_8b or plan.accuracy.tasks == 0 else load_tokenizer(a.model))
     finally:
         if server is not None:
             server.stop()

@@ -44,6 +44,18 @@ logger = logging.getLogger("sglang_sparse")
 META_KEY = "samkv"  # meta_info key of the scheduler's per-request assembly result
 
 
+def kept_ranges(positions: list[int]) -> list[int]:
+    """Sorted kept in-document token positions as flat half-open ranges ``[start_0, end_0, start_1, end_1, ...]``
+    (what ``metadata["sparse"]["kept_ranges"]`` reports per document: which parts of it the model saw)."""
+    out: list[int] = []
+    for p in positions:
+        if out and out[-1] == p:
+            out[-1] = p + 1
+        else:
+            out += [p, p + 1]
+    return out
+
+
 def kept_from_meta(meta: dict, document_tokens: int, prompt_tokens: int) -> int:
     """Document tokens kept in the context, from a reply's ``prompt_tokens`` (the scheduler rewrote
     the prompt to ``kept document tokens + prompt``)."""
@@ -221,7 +233,7 @@ def _assemble(req, tree_cache, rt, custom) -> dict:
         new_ids = new_doc_ids + ids[n_doc:]
         aligned = (n_kept // page) * page
         result = {"status": "assembled", "variant": variant, "document_tokens": n_doc, "kept_tokens": n_kept,
-                  "recomputed_tokens": 0}
+                  "recomputed_tokens": 0, "kept_ranges": [kept_ranges(kp) for kp in keep]}
         if aligned == 0:
             result["status"] = "too_short"
             return result

@@ -95,7 +95,8 @@ def test_assembled_keys_equal_keys_at_offset(smollm2, page):
     n_doc = len(doc_a) + len(doc_b)
     aligned = n_doc // page * page
     assert result == {"status": "assembled", "variant": "reuse", "document_tokens": n_doc, "kept_tokens": n_doc,
-                      "recomputed_tokens": 0, "composite_cached": False}
+                      "recomputed_tokens": 0, "composite_cached": False,
+                      "kept_ranges": [[0, len(doc_a)], [0, len(doc_b)]]}
     assert list(req.origin_input_ids) == all_ids  # reuse keeps every token
     m = tree.match_prefix(MatchPrefixParams(key=RadixKey(array("q", all_ids), req.extra_key)))
     assert len(m.device_indices) == aligned
@@ -125,3 +126,15 @@ def test_assembled_keys_equal_keys_at_offset(smollm2, page):
                            sampling_params=SimpleNamespace(custom_params=other), rid="t3")
     assert _assemble(req3, tree, rt, other) == {"status": "fallback", "reason": "document not cached"}
     assert tree.protected_size() == 0
+
+
+@pytest.mark.parametrize("positions,ranges", [
+    ([], []),
+    ([5], [5, 6]),
+    ([0, 1, 2, 3], [0, 4]),
+    ([0, 1, 2, 16, 17, 40], [0, 3, 16, 18, 40, 41]),
+])
+def test_kept_ranges_are_flat_half_open_runs_of_the_kept_positions(positions, ranges):
+    from sglang_sparse.samkv_assembly import kept_ranges
+
+    assert kept_ranges(positions) == ranges

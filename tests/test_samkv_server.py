@@ -13,7 +13,7 @@ import pytest
 import requests
 
 from bench.samkv_bench import correct, make_task
-from tests.serverproc import flush_cache, sparse_metrics_when, start_cpu_server
+from tests.serverproc import DEFAULT_MODEL, flush_cache, sparse_metrics_when, start_cpu_server
 
 pytestmark = pytest.mark.server
 
@@ -112,6 +112,15 @@ def test_samkv_finds_a_fact_in_a_dropped_middle_block_under_the_kv_cap(samkv_ser
     assert m["variant"] == "samkv" and m["assembled"] and m["documents_reused"] == 4, m
     assert m["kv_kept_tokens"] <= int(0.2 * m["document_tokens"]), m
     assert correct(got["text"], task.answer), (got["text"], m)
+    # the reply says which parts of each document were kept: they add up to the kept tokens and hold the fact
+    from bench.samkv_bench import fact_kept, load_tokenizer
+
+    ranges = m["kept_ranges"]
+    assert len(ranges) == 4 and sum(e - s for r in ranges for s, e in zip(r[::2], r[1::2])) == m["kv_kept_tokens"]
+    tokenizer = load_tokenizer(str(DEFAULT_MODEL))
+    assert fact_kept(tokenizer, task, ranges) is True
+    assert fact_kept(tokenizer, task, [[0, 16]] * 4) is False   # the fact is not in the first block
+    assert dense["sparse"]["kept_ranges"] is None               # recompute: nothing assembled
 
 
 @pytest.mark.parametrize("extra,fragment", [
