@@ -39,8 +39,9 @@ import math
 
 import torch
 
-__all__ = ["question_block_mass", "select_mass_blocks", "generic_query", "personalized_queries", "block_mean_keys", "block_scores", "anchor_top_p",
-           "block_layout", "anchor_layouts", "select_middle_blocks", "ScoreIndex", "document_scores"]
+__all__ = ["generic_query", "personalized_queries", "block_mean_keys", "block_scores", "anchor_top_p",
+           "block_layout", "anchor_layouts", "middle_budget", "select_middle_blocks", "ScoreIndex", "document_scores",
+           "question_block_mass", "select_mass_blocks"]
 
 
 def generic_query(q: torch.Tensor) -> torch.Tensor:
@@ -134,6 +135,13 @@ def anchor_layouts(lengths: list[int], block_size: int, initial_blocks: int, loc
         lb -= 1
 
 
+def middle_budget(total_blocks: int, docs: int, always_kept: int, max_middle: int | None = None) -> int:
+    """Middle blocks kept in all: the paper's ``total_blocks // D`` less the always-kept blocks of one document
+    (never negative), capped by ``max_middle`` (the config's ``max_kept_ratio`` rule; None = no cap)."""
+    budget = max(0, total_blocks // max(docs, 1) - always_kept)
+    return budget if max_middle is None else min(budget, max(0, int(max_middle)))
+
+
 def select_middle_blocks(p_layers: list[torch.Tensor], s_layers: list[torch.Tensor], total_blocks: int,
                          always_kept: int, max_middle: int | None = None) -> list[list[int]]:
     """Eq. 3 + cross-document normalisation and budget.
@@ -144,9 +152,7 @@ def select_middle_blocks(p_layers: list[torch.Tensor], s_layers: list[torch.Tens
     list, sorted).
     """
     d = len(s_layers)
-    budget = max(0, total_blocks // max(d, 1) - always_kept)
-    if max_middle is not None:
-        budget = min(budget, max(0, int(max_middle)))
+    budget = middle_budget(total_blocks, d, always_kept, max_middle)
     cands = []  # (normalised score, raw layer-averaged score, doc, middle index)
     for i, (p, s) in enumerate(zip(p_layers, s_layers)):
         m = s.shape[-1]

@@ -33,8 +33,8 @@ from __future__ import annotations
 import torch
 
 from flashinfer_ext.samkv_score import (ScoreIndex, anchor_layouts, document_scores, generic_query,
-                                        personalized_queries, question_block_mass, select_mass_blocks,
-                                        select_middle_blocks)
+                                        middle_budget, personalized_queries, question_block_mass,
+                                        select_mass_blocks, select_middle_blocks)
 
 
 def _gather_context(rt, pool, spans, srcs, layouts, bs, ids, local_tokens, question_ids):
@@ -243,8 +243,7 @@ def select_blocks(rt, spans, srcs, ids, tree_cache, keep_all: bool = False) -> t
     # as local unless local_blocks is 0; then it is counted as a full one here)
     cap = max(0, token_cap - always_tokens) // bs if ratio < 1.0 else None
     if m_host:
-        budget = max(0, total_blocks // max(d, 1) - always_total // max(1, d))
-        budget = budget if cap is None else min(budget, cap)
+        budget = middle_budget(total_blocks, d, always_total // max(1, d), cap)
         mass_docs = [m_host[0][index.blk_start[j]:index.blk_start[j] + nb] for j, (nb, _, _) in enumerate(layouts)]
         kept_mid = select_mass_blocks(mass_docs, layouts, budget)
     else:
