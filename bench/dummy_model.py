@@ -5,7 +5,7 @@ its TTFT ratio; an 8B-shaped model shows the ratio at a realistic compute cost. 
 holds the small real model's tokenizer files (vocab 49152) and an 8B-shaped ``config.json`` (hidden 4096,
 32 layers, 32 query / 8 KV heads of 128, MLP 14336, untied embeddings, ~7.5 B parameters, ~15 GB bf16),
 with plain RoPE (``rope_theta`` 500000, no llama3 scaling: SamKV re-rotates keys with plain NeoX RoPE)
-and a 16k context. SGLang fills the weights itself (``--load-format dummy``): every answer is noise, so
+and a 32k context (8 documents of ~2k tokens fit). SGLang fills the weights itself (``--load-format dummy``): every answer is noise, so
 only latency figures of this model mean anything, and they are labelled "dummy weights" wherever reported.
 """
 
@@ -17,7 +17,7 @@ from pathlib import Path
 
 LLAMA_8B_SHAPE = {
     "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
-    "num_key_value_heads": 8, "head_dim": 128, "max_position_embeddings": 16384, "tie_word_embeddings": False,
+    "num_key_value_heads": 8, "head_dim": 128, "max_position_embeddings": 32768, "tie_word_embeddings": False,
     "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
     "rope_parameters": {"rope_theta": 500000.0, "rope_type": "default"},
 }

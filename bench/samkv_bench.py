@@ -388,6 +388,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--acc-words", type=int, default=d.accuracy.words, help="accuracy set: words per document")
     ap.add_argument("--repeats", type=int, default=d.repeats)
     ap.add_argument("--max-tokens", type=int, default=d.max_tokens)
+    ap.add_argument("--variants", default=",".join(d.variants), help="accuracy set: comma-separated variants to ask "
+                    f"(a subset of {','.join(VARIANTS)} holding recompute and samkv)")
     ap.add_argument("--smoke", action="store_true", help="one tiny task per set, 1 repeat (CPU test); overrides "
                     "the set sizes")
     ap.add_argument("--out", default="bench/results")
@@ -407,11 +409,15 @@ def main(argv: list[str] | None = None) -> int:
     if a.smoke:
         plan = SMOKE
     else:
-        plan = BenchPlan(accuracy=SetSpec(a.acc_tasks, a.acc_docs, a.acc_words), ttft=SetSpec(a.tasks, a.docs, a.words),
-                         repeats=a.repeats, max_tokens=a.max_tokens)
+        try:
+            plan = BenchPlan(accuracy=SetSpec(a.acc_tasks, a.acc_docs, a.acc_words),
+                             ttft=SetSpec(a.tasks, a.docs, a.words), repeats=a.repeats, max_tokens=a.max_tokens,
+                             variants=tuple(v.strip() for v in a.variants.split(",") if v.strip()))
+        except ValueError as e:
+            ap.error(str(e))
     if a.ttft_only:
         plan = BenchPlan(accuracy=SetSpec(0, plan.accuracy.docs, plan.accuracy.words), ttft=plan.ttft,
-                         repeats=plan.repeats, max_tokens=plan.max_tokens)
+                         repeats=plan.repeats, max_tokens=plan.max_tokens, variants=plan.variants)
     facts = {"command": " ".join(shlex.quote(x) for x in [sys.executable, "-m", "bench.samkv_bench"] + (argv or sys.argv[1:])),
              "gpu": _gpu_name() if a.device == "cuda" else "none (CPU run)", "model": model_label, "weights": weights}
     server = None

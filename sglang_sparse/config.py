@@ -267,6 +267,10 @@ class SamKVConfig(SparseConfig):
                                   "fraction of the layers (layer floor(from * L))", range=Range(0.0, 1.0, hi_open=True))
     mass_layer_to: float = knob(0.7, doc="selection=mass: end of those layers, as a fraction (layers up to "
                                 "ceil(to * L), exclusive); must be > mass_layer_from", range=Range(0.0, 1.0, lo_open=True))
+    mass_spread: int = knob(8, doc="selection=mass: each token's question mass is shared over the tokens within "
+                            "this many of it (same document) before the per-block sums, so the block after a heavy "
+                            "token at a block's end scores too (facts that cross a block edge); 0 = plain block "
+                            "sums", range=Range(0, 4096))
     personalize: bool = knob(True, doc="add the other documents' local queries to the question's (Eq. 1)")
     local_query_tokens: int = knob(16, doc="last tokens of each document whose queries form its local query "
                                    "(side forward rows; SGLang keeps no Q cache)", range=Range(1, 1 << 20))
@@ -280,6 +284,14 @@ class SamKVConfig(SparseConfig):
                                range=Range(0.0, 1.0))
     recompute_ratio: float = knob(0.15, doc="fraction of each document's kept tokens recomputed over the composite "
                                   "(samkv, cacheblend; 0 = none)", range=Range(0.0, 1.0))
+    side_graphs: str = knob("auto", doc="SamKV's side forwards (selection rows, recompute rows): auto = padded to "
+                            "buckets and replayed as CUDA graphs on CUDA (eager elsewhere), pad = the padded path run "
+                            "eagerly, off = eager, unpadded", choices=("auto", "pad", "off"))
+    side_graph_max_rows: int = knob(512, doc="side_graphs: most rows of a padded / graphed side forward (more run "
+                                    "eagerly)", range=Range(1, 1 << 16))
+    side_graph_max_context: int = knob(4096, doc="side_graphs: most context tokens of a padded / graphed side "
+                                       "forward (more run eagerly); its K/V buffers take 2 * layers * this * "
+                                       "kv_heads * head_dim elements", range=Range(1, 1 << 20))
     max_documents: int = knob(64, doc="most documents in one request", range=Range(1, 4096))
     max_document_chars: int = knob(4_000_000, doc="most characters of all documents of one request",
                                    range=Range(1, 1 << 40))

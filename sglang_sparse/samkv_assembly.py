@@ -82,6 +82,33 @@ class SamKVRuntime:
         self.metrics = metrics  # SamKVMetrics under --enable-metrics
         self._times: dict[str, float] | None = None
         self._last = 0.0
+        self._paths: dict[str, str] = {}
+        self.side_graphs = self._side_graphs(config, model, self.num_layers)
+
+    def _side_graphs(self, config, model, num_layers: int):
+        """The padded / CUDA-graph side forward (:mod:`sglang_sparse.samkv_graph`) per ``config.side_graphs``:
+        ``pad`` anywhere, ``auto`` on CUDA only; None = the eager path."""
+        mode = getattr(config, "side_graphs", "off")
+        if model is None or mode == "off":
+            return None
+        cuda = next(model.parameters()).device.type == "cuda"
+        if mode == "auto" and not cuda:
+            return None
+        from sglang_sparse.samkv_graph import SideGraphs
+
+        q_from = max(0, num_layers - config.stable_layers)
+        if config.selection == "mass":
+            q_from = min(q_from, config.mass_layer_range(num_layers)[0])
+        return SideGraphs(self, q_from, config.side_graph_max_rows, config.side_graph_max_context,
+                          capture=mode == "auto")
+
+    def note_path(self, kind: str, path: str) -> None:
+        """Record which side-forward path (``graph`` / ``pad`` / ``eager``) served ``kind`` in this request."""
+        self._paths[kind] = path
+
+    def take_paths(self) -> dict[str, str]:
+        out, self._paths = self._paths, {}
+        return out
 
     def record(self, result: dict) -> None:
         """Count one request's assembly result (server statistics and metrics)."""
@@ -163,11 +190,15 @@ def init_round_hook(result, req, *args, **kwargs):
     except Exception:  # never take the scheduler down: serve the request densely
         logger.exception("sglang-sparse samkv: assembly failed for %s; serving it densely", req.rid)
         req.samkv_result = {"status": "error"}
+        rt.take_paths()
         rt.timing_done()
         rt.record(req.samkv_result)
         return result
     # where the scheduler's time went (ms per phase, CUDA-synchronised): metadata["sparse"]["scheduler_ms"]
     req.samkv_result["timing_ms"] = rt.timing_done()
+    paths = rt.take_paths()
+    if paths:  # which side-forward path ran (graph / pad / eager, sglang_sparse.samkv_graph)
+        req.samkv_result["side_forward"] = paths
     rt.record(req.samkv_result)
     logger.info("sglang-sparse samkv: %s %s timing_ms=%s", req.rid, req.samkv_result.get("status"),
                 req.samkv_result["timing_ms"])

@@ -71,15 +71,25 @@ def recompute(rt, pool, dst: torch.Tensor, comp_ids: list[int], r_idx: list[int]
     ctx_v = [pool.get_value_buffer(layer)[dst] for layer in range(rt.num_layers)]
     mask = torch.arange(len(dst), device=dev).unsqueeze(0) <= r.unsqueeze(1)
     rows = dst[r]
-    new_k, new_v = [], []
+    if getattr(rt, "side_graphs", None) is not None:
+        # padded / graphed path (sglang_sparse.samkv_graph): the reused rows hidden, the fresh ones appended
+        from sglang_sparse.samkv_graph import side_rows_forward
 
-    def keep(layer_id, k, v):
-        new_k.append(k)
-        new_v.append(v)
+        hidden = torch.zeros(len(dst), dtype=torch.bool, device=dev).index_fill_(0, r, True)
+        full = torch.cat([mask & ~hidden.unsqueeze(0), r.unsqueeze(0) <= r.unsqueeze(1)], dim=1)
+        _, new_k, new_v, path = side_rows_forward(rt, ids, r, ctx_k, ctx_v, full, rt.num_layers)
+        rt.note_path("recompute", path)
+    else:
+        ks, vs = [], []
 
-    side_forward(rt, ids, r, ctx_k, ctx_v, mask, replace_idx=r, replace_every_row=True, on_layer=keep)
-    fused_k = fuse_kv_layers(torch.stack(new_k), torch.stack([x.index_select(0, r) for x in ctx_k]), mode)
-    fused_v = fuse_kv_layers(torch.stack(new_v), torch.stack([x.index_select(0, r) for x in ctx_v]), mode)
+        def keep(layer_id, k, v):
+            ks.append(k)
+            vs.append(v)
+
+        side_forward(rt, ids, r, ctx_k, ctx_v, mask, replace_idx=r, replace_every_row=True, on_layer=keep)
+        new_k, new_v = torch.stack(ks), torch.stack(vs)
+    fused_k = fuse_kv_layers(new_k, torch.stack([x.index_select(0, r) for x in ctx_k]), mode)
+    fused_v = fuse_kv_layers(new_v, torch.stack([x.index_select(0, r) for x in ctx_v]), mode)
     for layer in range(rt.num_layers):
         pool.get_key_buffer(layer)[rows] = fused_k[layer]
         pool.get_value_buffer(layer)[rows] = fused_v[layer]

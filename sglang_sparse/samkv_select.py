@@ -18,8 +18,10 @@ composite context keeps (SamKV §3.1-3.2; maths in :mod:`flashinfer_ext.samkv_sc
    layer-averaged score against its document's personalised query is returned too (the recompute set is
    chosen by it).
 4. ``selection="mass"`` (the default; not the paper's rule): the question rows' softmax attention over all
-   documents' position-0 keys, per mass layer (:func:`flashinfer_ext.samkv_score.question_block_mass`), summed
-   per block; the heaviest middle blocks of all documents are kept within the same budget
+   documents' position-0 keys, per mass layer (:func:`flashinfer_ext.samkv_score.question_token_mass`), summed
+   over the layers, spread ``mass_spread`` tokens each way and summed per block
+   (:func:`flashinfer_ext.samkv_score.block_mass`); the heaviest middle blocks of all documents are kept within
+   the same budget
    (:func:`flashinfer_ext.samkv_score.select_mass_blocks`).
 
 Departure (stated in the README): SGLang keeps no Q cache, so a document's local queries come from its
@@ -32,8 +34,8 @@ from __future__ import annotations
 
 import torch
 
-from flashinfer_ext.samkv_score import (ScoreIndex, anchor_layouts, document_scores, generic_query,
-                                        middle_budget, personalized_queries, question_block_mass,
+from flashinfer_ext.samkv_score import (ScoreIndex, anchor_layouts, block_mass, document_scores, generic_query,
+                                        middle_budget, personalized_queries, question_token_mass,
                                         select_mass_blocks, select_middle_blocks)
 
 
@@ -148,7 +150,16 @@ def _selection_queries(rt, q_ids, ctx_k, ctx_v, ctx_ids, ctx_doc, ctx_pos_in_doc
         same = loc_doc.unsqueeze(1) == ctx_doc.unsqueeze(0)
         before = ctx_pos_in_doc.unsqueeze(0) <= ctx_pos_in_doc.index_select(0, loc).unsqueeze(1)
         mask[t:, :c] = same & before
-    qs = side_forward(rt, ids, pos, ctx_k, ctx_v, mask, append=torch.arange(t, device=dev), first_layer=first)
+    if getattr(rt, "side_graphs", None) is not None:
+        # one formulation for the padded / graphed path: every row's fresh K/V appended, the local rows see none
+        from sglang_sparse.samkv_graph import side_rows_forward
+
+        full = torch.zeros(n, c + n, dtype=torch.bool, device=dev)
+        full[:, :c + t] = mask
+        qs, _, _, path = side_rows_forward(rt, ids, pos, ctx_k, ctx_v, full, first)
+        rt.note_path("selection", path)
+    else:
+        qs = side_forward(rt, ids, pos, ctx_k, ctx_v, mask, append=torch.arange(t, device=dev), first_layer=first)
     return [q[:t] for q in qs], [q[t:] for q in qs], loc_doc
 
 
@@ -222,11 +233,11 @@ def select_blocks(rt, spans, srcs, ids, tree_cache, keep_all: bool = False) -> t
         t_l.append(tok)
     mass = None
     if mass_layers:  # selection="mass": the question's attention mass per block, summed over mass_layers
-        mass, scale = 0.0, rt.model.model.layers[0].self_attn.scaling
+        tok_mass, scale = 0.0, rt.model.model.layers[0].self_attn.scaling
         for layer in mass_layers:
             k0 = rt.shift_keys(pool.get_key_buffer(layer)[src_all], -pos_all)
-            mass = mass + question_block_mass(k0, q_rows[layer - lo], index, scale)
-        mass = [mass]
+            tok_mass = tok_mass + question_token_mass(k0, q_rows[layer - lo], scale)
+        mass = [block_mass(tok_mass, index, cfg.mass_spread)]
     p_host, b_host, t_host, *m_host = _to_host([torch.stack(p_l), torch.stack(b_l), torch.stack(t_l).mean(0)]
                                                + (mass or []))
     p_docs = [p_host[:, j] for j in range(d)]                                    # [stable_layers] each

@@ -53,6 +53,8 @@ def test_gpu_samkv_documents_reused_and_selected(samkv_gpu_server):
     assert m2["documents_reused"] == 4 and m2["assembled"], m2
     assert 0 < m2["kv_kept_ratio"] < 0.6 and m2["recomputed_tokens"] > 0, m2
     assert m2["computed_tokens"] <= m2["question_tokens"] + 15
+    # the side forwards replayed as CUDA graphs (side_graphs=auto, sglang_sparse.samkv_graph)
+    assert m2["side_forward"] == {"selection": "graph", "recompute": "graph"}, m2["side_forward"]
     dense = ask(srv.url, task, "recompute", 12)
     assert dense["sparse"]["cached_tokens"] == 0
     other = ask(srv.url, small, "reuse", 4, salt="other")  # same documents, another salt: nothing shared
@@ -62,3 +64,44 @@ def test_gpu_samkv_documents_reused_and_selected(samkv_gpu_server):
     assert r.status_code == 400 and "'documents'" in r.json()["message"]
     text = log.read_text(errors="replace").lower()
     assert "traceback" not in text and "leak" not in text
+
+
+def _first_token(url, task, variant, wording):
+    r = requests.post(url + "/v1/completions", timeout=300, json={
+        "model": "default", "prompt": f"Question: What is {task.name}'s secret number?\nAnswer: The answer is",
+        "max_tokens": 8, "temperature": 0, "logprobs": 5, "documents": list(task.documents),
+        "samkv": {"variant": variant}, "cache_salt": f"w{wording}"})
+    assert r.status_code == 200, r.text
+    j = r.json()
+    c = j["choices"][0]
+    return c["text"], c["logprobs"]["top_logprobs"][0], j["metadata"]["sparse"]
+
+
+def test_gpu_samkv_graph_replay_equals_the_padded_eager_path(samkv_gpu_server, tmp_path):
+    """CUDA-graph replays of the side forwards (captured once per bucket, replayed for later requests) give the
+    answers and first-token log-probs of the same padded forward run eagerly (side_graphs=pad; that one equals
+    the unpadded eager path in fp32 on the CPU: tests/test_samkv_graph.py)."""
+    srv, log = samkv_gpu_server
+    pad = Server(ServerSpec(python=sys.executable, model=str(DEFAULT_MODEL), device="cuda", port=free_port(),
+                            mode="samkv", sparse_config='{"side_graphs": "pad"}', extra_args=list(ARGS)),
+                 tmp_path / "pad.log", timeout_s=600).start()
+    try:
+        for seed, docs, words in ((4, 3, 90), (0, 4, 500), (7, 8, 400)):
+            task = make_task(seed, docs=docs, words=words)
+            for wording in (0, 1):  # the second request of a bucket replays the graph captured by the first
+                for variant in ("samkv", "cacheblend"):
+                    got = {}
+                    for name, url in (("graph", srv.url), ("pad", pad.url)):
+                        _first_token(url, task, "reuse", wording)  # documents cached under this salt
+                        got[name] = _first_token(url, task, variant, wording)
+                    (t_g, lp_g, m_g), (t_p, lp_p, m_p) = got["graph"], got["pad"]
+                    assert m_g["side_forward"]["selection"] == "graph" and m_p["side_forward"]["selection"] == "pad"
+                    assert m_g["kv_kept_ratio"] == m_p["kv_kept_ratio"] and m_g["recomputed_tokens"] == m_p["recomputed_tokens"]
+                    assert t_g == t_p, (task.tid, variant, t_g, t_p)
+                    common = set(lp_g) & set(lp_p)
+                    assert common and max(abs(lp_g[t] - lp_p[t]) for t in common) < 0.02, (task.tid, variant, lp_g, lp_p)
+        text = (tmp_path / "pad.log").read_text(errors="replace").lower()
+        assert "traceback" not in text and "leak" not in text
+        assert "capture of the side forward failed" not in log.read_text(errors="replace")
+    finally:
+        pad.stop()

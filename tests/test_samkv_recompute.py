@@ -39,7 +39,8 @@ def test_fuse_kv_is_eq4():
 @pytest.mark.server
 def test_full_recompute_through_the_server_equals_dense(default_model, tmp_path):
     server = start_cpu_server(default_model, tmp_path / "server.log", mode="samkv",
-                              sparse_config='{"block_size": 16, "recompute_ratio": 1.0, "fuse": "overwrite"}')
+                              sparse_config='{"block_size": 16, "recompute_ratio": 1.0, "fuse": "overwrite", '
+                                            '"side_graphs": "off"}')
     try:
         task = make_task(4, docs=3, words=90)
         q = f"What is {task.name}'s secret number? Answer the question above with the number only."
@@ -60,6 +61,7 @@ def test_full_recompute_through_the_server_equals_dense(default_model, tmp_path)
         blend_text, blend_lp, meta = ask("cacheblend")
         reuse_text, reuse_lp, _ = ask("reuse")
         assert meta["assembled"] and meta["recomputed_tokens"] == meta["document_tokens"] == meta["cached_tokens"]
+        assert meta["side_forward"] is None, meta["side_forward"]  # the eager path (the padded one: test_samkv_graph)
         assert blend_text == dense_text
         diff = max(abs(blend_lp[t] - dense_lp[t]) for t in dense_lp if t in blend_lp)
         reuse_diff = max(abs(reuse_lp[t] - dense_lp[t]) for t in dense_lp if t in reuse_lp)

@@ -179,6 +179,46 @@ def test_question_block_mass_equals_the_softmax_loop_over_all_documents(lengths,
         question_block_mass(torch.cat(k_docs)[1:], q, index, 0.25)
 
 
+@pytest.mark.parametrize("lengths,bs,spread,dtype", [
+    ([70, 33, 129, 5, 64], 16, 3, torch.bfloat16),     # short last blocks, a document shorter than the window
+    ([300, 250], 32, 8, torch.float16),
+    ([40], 8, 20, torch.float32),                      # window wider than the document
+])
+def test_spread_block_mass_equals_the_loop_reference(lengths, bs, spread, dtype):
+    from flashinfer_ext.samkv_score import ScoreIndex, question_block_mass, question_block_mass_reference
+
+    g = torch.Generator().manual_seed(spread)
+    k_docs = [torch.randn(n, 2, 16, generator=g).to(dtype) for n in lengths]
+    q = torch.randn(3, 4, 16, generator=g).to(dtype)
+    index = ScoreIndex(lengths, [block_layout(n, bs, 1, 1) for n in lengths], bs, "cpu")
+    got = question_block_mass(torch.cat(k_docs), q, index, 0.25, spread=spread)
+    want = torch.cat(question_block_mass_reference(k_docs, q, bs, 0.25, spread=spread))
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
+    # mass is only lost at document edges, never gained
+    assert float(got.sum()) <= 1.0 + 1e-5
+    assert not torch.allclose(got, question_block_mass(torch.cat(k_docs), q, index, 0.25))
+
+
+def test_spread_keeps_the_block_after_a_heavy_token_at_a_block_end():
+    """The contract behind ``mass_spread``: a fact whose attended token is the last of its block and whose end
+    (say a number's last digit) is in the next block. Plain block sums rank that next block below a block of
+    diffuse mass; spread over 8 tokens, it is kept with the heavy block under a budget of two."""
+    from flashinfer_ext.samkv_score import ScoreIndex, block_mass
+
+    bs, n = 16, 96                                     # blocks 0 .. 5: 0 initial, 5 local, middle 1 .. 4
+    layouts = [block_layout(n, bs, 1, 1)]
+    index = ScoreIndex([n], layouts, bs, "cpu")
+    tok = torch.full((n,), 0.002)
+    tok[3 * bs - 1] = 0.5                              # heavy token: the last one of block 2 (middle index 1)
+    tok[4 * bs: 5 * bs] += 0.01                        # block 4 (middle index 3): diffuse mass
+    plain = [block_mass(tok, index, 0)]
+    assert select_mass_blocks(plain, layouts, 2) == [[1, 3]]           # block 3, right after the heavy token, dropped
+    spread = [block_mass(tok, index, 8)]
+    assert select_mass_blocks(spread, layouts, 2) == [[1, 2]]          # blocks 2 and 3 kept, the diffuse one not
+    with pytest.raises(ValueError, match="spread"):
+        block_mass(tok, index, -1)
+
+
 def test_question_block_mass_finds_the_block_a_planted_key_is_in():
     """A key equal to the question's query direction, in the middle of the third document, puts that block
     first in all documents' ranking (the rule compares documents on one scale)."""

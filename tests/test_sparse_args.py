@@ -207,3 +207,10 @@ def test_samkv_mass_layers_must_be_an_increasing_fraction_range_and_map_to_layer
     assert list(cfg.mass_layer_range(30)) == list(range(12, 21))      # SmolLM2-135M
     assert list(cfg.mass_layer_range(32)) == list(range(12, 23))      # Llama-3.1-8B
     assert list(SamKVConfig(mass_layer_from=0.9, mass_layer_to=0.95).mass_layer_range(2)) == [1]
+
+
+def test_samkv_mass_spread_is_a_token_count_of_at_least_zero():
+    assert SamKVConfig().mass_spread == 8
+    assert SamKVConfig(mass_spread=0).mass_spread == 0
+    with pytest.raises(SparseConfigError, match="'mass_spread' of mode 'samkv' = -1 is out of range"):
+        SamKVConfig(mass_spread=-1)
