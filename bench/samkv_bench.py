@@ -142,15 +142,26 @@ def ask(url: str, task: SamKVTask, variant: str, max_tokens: int, wording: int =
         raise ValueError(f"ask: style={style!r} must be 'chat' or 'completion'")
     if salt is not None:
         body["cache_salt"] = salt
-    t0 = time.perf_counter()
+    t0, w0 = time.perf_counter(), time.time()
     r = requests.post(url + path, json=body, timeout=timeout)
-    dt = time.perf_counter() - t0
+    dt, w1 = time.perf_counter() - t0, time.time()
     if r.status_code != 200:
         raise RuntimeError(f"{variant}: HTTP {r.status_code}: {r.text[:500]}")
     j = r.json()
     c = j["choices"][0]
     text = (c["message"]["content"] if "message" in c else c.get("text")) or ""
-    return {"latency_s": dt, "text": text, "sparse": (j.get("metadata") or {}).get("sparse") or {}}
+    return {"latency_s": dt, "text": text, "sparse": (j.get("metadata") or {}).get("sparse") or {}, "wall_s": [w0, w1]}
+
+
+def split_latency(reply: dict) -> dict | None:
+    """A reply's latency around the scheduler's assembly (same host, wall clocks): ms from sending to the
+    assembly's start, of the assembly, and from its end to the reply (None without the server's span)."""
+    span = reply["sparse"].get("scheduler_wall_s")
+    if not span:
+        return None
+    (w0, w1), (a0, a1) = reply["wall_s"], span
+    return {"before_ms": round(1000 * (a0 - w0), 3), "assembly_ms": round(1000 * (a1 - a0), 3),
+            "after_ms": round(1000 * (w1 - a1), 3)}
 
 
 def correct(text: str, answer: str) -> bool:
@@ -235,7 +246,7 @@ def run_ttft(url: str, spec: SetSpec, repeats: int, log=print) -> dict:
                 if variant == "samkv":
                     kept.append(r["sparse"].get("kv_kept_ratio"))
                     phases.append({"front_ms": r["sparse"].get("front_ms"),
-                                   "scheduler_ms": r["sparse"].get("scheduler_ms")})
+                                   "scheduler_ms": r["sparse"].get("scheduler_ms"), "wall_ms": split_latency(r)})
         row = {"task": task.tid, "needed_doc": task.needed_doc, "document_tokens": warm["sparse"].get("document_tokens"),
                "warm_documents_prefilled": warm["sparse"].get("documents_prefilled"),
                "ttft_s": {v: statistics.median(x) for v, x in ttft.items()},

@@ -170,6 +170,8 @@ def summarize(plan: DocumentPlan, doc_cached: list[int], meta: dict, page_size: 
         "scheduler_ms": sched.get("timing_ms"),  # the scheduler's assembly phases (CUDA-synchronised)
         # which path ran each side forward: {"selection" / "recompute": "graph" | "pad" | "eager"} (None: none ran)
         "side_forward": sched.get("side_forward"),
+        # the scheduler's assembly as [start, end] epoch seconds (None: none ran)
+        "scheduler_wall_s": sched.get("wall_s"),
         # per document, the kept token ranges [start, end, start, end, ...] in tok(document + "\n\n") (None: no
         # assembly, e.g. recompute or a dense fallback)
         "kept_ranges": sched.get("kept_ranges") if ok else None,

@@ -185,6 +185,7 @@ def init_round_hook(result, req, *args, **kwargs):
         return result
     req.samkv_result = {"status": "pending"}
     rt.timing_start()
+    wall0 = time.time()
     try:
         req.samkv_result = _assemble(req, tree_cache, rt, custom)
     except Exception:  # never take the scheduler down: serve the request densely
@@ -196,6 +197,9 @@ def init_round_hook(result, req, *args, **kwargs):
         return result
     # where the scheduler's time went (ms per phase, CUDA-synchronised): metadata["sparse"]["scheduler_ms"]
     req.samkv_result["timing_ms"] = rt.timing_done()
+    # wall-clock span of the assembly (epoch seconds): a client on the same host splits its latency into before /
+    # assembly / after (bench/samkv_bench.py)
+    req.samkv_result["wall_s"] = [wall0, time.time()]
     paths = rt.take_paths()
     if paths:  # which side-forward path ran (graph / pad / eager, sglang_sparse.samkv_graph)
         req.samkv_result["side_forward"] = paths

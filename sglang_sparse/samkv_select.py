@@ -98,6 +98,10 @@ def side_forward(rt, ids: torch.Tensor, pos: torch.Tensor, ctx_k, ctx_v, mask: t
         rep_src = sel.nonzero().squeeze(1)
         rep_dst = replace_idx.index_select(0, rep_src)
     h = inner.embed_tokens(ids)
+    # side_attention="model": q/k/v in the model's dtype on CUDA (the memory-efficient kernel: fp32 softmax
+    # and accumulation inside, as the serving kernels); fp32 otherwise (CPU's bf16 SDPA rounds the softmax
+    # itself: it moved a full recompute's first-token log-probs 0.2 from dense, tests/test_samkv_recompute.py)
+    model_dtype = getattr(getattr(rt, "config", None), "side_attention", "fp32") == "model" and h.is_cuda
     residual, out = None, []
     for layer_id, layer in enumerate(inner.layers):
         if residual is None:
@@ -120,17 +124,35 @@ def side_forward(rt, ids: torch.Tensor, pos: torch.Tensor, ctx_k, ctx_v, mask: t
             kk, vv = torch.cat([kk, k.index_select(0, app_rows)]), torch.cat([vv, v.index_select(0, app_rows)])
         if on_layer is not None:
             on_layer(layer_id, k, v)
-        # fp32 [1, heads, rows, dim], KV heads shared by their query-head group (enable_gqa: no repeated KV per
-        # layer). fp32, not the model's dtype: bf16 side attention moved a full recompute's first-token
-        # log-probs 0.2 from dense on the CPU server (tests/test_samkv_recompute.py)
-        qh = q.reshape(r, a.num_heads, a.head_dim).transpose(0, 1).unsqueeze(0).float()
-        o = torch.nn.functional.scaled_dot_product_attention(
-            qh, kk.transpose(0, 1).unsqueeze(0).float(), vv.transpose(0, 1).unsqueeze(0).float(), attn_mask=mask,
-            scale=a.scaling, enable_gqa=a.num_heads != a.num_kv_heads)
-        h, _ = a.o_proj(o[0].transpose(0, 1).reshape(r, a.q_size).to(h.dtype))
+        o = _attend(q.reshape(r, a.num_heads, a.head_dim), kk, vv, mask, a.scaling, model_dtype)
+        h, _ = a.o_proj(o.reshape(r, a.q_size).to(h.dtype))
         h, residual = layer.post_attention_layernorm(h, residual)
         h = layer.mlp(h)
     return out
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
+            model_dtype: bool) -> torch.Tensor:
+    """Masked attention of ``q`` ``[R, q_heads, dim]`` over ``k`` / ``v`` ``[C, kv_heads, dim]`` (``mask`` bool
+    ``[R, C]``) -> ``[R, q_heads, dim]``. fp32 (SDPA, KV heads shared by their group through ``enable_gqa``),
+    or (``model_dtype``, CUDA) ``q``/``k``/``v`` kept in their dtype with the KV heads expanded, on SDPA's
+    memory-efficient kernel only (no silent fallback to a bf16 math path)."""
+    hq, hkv = q.shape[1], k.shape[1]
+    if model_dtype:
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        g = hq // hkv
+        kx = k.repeat_interleave(g, dim=1) if g > 1 else k
+        vx = v.repeat_interleave(g, dim=1) if g > 1 else v
+        with sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION]):
+            o = torch.nn.functional.scaled_dot_product_attention(
+                q.transpose(0, 1).unsqueeze(0), kx.transpose(0, 1).unsqueeze(0).to(q.dtype),
+                vx.transpose(0, 1).unsqueeze(0).to(q.dtype), attn_mask=mask, scale=scale)
+        return o[0].transpose(0, 1)
+    o = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(0, 1).unsqueeze(0).float(), k.transpose(0, 1).unsqueeze(0).float(),
+        v.transpose(0, 1).unsqueeze(0).float(), attn_mask=mask, scale=scale, enable_gqa=hq != hkv)
+    return o[0].transpose(0, 1)
 
 
 def _selection_queries(rt, q_ids, ctx_k, ctx_v, ctx_ids, ctx_doc, ctx_pos_in_doc, loc, first):

@@ -17,8 +17,9 @@ def test_rows_bucket_pads_to_64_then_256(r, want):
     assert rows_bucket(r) == want
 
 
-@pytest.mark.parametrize("c,want", [(1, 256), (256, 256), (257, 512), (3000, 4096), (4096, 4096)])
-def test_context_bucket_is_a_power_of_two_of_at_least_256(c, want):
+@pytest.mark.parametrize("c,want", [(1, 256), (256, 256), (257, 512), (1024, 1024), (1025, 1536), (2144, 2560),
+                                    (4096, 4096)])
+def test_context_bucket_pads_to_256_then_512(c, want):
     assert context_bucket(c) == want
 
 
@@ -66,3 +67,10 @@ def test_padded_side_forwards_equal_the_eager_ones_through_the_server(default_mo
         assert eager.keys() == padded.keys()
         diff = max(abs(eager[t] - padded[t]) for t in eager)
         assert diff < 1e-3, (variant, diff, eager, padded)
+
+
+def test_side_attention_config_is_validated():
+    assert SamKVConfig().side_attention == "fp32"
+    assert SamKVConfig(side_attention="model").side_attention == "model"
+    with pytest.raises(SparseConfigError, match="'side_attention' of mode 'samkv' = 'bf16' is not allowed"):
+        SamKVConfig(side_attention="bf16")

@@ -229,6 +229,9 @@ def test_bench_smoke_runs_both_sets_and_writes_computed_headline(samkv_server, t
     assert len(acc["rows"]) == SMOKE.accuracy.tasks and len(tt["rows"]) == SMOKE.ttft.tasks
     assert set(acc["accuracy"]) == set(VARIANTS) and all(set(r["replies"]) == set(VARIANTS) for r in acc["rows"])
     assert tt["rows"][0]["document_tokens"] > 100 and tt["rows"][0]["warm_documents_prefilled"] in (0, 2)
+    # each timed samkv request's latency split around the scheduler's assembly (same-host wall clocks)
+    wall = tt["rows"][0]["samkv_timing_ms"][-1]["wall_ms"]
+    assert wall["before_ms"] >= 0 and wall["after_ms"] >= 0 and wall["assembly_ms"] > 0, wall
     # headline figures are computed from their own set, and the report says which set
     assert set(head) >= {"gpu", "ttft_ratio_vs_recompute", "kv_kept_ratio", "accuracy_delta_vs_recompute"}
     assert all(isinstance(head[k], float) for k in ("ttft_ratio_vs_recompute", "kv_kept_ratio",
