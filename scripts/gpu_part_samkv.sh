@@ -63,17 +63,17 @@ want ttft_eager && step ttft_eager timeout "${SAMKV_ACC_TIMEOUT:-150}" python3 -
     --launch --device cuda --python python3 --model "$KIT_MODEL" --port 30025 --out "$rep/ttft_eager" \
     --tasks "${SAMKV_TASKS:-6}" --acc-tasks 0 --sparse-config '{"block_size": 16, "side_graphs": "off"}' \
     --server-args "--attention-backend flashinfer --page-size 16 --mem-fraction-static 0.5"
-# side_attention "model" (q/k/v in the model dtype on SDPA's memory-efficient kernel): SmolLM2 accuracy + TTFT sets,
-# and the 8B-shape TTFT set (report-only, REPORT_DIR/attn_model and REPORT_DIR/dummy8b_model)
-want bench_attn_model && step bench_attn_model timeout "${SAMKV_BENCH_TIMEOUT:-200}" python3 -m bench.samkv_bench \
-    --launch --device cuda --python python3 --model "$KIT_MODEL" --port 30026 --out "$rep/attn_model" \
+# side_attention "fp32" (stop 16's q/k/v in fp32; the default is "model" since 2026-11-24): SmolLM2 accuracy + TTFT
+# sets and the 8B-shape TTFT set (report-only, REPORT_DIR/attn_fp32 and REPORT_DIR/dummy8b_fp32)
+want bench_attn_fp32 && step bench_attn_fp32 timeout "${SAMKV_BENCH_TIMEOUT:-200}" python3 -m bench.samkv_bench \
+    --launch --device cuda --python python3 --model "$KIT_MODEL" --port 30026 --out "$rep/attn_fp32" \
     --tasks "${SAMKV_TASKS:-6}" --acc-tasks "${SAMKV_ACC_TASKS:-60}" \
-    --sparse-config '{"block_size": 16, "side_attention": "model"}' \
+    --sparse-config '{"block_size": 16, "side_attention": "fp32"}' \
     --server-args "--attention-backend flashinfer --page-size 16 --mem-fraction-static 0.5"
-want bench_dummy8b_model && step bench_dummy8b_model timeout "${SAMKV_DUMMY_TIMEOUT:-200}" python3 -m bench.samkv_bench \
+want bench_dummy8b_fp32 && step bench_dummy8b_fp32 timeout "${SAMKV_DUMMY_TIMEOUT:-200}" python3 -m bench.samkv_bench \
     --launch --device cuda --python python3 --model "$KIT_MODEL" --dummy-8b "${TMPDIR:-/tmp}/samkv_llama8b_dummy" \
-    --port 30027 --out "$rep/dummy8b_model" --tasks 2 --repeats 3 --ttft-only --words "${SAMKV_DUMMY_WORDS:-1500}" \
-    --sparse-config '{"block_size": 16, "side_attention": "model"}' \
+    --port 30027 --out "$rep/dummy8b_fp32" --tasks 2 --repeats 3 --ttft-only --words "${SAMKV_DUMMY_WORDS:-1500}" \
+    --sparse-config '{"block_size": 16, "side_attention": "fp32"}' \
     --server-args "--attention-backend flashinfer --page-size 16 --mem-fraction-static 0.6 --disable-cuda-graph"
 # SAMKV_SAVE_CACHE=1: pack the kernels compiled here (the 8B shape's) into $OUT for `kit.sh keep-cache`
 if [ "${SAMKV_SAVE_CACHE:-0}" = 1 ]; then bash /tmp/kit/device.sh save-cache || true; fi

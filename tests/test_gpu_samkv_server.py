@@ -105,3 +105,42 @@ def test_gpu_samkv_graph_replay_equals_the_padded_eager_path(samkv_gpu_server, t
         assert "capture of the side forward failed" not in log.read_text(errors="replace")
     finally:
         pad.stop()
+
+
+def test_gpu_full_recompute_in_the_model_dtype_equals_dense(tmp_path):
+    """The default side attention on CUDA (side_attention="model": q/k/v in bf16 on SDPA's memory-efficient kernel,
+    replayed as CUDA graphs): recomputing every kept token over the composite gives dense's answer and first-token
+    log-probs (tolerance as the CPU server test's fp32 path, tests/test_samkv_recompute.py)."""
+    srv = Server(ServerSpec(python=sys.executable, model=str(DEFAULT_MODEL), device="cuda", port=free_port(),
+                            mode="samkv", sparse_config='{"block_size": 16, "recompute_ratio": 1.0, "fuse": "overwrite"}',
+                            extra_args=list(ARGS)), tmp_path / "full.log", timeout_s=600).start()
+    try:
+        task = make_task(4, docs=3, words=90)
+        q = f"What is {task.name}'s secret number? Answer the question above with the number only."
+
+        def ask_lp(variant):
+            r = requests.post(srv.url + "/v1/chat/completions", timeout=300, json={
+                "model": "default", "messages": [{"role": "user", "content": q}], "max_tokens": 10,
+                "temperature": 0, "logprobs": True, "top_logprobs": 5, "documents": list(task.documents),
+                "samkv": {"variant": variant}})
+            assert r.status_code == 200, r.text
+            j = r.json()
+            first = j["choices"][0]["logprobs"]["content"][0]
+            return (j["choices"][0]["message"]["content"], {t["token"]: t["logprob"] for t in first["top_logprobs"]},
+                    j["metadata"]["sparse"])
+
+        ask_lp("reuse")  # documents cached
+        dense_text, dense_lp, _ = ask_lp("recompute")
+        blend_text, blend_lp, meta = ask_lp("cacheblend")
+        _, reuse_lp, _ = ask_lp("reuse")
+        assert meta["assembled"] and meta["recomputed_tokens"] == meta["document_tokens"] == meta["cached_tokens"]
+        assert meta["side_forward"] == {"selection": "graph", "recompute": "graph"}, meta["side_forward"]
+        diff = max(abs(blend_lp[t] - dense_lp[t]) for t in dense_lp if t in blend_lp)
+        reuse_diff = max(abs(reuse_lp[t] - dense_lp[t]) for t in dense_lp if t in reuse_lp)
+        print(f"GPU max |dlogprob| of the top-5 first tokens vs dense: cacheblend(all) {diff:.4f}, reuse {reuse_diff:.4f}")
+        assert blend_text == dense_text, (blend_text, dense_text)
+        assert diff < 0.25, (diff, blend_lp, dense_lp)
+        text = (tmp_path / "full.log").read_text(errors="replace").lower()
+        assert "traceback" not in text and "leak" not in text
+    finally:
+        srv.stop()

@@ -70,7 +70,7 @@ def test_padded_side_forwards_equal_the_eager_ones_through_the_server(default_mo
 
 
 def test_side_attention_config_is_validated():
-    assert SamKVConfig().side_attention == "fp32"
-    assert SamKVConfig(side_attention="model").side_attention == "model"
+    assert SamKVConfig().side_attention == "model"
+    assert SamKVConfig(side_attention="fp32").side_attention == "fp32"
     with pytest.raises(SparseConfigError, match="'side_attention' of mode 'samkv' = 'bf16' is not allowed"):
         SamKVConfig(side_attention="bf16")
