@@ -17,7 +17,7 @@
 #                 (bench/dummy_model.py; SmolLM2 tokenizer; --load-format dummy, ~15 GB): TTFT set only, no
 #                 accuracy -> REPORT_DIR/dummy8b/samkv.{md,json}, and its figures added, labelled with the
 #                 model and "dummy" weights, under ttft_by_model of REPORT_DIR/samkv.json          (<= 200 s)
-# Budgets: SAMKV_TEST_TIMEOUT (300 s), SAMKV_BENCH_TIMEOUT (200 s), SAMKV_DUMMY_TIMEOUT (200 s).
+# Budgets: SAMKV_TEST_TIMEOUT (420 s), SAMKV_BENCH_TIMEOUT (200 s), SAMKV_DUMMY_TIMEOUT (200 s).
 set -uo pipefail
 rep=${1:?usage: gpu_part_samkv.sh REPORT_DIR}
 mkdir -p "$rep"
@@ -31,7 +31,7 @@ samkv_cfg=${SAMKV_SPARSE_CONFIG:-'{"block_size": 16}'}
 # "pytest_gpu bench" took 216 s and "bench_acc_block8 bench_dummy8b" ~330 s)
 steps=${SAMKV_STEPS:-pytest_gpu bench bench_dummy8b bench_acc_paper bench_acc_short}
 want() { case " $steps " in *" $1 "*) return 0 ;; *) return 1 ;; esac; }
-want pytest_gpu && step pytest_gpu timeout "${SAMKV_TEST_TIMEOUT:-300}" python3 -m pytest -q -p no:cacheprovider -rA \
+want pytest_gpu && step pytest_gpu timeout "${SAMKV_TEST_TIMEOUT:-420}" python3 -m pytest -q -p no:cacheprovider -rA \
     --junitxml="$rep/junit_gpu_samkv.xml" tests/test_gpu_samkv_server.py tests/flashinfer_ext/test_rope_shift.py \
     tests/test_samkv_score.py tests/test_samkv_assembly.py
 want bench && step bench timeout "${SAMKV_BENCH_TIMEOUT:-200}" python3 -m bench.samkv_bench --launch --device cuda \

@@ -112,7 +112,7 @@ def test_gpu_full_recompute_in_the_model_dtype_equals_dense(tmp_path):
     replayed as CUDA graphs): recomputing every kept token over the composite gives dense's answer and first-token
     log-probs (tolerance as the CPU server test's fp32 path, tests/test_samkv_recompute.py)."""
     srv = Server(ServerSpec(python=sys.executable, model=str(DEFAULT_MODEL), device="cuda", port=free_port(),
-                            mode="samkv", sparse_config='{"block_size": 16, "recompute_ratio": 1.0, "fuse": "overwrite"}',
+                            mode="samkv", sparse_config='{"block_size": 16, "recompute_ratio": 1.0, "fuse": "overwrite", "side_graph_max_rows": 1024}',
                             extra_args=list(ARGS)), tmp_path / "full.log", timeout_s=600).start()
     try:
         task = make_task(4, docs=3, words=90)
@@ -133,7 +133,8 @@ def test_gpu_full_recompute_in_the_model_dtype_equals_dense(tmp_path):
         dense_text, dense_lp, _ = ask_lp("recompute")
         blend_text, blend_lp, meta = ask_lp("cacheblend")
         _, reuse_lp, _ = ask_lp("reuse")
-        assert meta["assembled"] and meta["recomputed_tokens"] == meta["document_tokens"] == meta["cached_tokens"]
+        # every token of the page-aligned composite recomputed (the sub-page tail is extended with the question)
+        assert meta["assembled"] and meta["recomputed_tokens"] == meta["cached_tokens"] >= meta["document_tokens"] - 15
         assert meta["side_forward"] == {"selection": "graph", "recompute": "graph"}, meta["side_forward"]
         diff = max(abs(blend_lp[t] - dense_lp[t]) for t in dense_lp if t in blend_lp)
         reuse_diff = max(abs(reuse_lp[t] - dense_lp[t]) for t in dense_lp if t in reuse_lp)
