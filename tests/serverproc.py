@@ -78,3 +78,20 @@ def flush_cache(server, timeout_s: float = 60.0) -> None:
     import requests
 
     requests.post(server.url + "/flush_cache", params={"timeout": timeout_s}, timeout=timeout_s + 30).raise_for_status()
+
+
+def ask_documents_first_token(url: str, task, variant: str, max_tokens: int = 10, timeout: float = 600.0):
+    """A samkv documents chat request for ``task`` (bench.samkv_bench.SamKVTask: its documents, the question
+    about its name) with greedy decoding: ``(text, {token: logprob} of the first token's top 5, metadata.sparse)``."""
+    import requests
+
+    q = f"What is {task.name}'s secret number? Answer the question above with the number only."
+    r = requests.post(url + "/v1/chat/completions", timeout=timeout, json={
+        "model": "default", "messages": [{"role": "user", "content": q}], "max_tokens": max_tokens,
+        "temperature": 0, "logprobs": True, "top_logprobs": 5, "documents": list(task.documents),
+        "samkv": {"variant": variant}})
+    assert r.status_code == 200, r.text
+    j = r.json()
+    first = j["choices"][0]["logprobs"]["content"][0]
+    return (j["choices"][0]["message"]["content"], {t["token"]: t["logprob"] for t in first["top_logprobs"]},
+            j["metadata"]["sparse"])

@@ -13,7 +13,7 @@ import requests
 
 from bench.samkv_bench import ask, correct, make_task
 from bench.server import Server, ServerSpec
-from tests.serverproc import DEFAULT_MODEL, free_port
+from tests.serverproc import DEFAULT_MODEL, ask_documents_first_token, free_port
 
 pytestmark = [pytest.mark.gpu, pytest.mark.server]
 
@@ -111,23 +111,15 @@ def test_gpu_full_recompute_in_the_model_dtype_equals_dense(tmp_path):
     """The default side attention on CUDA (side_attention="model": q/k/v in bf16 on SDPA's memory-efficient kernel,
     replayed as CUDA graphs): recomputing every kept token over the composite gives dense's answer and first-token
     log-probs (tolerance as the CPU server test's fp32 path, tests/test_samkv_recompute.py)."""
+    cfg = '{"block_size": 16, "recompute_ratio": 1.0, "fuse": "overwrite", "side_graph_max_rows": 1024}'
     srv = Server(ServerSpec(python=sys.executable, model=str(DEFAULT_MODEL), device="cuda", port=free_port(),
-                            mode="samkv", sparse_config='{"block_size": 16, "recompute_ratio": 1.0, "fuse": "overwrite", "side_graph_max_rows": 1024}',
-                            extra_args=list(ARGS)), tmp_path / "full.log", timeout_s=600).start()
+                            mode="samkv", sparse_config=cfg, extra_args=list(ARGS)), tmp_path / "full.log",
+                 timeout_s=600).start()
     try:
         task = make_task(4, docs=3, words=90)
-        q = f"What is {task.name}'s secret number? Answer the question above with the number only."
 
         def ask_lp(variant):
-            r = requests.post(srv.url + "/v1/chat/completions", timeout=300, json={
-                "model": "default", "messages": [{"role": "user", "content": q}], "max_tokens": 10,
-                "temperature": 0, "logprobs": True, "top_logprobs": 5, "documents": list(task.documents),
-                "samkv": {"variant": variant}})
-            assert r.status_code == 200, r.text
-            j = r.json()
-            first = j["choices"][0]["logprobs"]["content"][0]
-            return (j["choices"][0]["message"]["content"], {t["token"]: t["logprob"] for t in first["top_logprobs"]},
-                    j["metadata"]["sparse"])
+            return ask_documents_first_token(srv.url, task, variant, timeout=300)
 
         ask_lp("reuse")  # documents cached
         dense_text, dense_lp, _ = ask_lp("recompute")

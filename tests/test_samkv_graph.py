@@ -4,12 +4,11 @@ the eager one through the CPU server (fp32, so the comparison is not lost in bf1
 from __future__ import annotations
 
 import pytest
-import requests
 
 from bench.samkv_bench import make_task
 from sglang_sparse.config import SamKVConfig, SparseConfigError
 from sglang_sparse.samkv_graph import context_bucket, rows_bucket
-from tests.serverproc import start_cpu_server
+from tests.serverproc import ask_documents_first_token, start_cpu_server
 
 
 @pytest.mark.parametrize("r,want", [(1, 64), (64, 64), (65, 128), (512, 512), (513, 768), (1000, 1024)])
@@ -38,7 +37,6 @@ def test_padded_side_forwards_equal_the_eager_ones_through_the_server(default_mo
     log-probs of the eager path for samkv and cacheblend, the model in fp32 (measured: 7e-6 apart; bf16 alone
     moves them ~0.03)."""
     task = make_task(4, docs=3, words=90)
-    q = f"What is {task.name}'s secret number? Answer the question above with the number only."
     out = {}
     for mode in ("off", "pad"):
         server = start_cpu_server(default_model, tmp_path / f"{mode}.log", mode="samkv", extra_args=("--dtype", "float32"),
@@ -46,14 +44,8 @@ def test_padded_side_forwards_equal_the_eager_ones_through_the_server(default_mo
                                                 '"side_graph_max_rows": 1024}' % mode)
         try:
             def ask(variant):
-                r = requests.post(server.url + "/v1/chat/completions", timeout=600, json={
-                    "model": "default", "messages": [{"role": "user", "content": q}], "max_tokens": 4,
-                    "temperature": 0, "logprobs": True, "top_logprobs": 5, "documents": list(task.documents),
-                    "samkv": {"variant": variant}})
-                assert r.status_code == 200, r.text
-                j = r.json()
-                first = j["choices"][0]["logprobs"]["content"][0]
-                return {t["token"]: t["logprob"] for t in first["top_logprobs"]}, j["metadata"]["sparse"]
+                _, lp, meta = ask_documents_first_token(server.url, task, variant, max_tokens=4)
+                return lp, meta
 
             ask("reuse")  # documents cached
             out[mode] = {v: ask(v) for v in ("samkv", "cacheblend")}

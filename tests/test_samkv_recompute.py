@@ -7,12 +7,11 @@ first-token log-probabilities equal the ``recompute`` (dense) baseline's; with p
 from __future__ import annotations
 
 import pytest
-import requests
 import torch
 
 from bench.samkv_bench import make_task
 from sglang_sparse.samkv_recompute import fuse_kv, recompute_set
-from tests.serverproc import start_cpu_server
+from tests.serverproc import ask_documents_first_token, start_cpu_server
 
 
 def test_recompute_set_takes_top_scores_per_document_within_limit():
@@ -43,18 +42,9 @@ def test_full_recompute_through_the_server_equals_dense(default_model, tmp_path)
                                             '"side_graphs": "off"}')
     try:
         task = make_task(4, docs=3, words=90)
-        q = f"What is {task.name}'s secret number? Answer the question above with the number only."
 
         def ask(variant):
-            r = requests.post(server.url + "/v1/chat/completions", timeout=600, json={
-                "model": "default", "messages": [{"role": "user", "content": q}], "max_tokens": 10,
-                "temperature": 0, "logprobs": True, "top_logprobs": 5, "documents": list(task.documents),
-                "samkv": {"variant": variant}})
-            assert r.status_code == 200, r.text
-            j = r.json()
-            first = j["choices"][0]["logprobs"]["content"][0]
-            return j["choices"][0]["message"]["content"], {t["token"]: t["logprob"] for t in first["top_logprobs"]}, \
-                j["metadata"]["sparse"]
+            return ask_documents_first_token(server.url, task, variant)
 
         ask("reuse")  # documents cached
         dense_text, dense_lp, _ = ask("recompute")
