@@ -5,14 +5,13 @@ every layer with the attention computed in torch. The GPU work is small (the wei
 each layer is ~30 kernel launches from Python: on the H100 the two side forwards took 25-45 ms per request on
 both SmolLM2-135M and a Llama-3.1-8B shape, more than SmolLM2's whole dense prefill of 8k tokens (stop 16).
 
-One formulation for both kinds (:func:`side_rows_forward`): every row's fresh K/V is appended after the
-``C`` context rows and a bool mask ``[R, C + R]`` says which keys each row sees. The recompute's "fresh K/V in
-place of the reused row" is the same attention with the reused row hidden and the appended one shown (keys
-carry RoPE, so where a key sits in the list does not matter).
+Both kinds call :func:`side_rows_forward` with :func:`sglang_sparse.samkv_select.side_forward`'s one
+formulation: every row's fresh K/V appended after the ``C`` context rows, a bool mask ``[R, C + R]`` saying which
+keys each row sees (the recompute hides a row's reused context entry and shows its fresh one).
 
-Paths (config ``side_graphs``):
+Paths (config ``side_graphs``; ``metadata.sparse.side_forward`` says which ran):
 
-* ``off`` - the callers' eager code (unpadded, the recompute's in-place replacement; stop 16's path);
+* ``off`` - eager at the request's own shapes;
 * ``pad`` - :class:`SideGraphs` run eagerly: rows padded to a bucket of ``R`` and the context to a bucket of
   ``C``, static buffers, what a graph replays (CPU tests compare it with ``off``);
 * ``auto`` - on CUDA, ``pad`` captured once per bucket into a CUDA graph (shared memory pool) and replayed;
@@ -92,7 +91,6 @@ class SideGraphs:
             z = dict(device=device)
             self._bufs = {
                 "ids": torch.zeros(rmax, dtype=torch.int64, **z), "pos": torch.zeros(rmax, dtype=torch.int64, **z),
-                "rows": torch.arange(rmax, dtype=torch.int64, **z),
                 "ctx_k": torch.zeros(layers, cmax, a.num_kv_heads, a.head_dim, dtype=dtype, **z),
                 "ctx_v": torch.zeros(layers, cmax, a.num_kv_heads, a.head_dim, dtype=dtype, **z),
                 "k_out": torch.zeros(layers, rmax, a.num_kv_heads, a.head_dim, dtype=dtype, **z),
@@ -116,7 +114,7 @@ class SideGraphs:
             b["v_out"][layer_id, :rb].copy_(v)
 
         qs = side_forward(self.rt, b["ids"][:rb], b["pos"][:rb], ctx_k, ctx_v, self._masks[key],
-                          append=b["rows"][:rb], first_layer=self.q_from, on_layer=keep)
+                          first_layer=self.q_from, on_layer=keep)
         for i, q in enumerate(qs):
             b["q_out"][i, :rb].copy_(q)
 
@@ -189,6 +187,6 @@ def side_rows_forward(rt, ids: torch.Tensor, pos: torch.Tensor, ctx_k, ctx_v, ma
         qs, k, v = graphs.run(ids, pos, ctx_k, ctx_v, mask)
         return qs[q_from - graphs.q_from:], k, v, graphs.path
     ks, vs = [], []
-    qs = side_forward(rt, ids, pos, ctx_k, ctx_v, mask, append=torch.arange(ids.shape[0], device=ids.device),
-                      first_layer=q_from, on_layer=lambda layer, k, v: (ks.append(k), vs.append(v)))
+    qs = side_forward(rt, ids, pos, ctx_k, ctx_v, mask, first_layer=q_from,
+                      on_layer=lambda layer, k, v: (ks.append(k), vs.append(v)))
     return qs, torch.stack(ks), torch.stack(vs), "eager"

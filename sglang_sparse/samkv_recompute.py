@@ -21,7 +21,7 @@ import math
 
 import torch
 
-from sglang_sparse.samkv_select import side_forward
+from sglang_sparse.samkv_graph import side_rows_forward
 
 
 def recompute_set(kept: list[list[int]], scores: list[torch.Tensor], ratio: float, limit: int) -> list[int]:
@@ -69,25 +69,14 @@ def recompute(rt, pool, dst: torch.Tensor, comp_ids: list[int], r_idx: list[int]
     r, ids = torch.tensor(list(r_idx) + [comp_ids[i] for i in r_idx], dtype=torch.int64).to(dev).split(len(r_idx))
     ctx_k = [pool.get_key_buffer(layer)[dst] for layer in range(rt.num_layers)]
     ctx_v = [pool.get_value_buffer(layer)[dst] for layer in range(rt.num_layers)]
-    mask = torch.arange(len(dst), device=dev).unsqueeze(0) <= r.unsqueeze(1)
     rows = dst[r]
-    if getattr(rt, "side_graphs", None) is not None:
-        # padded / graphed path (sglang_sparse.samkv_graph): the reused rows hidden, the fresh ones appended
-        from sglang_sparse.samkv_graph import side_rows_forward
-
-        hidden = torch.zeros(len(dst), dtype=torch.bool, device=dev).index_fill_(0, r, True)
-        full = torch.cat([mask & ~hidden.unsqueeze(0), r.unsqueeze(0) <= r.unsqueeze(1)], dim=1)
-        _, new_k, new_v, path = side_rows_forward(rt, ids, r, ctx_k, ctx_v, full, rt.num_layers)
-        rt.note_path("recompute", path)
-    else:
-        ks, vs = [], []
-
-        def keep(layer_id, k, v):
-            ks.append(k)
-            vs.append(v)
-
-        side_forward(rt, ids, r, ctx_k, ctx_v, mask, replace_idx=r, replace_every_row=True, on_layer=keep)
-        new_k, new_v = torch.stack(ks), torch.stack(vs)
+    # each recomputed row sees the composite up to itself with the reused rows of the set hidden and their fresh
+    # K/V (appended after the composite) shown instead
+    hidden = torch.zeros(len(dst), dtype=torch.bool, device=dev).index_fill_(0, r, True)
+    before = torch.arange(len(dst), device=dev).unsqueeze(0) <= r.unsqueeze(1)
+    mask = torch.cat([before & ~hidden.unsqueeze(0), r.unsqueeze(0) <= r.unsqueeze(1)], dim=1)
+    _, new_k, new_v, path = side_rows_forward(rt, ids, r, ctx_k, ctx_v, mask, rt.num_layers)
+    rt.note_path("recompute", path)
     fused_k = fuse_kv_layers(new_k, torch.stack([x.index_select(0, r) for x in ctx_k]), mode)
     fused_v = fuse_kv_layers(new_v, torch.stack([x.index_select(0, r) for x in ctx_v]), mode)
     for layer in range(rt.num_layers):

@@ -71,32 +71,17 @@ def _gather_context(rt, pool, spans, srcs, layouts, bs, ids, local_tokens, quest
 
 @torch.no_grad()
 def side_forward(rt, ids: torch.Tensor, pos: torch.Tensor, ctx_k, ctx_v, mask: torch.Tensor, *,
-                 append: torch.Tensor | None = None, replace_idx: torch.Tensor | None = None,
-                 replace_every_row: bool = False, first_layer: int | None = None,
-                 on_layer=None) -> list[torch.Tensor]:
+                 first_layer: int | None = None, on_layer=None) -> list[torch.Tensor]:
     """Run ``R`` rows (token ``ids`` ``[R]`` at positions ``pos`` ``[R]``) through the model's layers with the
     attention computed here: per layer the keys/values are the context ``ctx_k[l]`` / ``ctx_v[l]``
-    ``[C, kv_heads, head_dim]``, with the rows' fresh K/V written over context rows ``replace_idx``
-    (``[R]``, -1 = none; ``replace_every_row``: the caller vouches every entry is >= 0, which saves a host
-    sync) and the fresh K/V of rows flagged in ``append`` (bool ``[R]``, or the int64 indices of those rows:
-    no host sync) appended after the context in row order; ``mask`` bool ``[R, C + appended]`` says which keys each row sees.
+    ``[C, kv_heads, head_dim]`` (post-RoPE keys) followed by every row's own fresh K/V in row order; ``mask``
+    bool ``[R, C + R]`` says which keys each row sees (a recomputed row hides its reused context row and sees
+    its fresh one instead: keys carry RoPE, so where a key sits in the list does not matter).
     ``on_layer(layer_id, k, v)`` gets the rows' fresh post-RoPE ``k``/``v`` ``[R, kv_heads, head_dim]``.
-    Returns the rows' pre-RoPE queries ``[R, q_heads, head_dim]`` fp32 of layers ``first_layer ..``."""
+    Returns the rows' pre-RoPE queries ``[R, q_heads, head_dim]`` fp32 of layers ``first_layer ..``. Shapes are
+    static for fixed ``R``/``C`` and nothing syncs the host: :mod:`sglang_sparse.samkv_graph` captures it."""
     inner = rt.model.model
     r = ids.shape[0]
-    # index tensors once (boolean-mask indexing inside the layer loop is a host sync per layer)
-    app_rows = None
-    if append is not None:
-        app_rows = append.nonzero().squeeze(1) if append.dtype == torch.bool else append
-        if app_rows.numel() == 0:
-            app_rows = None
-    rep_dst = rep_src = None
-    if replace_idx is not None and replace_every_row:
-        rep_src, rep_dst = torch.arange(r, device=replace_idx.device), replace_idx
-    elif replace_idx is not None:
-        sel = replace_idx >= 0
-        rep_src = sel.nonzero().squeeze(1)
-        rep_dst = replace_idx.index_select(0, rep_src)
     h = inner.embed_tokens(ids)
     # side_attention="model": q/k/v in the model's dtype on CUDA (the memory-efficient kernel: fp32 softmax
     # and accumulation inside, as the serving kernels); fp32 otherwise (CPU's bf16 SDPA rounds the softmax
@@ -116,12 +101,7 @@ def side_forward(rt, ids: torch.Tensor, pos: torch.Tensor, ctx_k, ctx_v, mask: t
         q, k = a.rotary_emb(pos, q.contiguous(), k.contiguous())
         k = k.reshape(r, a.num_kv_heads, a.head_dim)
         v = v.reshape(r, a.num_kv_heads, a.head_dim)
-        kk, vv = ctx_k[layer_id].to(k.dtype), ctx_v[layer_id].to(v.dtype)
-        if rep_dst is not None:  # out of place: the caller's context stays as it was
-            kk = kk.index_copy(0, rep_dst, k.index_select(0, rep_src))
-            vv = vv.index_copy(0, rep_dst, v.index_select(0, rep_src))
-        if app_rows is not None:
-            kk, vv = torch.cat([kk, k.index_select(0, app_rows)]), torch.cat([vv, v.index_select(0, app_rows)])
+        kk, vv = torch.cat([ctx_k[layer_id].to(k.dtype), k]), torch.cat([ctx_v[layer_id].to(v.dtype), v])
         if on_layer is not None:
             on_layer(layer_id, k, v)
         o = _attend(q.reshape(r, a.num_heads, a.head_dim), kk, vv, mask, a.scaling, model_dtype)
@@ -158,30 +138,26 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tenso
 def _selection_queries(rt, q_ids, ctx_k, ctx_v, ctx_ids, ctx_doc, ctx_pos_in_doc, loc, first):
     """Q_que (question rows ``q_ids`` ``[T]`` over the whole anchor context) and each document's local queries
     (its local tokens, context rows ``loc`` ``[L]``, over its own anchor tokens up to themselves), per stable
-    layer; no host sync."""
+    layer; no host sync. Rows: the question, then the local tokens; keys: the context, then the rows' own
+    (the question rows see the whole context and the question up to themselves, a local row its own document's
+    context rows up to itself)."""
+    from sglang_sparse.samkv_graph import side_rows_forward  # it imports side_forward from here
+
     dev = ctx_k[0].device
     c, t = ctx_k[0].shape[0], q_ids.shape[0]
     ids = torch.cat([q_ids, ctx_ids.index_select(0, loc)])
     pos = torch.cat([torch.arange(c, c + t, device=dev), loc])
     n = t + loc.shape[0]
-    mask = torch.zeros(n, c + t, dtype=torch.bool, device=dev)
+    mask = torch.zeros(n, c + n, dtype=torch.bool, device=dev)
     mask[:t, :c] = True
-    mask[:t, c:] = torch.tril(torch.ones(t, t, dtype=torch.bool, device=dev))
+    mask[:t, c:c + t] = torch.tril(torch.ones(t, t, dtype=torch.bool, device=dev))
     loc_doc = ctx_doc.index_select(0, loc)
     if loc.shape[0]:
         same = loc_doc.unsqueeze(1) == ctx_doc.unsqueeze(0)
         before = ctx_pos_in_doc.unsqueeze(0) <= ctx_pos_in_doc.index_select(0, loc).unsqueeze(1)
         mask[t:, :c] = same & before
-    if getattr(rt, "side_graphs", None) is not None:
-        # one formulation for the padded / graphed path: every row's fresh K/V appended, the local rows see none
-        from sglang_sparse.samkv_graph import side_rows_forward
-
-        full = torch.zeros(n, c + n, dtype=torch.bool, device=dev)
-        full[:, :c + t] = mask
-        qs, _, _, path = side_rows_forward(rt, ids, pos, ctx_k, ctx_v, full, first)
-        rt.note_path("selection", path)
-    else:
-        qs = side_forward(rt, ids, pos, ctx_k, ctx_v, mask, append=torch.arange(t, device=dev), first_layer=first)
+    qs, _, _, path = side_rows_forward(rt, ids, pos, ctx_k, ctx_v, mask, first)
+    rt.note_path("selection", path)
     return [q[:t] for q in qs], [q[t:] for q in qs], loc_doc
 
 

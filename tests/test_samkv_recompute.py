@@ -51,7 +51,8 @@ def test_full_recompute_through_the_server_equals_dense(default_model, tmp_path)
         blend_text, blend_lp, meta = ask("cacheblend")
         reuse_text, reuse_lp, _ = ask("reuse")
         assert meta["assembled"] and meta["recomputed_tokens"] == meta["document_tokens"] == meta["cached_tokens"]
-        assert meta["side_forward"] is None, meta["side_forward"]  # the eager path (the padded one: test_samkv_graph)
+        # the eager path at the request's own shapes (the padded one equals it: tests/test_samkv_graph.py)
+        assert meta["side_forward"] == {"selection": "eager", "recompute": "eager"}, meta["side_forward"]
         assert blend_text == dense_text
         diff = max(abs(blend_lp[t] - dense_lp[t]) for t in dense_lp if t in blend_lp)
         reuse_diff = max(abs(reuse_lp[t] - dense_lp[t]) for t in dense_lp if t in reuse_lp)
