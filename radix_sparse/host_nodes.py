@@ -15,6 +15,9 @@ so an entry stays valid after its KV went back to the GPU: evicting that node ag
 save (:meth:`HostNodeStore.covered`, also when the reloaded node spans several entries). Host memory is bounded by the pool: :meth:`reserve` drops the
 least recently used entries not pinned by an ongoing load; an entry that cannot fit is not stored.
 
+Other per-node data (LoopServe line sets: :mod:`radix_sparse.host_lines`) is kept beside an entry under its
+``key`` and follows its life through :attr:`HostNodeStore.drop_listeners` (called whenever an entry is dropped).
+
 Limitations: a match that ends strictly inside an entry's range (the GPU tree holds a longer prefix
 than the entry's start) does not find it (the tokens after the GPU match are recomputed).
 """
@@ -70,6 +73,7 @@ class HostNodeStore:
         self.tokens = 0
         self.dropped = 0      # entries dropped to make room (LRU)
         self.refused = 0      # entries that could not be stored (larger than the unpinned pool)
+        self.drop_listeners: list = []  # f(entry) after an entry was dropped (e.g. its host line sets go too)
 
     # ------------------------------------------------------------------ keys
     def _key(self, extra_key: Any, start: int, prefix: Sequence[int], first_page: Sequence[int]) -> tuple:
@@ -122,6 +126,8 @@ class HostNodeStore:
         del self._entries[e.key]
         self.tokens -= e.num_tokens
         self.pool.free(e.blocks)
+        for f in self.drop_listeners:
+            f(e)
 
     def clear(self) -> None:
         for e in list(self._entries.values()):

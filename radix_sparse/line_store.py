@@ -41,7 +41,7 @@ from typing import Hashable, Iterable
 
 import torch
 
-__all__ = ["LineStoreConfig", "TurnLines", "LineStore"]
+__all__ = ["LineStoreConfig", "TurnLines", "LineStore", "split_turn_lines", "merge_turn_lines"]
 
 _BIG = torch.iinfo(torch.int32).max
 
@@ -105,6 +105,41 @@ def _compact(idx: torch.Tensor, keep: torch.Tensor, dedupe: bool = False) -> tup
 
 def _valid(idx: torch.Tensor, cnt: torch.Tensor) -> torch.Tensor:
     return torch.arange(idx.shape[2], device=idx.device)[None, None, :] < cnt[:, :, None].long()
+
+
+def split_turn_lines(ln: TurnLines, cut: int) -> tuple[TurnLines | None, TurnLines | None]:
+    """The two parts of ``ln`` after a radix split at absolute position ``cut`` (module docstring):
+    ``(parent part, child part)``: verticals ``< cut`` / ``>= cut`` (padding trimmed); the slash offsets go
+    to the parent iff ``turn_start < cut``. A part without any line is ``None``."""
+    valid = _valid(ln.v_idx, ln.v_cnt)
+    v_lo, c_lo = _compact(ln.v_idx, valid & (ln.v_idx < cut))
+    v_hi, c_hi = _compact(ln.v_idx, valid & (ln.v_idx >= cut))
+    empty_s = ln.s_idx[:, :, :0], torch.zeros_like(ln.s_cnt)
+    s_par, s_child = ((ln.s_idx, ln.s_cnt), empty_s) if ln.turn_start < cut else (empty_s, (ln.s_idx, ln.s_cnt))
+    parts = (TurnLines(ln.turn_start, ln.turn_end, v_lo, c_lo, *s_par),
+             TurnLines(ln.turn_start, ln.turn_end, v_hi, c_hi, *s_child))
+    return tuple(p if int(p.v_cnt.sum()) + int(p.s_cnt.sum()) else None for p in parts)
+
+
+def merge_turn_lines(parts: Iterable[TurnLines]) -> TurnLines:
+    """One :class:`TurnLines` holding the union of ``parts`` (the parts of one turn, e.g. the parent and child
+    parts of a split: the inverse of :func:`split_turn_lines`), verticals and slash offsets deduplicated."""
+    parts = list(parts)
+    if not parts:
+        raise ValueError("merge_turn_lines: parts is empty")
+    t0 = parts[0]
+    for p in parts[1:]:
+        if (p.turn_start, p.turn_end) != (t0.turn_start, t0.turn_end) or p.v_cnt.shape != t0.v_cnt.shape:
+            raise ValueError(f"merge_turn_lines: parts of different turns or shapes: turn [{p.turn_start}, "
+                             f"{p.turn_end}) {tuple(p.v_cnt.shape)} vs [{t0.turn_start}, {t0.turn_end}) "
+                             f"{tuple(t0.v_cnt.shape)}")
+    if len(parts) == 1:
+        return t0
+    v = torch.cat([p.v_idx for p in parts], 2)
+    vk = torch.cat([_valid(p.v_idx, p.v_cnt) for p in parts], 2)
+    s = torch.cat([p.s_idx for p in parts], 2)
+    sk = torch.cat([_valid(p.s_idx, p.s_cnt) for p in parts], 2)
+    return TurnLines(t0.turn_start, t0.turn_end, *_compact(v, vk, dedupe=True), *_compact(s, sk, dedupe=True))
 
 
 class LineStore:
@@ -185,6 +220,16 @@ class LineStore:
         for turn in list(self._entries.get(node, {})):
             self._drop(node, turn)
 
+    def detach(self, node: Hashable) -> dict:
+        """Remove and return ``node``'s entries (turn id -> :class:`TurnLines`), e.g. to keep them elsewhere
+        while the node leaves the tree (it must be unreferenced, as for :meth:`free`)."""
+        if self._refs.get(node, 0):
+            raise ValueError(f"detach of node {node!r} with refcount {self._refs[node]}")
+        out = self.entries(node)
+        for turn in out:
+            self._drop(node, turn)
+        return out
+
     def split(self, node: Hashable, new_parent: Hashable, cut: int) -> None:
         """Mirror a radix split of ``node`` at absolute position ``cut`` (see the module docstring).
         Each entry's tensors are partitioned (padding trimmed); the extra count tensors can push
@@ -197,15 +242,8 @@ class LineStore:
         for turn, ln in list(self._entries.get(node, {}).items()):
             pos_lru = list(self._lru).index((node, turn))
             self._drop(node, turn)
-            valid = _valid(ln.v_idx, ln.v_cnt)
-            v_lo, c_lo = _compact(ln.v_idx, valid & (ln.v_idx < cut))
-            v_hi, c_hi = _compact(ln.v_idx, valid & (ln.v_idx >= cut))
-            empty_s = ln.s_idx[:, :, :0], torch.zeros_like(ln.s_cnt)
-            s_par, s_child = ((ln.s_idx, ln.s_cnt), empty_s) if ln.turn_start < cut else (empty_s, (ln.s_idx, ln.s_cnt))
-            parts = ((new_parent, TurnLines(ln.turn_start, ln.turn_end, v_lo, c_lo, *s_par)),
-                     (node, TurnLines(ln.turn_start, ln.turn_end, v_hi, c_hi, *s_child)))
-            for owner, part in parts:
-                if int(part.v_cnt.sum()) + int(part.s_cnt.sum()) == 0:
+            for owner, part in zip((new_parent, node), split_turn_lines(ln, cut)):
+                if part is None:
                     continue
                 self._put(owner, turn, part)
                 # keep the entry's LRU age: re-insert at its old rank

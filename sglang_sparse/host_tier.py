@@ -28,8 +28,16 @@ as they are, so SGLang's idle KV-leak check sees the stock accounting (hooks oth
 Sparse metadata: PSA's CPU runner rebuilds block metadata from the KV at every decode step (nothing to
 carry); PSA's CUDA runner keeps per-page metadata, which is **recomputed from the reloaded keys** by a
 load listener (``PsaCudaRunner.rebuild_page_meta``) instead of being carried through the host.
-LoopServe lines of an evicted node are dropped with it (``loopserve_radix`` frees them on
-``_delete_leaf``); a reloaded node serves without them.
+LoopServe's line sets travel with the node (:mod:`radix_sparse.host_lines`): ``_delete_leaf`` takes the
+evicted leaf's entries out of the line store (all turns stored on it) before ``loopserve_radix``'s hook would
+free them, and ``save`` keeps them as CPU tensors beside the node's host entry (a ``HostLineStore`` bounded by
+``line_store_mb``, LRU; they are dropped with the entry). A node whose KV is already on the host replaces the
+lines of the entry it matches exactly (or of the entries it spans, split at their boundaries). After
+``init_load_back``'s ``insert`` the lines of the loaded entries are attached to the new node holding the
+reloaded tokens (positions unchanged; a load that stops inside an entry keeps that entry's part before the
+stop, by the radix split rule); a node whose range is not the loaded range gets none (counted as
+``line_mismatches``). Lines that cannot travel (node not saved, budget) are dropped and counted
+(``line_turns_dropped``).
 
 Everything here runs in the scheduler thread while batches are planned, never per layer.
 """
@@ -44,6 +52,7 @@ import torch
 from sglang.srt.mem_cache.base_prefix_cache import EvictParams, InitLoadBackParams, InsertParams, MatchPrefixParams
 from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey
 
+from radix_sparse.host_lines import HostLineConfig, HostLineStore, partition_lines, restore_lines
 from radix_sparse.host_nodes import HostNodeStore
 from radix_sparse.host_pool import HostBlockPool, HostTierConfig, KVShape
 
@@ -51,6 +60,13 @@ logger = logging.getLogger("sglang_sparse")
 
 BACKEND_NAME = "sglang_sparse_host_tier"
 _MAX_TRANSFER_MB = 64  # device staging of one save / load chunk
+
+
+def _radix_lines():
+    """The process's LoopServe line store (``--sparse loopserve``), or None."""
+    from sglang_sparse.loopserve_radix import active_lines
+
+    return active_lines()
 
 
 def host_tier_enabled(config) -> bool:
@@ -105,7 +121,7 @@ def make_tree_cache(build):
             raise RuntimeError(f"sglang-sparse host tier: not supported with {flag} (plain MHA radix cache only)")
     metrics = HostTierMetrics() if build.server_args.enable_metrics else None
     tier = HostTier(tier_config(ctx.config, build.params.page_size), build.params.token_to_kv_pool_allocator,
-                    metrics)
+                    metrics, line_budget=int(getattr(ctx.config, "line_store_mb", 0) or 0) << 20)
     cache = HostTierRadixCache(build.params, tier)
     runner = getattr(getattr(getattr(build.tp_worker, "model_runner", None), "attn_backend", None), "_psa_runner",
                      None)
@@ -130,6 +146,10 @@ class HostTierServerStats:
     loaded_nodes: int = 0
     loaded_tokens: int = 0
     failed_loads: int = 0           # no GPU memory even after eviction: the tokens are recomputed
+    line_turns_saved: int = 0       # LoopServe turn entries moved to the host with their node
+    line_turns_restored: int = 0    # turn entries attached again to a reloaded node
+    line_turns_dropped: int = 0     # turn entries lost on the way (node not saved, budget, boundary mismatch)
+    line_mismatches: int = 0        # loads whose inserted node did not cover exactly the loaded range
     gathered_bytes: int = 0
     gather_seconds: float = 0.0     # load wall time (gather + unpack), completed loads
 
@@ -151,6 +171,9 @@ class HostTierMetrics:
         self.failed_loads = c("failed_loads", "host hits that could not be loaded (no GPU memory): recomputed")
         self.host_bytes = g("host_bytes", "host bytes held by host-resident radix nodes")
         self.host_nodes = g("host_nodes", "host-resident radix nodes")
+        self.host_line_bytes = g("host_line_bytes", "bytes of LoopServe line sets kept with host-resident nodes")
+        self.restored_line_turns = c("restored_line_turns", "LoopServe turn line sets attached again to reloaded "
+                                                            "radix nodes")
         self.hit_rate = g("gpu_cache_hit_rate", "hit rate of the GPU unit cache over reloaded units")
         self.gather_gbps = g("gathered_gbps", "reload bandwidth: gathered bytes / load time (gather + unpack), GB/s")
 
@@ -164,7 +187,9 @@ class HostTier:
     Device memory: the GPU unit cache (``gpu_cache_mb``) + one pack buffer (<= 64 MiB).
     """
 
-    def __init__(self, cfg: HostTierConfig, allocator, metrics: HostTierMetrics | None = None) -> None:
+    def __init__(self, cfg: HostTierConfig, allocator, metrics: HostTierMetrics | None = None,
+                 line_budget: int = 0) -> None:
+        """``line_budget``: bytes of LoopServe line sets kept with host entries (0: none)."""
         from flashinfer_ext.host_transfer import HostTierIO
 
         kv = allocator.get_kvcache()
@@ -181,6 +206,8 @@ class HostTier:
         self.shape = KVShape(len(self.k_bufs), k0.shape[1], k0.shape[2], k0.dtype)
         self.pool = HostBlockPool(cfg, self.shape, device=self.device)
         self.store = HostNodeStore(self.pool)
+        self.lines = HostLineStore(HostLineConfig(byte_budget=int(line_budget)))
+        self.store.drop_listeners.append(lambda e: self.lines.drop(e.key))
         self.units_per_block = self.shape.num_layers * self.shape.num_kv_heads
         cap = self.pool.cache.capacity
         if cap < self.units_per_block:
@@ -201,6 +228,9 @@ class HostTier:
         d = dict(self.stats.__dict__)
         d.update(host_nodes=len(self.store), host_tokens=self.store.tokens, host_bytes=s.host_bytes_used,
                  host_bytes_total=s.host_bytes_total, dropped_nodes=self.store.dropped,
+                 host_line_bytes=self.lines.bytes, host_line_nodes=len(self.lines),
+                 host_line_turns=self.lines.num_turns, host_line_evicted_turns=self.lines.evicted_turns,
+                 host_line_dropped_turns=self.lines.dropped_turns,
                  unit_cache_hits=s.hits, unit_cache_misses=s.misses, gpu_cache_hit_rate=s.hit_rate,
                  gathered_gbps=(self.stats.gathered_bytes / self.stats.gather_seconds / 1e9
                                 if self.stats.gather_seconds else None), gather_path=self.io.gather.path)
@@ -213,25 +243,36 @@ class HostTier:
         r = self.report()
         m.host_bytes.set(r["host_bytes"])
         m.host_nodes.set(r["host_nodes"])
+        m.host_line_bytes.set(r["host_line_bytes"])
         m.hit_rate.set(r["gpu_cache_hit_rate"])
         if r["gathered_gbps"] is not None:
             m.gather_gbps.set(r["gathered_gbps"])
 
     # ---------------------------------------------------------------- save
     def save(self, items: list) -> None:
-        """``items``: ``(extra_key, prefix tokens, start, tokens, slots)`` of evicted nodes (slots: int64
-        device ``[len(tokens)]``, page-aligned, freed but not yet reused). Packs and saves their pages."""
+        """``items``: ``(extra_key, prefix tokens, start, tokens, slots[, lines])`` of evicted nodes (slots:
+        int64 device ``[len(tokens)]``, page-aligned, freed but not yet reused; lines: the node's LoopServe
+        :class:`NodeLines` or None). Packs and saves their pages; the lines go with the host entry."""
         p = self.page_size
         pages_all, blocks_all = [], []
-        for extra_key, prefix, start, tokens, slots in items:
-            if self.store.covered(extra_key, prefix, start, tokens):
+        for extra_key, prefix, start, tokens, slots, *rest in items:
+            lines = rest[0] if rest else None
+            path = list(prefix[:start]) + list(tokens)
+            chain = self.store.find_chain(extra_key, path, start, len(path))
+            if sum(m for _, m in chain) == len(tokens):
                 self.stats.save_skipped_nodes += 1
+                if lines is not None:
+                    self._replace_lines(chain, lines)
                 continue
             blocks = self.store.reserve(len(tokens) // p)
             if blocks is None:
                 self.stats.unsaved_nodes += 1
+                if lines is not None:
+                    self.stats.line_turns_dropped += lines.num_turns
                 continue
-            self.store.add(extra_key, prefix, start, tokens, blocks)
+            entry = self.store.add(extra_key, prefix, start, tokens, blocks)
+            if lines is not None:
+                self._keep_lines(entry.key, lines)
             pages_all.append(slots[::p] // p)
             blocks_all.append(blocks)
             self.stats.saved_nodes += 1
@@ -242,6 +283,49 @@ class HostTier:
         if pages_all:
             self._save_pages(torch.cat(pages_all), torch.cat(blocks_all))
         self._publish()
+
+    def _keep_lines(self, key, lines) -> None:
+        if self.lines.put(key, lines):
+            self.stats.line_turns_saved += lines.num_turns
+        else:
+            self.stats.line_turns_dropped += lines.num_turns
+
+    def _replace_lines(self, chain: list, lines) -> None:
+        """An evicted node whose KV is already held by the host entries ``chain`` (a reloaded node): its
+        current lines replace those entries' (split at the entries' boundaries); the part of an entry the node
+        covers only partly is dropped (that entry keeps its own lines)."""
+        bounds = [lines.start]
+        for e, m in chain:
+            bounds.append(bounds[-1] + m)
+        for (e, m), part in zip(chain, partition_lines(lines, bounds)):
+            if part is None:
+                continue
+            if m == e.num_tokens:
+                self._keep_lines(e.key, part)
+            else:
+                self.stats.line_turns_dropped += part.num_turns
+
+    def reattach_lines(self, chain: list, saved: list, node, start: int, end: int, radix) -> None:
+        """After a load of ``chain`` (``(entry, used tokens)``) into ``node`` (expected to hold ``[start,
+        end)``): attach the entries' kept lines ``saved`` (one :class:`NodeLines` or None per chain item) to
+        ``node`` through ``radix`` (:class:`sglang_sparse.loopserve_radix.RadixLines`)."""
+        parts = [(ln, e.start + m) for (e, m), ln in zip(chain, saved) if ln is not None]
+        if not parts:
+            return
+        n_turns = sum(ln.num_turns for ln, _ in parts)
+        node_start, node_end = _depth(node.parent), _depth(node)
+        if (node_start, node_end) != (start, end):
+            self.stats.line_mismatches += 1
+            self.stats.line_turns_dropped += n_turns
+            logger.warning("sglang-sparse host tier: reloaded node holds [%d, %d), loaded [%d, %d): its %d line "
+                           "set(s) dropped", node_start, node_end, start, end, n_turns)
+            return
+        lines = restore_lines(parts, start, end)
+        ok, bad = radix.give(node, lines, self.device) if lines is not None else (0, 0)
+        self.stats.line_turns_restored += ok
+        self.stats.line_turns_dropped += bad
+        if self.metrics is not None and ok:
+            self.metrics.restored_line_turns.inc(ok)
 
     def _save_pages(self, pages: torch.Tensor, blocks: torch.Tensor) -> None:
         from flashinfer_ext.kv_units import pack_pages
@@ -285,6 +369,15 @@ class HostTier:
 
 
 # ------------------------------------------------------------------------------------------- tree
+def _depth(node) -> int:
+    """Tokens on the path from the root to the end of ``node``."""
+    d = 0
+    while node is not None and node.parent is not None:
+        d += len(node.key)
+        node = node.parent
+    return d
+
+
 def _path_tokens(node) -> list:
     """Token ids on the path from the root to the end of ``node``."""
     parts = []
@@ -325,7 +418,9 @@ class HostTierRadixCache(RadixCache):
         if self._evicting is not None and node.value is not None and len(node.key) > 0:
             prefix = _path_tokens(node.parent)
             tokens = list(node.key.raw_token_ids())
-            self._evicting.append((node.key.extra_key, prefix, len(prefix), tokens, node.value))
+            radix = _radix_lines()
+            lines = radix.take(node, len(prefix)) if radix is not None else None  # before loopserve frees them
+            self._evicting.append((node.key.extra_key, prefix, len(prefix), tokens, node.value, lines))
         return super()._delete_leaf(node)
 
     def reset(self):
@@ -334,6 +429,7 @@ class HostTierRadixCache(RadixCache):
         if tier is not None:
             tier.io.flush()
             tier.store.clear()
+            tier.lines.clear()
             tier._publish()
 
     # ---------------------------------------------------------------- host hits
@@ -366,6 +462,7 @@ class HostTierRadixCache(RadixCache):
         req.host_hit_length = 0
         if n == 0:
             return empty, node
+        saved = [self.tier.lines.get(e.key) for e, _ in chain]  # immutable: safe whatever happens to the entries
         for e, _ in chain:
             e.pins += 1
         self.inc_lock_ref(node)
@@ -392,6 +489,9 @@ class HostTierRadixCache(RadixCache):
             self.token_to_kv_pool_allocator.free(slots)
             raise RuntimeError(f"sglang-sparse host tier: insert found {res.prefix_len} cached tokens, expected "
                                f"{matched}")
+        radix = _radix_lines()
+        if radix is not None:
+            self.tier.reattach_lines(chain, saved, res.last_device_node, matched, matched + n, radix)
         st = self.tier.stats
         st.loads += 1
         st.loaded_nodes += len(chain)

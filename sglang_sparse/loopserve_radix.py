@@ -6,14 +6,19 @@ scheduler process serves ``--sparse loopserve``):
     its line sets (union over its chunks, all layers and KV heads) to the radix node holding the
     turn's first token (found by a prefix match over the prompt: the node SGLang just inserted);
   * AFTER ``_split_node``: :meth:`LineStore.split` at the absolute position of the cut;
-  * AFTER ``_delete_leaf`` (eviction): :meth:`LineStore.free`; AFTER ``reset``: a new store.
+  * AFTER ``_delete_leaf`` (eviction): :meth:`LineStore.free`; AFTER ``reset``: a new store. Under the host
+    tier (``host_tier_gb > 0``) an evicted leaf's entries are taken out first (:meth:`RadixLines.take`,
+    called by ``HostTierRadixCache._delete_leaf``) and move to the host with the node's KV; when the node is
+    loaded back they are attached to the node holding the reloaded tokens (:meth:`RadixLines.give`), so the
+    next turn reuses them (``sglang_sparse.host_tier``).
 The next turn's request, whose prefix match ends inside or after that node, gets the union of the
 lines on its matched path (:meth:`RadixLines.lookup`, called while the batch is planned) and
 reuses them in prefill (union with its own selection) and decode (Alg. 3's "lines of all turns").
 
 Bookkeeping is host-side (the scheduler thread); line tensors stay on the device. Nodes are not
 refcounted in the store: lines are only read while a batch is planned, and an evicted node's lines
-go with it. The store's memory is bounded by ``line_store_mb`` (LRU eviction of entries).
+go with it (to the host tier when it keeps the node, else they are freed). The store's memory is bounded by
+``line_store_mb`` (LRU eviction of entries); the host tier's copies by another ``line_store_mb``.
 """
 
 from __future__ import annotations
@@ -69,6 +74,36 @@ class RadixLines:
             if self.metrics is not None:
                 self.metrics.stored_turns.inc()
         self._report()
+
+
+    # the host tier side ----------------------------------------------------------------------
+    def take(self, node, start: int):
+        """Remove the entries of ``node`` (about to leave the tree; it holds ``[start, start + len(key))``)
+        and return them as a :class:`NodeLines` (device tensors), or None when it owned none."""
+        from radix_sparse.host_lines import NodeLines
+
+        entries = self.store.detach(node.id)
+        self._report()
+        if not entries:
+            return None
+        return NodeLines(start, start + len(node.key), tuple(entries.items()))
+
+    def give(self, node, lines, device) -> tuple[int, int]:
+        """Attach ``lines`` (a :class:`NodeLines` of ``node``'s range) to ``node`` with tensors on ``device``;
+        returns ``(turns attached, turns refused by the budget)``."""
+        ok = bad = 0
+        for turn, ln in lines.to(device).turns:
+            if turn not in self.store.entries(node.id) and self.store.attach(node.id, turn, ln):
+                ok += 1
+            else:
+                bad += 1
+        self._report()
+        return ok, bad
+
+
+def active_lines() -> "RadixLines | None":
+    """The line store of this process (``--sparse loopserve``), or None."""
+    return _STORE
 
 
 def _node_at(tree, req, pos: int, prompt_len: int):

@@ -25,7 +25,7 @@ from sglang_sparse.host_tier import HostTier, HostTierRadixCache  # noqa: E402
 LAYERS, HEADS, DIM, SIZE = 3, 2, 8, 64
 
 
-def _make(page: int, host_gb: float = 0.01):
+def _make(page: int, host_gb: float = 0.01, line_budget: int = 0):
     kv = MHATokenToKVPool(SIZE, page, torch.bfloat16, HEADS, DIM, LAYERS, "cpu", False)
     if page == 1:
         from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
@@ -37,7 +37,8 @@ def _make(page: int, host_gb: float = 0.01):
         alloc = TorchPagedTokenToKVPoolAllocator(SIZE, page, torch.bfloat16, "cpu", kv, False)
     params = CacheInitParams(disable=False, req_to_token_pool=None, token_to_kv_pool_allocator=alloc,
                              page_size=page)
-    tier = HostTier(HostTierConfig(host_tier_gb=host_gb, gpu_cache_mb=0.05, page_size=page), alloc)
+    tier = HostTier(HostTierConfig(host_tier_gb=host_gb, gpu_cache_mb=0.05, page_size=page), alloc,
+                    line_budget=line_budget)
     return HostTierRadixCache(params, tier), kv, alloc
 
 
@@ -153,4 +154,108 @@ def test_load_evicts_other_leaves_and_host_lru_drops_old_entries():
     assert m.host_hit_length == 24
     new, _ = tree.init_load_back(InitLoadBackParams(best_match_node=m.best_match_node, host_hit_length=24, req=r))
     assert len(new) == 24 and _accounting_ok(tree, alloc)
+    tree.tier.close()
+
+
+# ------------------------------------------------------------------ LoopServe line sets travel with the node
+def _lines(start, end, verts, slashes):
+    """TurnLines of 2 layers x 1 head: layer 0 gets ``verts``, layer 1 the first of them."""
+    from radix_sparse.line_store import TurnLines
+
+    w = len(verts)
+    v = torch.full((2, 1, w), -1, dtype=torch.int32)
+    v[0, 0] = torch.tensor(verts, dtype=torch.int32)
+    v[1, 0, 0] = verts[0]
+    s = torch.tensor(slashes, dtype=torch.int32).reshape(1, 1, -1).repeat(2, 1, 1)
+    return TurnLines(start, end, v, torch.tensor([[w], [1]], dtype=torch.int32), s,
+                     torch.full((2, 1), len(slashes), dtype=torch.int32))
+
+
+def _as_lists(entries) -> dict:
+    return {t: ([ln.v_idx[i, 0, : int(ln.v_cnt[i, 0])].tolist() for i in range(2)],
+                ln.s_idx[0, 0, : int(ln.s_cnt[0, 0])].tolist()) for t, ln in entries.items()}
+
+
+@pytest.mark.parametrize("page", [1, 4])
+def test_loopserve_lines_move_to_host_and_back_with_their_nodes(page, monkeypatch):
+    from sglang_sparse import loopserve_radix
+
+    radix = loopserve_radix.RadixLines(SimpleNamespace(line_store_mb=1),
+                                       SimpleNamespace(line_store_bytes=0, stored_turns=0), None)
+    monkeypatch.setattr(loopserve_radix, "_STORE", radix)
+    tree, kv, alloc = _make(page, line_budget=1 << 20)
+    a = list(range(100, 132))                 # nodes: shared prefix [0, 8), A's tail [8, 32), B's tail
+    b = a[:8] + list(range(500, 524))
+    _insert(tree, alloc, kv, a, 1)
+    _insert(tree, alloc, kv, b, 2)
+    tail = tree.match_prefix(MatchPrefixParams(key=RadixKey(array("q", a)))).last_device_node
+    prefix_node = tail.parent
+    assert len(prefix_node.key) == 8 and len(tail.key) == 24
+    # turn t [0, 32) split at 8 (its slashes and verticals < 8 on the prefix node), turn u [8, 32) on A's tail
+    radix.store.attach(prefix_node.id, "t", _lines(0, 32, [1, 6], [0, 3]))
+    radix.store.attach(tail.id, "t", _lines(0, 32, [12, 29], []))
+    radix.store.attach(tail.id, "u", _lines(8, 32, [9, 20], [2]))
+    held = radix.store.bytes
+    tree.evict(EvictParams(num_tokens=SIZE))
+    st = tree.tier.stats
+    assert radix.store.num_entries == 0 and radix.store.bytes == 0      # they left the device store ...
+    rep = tree.tier.report()                                           # ... for the host, bytes accounted
+    assert st.saved_nodes == 3 and st.line_turns_saved == 3 and rep["host_line_turns"] == 3
+    assert rep["host_line_bytes"] == held and rep["host_line_nodes"] == 2
+    assert all(ln.v_idx.device.type == "cpu" for k in list(tree.tier.lines._lines)
+               for _, ln in tree.tier.lines.get(k).turns)
+
+    # a reload of all of A: one new node [0, 32) holds the union, positions unchanged
+    r, m = _req(a + [7, 7, 7, 7], tree)
+    _, last = tree.init_load_back(InitLoadBackParams(best_match_node=m.best_match_node,
+                                                     host_hit_length=m.host_hit_length, req=r))
+    assert len(last.key) == 32 and last.parent is tree.root_node
+    assert _as_lists(radix.store.entries(last.id)) == {"t": ([[1, 6, 12, 29], [1, 12]], [0, 3]),
+                                                       "u": ([[9, 20], [9]], [2])}
+    assert st.line_turns_restored == 2 and st.line_turns_dropped == 0 and st.line_mismatches == 0
+    # the request side (LoopServe's lookup over the matched path) sees them
+    v_idx, v_cnt, s_idx, s_cnt = radix.lookup(SimpleNamespace(last_node=last), 32)
+    assert v_idx[0, 0, : int(v_cnt[0, 0])].tolist() == [1, 6, 9, 12, 20, 29]
+    assert s_idx[0, 0, : int(s_cnt[0, 0])].tolist() == [0, 2, 3]
+
+    # evicted again: the KV is on the host already (no save), the lines replace the two entries' (split at 8)
+    tree.evict(EvictParams(num_tokens=SIZE))
+    assert st.saved_nodes == 3 and st.save_skipped_nodes >= 1 and radix.store.num_entries == 0
+    assert tree.tier.report()["host_line_turns"] == 3 and tree.tier.lines.bytes <= held + 64
+
+    # a reload stopping inside A's tail entry (12 tokens): the split rule's part before 12
+    q = a[:12] + [1, 2, 3]
+    r, m = _req(q, tree)
+    assert m.host_hit_length == 12
+    _, last = tree.init_load_back(InitLoadBackParams(best_match_node=m.best_match_node, host_hit_length=12, req=r))
+    assert len(last.key) == 12
+    assert _as_lists(radix.store.entries(last.id)) == {"t": ([[1, 6], [1]], [0, 3]), "u": ([[9], [9]], [2])}
+    assert _accounting_ok(tree, alloc)
+
+    # host entries dropped (here: all, by a reset) take their lines along
+    tree.evict(EvictParams(num_tokens=SIZE))
+    tree.tier.store.clear()
+    assert tree.tier.lines.bytes == 0 and tree.tier.report()["host_line_turns"] == 0
+    tree.tier.close()
+
+
+def test_lines_of_an_unsaved_node_are_dropped_and_counted(monkeypatch):
+    from sglang_sparse import loopserve_radix
+
+    radix = loopserve_radix.RadixLines(SimpleNamespace(line_store_mb=1),
+                                       SimpleNamespace(line_store_bytes=0, stored_turns=0), None)
+    monkeypatch.setattr(loopserve_radix, "_STORE", radix)
+    tree, kv, alloc = _make(1, line_budget=0)       # no host room for lines: the KV goes, the lines do not
+    a = list(range(10, 40))
+    _insert(tree, alloc, kv, a, 3)
+    node = tree.match_prefix(MatchPrefixParams(key=RadixKey(array("q", a)))).last_device_node
+    radix.store.attach(node.id, "t", _lines(0, 30, [1, 20], [0]))
+    tree.evict(EvictParams(num_tokens=SIZE))
+    st = tree.tier.stats
+    assert st.saved_nodes == 1 and st.line_turns_saved == 0 and st.line_turns_dropped == 1
+    assert radix.store.num_entries == 0 and tree.tier.lines.bytes == 0
+    r, m = _req(a + [1], tree)
+    _, last = tree.init_load_back(InitLoadBackParams(best_match_node=m.best_match_node,
+                                                     host_hit_length=m.host_hit_length, req=r))
+    assert radix.store.entries(last.id) == {} and st.line_turns_restored == 0
     tree.tier.close()
