@@ -170,6 +170,13 @@ class PsaConfig(SparseConfig):
     host_tier_gb: float = _host_tier_knobs()["host_tier_gb"]
     gpu_cache_mb: float = _host_tier_knobs()["gpu_cache_mb"]
     working_set_window: int = _host_tier_knobs()["working_set_window"]
+    working_set_admission: bool = knob(True, doc="host tier (host_tier_gb > 0): the scheduler admits a waiting request "
+                                       "to the running batch only while the running requests' working sets (units "
+                                       "selected in their last working_set_window steps) plus the newcomers' "
+                                       "estimates fit the GPU unit cache (gpu_cache_mb); false: stock admission")
+    working_set_slots: int = knob(64, doc="host tier admission: decoding requests whose working sets are tracked "
+                                  "(others count their whole context); memory slots x layers x KV heads x "
+                                  "max blocks per request x 4 B", range=Range(1, 4096))
 
 
 def _graph_knobs(width: int):

@@ -111,9 +111,30 @@ def make_runner(config: PsaConfig, page_size: int, model_runner):
             out_dtype=model_runner.dtype)
         logger.info("sglang-sparse psa: block metadata %.1f MiB (%d layers, page %d), max batch %d",
                     runner.meta_bytes() / 2**20, shape.num_layers, page_size, model_runner.req_to_token_pool.size)
-        return runner
-    block = page_size if page_size > 1 else config.block_size
-    return PsaCpuRunner(config, block, shape, device)
+    else:
+        block = page_size if page_size > 1 else config.block_size
+        runner = PsaCpuRunner(config, block, shape, device)
+    runner.ws = make_tracker(config, runner.block_size, shape, model_runner, device)
+    return runner
+
+
+def make_tracker(config: PsaConfig, block_size: int, shape: AttnShape, model_runner, device):
+    """The working-set tracker of the host tier's admission (``host_tier_gb > 0`` and
+    ``working_set_admission``), or None."""
+    from sglang_sparse.host_tier import host_tier_enabled
+
+    if not (host_tier_enabled(config) and config.working_set_admission):
+        return None
+    from radix_sparse.working_set_tracker import WorkingSetTracker
+
+    rtt = model_runner.req_to_token_pool
+    max_bs = int(rtt.size)
+    tracker = WorkingSetTracker(num_slots=min(int(config.working_set_slots), max_bs), num_layers=shape.num_layers,
+                                num_kv_heads=shape.num_kv_heads, max_blocks=-(-rtt.req_to_token.shape[1] // block_size),
+                                window=int(config.working_set_window), max_batch_size=max_bs, device=device)
+    logger.info("sglang-sparse psa: working-set tracker %.1f MiB (%d slots, window %d)", tracker.nbytes / 2**20,
+                tracker.num_slots, tracker.window)
+    return tracker
 
 
 def install(backend, config: PsaConfig, page_size: int, enable_metrics: bool = False, model_runner=None):

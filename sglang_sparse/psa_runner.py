@@ -76,6 +76,13 @@ def _row_epsilons(cfg: PsaConfig, forward_batch, bs: int) -> list[float]:
             for i in range(bs)]
 
 
+def _row_rids(forward_batch, bs: int) -> list:
+    """The rows' request ids (``None`` where the batch carries no ``Req``), for the working-set tracker."""
+    reqs = getattr(getattr(forward_batch, "sampling_info", None), "sparse_reqs", None) or ()
+    rids = [getattr(r, "rid", None) for r in list(reqs)[:bs]]
+    return rids + [None] * (bs - len(rids))
+
+
 class _RunnerBase:
     """Shared batch bookkeeping: which rows decode sparsely, their epsilons, the step rows."""
 
@@ -93,6 +100,9 @@ class _RunnerBase:
         self.step_rows: torch.Tensor | None = None  # [bs, STEP_COLS] fp32 on self.device
         self.graph_mode = False  # the current batch replays (or captures) a decode CUDA graph
         self._graph_eps_stash: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._graph_rids_stash: list | None = None
+        self.ws = None  # WorkingSetTracker (host tier admission; set by psa_backend.make_runner) or None
+        self._ws_step = False  # this decode step records its selections into ``ws``
 
     def wants_graph(self, forward_batch) -> bool:
         """Host test before a decode graph replay: graphs only for batches with a sparse row.
@@ -106,7 +116,15 @@ class _RunnerBase:
         bs = int(forward_batch.batch_size)
         eps = torch.tensor(_row_epsilons(self.cfg, forward_batch, bs), dtype=torch.float32)
         self._graph_eps_stash = (lens[:bs].to(torch.int64).clone(), eps)
+        self._graph_rids_stash = _row_rids(forward_batch, bs)
         return bool(((lens[:bs].to(torch.int64) >= self.cfg.min_context) & (eps < 1.0)).any())
+
+    def _stashed_rids(self, forward_batch, bs: int) -> list | None:
+        """Request ids of a graph replay view's rows, from :meth:`wants_graph`'s stash (padding -> None)."""
+        if self._stashed_epsilons(forward_batch, bs) is None or self._graph_rids_stash is None:
+            return None
+        rids = list(self._graph_rids_stash)
+        return rids + [None] * (bs - len(rids))
 
     def _stashed_epsilons(self, forward_batch, bs: int) -> torch.Tensor | None:
         """Per-row epsilons kept by :meth:`wants_graph` for this (padded) replay view, if it matches."""
@@ -122,6 +140,16 @@ class _RunnerBase:
         eps[:n] = raw_eps
         return eps
 
+    def _plan_ws(self, rids: list, num_cols: int, pad_to: int | None = None) -> None:
+        """Host plan of the working-set tracker for a decode step that records (once per batch): slots of
+        the rows' requests (absent ones released), then the step's device-side bases."""
+        self._ws_step = self.ws is not None
+        if not self._ws_step:
+            return
+        keyed = any(r is not None for r in rids)  # a replay view without its requests keeps every slot
+        self.ws.plan_rows(self.ws.assign(rids, release_absent=keyed), num_cols, pad_to=pad_to)
+        self.ws.begin_step()
+
     def _plan_rows(self, forward_batch, decode: bool, eps: torch.Tensor | None = None) -> None:
         bs = int(forward_batch.batch_size)
         self.bs, self.is_decode, self.graph_mode = bs, decode, False
@@ -134,6 +162,7 @@ class _RunnerBase:
             sparse = torch.zeros(bs, dtype=torch.bool)
         self.sparse_batch = bool(sparse.any())
         self._sparse_host, self._eps_host = sparse, eps
+        self._ws_step = False
         host = torch.zeros(bs, STEP_COLS, dtype=torch.float32)
         host[:, COL_EPS] = eps
         if self.sparse_batch:
@@ -150,6 +179,9 @@ class PsaCpuRunner(_RunnerBase):
 
     def begin_batch(self, backend, forward_batch) -> None:
         self._plan_rows(forward_batch, forward_batch.forward_mode.is_decode())
+        if self.sparse_batch and self.ws is not None:
+            max_len = int(forward_batch.seq_lens_cpu[: self.bs].max())
+            self._plan_ws(_row_rids(forward_batch, self.bs), -(-max_len // self.block_size))
 
     def after_extend(self, backend, layer, forward_batch) -> None:
         return None  # metadata is rebuilt from the KV pool at each decode step
@@ -174,6 +206,8 @@ class PsaCpuRunner(_RunnerBase):
             o_s, _, nread, order = psa_decode_reference(q3[rows], k_buf, v_buf, rtt, rpi, lens, cfg,
                                                         block_size=self.block_size, sm_scale=layer.scaling)
             o.view(-1, num_qo, d)[rows] = o_s.to(o.dtype)
+            if self._ws_step:
+                self.ws.record_rows(layer.layer_id, rows, order[:, :, : self.ws._ncols], nread)
             kept = kept_mass_reference(q3[rows], k_buf, rtt, rpi, lens, order, nread,
                                        block_size=self.block_size, sm_scale=layer.scaling)
             group = num_qo // k_buf.shape[1]
@@ -308,6 +342,7 @@ class PsaCudaRunner(_RunnerBase):
             self._plan_decode_meta(backend, forward_batch, table)
             if self.sparse_batch:
                 self._plan_wrapper(forward_batch, table, max_len)
+                self._plan_ws(_row_rids(forward_batch, self.bs), self.wrapper._num_cols)
             return
         # extend / mixed: rows already long fold [prefix, end); rows that become long rebuild [0, end)
         prefix = forward_batch.extend_prefix_lens_cpu
@@ -338,6 +373,10 @@ class PsaCudaRunner(_RunnerBase):
         table = self._block_table(backend, forward_batch, self.max_blocks_per_req * self.block_size)
         self._plan_decode_meta(backend, forward_batch, table)
         self._plan_wrapper(forward_batch, table, None)
+        # the graph records into the tracker at every replay (fixed shapes): rows without a known request
+        # (capture, padding, a replay view that does not match the stash) write the tracker's trash row
+        rids = None if in_capture else self._stashed_rids(forward_batch, bs)
+        self._plan_ws(rids if rids is not None else [None] * bs, self.wrapper._num_cols, pad_to=bs)
 
     def after_extend(self, backend, layer, forward_batch) -> None:
         if self.bs == 0 or self.is_decode or self._ext is None:
@@ -366,6 +405,8 @@ class PsaCudaRunner(_RunnerBase):
         torch.sum(self.wrapper.kept_est, 1, out=self._kept_sum_buf[:bs])
         rows[:, COL_READ].add_(self._nread_sum_buf[:bs])
         rows[:, COL_KEPT].add_(self._kept_sum_buf[:bs])
+        if self._ws_step:  # working set: one index_put into the tracker (graph-safe, no sync)
+            self.ws.record(lid, self.wrapper.order, nread)
         return o.reshape(-1, num_qo * d)
 
 

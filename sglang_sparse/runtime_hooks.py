@@ -23,6 +23,9 @@ def scheduler_init_hook(result, scheduler, *args, **kwargs):
     check_hooks_applied()
     ctx = sparse_context_of(scheduler.server_args)
     scheduler.sparse_context = ctx
+    from sglang_sparse.working_set_admission import make_admission
+
+    scheduler.sparse_ws_admission = make_admission(scheduler)
     backend = _attention_backend(scheduler)
     if ctx.spec.backend_installer and getattr(backend, "sparse_installed_mode", None) != ctx.mode:
         raise RuntimeError(f"sglang-sparse: mode '{ctx.mode}' was not installed into the attention backend "
@@ -64,6 +67,8 @@ def internal_state_hook(result, scheduler, *args, **kwargs):
         "stats": stats.to_dict() if (stats := getattr(backend, "sparse_stats", None)) is not None else None,
         "host_tier": tier.report() if (tier := getattr(getattr(scheduler, "tree_cache", None), "tier", None))
         is not None else None,
+        "working_set": adm.report() if (adm := getattr(scheduler, "sparse_ws_admission", None)) is not None
+        else None,
         "samkv": rt.stats.to_dict() if (rt := getattr(getattr(scheduler, "tree_cache", None), "samkv_runtime",
                                                       None)) is not None else None,
     }

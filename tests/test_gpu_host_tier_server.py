@@ -7,6 +7,7 @@ reply as the device-hit run, and SGLang's idle KV-leak check stays silent."""
 
 from __future__ import annotations
 
+import json
 import sys
 
 import pytest
@@ -14,6 +15,7 @@ import pytest
 from bench.server import Server, ServerSpec
 from tests.serverproc import DEFAULT_MODEL, free_port
 from tests.test_host_tier_server import MAX_TOTAL, run_evict_reload
+from tests.test_working_set_admission_server import check_admission_under_pressure
 
 pytestmark = [pytest.mark.gpu, pytest.mark.server]
 
@@ -43,3 +45,25 @@ def test_gpu_evicted_prompt_is_loaded_from_host_not_recomputed(gpu_tier_server):
     # the fused UVA gather kernel serves the reloads (torch_staging would be the slow fallback)
     assert "gather path triton_uva" in text, [ln for ln in text.splitlines() if "host tier" in ln]
     run_evict_reload(server, log, page_size=16)
+
+
+def test_gpu_working_set_admission_holds_requests_on_measured_working_sets(tmp_path_factory):
+    """Issue #6 item 3 on CUDA: PSA decode replays CUDA graphs that record each step's read blocks into the
+    working-set tracker; the scheduler holds requests back on those measured working sets, all complete."""
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    log = tmp_path_factory.mktemp("gpu_ws_admission") / "server.log"
+    cfg = {"min_context": 256, "host_tier_gb": 0.5, "gpu_cache_mb": 16, "working_set_window": 4}
+    spec = ServerSpec(python=sys.executable, model=str(DEFAULT_MODEL), device="cuda", port=free_port(), mode="psa",
+                      sparse_config=json.dumps(cfg),
+                      extra_args=["--attention-backend", "flashinfer", "--page-size", "16", "--enable-metrics",
+                                  "--mem-fraction-static", "0.2", "--max-total-tokens", "6000",
+                                  "--cuda-graph-max-bs", "4"])
+    server = Server(spec, log, timeout_s=600).start()
+    try:
+        ws = check_admission_under_pressure(server, log)
+    finally:
+        server.stop()
+    assert ws["tracked_slots"] > 0
