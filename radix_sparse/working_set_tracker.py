@@ -19,8 +19,10 @@ row when all slots are taken, and releases the slots of keys absent from a decod
 every running request decodes in every decode batch, so an absent key finished or was retracted).
 :meth:`plan_rows` copies the rows' slots into the fixed ``slot_buf``; :meth:`begin_step` advances
 their step counters on the device. Per layer, :meth:`record` takes the selector's rank order and read
-counts (PSA: ``PsaDecodeWrapper.order`` / ``nread``) and scatters the step into the selected units
-through preallocated index buffers (no allocation, no sync).
+counts (PSA: ``PsaDecodeWrapper.order`` / ``nread``) and scatters the step into the selected units:
+through an injected fused kernel (``record_kernel``; the PSA runner passes
+:func:`flashinfer_ext.ws_record.ws_record` on CUDA: one launch per layer) or through preallocated index
+buffers (a few torch ops); no allocation, no sync either way.
 
 Cautions: a request whose steps were not recorded (untracked: no free slot, or dense decode through
 the stock kernel) has size ``None`` from :meth:`sizes`; callers count its whole context.
@@ -46,7 +48,7 @@ class WorkingSetTracker:
     """Last-selected step per (slot, layer, KV head, block); see the module docstring."""
 
     def __init__(self, *, num_slots: int, num_layers: int, num_kv_heads: int, max_blocks: int, window: int,
-                 max_batch_size: int, device: torch.device | str = "cpu") -> None:
+                 max_batch_size: int, device: torch.device | str = "cpu", record_kernel=None) -> None:
         _positive("num_slots", num_slots, 1 << 16)
         _positive("num_layers", num_layers, 1 << 12)
         _positive("num_kv_heads", num_kv_heads, 1 << 12)
@@ -62,7 +64,11 @@ class WorkingSetTracker:
                                     dtype=torch.int32, device=dev)
         self.step_buf = torch.zeros(num_slots + 1, dtype=torch.int32, device=dev)
         self.slot_buf = torch.full((max_batch_size,), num_slots, dtype=torch.int64, device=dev)
-        n = max_batch_size * num_kv_heads * max_blocks
+        # record_kernel(stamp, order, nread, base, row_step, layer_off): a fused one-launch writer with the
+        # contract of flashinfer_ext.ws_record.ws_record (injected: this package stays pure torch); None = the
+        # torch path below, whose index buffers are only allocated then
+        self.record_kernel = record_kernel
+        n = 0 if record_kernel is not None else max_batch_size * num_kv_heads * max_blocks
         self._rank_buf = torch.arange(max_blocks, dtype=torch.int32, device=dev)
         self._valid_buf = torch.empty(n, dtype=torch.bool, device=dev)
         self._idx_buf = torch.empty(n, dtype=torch.int64, device=dev)
@@ -147,6 +153,10 @@ class WorkingSetTracker:
         if order.shape != (bs, h, c) or nread.shape != (bs, h):
             raise ValueError(f"record: order {tuple(order.shape)} / nread {tuple(nread.shape)} do not match the "
                              f"plan ({bs}, {h}, {c})")
+        if self.record_kernel is not None:
+            self.record_kernel(self.stamp_buf, order, nread, self._base_buf[:bs], self._row_step_buf[:bs],
+                               layer * h * self._cols)
+            return
         n = bs * h * c
         valid = self._valid_buf[:n].view(bs, h, c)
         torch.lt(self._rank_buf[:c].view(1, 1, c), nread.view(bs, h, 1), out=valid)

@@ -13,11 +13,12 @@
 #   bash scripts/gpu_session.sh samkv        # scripts/gpu_part_samkv.sh (GPU tests, accuracy + TTFT sets, 8B dummy TTFT)
 #   bash scripts/gpu_session.sh host_conc    # bench/host_tier_concurrency.py (dense vs psa + host tier vs HiCache)
 #   bash scripts/gpu_session.sh decode       # sparse-decode kernel tests + bench/sparse_decode_bench.py + bench/decode_profile.py
+#   bash scripts/gpu_session.sh ws_overhead  # bench.load off vs psa + host tier, working-set admission on / off (TPOT cost)
 #
 # Reports land in /tmp/gpu_reports/<part>/ and are packed into $OUT/<part>_reports.tgz
 # (the device returns at most 8 files from $OUT); each part's log is also copied to $OUT.
 set -uo pipefail
-part=${1:?usage: gpu_session.sh foundation|bench|psa_tests|psa_bench|psa_load|gpu_tests|tests_host|loopserve|samkv|host_conc|decode}
+part=${1:?usage: gpu_session.sh foundation|bench|psa_tests|psa_bench|psa_load|gpu_tests|tests_host|loopserve|samkv|host_conc|decode|ws_overhead}
 out=${OUT:-$PWD/gpu_out}
 rep=/tmp/gpu_reports/$part
 mkdir -p "$out" "$rep"
@@ -70,6 +71,17 @@ case $part in
         --python python3 --model "$KIT_MODEL" --port 30001 --concurrency "${BENCH_LOAD_CONCURRENCY:-1,8,32}" \
         --input-len "${PSA_LOAD_INPUT:-6000}" --output-len 128 --out "$rep/gpu_load_psa" \
         --sparse-config "psa={\"min_context\": 2048}" --server-args "--attention-backend flashinfer --page-size 16"
+    ;;
+  ws_overhead)  # TPOT of psa + host tier with the working-set tracker recording (admission on, a unit cache that
+                # does not bind) vs off: what recording costs on the decode hot path (off is each run's baseline)
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$rep/gpu.txt"
+    for adm in true false; do
+      step "load_ws_$adm" timeout "${WS_LOAD_TIMEOUT:-300}" python3 -m bench.load --modes off,psa --device cuda \
+          --python python3 --model "$KIT_MODEL" --port 30001 --concurrency "${WS_LOAD_CONCURRENCY:-1,4}" \
+          --input-len "${WS_LOAD_INPUT:-6000}" --output-len 128 --out "$rep/load_ws_$adm" \
+          --sparse-config "psa={\"min_context\": 2048, \"host_tier_gb\": 1, \"gpu_cache_mb\": 2048, \"working_set_admission\": $adm}" \
+          --server-args "--attention-backend flashinfer --page-size 16 --mem-fraction-static 0.3"
+    done
     ;;
   gpu_tests)  # pytest -m gpu on GPU_TEST_ARGS (default tests) alone, with --durations
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$rep/gpu.txt"

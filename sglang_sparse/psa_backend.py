@@ -121,6 +121,8 @@ def make_runner(config: PsaConfig, page_size: int, model_runner):
 def make_tracker(config: PsaConfig, block_size: int, shape: AttnShape, model_runner, device):
     """The working-set tracker of the host tier's admission (``host_tier_gb > 0`` and
     ``working_set_admission``), or None."""
+    import os
+
     from sglang_sparse.host_tier import host_tier_enabled
 
     if not (host_tier_enabled(config) and config.working_set_admission):
@@ -129,11 +131,15 @@ def make_tracker(config: PsaConfig, block_size: int, shape: AttnShape, model_run
 
     rtt = model_runner.req_to_token_pool
     max_bs = int(rtt.size)
+    kernel = None
+    if torch.device(device).type == "cuda" or os.environ.get(RUNNER_ENV) == "kernel":
+        from flashinfer_ext.ws_record import ws_record as kernel  # one fused launch per layer
     tracker = WorkingSetTracker(num_slots=min(int(config.working_set_slots), max_bs), num_layers=shape.num_layers,
                                 num_kv_heads=shape.num_kv_heads, max_blocks=-(-rtt.req_to_token.shape[1] // block_size),
-                                window=int(config.working_set_window), max_batch_size=max_bs, device=device)
-    logger.info("sglang-sparse psa: working-set tracker %.1f MiB (%d slots, window %d)", tracker.nbytes / 2**20,
-                tracker.num_slots, tracker.window)
+                                window=int(config.working_set_window), max_batch_size=max_bs, device=device,
+                                record_kernel=kernel)
+    logger.info("sglang-sparse psa: working-set tracker %.1f MiB (%d slots, window %d, record %s)",
+                tracker.nbytes / 2**20, tracker.num_slots, tracker.window, "triton" if kernel else "torch")
     return tracker
 
 
