@@ -6,14 +6,18 @@ tier (pure torch/python; never imports sglang). Filled in by the mode issues.
   host_nodes  host-tier entries of evicted radix nodes, addressed by token path (LRU under a byte bound).
   host_pool   host tier (SparseServe): pinned host pool of KV blocks in per-KV-head units, one GPU
               block cache shared by all layers (LRU, PSA's unified pool), unit <-> slot maps, stats.
-  working_set per-request union of the units selected in the last w steps; Alg. 1 admission.
+  host_lines  LoopServe line sets of host-resident nodes (CPU tensors, byte-bounded).
+  working_set SparseServe Alg. 1 admission rule (admit).
+  working_set_tracker  per-request last-read step of every (layer, KV head, block) unit on the device:
+              working set = units read in the last w decode steps.
 """
 
 from .host_pool import (AcquirePlan, CacheFull, GpuBlockCache, HostBlockPool, HostTierConfig, HostTierStats,
                         KVShape)
 from .line_store import LineStore, LineStoreConfig, TurnLines
-from .working_set import Admission, WorkingSetEstimator, admit
+from .working_set import Admission, admit
+from .working_set_tracker import WorkingSetTracker
 
 __all__ = ["LineStore", "LineStoreConfig", "TurnLines",
            "HostTierConfig", "KVShape", "HostBlockPool", "GpuBlockCache", "CacheFull", "AcquirePlan",
-           "HostTierStats", "WorkingSetEstimator", "Admission", "admit"]
+           "HostTierStats", "WorkingSetTracker", "Admission", "admit"]

@@ -12,8 +12,8 @@ cache (``gpu_cache_mb``, in units of one (layer, KV page, KV head) of K and V):
     working-set fraction (1.0 while nothing is tracked, and for prompts below ``min_context``, which
     decode densely);
   * the waiting requests are taken in queue order while the sum fits (stop at the first that does
-    not); when nothing is running, the first is always admitted (progress: an oversize request runs
-    alone rather than starving).
+    not: :func:`radix_sparse.working_set.admit`, Alg. 1); when nothing is running, the first is always
+    admitted (progress: an oversize request runs alone rather than starving).
 
 How it plugs in (two hooks, listed in :mod:`sglang_sparse.plugin`): AROUND ``Scheduler.get_new_batch_prefill`` computes this
 pass's allowance (how many waiting requests may join) before the stock code runs and clears it
@@ -34,6 +34,8 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass
+
+from radix_sparse.working_set import admit
 
 logger = logging.getLogger("sglang_sparse")
 
@@ -122,23 +124,19 @@ class WorkingSetAdmission:
                 tracked_units += size
                 tracked_ctx += ctx
         frac = min(1.0, tracked_units / tracked_ctx) if tracked_ctx else None
-        allow, oversize = 0, False
+        running_used = used
+        ests = []
         for req in waiting:
             n = len(req.origin_input_ids)
             est = self.units(n)
-            if frac is not None and n >= self.min_context:
-                est = math.ceil(est * frac)
-            if used + est <= self.capacity:
-                used += est
-                allow += 1
-            else:
-                if allow == 0 and not running:
-                    allow, oversize = 1, True  # progress: the first runs alone
-                break
+            ests.append(math.ceil(est * frac) if frac is not None and n >= self.min_context else est)
+        adm = admit(ests, max(0, self.capacity - used), stop_at_first_miss=True)
+        oversize = adm.oversize and not running  # with requests running, an oversize newcomer waits for them
+        allow = len(adm.admitted) if (not adm.oversize or oversize) else 0
+        used += adm.used if allow else 0
         st = self.stats
         st.decisions += 1
-        st.running_units = sum(s if s is not None else self.units(len(r.origin_input_ids) + len(r.output_ids))
-                               for r, s in zip(running, sizes))
+        st.running_units = running_used
         st.tracked_requests = sum(s is not None for s in sizes)
         st.working_set_fraction = frac
         st.measured_decisions += int(frac is not None)
