@@ -55,6 +55,7 @@ from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey
 from radix_sparse.host_lines import HostLineConfig, HostLineStore, partition_lines, restore_lines
 from radix_sparse.host_nodes import HostNodeStore
 from radix_sparse.host_pool import HostBlockPool, HostTierConfig, KVShape
+from sglang_sparse.loopserve_radix import node_depth as _depth
 
 logger = logging.getLogger("sglang_sparse")
 
@@ -369,15 +370,6 @@ class HostTier:
 
 
 # ------------------------------------------------------------------------------------------- tree
-def _depth(node) -> int:
-    """Tokens on the path from the root to the end of ``node``."""
-    d = 0
-    while node is not None and node.parent is not None:
-        d += len(node.key)
-        node = node.parent
-    return d
-
-
 def _path_tokens(node) -> list:
     """Token ids on the path from the root to the end of ``node``."""
     parts = []

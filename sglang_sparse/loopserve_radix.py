@@ -126,7 +126,8 @@ def _node_at(tree, req, pos: int, prompt_len: int):
     return None
 
 
-def _depth(node) -> int:
+def node_depth(node) -> int:
+    """Tokens on the path from the root to the end of a radix ``node``."""
     d = 0
     while node is not None and node.parent is not None:
         d += len(node.key)
@@ -151,7 +152,7 @@ def cache_req_hook(result, tree, req, *args, **kwargs):
 def split_hook(result, tree, key, child, split_len, *args, **kwargs):
     """AFTER ``RadixCache._split_node``: ``result`` is the new parent holding the first ``split_len`` tokens."""
     if _STORE is not None and result is not None and _STORE.store.entries(child.id):
-        _STORE.store.split(child.id, result.id, _depth(result))
+        _STORE.store.split(child.id, result.id, node_depth(result))
         _STORE._report()
     return result
 

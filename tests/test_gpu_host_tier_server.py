@@ -14,6 +14,7 @@ import pytest
 
 from bench.server import Server, ServerSpec
 from tests.serverproc import DEFAULT_MODEL, free_port
+from tests.test_host_tier_lines_server import MIN_CONTEXT, run_lines_travel
 from tests.test_host_tier_server import MAX_TOTAL, run_evict_reload
 from tests.test_working_set_admission_server import check_admission_under_pressure
 
@@ -67,3 +68,25 @@ def test_gpu_working_set_admission_holds_requests_on_measured_working_sets(tmp_p
     finally:
         server.stop()
     assert ws["tracked_slots"] > 0
+
+
+def test_gpu_loopserve_lines_travel_with_a_node_evicted_to_the_host(tmp_path_factory):
+    """Issue #6 item 1 on CUDA (FlashInfer, page 16, decode graphs): turn 1's LoopServe lines go to the host
+    with its evicted radix node and come back with it; turn 2 reuses them (tests/test_host_tier_lines_server.py)."""
+    import torch
+    from transformers import AutoTokenizer
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    log = tmp_path_factory.mktemp("gpu_host_tier_lines") / "server.log"
+    cfg = {"min_context": MIN_CONTEXT, "alpha": 0.97, "host_tier_gb": 0.5, "gpu_cache_mb": 16}
+    spec = ServerSpec(python=sys.executable, model=str(DEFAULT_MODEL), device="cuda", port=free_port(),
+                      mode="loopserve", sparse_config=json.dumps(cfg),
+                      extra_args=["--attention-backend", "flashinfer", "--page-size", "16", "--enable-metrics",
+                                  "--mem-fraction-static", "0.2", "--max-total-tokens", str(MAX_TOTAL),
+                                  "--cuda-graph-max-bs", "4"])
+    server = Server(spec, log, timeout_s=600).start()
+    try:
+        run_lines_travel(server, log, AutoTokenizer.from_pretrained(str(DEFAULT_MODEL)))
+    finally:
+        server.stop()

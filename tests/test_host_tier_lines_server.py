@@ -56,6 +56,11 @@ def _sparse(server) -> dict:
 
 def test_turn_two_reuses_turn_one_lines_after_its_node_came_back_from_the_host(server, tok):
     server, log = server
+    run_lines_travel(server, log, tok)
+
+
+def run_lines_travel(server, log, tok) -> None:
+    """The contract's flow on a running loopserve + host-tier server (shared with the GPU test)."""
     # three prompts with different first words (no shared radix prefix): ~700 tokens each
     ids_a = tok.encode(f"Conversation about assignment statements.\n\n{topics['assignment'][:2600]}\n\n"
                        "Summarise the text in one sentence.")

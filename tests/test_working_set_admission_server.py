@@ -65,15 +65,19 @@ def _concurrent(server) -> dict[str, str]:
         return {t: f.result() for t, f in futs.items()}
 
 
+def _serve_concurrent(default_model, tmp_path_factory, name: str, gpu_cache_mb: float):
+    """(replies, working-set report, log) of the prompts sent at once to a fresh psa + host-tier server."""
+    server, log = _serve(default_model, tmp_path_factory, name, gpu_cache_mb)
+    try:
+        return _concurrent(server), _state(server)["working_set"], log
+    finally:
+        server.stop()
+
+
 def test_a_cache_smaller_than_one_working_set_serialises_requests_with_solo_replies(
         default_model, tmp_path_factory, alone_replies):
     # 6 MiB of unit cache = 1536 units (30 layers x 3 KV heads x 16-token blocks): less than one prompt's context
-    server, log = _serve(default_model, tmp_path_factory, "serial", 6.0)
-    try:
-        replies = _concurrent(server)
-        ws = _state(server)["working_set"]
-    finally:
-        server.stop()
+    replies, ws, log = _serve_concurrent(default_model, tmp_path_factory, "serial", 6.0)
     assert replies == alone_replies  # one at a time: exactly the solo greedy replies, none dropped
     assert ws["oversize_admissions"] >= len(TOPICS) - 1 and ws["held_requests"] > 0, ws
     assert "leak" not in log.read_text().lower()
@@ -109,12 +113,7 @@ def check_admission_under_pressure(server, log) -> dict:
 
 
 def test_nothing_waits_when_the_gpu_cache_holds_every_working_set(default_model, tmp_path_factory):
-    server, _ = _serve(default_model, tmp_path_factory, "ample", 512.0)
-    try:
-        replies = _concurrent(server)
-        ws = _state(server)["working_set"]
-    finally:
-        server.stop()
+    replies, ws, _ = _serve_concurrent(default_model, tmp_path_factory, "ample", 512.0)
     print("working set admission (ample):", ws)
     assert all(n == MAX_NEW for _, n in replies.values()), replies
     assert ws["decisions"] > 0 and ws["limited"] == 0 and ws["held_requests"] == 0, ws
