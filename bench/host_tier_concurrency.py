@@ -596,7 +596,9 @@ def write_outputs(out: Path, cfg: BenchConfig, servers: dict, summary: dict, met
           f"- TPOT SLO: {_f(slo, 2)} ms ({summary.get('tpot_slo_source') or summary.get('tpot_slo_reason')})",
           f"- what the host tier does: evicted radix nodes to pinned host memory, reloaded on a prefix hit; "
           f"running requests' KV stays on the GPU (sparse decode from a GPU block cache is not implemented), "
-          f"so running capacity is bounded by the same device pool as dense", "",
+          f"so running capacity is bounded by the same device pool as dense; psa's working-set admission "
+          f"(default on) also holds waiting requests back while the running working sets fill the "
+          f"{cfg.gpu_cache_mb} MiB GPU unit cache (`--gpu-cache-mb`)", "",
           "## Headline", "",
           f"- concurrency_ratio_vs_dense (psa_host_tier / dense): {_f(summary.get('concurrency_ratio_vs_dense'), 2)}"
           + (f" ({summary['concurrency_ratio_vs_dense_reason']})" if summary.get("concurrency_ratio_vs_dense_reason")
