@@ -25,7 +25,10 @@
 # probes in every mode): off ~75 s + loopserve ~260 s + lastwindow (one selection per request) ~110 s.
 # loopserve runs before lastwindow so that a timeout costs the baseline, not the headline;
 # bench.loopserve_fidelity --lastwindow-run DIR takes lastwindow from a second run (off,lastwindow) if needed;
-# LS_PRESET (full), LS_MIN_CONTEXT (128: the harness headline contexts are ~130-450 tokens),
+# LS_PRESET (full; `headline`: the short headline kinds only with 3x the seeds, 210 tasks per question
+# position), LS_MODES (off,loopserve,lastwindow; a run too long for one call splits into off,loopserve and
+# off,lastwindow, and `bench.loopserve_fidelity --run A --lastwindow-run B` combines them, anywhere),
+# LS_LW_RUN (the fidelity step's --lastwindow-run), LS_MIN_CONTEXT (128: the harness headline contexts are ~130-450 tokens),
 # LS_BUDGET (64: top-B per KV head for loopserve at those contexts; the harness run and the fidelity JSON are
 # named by it, gpu_loopserve_b<B>/ and loopserve_fidelity_b<B>.json), LS_LW_BUDGET (lastwindow's budget, default
 # LS_BUDGET: at 64 the H100 run of 2026-11-23 lost the needle's last digit even with the question at the end,
@@ -42,7 +45,11 @@ source "$(dirname "${BASH_SOURCE[0]}")/gpu_steps.sh"
 mc=${LS_MIN_CONTEXT:-128}
 budget=${LS_BUDGET:-64}
 lw_budget=${LS_LW_BUDGET:-$budget}
+preset=${LS_PRESET:-full}
+modes=${LS_MODES:-off,loopserve,lastwindow}
 run=b$budget; [ "$lw_budget" = "$budget" ] || run=${run}_lw$lw_budget
+[ "$preset" = full ] || run=${run}_$preset
+[ "$modes" = off,loopserve,lastwindow ] || run=${run}_$(echo "$modes" | tr , _)
 alpha=${LS_ALPHA:-0.97}
 steps=${LS_STEPS:-pytest_gpu prefill_bench harness fidelity}
 want() { case " $steps " in *" $1 "*) return 0 ;; *) return 1 ;; esac; }
@@ -55,11 +62,13 @@ want pytest_gpu && step pytest_gpu timeout "${LS_TEST_TIMEOUT:-420}" python3 -m 
 want prefill_bench && step prefill_bench timeout "${LS_BENCH_TIMEOUT:-240}" python3 bench/loopserve_prefill_bench.py --out "$rep" \
     --smollm --time-budget "${LS_BENCH_BUDGET:-75}"
 want harness && step harness timeout "${LS_HARNESS_TIMEOUT:-480}" python3 -m bench.run_harness \
-    --preset "${LS_PRESET:-full}" --modes off,loopserve,lastwindow --fidelity-probes "${LS_PROBES:-4}" \
+    --preset "$preset" --modes "$modes" --fidelity-probes "${LS_PROBES:-4}" \
     --sparse-config "loopserve={\"min_context\": $mc, \"budget\": $budget, \"alpha\": $alpha}" \
     --sparse-config "lastwindow={\"min_context\": $mc, \"budget\": $lw_budget}" \
     --device cuda --python python3 --model "$KIT_MODEL" --port 30000 --out "$rep/gpu_loopserve_$run" \
     --server-args "--attention-backend flashinfer --page-size 16"
-want fidelity && step fidelity python3 -m bench.loopserve_fidelity --run "$rep/gpu_loopserve_$run" --out "$rep/loopserve_fidelity_$run.json"
+# LS_LW_RUN: a second harness dir (modes off,lastwindow) whose lastwindow figures the JSON takes
+want fidelity && step fidelity python3 -m bench.loopserve_fidelity --run "$rep/gpu_loopserve_$run" \
+    ${LS_LW_RUN:+--lastwindow-run "$LS_LW_RUN"} --out "$rep/loopserve_fidelity_$run.json"
 say "done: exit $rc"
 exit $rc

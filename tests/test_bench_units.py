@@ -41,6 +41,21 @@ def test_question_position_and_trailer(position):
         assert 0.2 < frac < 0.8
 
 
+def test_headline_preset_extends_the_full_presets_headline_tasks():
+    """The larger headline preset keeps every full-preset headline task (same ids, same text) and only
+    headline-eligible tasks, with twice as many per question position."""
+    def headline(name):
+        p = tasks.PRESETS[name]
+        return {t.task_id: t for t in tasks.generate(name)
+                if t.kind in p.accuracy_kinds and t.words <= tasks.HEADLINE_MAX_WORDS}
+
+    full, big = headline("full"), headline("headline")
+    assert len(big) == len(tasks.generate("headline")) == 2 * len(full)
+    assert all(big[k] == t for k, t in full.items())
+    for pos in tasks.POSITIONS:
+        assert sum(t.position == pos for t in big.values()) == 140
+
+
 def test_answers_live_in_the_source_turns():
     for kind in ("needle", "recall", "recall2"):
         for pos in tasks.POSITIONS:
