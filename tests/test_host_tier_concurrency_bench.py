@@ -10,6 +10,7 @@ import os
 
 import pytest
 
+from bench import conc_stats, prom_metrics
 from bench import host_tier_concurrency as htc
 from tests.serverproc import free_port
 
@@ -31,7 +32,7 @@ def test_aggregate_slo_capacity_and_ratios():
                                                     _level(32, 13.0, 14.0, 32, 900, truncated=True)]},
         "hicache": {"error": "server failed to start: boom", "levels": []},
     }
-    s = htc.aggregate(servers, slo_factor=1.5)
+    s = conc_stats.aggregate(servers, slo_factor=1.5)
     assert s["tpot_slo_ms"] == pytest.approx(15.0)
     d, p, h = (s["per_server"][k] for k in ("dense", "psa_host_tier", "hicache"))
     assert d["levels_meeting_slo"] == [1, 2, 4] and d["concurrent_at_slo"] == 4 and d["best_level"] == 4
@@ -48,28 +49,28 @@ def test_aggregate_slo_capacity_and_ratios():
 def test_aggregate_without_baseline_or_with_given_slo():
     psa = {"error": None, "levels": [_level(1, 10.0, 11.0, 1), _level(4, 12.0, 30.0, 4)]}
     # dense failed at its first level: no SLO, every ratio null with a reason, nothing crashes
-    s = htc.aggregate({"dense": {"error": None, "levels": [_level(1, None, None, 0, failed=3)]},
+    s = conc_stats.aggregate({"dense": {"error": None, "levels": [_level(1, None, None, 0, failed=3)]},
                        "psa_host_tier": psa}, 1.5)
     assert s["tpot_slo_ms"] is None and "failed" in s["tpot_slo_reason"]
     assert s["concurrency_ratio_vs_dense"] is None and s["concurrency_ratio_vs_dense_reason"]
     # dense not run at all
-    s = htc.aggregate({"psa_host_tier": psa}, 1.5)
+    s = conc_stats.aggregate({"psa_host_tier": psa}, 1.5)
     assert s["concurrency_ratio_vs_dense"] is None and "not run" in s["concurrency_ratio_vs_dense_reason"]
     # an absolute SLO: psa's level 4 (p90 30 ms) meets 40 ms
-    s = htc.aggregate({"psa_host_tier": psa}, 1.5, tpot_slo_ms=40.0)
+    s = conc_stats.aggregate({"psa_host_tier": psa}, 1.5, tpot_slo_ms=40.0)
     assert s["per_server"]["psa_host_tier"]["concurrent_at_slo"] == 4
 
 
 def test_interval_concurrency_percentile_and_metrics_parser():
-    mean, busy, peak = htc.interval_concurrency([(0.0, 2.0), (1.0, 3.0), (5.0, 6.0)], 0.0, 10.0)
+    mean, busy, peak = conc_stats.interval_concurrency([(0.0, 2.0), (1.0, 3.0), (5.0, 6.0)], 0.0, 10.0)
     assert peak == 2 and mean == pytest.approx(5.0 / 10.0) and busy == pytest.approx(5.0 / 4.0)
-    assert htc.interval_concurrency([], 0.0, 1.0) == (0.0, 0.0, 0)
-    assert htc.percentile([1.0, 2.0, 3.0, 4.0], 50) == pytest.approx(2.5)
-    assert htc.percentile([], 90) is None
+    assert conc_stats.interval_concurrency([], 0.0, 1.0) == (0.0, 0.0, 0)
+    assert conc_stats.percentile([1.0, 2.0, 3.0, 4.0], 50) == pytest.approx(2.5)
+    assert conc_stats.percentile([], 90) is None
     text = ('# HELP sglang:num_running_reqs x\nsglang:num_running_reqs{model_name="m",tp_rank="0"} 3.0\n'
             'sglang:num_running_reqs{model_name="m",tp_rank="1"} 5.0\nsglang:num_queue_reqs{a="b"} 2.0\n'
             'sglang:num_running_reqs_other 9.0\n')
-    assert htc.parse_metrics(text, htc.GAUGES) == {"sglang:num_running_reqs": 5.0, "sglang:num_queue_reqs": 2.0}
+    assert prom_metrics.parse_metrics(text, prom_metrics.GAUGES) == {"sglang:num_running_reqs": 5.0, "sglang:num_queue_reqs": 2.0}
 
 
 def test_server_specs_share_everything_but_the_variant_flags():
@@ -99,7 +100,7 @@ def test_merge_into_keeps_existing_fields(tmp_path):
                                 "concurrency_ratio_vs_dense": None}))
     servers = {"dense": {"error": None, "levels": [_level(1, 10.0, 11.0, 2)]},
                "psa_host_tier": {"error": None, "levels": [_level(1, 10.0, 11.0, 3)]}}
-    summary = htc.aggregate(servers, 1.5)
+    summary = conc_stats.aggregate(servers, 1.5)
     doc = htc.merge_into(path, summary, htc.BenchConfig(), {"command": "c", "device": "H100"})
     again = json.loads(path.read_text())
     assert again == json.loads(json.dumps(doc, default=str))
