@@ -77,3 +77,44 @@ def test_server_stats_are_the_ones_read_after_the_run():
     assert loopserve_figures(s)["loopserve"]["server_stats"] == {"sparse_decode_rows": 7}
     del srv["reported_after"]
     assert loopserve_figures(s)["loopserve"]["server_stats"] == {"sparse_decode_rows": 0}
+
+
+CPU_RUN = Path(__file__).parents[1] / "bench/results/cpu_loopserve_lastwindow"
+
+
+def test_paired_figures_match_the_headline_and_count_the_tasks_that_differ(tmp_path):
+    """On a real run's raw records: the paired ratio equals the summary's ratio, the discordant counts
+    explain the score difference, and the bootstrap interval contains the ratio."""
+    out = tmp_path / "f.json"
+    main(["--run", str(CPU_RUN), "--out", str(out)])
+    figs = json.loads(out.read_text())
+    for mode in ("loopserve", "lastwindow"):
+        paired = figs[mode]["paired_by_position"]
+        ratios = figs["accuracy_ratio_by_position" if mode == "loopserve" else "lastwindow_accuracy_ratio_by_position"]
+        for pos, row in paired.items():
+            assert row["n"] == 32
+            assert abs(row["ratio"] - ratios[pos]) < 1e-12
+            assert row["mode_score"] - row["dense_score"] == row["mode_only"] - row["dense_only"]  # EM tasks: 0/1
+            lo, hi = row["ratio_ci95"]
+            assert lo <= row["ratio"] <= hi
+
+
+def test_paired_interval_is_a_point_when_the_runs_agree_and_wide_when_they_differ():
+    from bench.paired import paired_by_position
+    from bench.tasks import PRESETS
+
+    raw = json.loads((CPU_RUN / "raw" / "off.json").read_text())
+    same = paired_by_position(raw, raw, PRESETS["cpu"])
+    for row in same.values():
+        assert row["mode_only"] == row["dense_only"] == 0 and row["ratio"] == 1.0 and row["ratio_ci95"] == [1.0, 1.0]
+    flipped = copy.deepcopy(raw)  # the mode loses the first 4 middle tasks dense answered right
+    lost = 0
+    for t in flipped["tasks"]:
+        last = t["turns"][-1]
+        if t["position"] == "middle" and t["kind"] in ("needle", "recall", "multidoc") and last["score"] == 1 and lost < 4:
+            last["score"] = 0.0
+            lost += 1
+    row = paired_by_position(raw, flipped, PRESETS["cpu"])["middle"]
+    assert (row["dense_only"], row["mode_only"]) == (4, 0)
+    assert row["ratio"] == (row["dense_score"] - 4) / row["dense_score"]
+    assert row["ratio_ci95"][0] < row["ratio"] < row["ratio_ci95"][1] < 1.0 + 1e-12
