@@ -126,6 +126,9 @@ def aggregate(servers: dict[str, dict], slo_factor: float, tpot_slo_ms: float | 
                                              f"no level meets TPOT p90 <= {slo:.2f} ms with all requests ok"))
             row.update(concurrent_at_slo=None, best_level=None, output_tok_s_at_best=None,
                        max_output_tok_s_at_slo=None, reason=why)
+        fr = sorted(f for f in ((r.get("working_set") or {}).get("working_set_fraction") for r in levels)
+                    if isinstance(f, (int, float)) and f > 0)
+        row["working_set_fraction"] = statistics.median(fr) if fr else None
         out["per_server"][name] = row
     b = out["per_server"].get(baseline)
     for name, key in ((headline, "concurrency_ratio_vs_dense"), ("hicache", "hicache_concurrency_ratio_vs_dense")):
@@ -146,4 +149,10 @@ def aggregate(servers: dict[str, dict], slo_factor: float, tpot_slo_ms: float | 
         if ratio is not None and b.get("max_output_tok_s_at_slo"):
             tp = s["max_output_tok_s_at_slo"] / b["max_output_tok_s_at_slo"]
         out[key.replace("concurrency", "throughput")] = tp
+    # the ceiling of concurrency_ratio_vs_dense for a host tier that keeps only working sets on the GPU
+    # (SparseServe §3): a request then holds its working set instead of its whole context
+    h = out["per_server"].get(headline) or {}
+    frac = h.get("working_set_fraction")
+    out["working_set_fraction"] = frac
+    out["working_set_concurrency_bound"] = 1.0 / frac if frac else None
     return out

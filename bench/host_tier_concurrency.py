@@ -316,7 +316,22 @@ def run_level(url: str, cfg: BenchConfig, level: int, maker: TextMaker, deadline
     counters1 = scrape_metrics(url, COUNTERS)
     truncated = any(r.get("skipped") for r in results)
     results = [r for r in results if not r.get("skipped")]
-    return summarize_level(level, results, sampler.samples, t0, t1, counters0, counters1, truncated)
+    rec = summarize_level(level, results, sampler.samples, t0, t1, counters0, counters1, truncated)
+    rec["working_set"] = server_working_set(url)
+    return rec
+
+
+def server_working_set(url: str) -> dict | None:
+    """The working-set admission's statistics (``/server_info`` -> ``internal_states[0].sparse.working_set``;
+    incl. ``working_set_fraction``, running requests' working sets / their context units at the last
+    decision); None where the server has none (dense, HiCache) or is unreachable."""
+    try:
+        info = requests.get(url + "/server_info", timeout=10).json()
+    except (requests.RequestException, ValueError):
+        return None
+    states = info.get("internal_states") or [{}]
+    ws = ((states[0] or {}).get("sparse") or {}).get("working_set")
+    return ws if isinstance(ws, dict) else None
 
 
 def run_server(cfg: BenchConfig, name: str, out: Path, maker: TextMaker, share_s: float,
@@ -409,7 +424,11 @@ def write_outputs(out: Path, cfg: BenchConfig, servers: dict, summary: dict, met
              if summary.get("hicache_concurrency_ratio_vs_dense_reason") else ""),
           f"- best output throughput under the SLO, psa_host_tier / dense: "
           f"{_f(summary.get('throughput_ratio_vs_dense'), 2)}; hicache / dense: "
-          f"{_f(summary.get('hicache_throughput_ratio_vs_dense'), 2)}", "",
+          f"{_f(summary.get('hicache_throughput_ratio_vs_dense'), 2)}",
+          f"- psa working sets (the admission's tracker, default window of 12 decode steps) / context units of "
+          f"the running requests, median over levels: {_f(summary.get('working_set_fraction'), 3)}; ceiling of "
+          f"concurrency_ratio_vs_dense for a host tier keeping only working sets on the GPU (1 / that): "
+          f"{_f(summary.get('working_set_concurrency_bound'), 2)}", "",
           "| server | concurrent long requests at SLO | at level | out tok/s there | best out tok/s under SLO | "
           "levels meeting SLO | note |", "|---|---|---|---|---|---|---|"]
     for name, row in summary["per_server"].items():
@@ -460,7 +479,8 @@ def _on_sigterm(signum, frame):
 
 HEADLINE_KEYS = ("concurrency_ratio_vs_dense", "concurrency_ratio_vs_dense_reason",
                  "hicache_concurrency_ratio_vs_dense", "hicache_concurrency_ratio_vs_dense_reason",
-                 "throughput_ratio_vs_dense", "hicache_throughput_ratio_vs_dense")
+                 "throughput_ratio_vs_dense", "hicache_throughput_ratio_vs_dense",
+                 "working_set_fraction", "working_set_concurrency_bound")
 
 
 def merge_into(path: Path, summary: dict, cfg: BenchConfig, meta: dict) -> dict:

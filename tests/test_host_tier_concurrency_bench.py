@@ -44,6 +44,21 @@ def test_aggregate_slo_capacity_and_ratios():
     assert h["concurrent_at_slo"] is None and "boom" in h["reason"]
     assert s["hicache_concurrency_ratio_vs_dense"] is None
     assert "boom" in s["hicache_concurrency_ratio_vs_dense_reason"]
+    assert s["working_set_fraction"] is None and s["working_set_concurrency_bound"] is None  # none measured
+
+
+def test_working_set_bound_is_one_over_the_median_measured_fraction():
+    """The ceiling of the concurrency ratio for a host tier keeping only working sets on the GPU: 1 / the
+    median over levels of the admission's measured working-set fraction; levels without one are skipped."""
+    lv = [_level(1, 10.0, 11.0, 1), _level(2, 10.0, 11.0, 2), _level(4, 10.0, 11.0, 4), _level(8, 10.0, 11.0, 4)]
+    for r, ws in zip(lv, ({"working_set_fraction": 0.8}, {"working_set_fraction": None}, None,
+                          {"working_set_fraction": 0.5})):
+        r["working_set"] = ws
+    s = conc_stats.aggregate({"dense": {"error": None, "levels": [_level(1, 10.0, 11.0, 1)]},
+                              "psa_host_tier": {"error": None, "levels": lv}}, 1.5)
+    assert s["working_set_fraction"] == pytest.approx(0.65)
+    assert s["working_set_concurrency_bound"] == pytest.approx(1 / 0.65)
+    assert s["per_server"]["dense"]["working_set_fraction"] is None
 
 
 def test_aggregate_without_baseline_or_with_given_slo():
@@ -134,6 +149,8 @@ def test_driver_end_to_end_on_cpu_servers(tmp_path, default_model):
             assert r["tpot_ms_p50"] > 0 and r["ttft_ms_p50"] > 0 and r["metrics_samples"] > 0
             assert r["sustained_running"] >= 1 and r["server_running_max"] >= 1
             assert r["followup_cached_fraction"] is not None  # the follow-up turn reused the first turn's prefix
+            if name == "dense":
+                assert r["working_set"] is None  # no admission on a dense server
         assert doc["summary"]["per_server"][name]["levels_meeting_slo"][:1] == [1] or name != "dense"
     s = doc["summary"]
     assert s["tpot_slo_ms"] > 0 and s["per_server"]["dense"]["concurrent_at_slo"] >= 1
