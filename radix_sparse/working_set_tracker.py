@@ -22,7 +22,10 @@ their step counters on the device. Per layer, :meth:`record` takes the selector'
 counts (PSA: ``PsaDecodeWrapper.order`` / ``nread``) and scatters the step into the selected units:
 through an injected fused kernel (``record_kernel``; the PSA runner passes
 :func:`flashinfer_ext.ws_record.ws_record` on CUDA: one launch per layer) or through preallocated index
-buffers (a few torch ops); no allocation, no sync either way.
+buffers (a few torch ops); no allocation, no sync either way. :meth:`record_tokens` takes a selector that names
+tokens instead (LoopServe: per-(row, KV head) token lists) and marks each listed token's block (``token //
+block_size``), through an injected ``token_record_kernel`` (the LoopServe runner passes
+:func:`flashinfer_ext.ws_record.ws_record_tokens` on CUDA) or a torch path that allocates (CPU reference path).
 
 Cautions: a request whose steps were not recorded (untracked: no free slot, or dense decode through
 the stock kernel) has size ``None`` from :meth:`sizes`; callers count its whole context.
@@ -48,7 +51,10 @@ class WorkingSetTracker:
     """Last-selected step per (slot, layer, KV head, block); see the module docstring."""
 
     def __init__(self, *, num_slots: int, num_layers: int, num_kv_heads: int, max_blocks: int, window: int,
-                 max_batch_size: int, device: torch.device | str = "cpu", record_kernel=None) -> None:
+                 max_batch_size: int, device: torch.device | str = "cpu", record_kernel=None,
+                 token_record_kernel=None, order_buffers: bool = True) -> None:
+        """``order_buffers`` False: no index buffers for :meth:`record`'s torch path (a tracker fed only
+        through :meth:`record_tokens` / :meth:`record_rows`)."""
         _positive("num_slots", num_slots, 1 << 16)
         _positive("num_layers", num_layers, 1 << 12)
         _positive("num_kv_heads", num_kv_heads, 1 << 12)
@@ -68,7 +74,10 @@ class WorkingSetTracker:
         # contract of flashinfer_ext.ws_record.ws_record (injected: this package stays pure torch); None = the
         # torch path below, whose index buffers are only allocated then
         self.record_kernel = record_kernel
-        n = 0 if record_kernel is not None else max_batch_size * num_kv_heads * max_blocks
+        # token_record_kernel(stamp, lists, lens, base, row_step, layer_off, block_size=, max_blocks=): the contract
+        # of flashinfer_ext.ws_record.ws_record_tokens; None = record_tokens' torch path
+        self.token_record_kernel = token_record_kernel
+        n = 0 if record_kernel is not None or not order_buffers else max_batch_size * num_kv_heads * max_blocks
         self._rank_buf = torch.arange(max_blocks, dtype=torch.int32, device=dev)
         self._valid_buf = torch.empty(n, dtype=torch.bool, device=dev)
         self._idx_buf = torch.empty(n, dtype=torch.int64, device=dev)
@@ -158,6 +167,8 @@ class WorkingSetTracker:
                                layer * h * self._cols)
             return
         n = bs * h * c
+        if self._valid_buf.numel() < n:
+            raise RuntimeError("record: this tracker was built without order_buffers and without a record_kernel")
         valid = self._valid_buf[:n].view(bs, h, c)
         torch.lt(self._rank_buf[:c].view(1, 1, c), nread.view(bs, h, 1), out=valid)
         idx = self._idx_buf[:n].view(bs, h, c)
@@ -165,6 +176,31 @@ class WorkingSetTracker:
         idx.add_(self._base_buf[:bs].view(bs, h, 1))
         idx.add_(layer * h * self._cols)
         self.stamp_buf.view(-1).index_put_((idx,), self._row_step_buf[:bs].view(bs, 1, 1))
+
+    def record_tokens(self, layer: int, lists: torch.Tensor, lens: torch.Tensor | None, block_size: int) -> None:
+        """Mark the blocks of the tokens read at this step in ``layer``.
+
+        lists: ``[bs, num_kv_heads, width]`` int32 token positions per planned row and KV head (``-1`` padded);
+        lens: ``[bs, num_kv_heads]`` int32 valid entries per list (None: every entry ``>= 0`` is valid); a token's
+        unit is ``(layer, KV head, token // block_size)``. Tokens past ``max_blocks`` blocks are skipped.
+        """
+        bs, h = self._bs, self.num_kv_heads
+        if lists.shape[:2] != (bs, h) or (lens is not None and lens.shape != (bs, h)):
+            raise ValueError(f"record_tokens: lists {tuple(lists.shape)} / lens "
+                             f"{None if lens is None else tuple(lens.shape)} do not match the plan ({bs}, {h})")
+        args = (self.stamp_buf, lists, lens, self._base_buf[:bs], self._row_step_buf[:bs], layer * h * self._cols)
+        if self.token_record_kernel is not None:
+            self.token_record_kernel(*args, block_size=block_size, max_blocks=self.max_blocks)
+            return
+        w = lists.shape[2]
+        tok = lists.to(torch.int64)
+        col = torch.div(tok, block_size, rounding_mode="floor")
+        valid = (tok >= 0) & (col < self.max_blocks)
+        if lens is not None:
+            valid &= torch.arange(w, device=lists.device).view(1, 1, w) < lens.view(bs, h, 1)
+        col = torch.where(valid, col, self.max_blocks)  # the trash column
+        idx = col + self._base_buf[:bs].view(bs, h, 1) + layer * h * self._cols
+        self.stamp_buf.view(-1).index_put_((idx,), self._row_step_buf[:bs].view(bs, 1, 1).expand(bs, h, w))
 
     def record_rows(self, layer: int, rows: torch.Tensor, order: torch.Tensor, nread: torch.Tensor) -> None:
         """Eager variant for a subset of the planned rows (e.g. the CPU reference's sparse rows):

@@ -140,6 +140,13 @@ def _host_tier_knobs():
                           range=Range(0, 1 << 20, lo_open=True)),
         working_set_window=knob(12, doc="host tier: decode steps whose block selections form a request's working "
                                 "set (SparseServe w)", range=Range(1, 256)),
+        working_set_admission=knob(True, doc="host tier (host_tier_gb > 0): the scheduler admits a waiting request "
+                                   "to the running batch only while the running requests' working sets (units "
+                                   "selected in their last working_set_window steps) plus the newcomers' "
+                                   "estimates fit the GPU unit cache (gpu_cache_mb); false: stock admission"),
+        working_set_slots=knob(64, doc="host tier admission: decoding requests whose working sets are tracked "
+                               "(others count their whole context); memory slots x layers x KV heads x "
+                               "max blocks per request x 4 B (loopserve: a block is a KV page)", range=Range(1, 4096)),
     )
 
 
@@ -170,13 +177,8 @@ class PsaConfig(SparseConfig):
     host_tier_gb: float = _host_tier_knobs()["host_tier_gb"]
     gpu_cache_mb: float = _host_tier_knobs()["gpu_cache_mb"]
     working_set_window: int = _host_tier_knobs()["working_set_window"]
-    working_set_admission: bool = knob(True, doc="host tier (host_tier_gb > 0): the scheduler admits a waiting request "
-                                       "to the running batch only while the running requests' working sets (units "
-                                       "selected in their last working_set_window steps) plus the newcomers' "
-                                       "estimates fit the GPU unit cache (gpu_cache_mb); false: stock admission")
-    working_set_slots: int = knob(64, doc="host tier admission: decoding requests whose working sets are tracked "
-                                  "(others count their whole context); memory slots x layers x KV heads x "
-                                  "max blocks per request x 4 B", range=Range(1, 4096))
+    working_set_admission: bool = _host_tier_knobs()["working_set_admission"]
+    working_set_slots: int = _host_tier_knobs()["working_set_slots"]
 
 
 def _graph_knobs(width: int):
@@ -223,7 +225,8 @@ class LoopServeConfig(SparseConfig):
     host_tier_gb: float = _host_tier_knobs()["host_tier_gb"]
     gpu_cache_mb: float = _host_tier_knobs()["gpu_cache_mb"]
     working_set_window: int = _host_tier_knobs()["working_set_window"]
-
+    working_set_admission: bool = _host_tier_knobs()["working_set_admission"]
+    working_set_slots: int = _host_tier_knobs()["working_set_slots"]
 
 
 @dataclass(frozen=True)

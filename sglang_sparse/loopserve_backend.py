@@ -154,8 +154,17 @@ def install(backend, config: LoopServeConfig, page_size: int, enable_metrics: bo
     store = loopserve_radix.install_store(config, stats, metrics) if mode == "loopserve" else None
     kernels = use_kernels_for(device)
     backend._ls_cfg = config
-    backend._ls_runner = LoopServeRunner(config, AttnShape.of(model_runner), device, use_kernels=kernels,
-                                         store=store)
+    shape = AttnShape.of(model_runner)
+    backend._ls_runner = LoopServeRunner(config, shape, device, use_kernels=kernels, store=store)
+    if mode == "loopserve":  # decode steps record their working sets (host tier admission; sglang_sparse.loopserve_ws)
+        from sglang_sparse.loopserve_ws import make_working_set
+
+        ws = make_working_set(config, page_size, shape, model_runner, device, kernels)
+        backend._ls_runner.ws = ws
+        if ws is not None:
+            from sglang_sparse.working_set_admission import WorkingSetSource
+
+            backend.sparse_working_set = WorkingSetSource(ws.tracker, ws.block_size, ws.min_context)
     backend._ls_metrics = metrics
     backend._ls_graphs = None
     if graphs_on:  # steady decode steps replay SGLang's decode graphs (sglang_sparse.loopserve_graph)

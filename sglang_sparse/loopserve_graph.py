@@ -18,7 +18,8 @@ Host flow: ``DecodeCudaGraphRunner.can_run_graph`` -> :meth:`LoopServeGraphs.wan
 it steady, are its lists at most ``W`` wide? keeps the batch for the replay planning) -> SGLang's
 ``load_batch`` -> ``init_forward_metadata_out_graph(view)`` -> :meth:`LoopServeGraphs.plan` (the eager planning
 of the kept batch, then one copy of its lists / lengths / lengths into the static buffers) -> graph replay.
-Every other step (prefill, re-selection, lists wider than ``W``, a batch larger than the captured ones)
+A step's working set (host tier admission, :mod:`sglang_sparse.loopserve_ws`) is recorded inside the graph from
+``lists_buf`` into the tracker's fixed buffers, planned here before each replay. Every other step (prefill, re-selection, lists wider than ``W``, a batch larger than the captured ones)
 runs eagerly as before. Captured batch sizes above the config's ``graph_max_bs`` record the stock decode and are
 never replayed. Memory: ``lists_buf`` + ``lens_buf`` take ``L * max_bs * num_kv_heads * (W + 1) * 4`` bytes,
 ``max_bs`` = the largest captured size <= ``graph_max_bs`` (logged at allocation).
@@ -124,6 +125,8 @@ class LoopServeGraphs:
             r._pending_ring = (self.q_buf[:, :raw], r._pending_ring[1])
         # the eager plan's per-row facts (statistics, rows) with the static tensors the graph recorded
         r.dec = {**e, **{k: d[k] for k in _STATIC_KEYS}}
+        if r.ws is not None:  # the graph records into the tracker's fixed buffers: plan them (padding rows -> trash)
+            r.ws.plan([getattr(q, "rid", None) for q in reqs], pad_to=bs)
         self.replays += 1
         if self.stats is not None:
             self.stats.graph_decode_steps += 1
@@ -157,6 +160,8 @@ class LoopServeGraphs:
         self._dicts[bs] = d
         r._commit_ring()
         r.ext_rows, r.dec, r.bs, r.is_decode = [], d, bs, True
+        if r.ws is not None:  # the captured forward records into the tracker's trash row
+            r.ws.plan([None] * bs, pad_to=bs)
         r.step_rows = torch.zeros(bs, STEP_COLS, dtype=torch.float32, device=r.device)
 
     def _allocate(self, backend, max_bs: int) -> None:

@@ -172,6 +172,7 @@ class LoopServeRunner:
         # queries; one top-B selection at the first decode step; no lines, no re-selection
         self.lastwindow = cfg.mode == "lastwindow"
         self.planning_for_graph = False  # set by loopserve_graph while it plans a replayed step
+        self.ws = None  # loopserve_ws.LoopServeWorkingSet: decode steps record what they read (host tier admission)
         # lists are split as if graph_list_width wide, graphs on or off: eager and graph-replayed steps (and
         # servers with and without graphs) cut the same lists into the same spans, so their outputs agree bit
         # for bit (loopserve_graph sizes its static lists by it)
@@ -199,6 +200,8 @@ class LoopServeRunner:
         self._commit_ring()
         mode = forward_batch.forward_mode
         self.ext_rows, self.dec = [], None
+        if self.ws is not None:
+            self.ws.reset()
         bs = int(forward_batch.batch_size) if not mode.is_idle() else 0
         self.bs = bs
         self.is_decode = mode.is_decode()
@@ -369,6 +372,8 @@ class LoopServeRunner:
         host[rows_t, COL_KIND] = float(KIND_LASTWINDOW if self.lastwindow else KIND_DECODE)
         host[rows_t, COL_TTOT] = torch.tensor(seq_host, dtype=torch.float32) * units
         host[rows_t, COL_RESEL] = torch.tensor(resel, dtype=torch.float32)
+        if self.ws is not None and not self.planning_for_graph:  # a replayed step: loopserve_graph plans it
+            self.ws.plan([getattr(reqs[i], "rid", None) for i in rows])
 
     # ------------------------------------------------------------------ per layer
     @property
@@ -469,6 +474,8 @@ class LoopServeRunner:
             lists, lens = decode_union_merge(d["static_all"][lid], d["topb"][:, lid], d["seq32"])
         else:  # over the size cap of the all-layer build: this layer's whole build
             lists, lens = self._union_lists(d, lid)
+        if self.ws is not None:  # the working set: this layer's lists into the tracker (one launch, no sync)
+            self.ws.record(lid, lists, lens)
         direct = d["all_rows"] and o3.dtype == q_s.dtype and o3.is_contiguous()
         o_s = self._sparse_decode(q_s, k_buf, v_buf, rtt, d, lists, lens, layer.scaling, out=o3 if direct else None)
         if not direct:

@@ -48,7 +48,7 @@ _HOOKS = (
     ("sglang.srt.managers.schedule_batch.Req.init_next_round_input", "AFTER",
      "sglang_sparse.samkv_assembly:init_round_hook"),
     ("sglang.srt.managers.scheduler.Scheduler.__init__", "AFTER", "sglang_sparse.samkv_assembly:scheduler_init_hook"),
-    # host tier: working-set-aware admission (a no-op unless psa + host_tier_gb > 0 + working_set_admission)
+    # host tier: working-set-aware admission (a no-op unless psa | loopserve + host_tier_gb > 0 + working_set_admission)
     ("sglang.srt.managers.scheduler.Scheduler.get_new_batch_prefill", "AROUND",
      "sglang_sparse.working_set_admission:new_batch_prefill_hook"),
     ("sglang.srt.managers.scheduler.Scheduler.get_num_allocatable_reqs", "AFTER",

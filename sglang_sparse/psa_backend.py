@@ -152,7 +152,11 @@ def install(backend, config: PsaConfig, page_size: int, enable_metrics: bool = F
     base = type(backend)
     methods = {k: v for k, v in vars(PsaDecodeMixin).items() if not k.startswith("__")}
     backend.__class__ = type(f"Psa{base.__name__}", (base,), {**methods, "__module__": __name__, "_psa_base": base})
-    backend._psa_runner = make_runner(config, page_size, model_runner)
+    backend._psa_runner = runner = make_runner(config, page_size, model_runner)
+    if runner.ws is not None:  # the host tier admission's tracker (sglang_sparse.working_set_admission)
+        from sglang_sparse.working_set_admission import WorkingSetSource
+
+        backend.sparse_working_set = WorkingSetSource(runner.ws, int(runner.block_size), int(config.min_context))
     backend._psa_metrics = PsaMetrics() if enable_metrics else None
     backend.sparse_stats = PsaStats()
     backend.sparse_installed_mode = "psa"

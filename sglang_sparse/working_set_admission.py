@@ -1,19 +1,23 @@
 """Working-set-aware admission in SGLang's scheduler (issue #6 item 3; SparseServe §3.3, Alg. 1).
 
-Under ``--sparse psa`` with the host tier (``host_tier_gb > 0``) and ``working_set_admission`` (default
-on), a waiting request joins the running batch only while the summed working sets fit the GPU unit
-cache (``gpu_cache_mb``, in units of one (layer, KV page, KV head) of K and V):
+Under ``--sparse psa`` or ``--sparse loopserve`` with the host tier (``host_tier_gb > 0``) and
+``working_set_admission`` (default on), a waiting request joins the running batch only while the summed
+working sets fit the GPU unit cache (``gpu_cache_mb``, in units of one (layer, KV page, KV head) of K and V):
 
-  * a running request's working set = the units its PSA decode read in its last ``working_set_window``
-    steps (:class:`radix_sparse.working_set_tracker.WorkingSetTracker`, recorded by the PSA runner on
-    the device); a running request that is not tracked (no free slot, no sparse step yet, or decoding
-    densely) counts its whole context;
+  * a running request's working set = the units its sparse decode read in its last ``working_set_window``
+    steps (:class:`radix_sparse.working_set_tracker.WorkingSetTracker`, recorded on the device by the PSA
+    runner, or by the LoopServe runner through :mod:`sglang_sparse.loopserve_ws`); a running request that is
+    not tracked (no free slot, no sparse step yet, or decoding densely) counts its whole context;
   * a waiting request's estimate = its prompt's units x the running tracked requests' mean
     working-set fraction (1.0 while nothing is tracked, and for prompts below ``min_context``, which
     decode densely);
   * the waiting requests are taken in queue order while the sum fits (stop at the first that does
     not: :func:`radix_sparse.working_set.admit`, Alg. 1); when nothing is running, the first is always
     admitted (progress: an oversize request runs alone rather than starving).
+
+The mode's attention backend names its tracker in ``backend.sparse_working_set`` (a :class:`WorkingSetSource`:
+tracker, block size in tokens, ``min_context``), set at install by :mod:`sglang_sparse.psa_backend` and
+:mod:`sglang_sparse.loopserve_backend` when the tracker exists.
 
 How it plugs in (two hooks, listed in :mod:`sglang_sparse.plugin`): AROUND ``Scheduler.get_new_batch_prefill`` computes this
 pass's allowance (how many waiting requests may join) before the stock code runs and clears it
@@ -39,6 +43,22 @@ from radix_sparse.working_set import admit
 
 logger = logging.getLogger("sglang_sparse")
 
+
+
+@dataclass(frozen=True)
+class WorkingSetSource:
+    """What a mode's backend exposes to the admission (``backend.sparse_working_set``): its tracker, the tracker's
+    block in tokens (PSA: its block; LoopServe: the KV page) and the context below which it decodes densely."""
+
+    tracker: object
+    block_size: int
+    min_context: int
+
+    def __post_init__(self):
+        if self.block_size < 1:
+            raise ValueError(f"WorkingSetSource.block_size={self.block_size} is out of range: expected >= 1")
+        if self.min_context < 0:
+            raise ValueError(f"WorkingSetSource.min_context={self.min_context} is out of range: expected >= 0")
 
 
 @dataclass
@@ -164,19 +184,18 @@ def make_admission(scheduler):
     """The scheduler's :class:`WorkingSetAdmission` when the mode serves it, else None."""
     tier = getattr(getattr(scheduler, "tree_cache", None), "tier", None)
     backend = scheduler.tp_worker.model_runner.attn_backend
-    runner = getattr(backend, "_psa_runner", None)
-    tracker = getattr(runner, "ws", None)
-    if tier is None or tracker is None:
+    src = getattr(backend, "sparse_working_set", None)
+    if tier is None or src is None:
         return None
+    tracker = src.tracker
     metrics = AdmissionMetrics() if scheduler.server_args.enable_metrics else None
-    # the unit cache counts (layer, KV page, KV head) units; the tracker (layer, KV head, PSA block) ones
-    capacity = int(tier.pool.cache.capacity) * int(tier.page_size) // int(runner.block_size)
+    # the unit cache counts (layer, KV page, KV head) units; the tracker (layer, KV head, block) ones
+    capacity = int(tier.pool.cache.capacity) * int(tier.page_size) // int(src.block_size)
     adm = WorkingSetAdmission(tracker, capacity_units=capacity,
                               units_per_block=tracker.num_layers * tracker.num_kv_heads,
-                              block_size=int(runner.block_size), min_context=int(runner.cfg.min_context),
-                              metrics=metrics)
-    logger.info("sglang-sparse: working-set admission on: GPU unit cache %d units, window %d, %d tracked slots",
-                adm.capacity, adm.window, tracker.num_slots)
+                              block_size=int(src.block_size), min_context=int(src.min_context), metrics=metrics)
+    logger.info("sglang-sparse: working-set admission on: GPU unit cache %d units, window %d, %d tracked slots, "
+                "block %d tokens", adm.capacity, adm.window, tracker.num_slots, src.block_size)
     return adm
 
 

@@ -70,6 +70,40 @@ def test_gpu_working_set_admission_holds_requests_on_measured_working_sets(tmp_p
     assert ws["tracked_slots"] > 0
 
 
+def test_gpu_loopserve_working_set_admission_holds_requests_on_measured_working_sets(tmp_path_factory):
+    """Issue #6 item 3 under --sparse loopserve on CUDA (FlashInfer, page 16, decode graphs): LoopServe's decode
+    records the tokens it attends as (layer, KV head, page) units through the Triton ws_record_tokens kernel, in
+    eager steps and inside the replayed steady-step graphs; the scheduler holds requests back on those measured
+    working sets, all complete (tests/test_working_set_admission_loopserve_server.py on the CPU)."""
+    import torch
+
+    from tests.test_working_set_admission_loopserve_server import CONFIG
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    log = tmp_path_factory.mktemp("gpu_ws_admission_loopserve") / "server.log"
+    # 16 MiB at page 16 = 4096 units of (layer, page, KV head): one ~480-token context (30 pages x 30 layers x
+    # 3 KV heads = 2700 units) fits, a second only on a measured working set
+    cfg = dict(CONFIG, host_tier_gb=0.5, gpu_cache_mb=16)
+    spec = ServerSpec(python=sys.executable, model=str(DEFAULT_MODEL), device="cuda", port=free_port(),
+                      mode="loopserve", sparse_config=json.dumps(cfg),
+                      extra_args=["--attention-backend", "flashinfer", "--page-size", "16", "--enable-metrics",
+                                  "--mem-fraction-static", "0.2", "--max-total-tokens", "6000",
+                                  "--cuda-graph-max-bs", "4"])
+    server = Server(spec, log, timeout_s=600).start()
+    try:
+        ws = check_admission_under_pressure(server, log)
+        stats = server.server_info()["internal_states"][0]["sparse"]["stats"]
+    finally:
+        server.stop()
+    print("loopserve stats:", stats)
+    assert ws["tracked_slots"] == cfg["working_set_slots"], ws
+    assert stats["sparse_decode_rows"] > 0 and stats["graph_decode_steps"] > 0, stats  # eager and replayed steps
+    text = log.read_text(errors="replace")
+    assert "working-set tracker" in text and "record triton" in text, \
+        [ln for ln in text.splitlines() if "working-set" in ln]
+
+
 def test_gpu_loopserve_lines_travel_with_a_node_evicted_to_the_host(tmp_path_factory):
     """Issue #6 item 1 on CUDA (FlashInfer, page 16, decode graphs): turn 1's LoopServe lines go to the host
     with its evicted radix node and come back with it; turn 2 reuses them (tests/test_host_tier_lines_server.py)."""
