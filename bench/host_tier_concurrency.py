@@ -308,6 +308,7 @@ def run_level(url: str, cfg: BenchConfig, level: int, maker: TextMaker, deadline
     """Run ``level`` conversations at once against one server; returns :func:`summarize_level`'s dict."""
     convs = make_conversations(cfg, level, maker)
     counters0 = scrape_metrics(url, COUNTERS)
+    ws0 = server_working_set(url)
     t0 = time.monotonic()
     with MetricsSampler(url, cfg.poll_s) as sampler, ThreadPoolExecutor(max_workers=level) as pool:
         futs = [pool.submit(run_conversation, url, c, cfg, deadline) for c in convs]
@@ -317,8 +318,19 @@ def run_level(url: str, cfg: BenchConfig, level: int, maker: TextMaker, deadline
     truncated = any(r.get("skipped") for r in results)
     results = [r for r in results if not r.get("skipped")]
     rec = summarize_level(level, results, sampler.samples, t0, t1, counters0, counters1, truncated)
-    rec["working_set"] = server_working_set(url)
+    ws1 = server_working_set(url)
+    rec["working_set"] = ws1
+    rec["working_set_fraction_mean"] = level_fraction_mean(ws0, ws1)
     return rec
+
+
+def level_fraction_mean(ws0: dict | None, ws1: dict | None) -> float | None:
+    """Mean measured working-set fraction of the admission decisions between two ``server_working_set``
+    snapshots (the level's own decisions); None when none of them used a measured working set."""
+    if not ws0 or not ws1 or "working_set_fraction_sum" not in ws1:
+        return None
+    n = ws1.get("measured_decisions", 0) - ws0.get("measured_decisions", 0)
+    return (ws1["working_set_fraction_sum"] - ws0.get("working_set_fraction_sum", 0.0)) / n if n > 0 else None
 
 
 def server_working_set(url: str) -> dict | None:

@@ -74,6 +74,8 @@ class AdmissionStats:
     tracked_requests: int = 0   # running requests with a measured working set at the last decision
     working_set_fraction: float | None = None  # their mean working set / context units
     measured_decisions: int = 0  # decisions that used at least one measured working set
+    working_set_fraction_sum: float = 0.0  # working_set_fraction summed over the measured decisions
+    # (a client's mean over an interval = delta of this sum / delta of measured_decisions)
     peak_planned_units: int = 0  # largest running + admitted estimate of a decision that was not oversize
 
 
@@ -160,6 +162,7 @@ class WorkingSetAdmission:
         st.tracked_requests = sum(s is not None for s in sizes)
         st.working_set_fraction = frac
         st.measured_decisions += int(frac is not None)
+        st.working_set_fraction_sum += frac if frac is not None else 0.0
         st.oversize_admissions += int(oversize)
         if allow and not oversize:
             st.peak_planned_units = max(st.peak_planned_units, used)

@@ -59,6 +59,17 @@ def test_working_set_bound_is_one_over_the_median_measured_fraction():
     assert s["working_set_fraction"] == pytest.approx(0.65)
     assert s["working_set_concurrency_bound"] == pytest.approx(1 / 0.65)
     assert s["per_server"]["dense"]["working_set_fraction"] is None
+    # a level's own mean (from the admission's cumulative sums) takes precedence over the last decision's
+    lv[0]["working_set_fraction_mean"] = 0.2
+    s = conc_stats.aggregate({"psa_host_tier": {"error": None, "levels": lv}}, 1.5)
+    assert s["working_set_fraction"] == pytest.approx(0.35)
+
+
+def test_level_fraction_mean_is_the_mean_over_the_levels_own_decisions():
+    a = {"measured_decisions": 3, "working_set_fraction_sum": 2.4}
+    b = {"measured_decisions": 7, "working_set_fraction_sum": 4.4}
+    assert htc.level_fraction_mean(a, b) == pytest.approx(0.5)
+    assert htc.level_fraction_mean(a, a) is None and htc.level_fraction_mean(None, b) is None
 
 
 def test_aggregate_without_baseline_or_with_given_slo():

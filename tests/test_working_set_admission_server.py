@@ -105,6 +105,8 @@ def check_admission_under_pressure(server, log) -> dict:
     assert all(n == MAX_NEW for _, n in replies.values()), replies  # every request completed in full
     assert ws["decisions"] > 0 and ws["limited"] > 0 and ws["held_requests"] > 0, ws
     assert ws["measured_decisions"] > 0, ws  # decisions used working sets measured by the PSA runner
+    # the cumulative sum a client turns into an interval's mean fraction: each term is in (0, 1]
+    assert 0 < ws["working_set_fraction_sum"] <= ws["measured_decisions"], ws
     assert ws["peak_planned_units"] <= ws["capacity_units"], ws
     assert m["sglang_sparse:ws_admission_held_requests_total"] == ws["held_requests"], (m, ws)
     assert m["sglang_sparse:ws_capacity_units"] == ws["capacity_units"]
