@@ -106,7 +106,8 @@ case $part in
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$rep/gpu.txt"
     cp bench/results/host_tier.json "$rep/host_tier.json"
     step host_tier_concurrency timeout -k 30 "${HTC_TIMEOUT:-540}" python3 bench/host_tier_concurrency.py \
-        --out "$rep/host_tier_concurrency" --merge-into "$rep/host_tier.json" --time-budget "${HTC_BUDGET:-480}"
+        --out "$rep/host_tier_concurrency" --merge-into "$rep/host_tier.json" --time-budget "${HTC_BUDGET:-480}" \
+        ${HTC_ARGS:-}  # e.g. HTC_ARGS="--servers dense,psa_host_tier": three server starts need HTC_BUDGET >= ~420
     ;;
   decode)  # LoopServe / lastwindow decode speed: DEC_STEPS picks (default: pytest_kernels kernel_bench profile;
            # step_bench: bench/loopserve_step_bench.py, the runner's eager step alone)
