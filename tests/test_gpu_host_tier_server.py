@@ -48,6 +48,18 @@ def test_gpu_evicted_prompt_is_loaded_from_host_not_recomputed(gpu_tier_server):
     run_evict_reload(server, log, page_size=16)
 
 
+def _admission_server(tmp_path_factory, tag: str, mode: str, cfg: dict):
+    """A started CUDA server (FlashInfer, page 16, decode graphs up to bs 4, a 6000-token pool) for the admission
+    tests, and its log path."""
+    log = tmp_path_factory.mktemp(tag) / "server.log"
+    spec = ServerSpec(python=sys.executable, model=str(DEFAULT_MODEL), device="cuda", port=free_port(), mode=mode,
+                      sparse_config=json.dumps(cfg),
+                      extra_args=["--attention-backend", "flashinfer", "--page-size", "16", "--enable-metrics",
+                                  "--mem-fraction-static", "0.2", "--max-total-tokens", "6000",
+                                  "--cuda-graph-max-bs", "4"])
+    return Server(spec, log, timeout_s=600).start(), log
+
+
 def test_gpu_working_set_admission_holds_requests_on_measured_working_sets(tmp_path_factory):
     """Issue #6 item 3 on CUDA: PSA decode replays CUDA graphs that record each step's read blocks into the
     working-set tracker; the scheduler holds requests back on those measured working sets, all complete."""
@@ -55,14 +67,8 @@ def test_gpu_working_set_admission_holds_requests_on_measured_working_sets(tmp_p
 
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    log = tmp_path_factory.mktemp("gpu_ws_admission") / "server.log"
     cfg = {"min_context": 256, "host_tier_gb": 0.5, "gpu_cache_mb": 16, "working_set_window": 4}
-    spec = ServerSpec(python=sys.executable, model=str(DEFAULT_MODEL), device="cuda", port=free_port(), mode="psa",
-                      sparse_config=json.dumps(cfg),
-                      extra_args=["--attention-backend", "flashinfer", "--page-size", "16", "--enable-metrics",
-                                  "--mem-fraction-static", "0.2", "--max-total-tokens", "6000",
-                                  "--cuda-graph-max-bs", "4"])
-    server = Server(spec, log, timeout_s=600).start()
+    server, log = _admission_server(tmp_path_factory, "gpu_ws_admission", "psa", cfg)
     try:
         ws = check_admission_under_pressure(server, log)
     finally:
@@ -81,16 +87,10 @@ def test_gpu_loopserve_working_set_admission_holds_requests_on_measured_working_
 
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    log = tmp_path_factory.mktemp("gpu_ws_admission_loopserve") / "server.log"
     # 16 MiB at page 16 = 4096 units of (layer, page, KV head): one ~480-token context (30 pages x 30 layers x
     # 3 KV heads = 2700 units) fits, a second only on a measured working set
     cfg = dict(CONFIG, host_tier_gb=0.5, gpu_cache_mb=16)
-    spec = ServerSpec(python=sys.executable, model=str(DEFAULT_MODEL), device="cuda", port=free_port(),
-                      mode="loopserve", sparse_config=json.dumps(cfg),
-                      extra_args=["--attention-backend", "flashinfer", "--page-size", "16", "--enable-metrics",
-                                  "--mem-fraction-static", "0.2", "--max-total-tokens", "6000",
-                                  "--cuda-graph-max-bs", "4"])
-    server = Server(spec, log, timeout_s=600).start()
+    server, log = _admission_server(tmp_path_factory, "gpu_ws_admission_loopserve", "loopserve", cfg)
     try:
         ws = check_admission_under_pressure(server, log)
         stats = server.server_info()["internal_states"][0]["sparse"]["stats"]
