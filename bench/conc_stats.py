@@ -156,4 +156,6 @@ def aggregate(servers: dict[str, dict], slo_factor: float, tpot_slo_ms: float | 
     frac = h.get("working_set_fraction")
     out["working_set_fraction"] = frac
     out["working_set_concurrency_bound"] = 1.0 / frac if frac else None
+    out["working_set_concurrency_bound_by_server"] = {
+        name: 1.0 / row["working_set_fraction"] for name, row in out["per_server"].items() if row["working_set_fraction"]}
     return out

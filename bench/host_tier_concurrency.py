@@ -87,7 +87,8 @@ from bench.conc_stats import BASELINE, HEADLINE, aggregate, summarize_level  # n
 from bench.prom_metrics import COUNTERS, MetricsSampler, scrape_metrics  # noqa: E402
 
 DEFAULT_MODEL = ROOT / "models" / "SmolLM2-135M-Instruct"
-SERVER_NAMES = ("dense", "psa_host_tier", "hicache")
+SERVER_NAMES = ("dense", "psa_host_tier", "hicache", "loopserve_host_tier")
+DEFAULT_SERVERS = SERVER_NAMES[:3]  # loopserve_host_tier on request (--servers): a working-set measurement
 
 
 def log(msg: str) -> None:
@@ -108,7 +109,7 @@ class BenchConfig:
     device: str = "cuda"
     port: int = 32110
     python: str = sys.executable
-    servers: tuple[str, ...] = SERVER_NAMES
+    servers: tuple[str, ...] = DEFAULT_SERVERS
     levels: tuple[int, ...] = (1, 2, 4, 8, 16, 32)
     turns: int = 3
     first_tokens: int = 5000
@@ -191,6 +192,10 @@ def server_spec(cfg: BenchConfig, name: str) -> ServerSpec:
         mode = "psa"
         sparse_cfg = json.dumps({"min_context": cfg.psa_min_context, "host_tier_gb": host_tier_gb(cfg),
                                  "gpu_cache_mb": cfg.gpu_cache_mb, **block})
+    elif name == "loopserve_host_tier":  # LoopServe's defaults (alpha 0.955, budget 1024) above psa's min_context
+        mode = "loopserve"
+        sparse_cfg = json.dumps({"min_context": cfg.psa_min_context, "host_tier_gb": host_tier_gb(cfg),
+                                 "gpu_cache_mb": cfg.gpu_cache_mb})
     elif name == "hicache":
         own = ["--enable-hierarchical-cache", "--hicache-ratio", str(cfg.host_ratio)]
     return ServerSpec(python=cfg.python, model=cfg.model, device=cfg.device, port=cfg.port, mode=mode,
@@ -440,7 +445,10 @@ def write_outputs(out: Path, cfg: BenchConfig, servers: dict, summary: dict, met
           f"- psa working sets (the admission's tracker, default window of 12 decode steps) / context units of "
           f"the running requests, median over levels: {_f(summary.get('working_set_fraction'), 3)}; ceiling of "
           f"concurrency_ratio_vs_dense for a host tier keeping only working sets on the GPU (1 / that): "
-          f"{_f(summary.get('working_set_concurrency_bound'), 2)}", "",
+          f"{_f(summary.get('working_set_concurrency_bound'), 2)}"
+          + "".join(f"; {n}: fraction {_f(r['working_set_fraction'], 3)}, ceiling {_f(1 / r['working_set_fraction'], 2)}"
+                    for n, r in summary["per_server"].items() if n != HEADLINE and r.get("working_set_fraction")),
+          "",
           "| server | concurrent long requests at SLO | at level | out tok/s there | best out tok/s under SLO | "
           "levels meeting SLO | note |", "|---|---|---|---|---|---|---|"]
     for name, row in summary["per_server"].items():
@@ -492,7 +500,7 @@ def _on_sigterm(signum, frame):
 HEADLINE_KEYS = ("concurrency_ratio_vs_dense", "concurrency_ratio_vs_dense_reason",
                  "hicache_concurrency_ratio_vs_dense", "hicache_concurrency_ratio_vs_dense_reason",
                  "throughput_ratio_vs_dense", "hicache_throughput_ratio_vs_dense",
-                 "working_set_fraction", "working_set_concurrency_bound")
+                 "working_set_fraction", "working_set_concurrency_bound", "working_set_concurrency_bound_by_server")
 
 
 def merge_into(path: Path, summary: dict, cfg: BenchConfig, meta: dict) -> dict:
@@ -534,7 +542,7 @@ def run(cfg: BenchConfig, out: Path, merge_path: Path | None = None, command: st
         f"budget {cfg.time_budget_s:.0f}s; out {out}")
     maker = TextMaker(cfg.model)
     # the headline comparison first: baseline, then psa_host_tier, then hicache (trimmed first if short)
-    order = [n for n in (BASELINE, HEADLINE, "hicache") if n in cfg.servers]
+    order = [n for n in (BASELINE, HEADLINE, "hicache", "loopserve_host_tier") if n in cfg.servers]
     servers: dict[str, dict] = {}
     for i, name in enumerate(order):
         left = cfg.time_budget_s - (time.monotonic() - t_run)

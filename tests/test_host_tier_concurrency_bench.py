@@ -59,6 +59,7 @@ def test_working_set_bound_is_one_over_the_median_measured_fraction():
     assert s["working_set_fraction"] == pytest.approx(0.65)
     assert s["working_set_concurrency_bound"] == pytest.approx(1 / 0.65)
     assert s["per_server"]["dense"]["working_set_fraction"] is None
+    assert s["working_set_concurrency_bound_by_server"] == {"psa_host_tier": pytest.approx(1 / 0.65)}
     # a level's own mean (from the admission's cumulative sums) takes precedence over the last decision's
     lv[0]["working_set_fraction_mean"] = 0.2
     s = conc_stats.aggregate({"psa_host_tier": {"error": None, "levels": lv}}, 1.5)
@@ -114,6 +115,10 @@ def test_server_specs_share_everything_but_the_variant_flags():
     assert psa["min_context"] < cfg.first_tokens  # decode is sparse for the long contexts
     # host capacity = host_ratio x device pool: 2 x 32768 tokens x SmolLM2's 23040 bytes per token
     assert psa["host_tier_gb"] == pytest.approx(2 * 32768 * 23040 / 2**30, abs=1e-3)
+    ls = json.loads(specs["loopserve_host_tier"].sparse_config)
+    assert specs["loopserve_host_tier"].mode == "loopserve" and ls["host_tier_gb"] == psa["host_tier_gb"]
+    assert ls["min_context"] == psa["min_context"] and ls["gpu_cache_mb"] == psa["gpu_cache_mb"]
+    assert "loopserve_host_tier" not in htc.BenchConfig().servers  # on request only
     with pytest.raises(ValueError):
         htc.BenchConfig(servers=("dense", "bogus"))
     with pytest.raises(ValueError):
