@@ -10,7 +10,7 @@ import os
 
 import pytest
 
-from bench import conc_stats, prom_metrics
+from bench import conc_report, conc_stats, prom_metrics
 from bench import host_tier_concurrency as htc
 from tests.serverproc import free_port
 
@@ -132,7 +132,7 @@ def test_merge_into_keeps_existing_fields(tmp_path):
     servers = {"dense": {"error": None, "levels": [_level(1, 10.0, 11.0, 2)]},
                "psa_host_tier": {"error": None, "levels": [_level(1, 10.0, 11.0, 3)]}}
     summary = conc_stats.aggregate(servers, 1.5)
-    doc = htc.merge_into(path, summary, htc.BenchConfig(), {"command": "c", "device": "H100"})
+    doc = conc_report.merge_into(path, summary, htc.BenchConfig(), {"command": "c", "device": "H100"})
     again = json.loads(path.read_text())
     assert again == json.loads(json.dumps(doc, default=str))
     assert again["gpu"] == "H100" and again["gather_fraction_of_h2d"] == 0.9 and again["results"] == [1, 2]
