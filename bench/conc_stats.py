@@ -126,9 +126,8 @@ def aggregate(servers: dict[str, dict], slo_factor: float, tpot_slo_ms: float | 
                                              f"no level meets TPOT p90 <= {slo:.2f} ms with all requests ok"))
             row.update(concurrent_at_slo=None, best_level=None, output_tok_s_at_best=None,
                        max_output_tok_s_at_slo=None, reason=why)
-        # per level: the mean over the level's measured admission decisions (else the last decision's)
-        fr = sorted(f for f in (r.get("working_set_fraction_mean", (r.get("working_set") or {}).get(
-            "working_set_fraction")) for r in levels) if isinstance(f, (int, float)) and f > 0)
+        # per level: the mean over the level's own measured admission decisions (None when it had none)
+        fr = sorted(f for f in (r.get("working_set_fraction_mean") for r in levels) if f)
         row["working_set_fraction"] = statistics.median(fr) if fr else None
         out["per_server"][name] = row
     b = out["per_server"].get(baseline)

@@ -18,22 +18,14 @@ from __future__ import annotations
 
 import random
 
-from bench.report import last_turns
-from bench.tasks import HEADLINE_MAX_WORDS, POSITIONS, Preset
+from bench.conc_stats import percentile
+from bench.report import headline_rows
+from bench.tasks import POSITIONS, Preset
 
 
 def headline_scores(rec: dict, preset: Preset) -> dict[str, tuple[str, float]]:
     """``{task_id: (question position, last-turn score)}`` of the headline tasks of one mode's raw record."""
-    return {r["task_id"]: (r["task_position"], float(r["score"])) for r in last_turns(rec)
-            if r["kind"] in preset.accuracy_kinds and r["words"] <= HEADLINE_MAX_WORDS}
-
-
-def _percentile(xs: list[float], q: float) -> float:
-    s = sorted(xs)
-    pos = (len(s) - 1) * q
-    lo = int(pos)
-    hi = min(lo + 1, len(s) - 1)
-    return s[lo] + (s[hi] - s[lo]) * (pos - lo)
+    return {r["task_id"]: (r["task_position"], float(r["score"])) for r in headline_rows(rec, preset)}
 
 
 def paired_by_position(dense_rec: dict, mode_rec: dict, preset: Preset, n_boot: int = 2000,
@@ -59,5 +51,5 @@ def paired_by_position(dense_rec: dict, mode_rec: dict, preset: Preset, n_boot: 
         out[pos] = {"n": len(pairs), "dense_score": ds, "mode_score": ms,
                     "mode_only": sum(b > a for a, b in pairs), "dense_only": sum(a > b for a, b in pairs),
                     "ratio": ms / ds if ds > 0 else None,
-                    "ratio_ci95": [_percentile(boot, 0.025), _percentile(boot, 0.975)] if boot else None}
+                    "ratio_ci95": [percentile(boot, 2.5), percentile(boot, 97.5)] if boot else None}
     return out

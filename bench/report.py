@@ -37,9 +37,14 @@ def last_turns(rec: dict) -> list[dict]:
     return out
 
 
+def headline_rows(rec: dict, preset: Preset) -> list[dict]:
+    """The scored turns of the headline tasks: the accuracy kinds at validated (short) lengths."""
+    return [r for r in last_turns(rec) if r["kind"] in preset.accuracy_kinds and r["words"] <= HEADLINE_MAX_WORDS]
+
+
 def headline(rec: dict, preset: Preset) -> dict:
-    """accuracy_by_position over the accuracy kinds at validated (short) lengths."""
-    rows = [r for r in last_turns(rec) if r["kind"] in preset.accuracy_kinds and r["words"] <= HEADLINE_MAX_WORDS]
+    """accuracy_by_position over :func:`headline_rows`."""
+    rows = headline_rows(rec, preset)
     acc = {p: _mean(r["score"] for r in rows if r["task_position"] == p) for p in POSITIONS}
     return {"tasks": len(rows), "accuracy_by_position": acc}
 

@@ -25,7 +25,7 @@ through an injected fused kernel (``record_kernel``; the PSA runner passes
 buffers (a few torch ops); no allocation, no sync either way. :meth:`record_tokens` takes a selector that names
 tokens instead (LoopServe: per-(row, KV head) token lists) and marks each listed token's block (``token //
 block_size``), through an injected ``token_record_kernel`` (the LoopServe runner passes
-:func:`flashinfer_ext.ws_record.ws_record_tokens` on CUDA) or a torch path that allocates (CPU reference path).
+:func:`flashinfer_ext.ws_record.ws_record_tokens` on its kernel path, its torch reference on the CPU reference path).
 
 Cautions: a request whose steps were not recorded (untracked: no free slot, or dense decode through
 the stock kernel) has size ``None`` from :meth:`sizes`; callers count its whole context.
@@ -75,7 +75,7 @@ class WorkingSetTracker:
         # torch path below, whose index buffers are only allocated then
         self.record_kernel = record_kernel
         # token_record_kernel(stamp, lists, lens, base, row_step, layer_off, block_size=, max_blocks=): the contract
-        # of flashinfer_ext.ws_record.ws_record_tokens; None = record_tokens' torch path
+        # of flashinfer_ext.ws_record.ws_record_tokens (or its torch reference); required by record_tokens
         self.token_record_kernel = token_record_kernel
         n = 0 if record_kernel is not None or not order_buffers else max_batch_size * num_kv_heads * max_blocks
         self._rank_buf = torch.arange(max_blocks, dtype=torch.int32, device=dev)
@@ -128,10 +128,12 @@ class WorkingSetTracker:
             if s is not None:
                 self._free.append(s)
 
-    def plan_rows(self, slots: Sequence[int], num_cols: int, pad_to: int | None = None) -> None:
+    def plan_rows(self, slots: Sequence[int], num_cols: int | None = None, pad_to: int | None = None) -> None:
         """Copy the rows' slots into ``slot_buf`` (rows ``len(slots)..pad_to`` -> trash) and fix the width
-        ``num_cols`` (<= ``max_blocks``) of the rank orders :meth:`record` will get."""
+        ``num_cols`` (<= ``max_blocks``; None: ``max_blocks``, e.g. for :meth:`record_tokens`, which takes no rank
+        orders) of the rank orders :meth:`record` will get."""
         bs = len(slots) if pad_to is None else pad_to
+        num_cols = self.max_blocks if num_cols is None else num_cols
         if not len(slots) <= bs <= self.max_batch_size or not 0 < num_cols <= self.max_blocks:
             raise ValueError(f"plan_rows: {len(slots)} rows (pad {pad_to}) / {num_cols} columns exceed the "
                              f"tracker's max_batch_size {self.max_batch_size} / max_blocks {self.max_blocks}")
@@ -188,19 +190,10 @@ class WorkingSetTracker:
         if lists.shape[:2] != (bs, h) or (lens is not None and lens.shape != (bs, h)):
             raise ValueError(f"record_tokens: lists {tuple(lists.shape)} / lens "
                              f"{None if lens is None else tuple(lens.shape)} do not match the plan ({bs}, {h})")
-        args = (self.stamp_buf, lists, lens, self._base_buf[:bs], self._row_step_buf[:bs], layer * h * self._cols)
-        if self.token_record_kernel is not None:
-            self.token_record_kernel(*args, block_size=block_size, max_blocks=self.max_blocks)
-            return
-        w = lists.shape[2]
-        tok = lists.to(torch.int64)
-        col = torch.div(tok, block_size, rounding_mode="floor")
-        valid = (tok >= 0) & (col < self.max_blocks)
-        if lens is not None:
-            valid &= torch.arange(w, device=lists.device).view(1, 1, w) < lens.view(bs, h, 1)
-        col = torch.where(valid, col, self.max_blocks)  # the trash column
-        idx = col + self._base_buf[:bs].view(bs, h, 1) + layer * h * self._cols
-        self.stamp_buf.view(-1).index_put_((idx,), self._row_step_buf[:bs].view(bs, 1, 1).expand(bs, h, w))
+        if self.token_record_kernel is None:
+            raise RuntimeError("record_tokens: this tracker was built without a token_record_kernel")
+        self.token_record_kernel(self.stamp_buf, lists, lens, self._base_buf[:bs], self._row_step_buf[:bs],
+                                 layer * h * self._cols, block_size=block_size, max_blocks=self.max_blocks)
 
     def record_rows(self, layer: int, rows: torch.Tensor, order: torch.Tensor, nread: torch.Tensor) -> None:
         """Eager variant for a subset of the planned rows (e.g. the CPU reference's sparse rows):

@@ -56,8 +56,7 @@ class LoopServeWorkingSet:
         (``None`` for rows without a request: the trash slot), ``pad_to`` the padded row count of a graph."""
         tr = self.tracker
         keyed = any(r is not None for r in rids)  # a capture (no requests) keeps every slot
-        # record_tokens takes no rank order: the order width is irrelevant, the tracker's maximum keeps plan_rows happy
-        tr.plan_rows(tr.assign(rids, release_absent=keyed), tr.max_blocks, pad_to=pad_to)
+        tr.plan_rows(tr.assign(rids, release_absent=keyed), pad_to=pad_to)
         tr.begin_step()
         self.active = True
 
@@ -79,13 +78,14 @@ def make_working_set(config, page_size: int, shape, model_runner, device, use_ke
     rtt = model_runner.req_to_token_pool
     max_bs = int(rtt.size)
     block = max(1, int(page_size))
-    kernel = None
-    if use_kernels:
-        from flashinfer_ext.ws_record import ws_record_tokens as kernel  # one launch per layer
+    from flashinfer_ext.ws_record import ws_record_tokens, ws_record_tokens_reference
+
+    # the Triton kernel (one launch per layer, graph-safe) on the kernel path, its torch reference otherwise
+    kernel = ws_record_tokens if use_kernels else ws_record_tokens_reference
     tracker = WorkingSetTracker(num_slots=min(int(config.working_set_slots), max_bs), num_layers=shape.num_layers,
                                 num_kv_heads=shape.num_kv_heads, max_blocks=-(-rtt.req_to_token.shape[1] // block),
                                 window=int(config.working_set_window), max_batch_size=max_bs, device=device,
                                 token_record_kernel=kernel, order_buffers=False)
     logger.info("sglang-sparse loopserve: working-set tracker %.1f MiB (%d slots, window %d, block %d, record %s)",
-                tracker.nbytes / 2**20, tracker.num_slots, tracker.window, block, "triton" if kernel else "torch")
+                tracker.nbytes / 2**20, tracker.num_slots, tracker.window, block, "triton" if use_kernels else "torch")
     return LoopServeWorkingSet(tracker, block, int(config.min_context))

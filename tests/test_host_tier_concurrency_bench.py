@@ -49,21 +49,17 @@ def test_aggregate_slo_capacity_and_ratios():
 
 def test_working_set_bound_is_one_over_the_median_measured_fraction():
     """The ceiling of the concurrency ratio for a host tier keeping only working sets on the GPU: 1 / the
-    median over levels of the admission's measured working-set fraction; levels without one are skipped."""
+    median over levels of each level's mean measured working-set fraction; levels without one are skipped."""
     lv = [_level(1, 10.0, 11.0, 1), _level(2, 10.0, 11.0, 2), _level(4, 10.0, 11.0, 4), _level(8, 10.0, 11.0, 4)]
-    for r, ws in zip(lv, ({"working_set_fraction": 0.8}, {"working_set_fraction": None}, None,
-                          {"working_set_fraction": 0.5})):
-        r["working_set"] = ws
+    for r, f in zip(lv, (0.8, None, None, 0.5)):
+        r["working_set_fraction_mean"] = f
+    lv[2]["working_set"] = {"working_set_fraction": 0.01}  # the last decision's own fraction is not used
     s = conc_stats.aggregate({"dense": {"error": None, "levels": [_level(1, 10.0, 11.0, 1)]},
                               "psa_host_tier": {"error": None, "levels": lv}}, 1.5)
     assert s["working_set_fraction"] == pytest.approx(0.65)
     assert s["working_set_concurrency_bound"] == pytest.approx(1 / 0.65)
     assert s["per_server"]["dense"]["working_set_fraction"] is None
     assert s["working_set_concurrency_bound_by_server"] == {"psa_host_tier": pytest.approx(1 / 0.65)}
-    # a level's own mean (from the admission's cumulative sums) takes precedence over the last decision's
-    lv[0]["working_set_fraction_mean"] = 0.2
-    s = conc_stats.aggregate({"psa_host_tier": {"error": None, "levels": lv}}, 1.5)
-    assert s["working_set_fraction"] == pytest.approx(0.35)
 
 
 def test_level_fraction_mean_is_the_mean_over_the_levels_own_decisions():

@@ -13,7 +13,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from flashinfer_ext.ws_record import ws_record_tokens
+from flashinfer_ext.ws_record import ws_record_tokens, ws_record_tokens_reference
 from radix_sparse.working_set_tracker import WorkingSetTracker
 from sglang_sparse.loopserve_graph import LoopServeGraphs
 from sglang_sparse.loopserve_runner import LoopServeRunner
@@ -32,7 +32,7 @@ def _runner(case, use_kernels, block_size, all_topb=True):
     runner = LoopServeRunner(cfg, shape, torch.device("cpu"), use_kernels=use_kernels)
     tracker = WorkingSetTracker(num_slots=4, num_layers=L, num_kv_heads=HK,
                                 max_blocks=-(-pool.req_to_token.shape[1] // block_size), window=4,
-                                max_batch_size=MAX_BS, token_record_kernel=ws_record_tokens if use_kernels else None,
+                                max_batch_size=MAX_BS, token_record_kernel=ws_record_tokens if use_kernels else ws_record_tokens_reference,
                                 order_buffers=False)
     runner.ws = LoopServeWorkingSet(tracker, block_size, min_context=0)
     return runner, SimpleNamespace(backend=backend, fb=fb, reqs=reqs, q3=q3, pool=pool)
