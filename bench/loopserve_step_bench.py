@@ -40,7 +40,13 @@ if __package__ in (None, ""):  # run as a script: the repository root on the pat
 
 # (name, layers, qo heads, kv heads, head dim, batch, context, budget, lines per kind)
 CASES = [("smollm2_b1", 30, 9, 3, 64, 1, 2700, 64, 64), ("smollm2_b8", 30, 9, 3, 64, 8, 2700, 64, 64),
-         ("llama8b_b8_32k", 32, 32, 8, 128, 8, 32768, 1024, 256)]
+         ("llama8b_b8_32k", 32, 32, 8, 128, 8, 32768, 1024, 256),
+         ("llama8b_b1_32k", 32, 32, 8, 128, 1, 32768, 1024, 256),
+         ("llama8b_b1_128k", 32, 32, 8, 128, 1, 131072, 1024, 256)]
+# kinds: a re-selecting step (its LSE pass split into key spans where lse_splits says so), the same step with
+# the one-program-per-row-block LSE pass ("selecting_unsplit": the code before the split, for the ratio), and a
+# steady step
+KINDS = ("selecting", "selecting_unsplit", "steady")
 SMOKE = [("smoke", 2, 4, 2, 64, 2, 300, 16, 8)]
 
 
@@ -74,7 +80,8 @@ def build(case, kind: str, dev: torch.device, seed: int = 0):
         token_to_kv_pool=SimpleNamespace(get_key_buffer=lambda i: k_bufs[i], get_value_buffer=lambda i: v_bufs[i]),
         req_to_token_pool=SimpleNamespace(req_to_token=rtt))
     cfg = LoopServeConfig(n_d=16, budget=budget, sink_tokens=4, min_context=128)
-    n_o = 5 if kind == "selecting" else 20  # generated tokens: initial top-B phase vs between re-selections
+    selecting = kind.startswith("selecting")
+    n_o = 5 if selecting else 20  # generated tokens: initial top-B phase vs between re-selections
     plen = ctx - n_o
     reqs = []
     for b in range(batch):
@@ -88,7 +95,7 @@ def build(case, kind: str, dev: torch.device, seed: int = 0):
                       acc=torch.zeros(STEP_COLS, device=dev),
                       ring=torch.randn(n_l, cfg.n_d, hq, d, device=dev, generator=g, dtype=dt),
                       ring_lo=plen - cfg.n_d, prefill_done=True, lines=(v_idx, v_cnt, s_idx, s_cnt),
-                      since=0 if kind == "selecting" else plen + 16)
+                      since=0 if selecting else plen + 16)
         if kind == "steady":
             st.topb = torch.randint(0, plen, (n_l, hk, budget), device=dev, generator=g, dtype=torch.int32)
         reqs.append(SimpleNamespace(sampling_params=SimpleNamespace(custom_params=None), origin_input_ids=[0] * plen,
@@ -97,6 +104,10 @@ def build(case, kind: str, dev: torch.device, seed: int = 0):
                          seq_lens_cpu=torch.full((batch,), ctx), req_pool_indices=torch.arange(batch, device=dev))
     runner = LoopServeRunner(cfg, SimpleNamespace(num_layers=n_l, num_kv_heads=hk, num_qo_heads=hq, head_dim=d),
                              dev, use_kernels=True)
+    if kind == "selecting_unsplit":
+        runner.lse_min_split_keys = 1 << 62  # never split the LSE pass
+    elif dev.type != "cuda":  # the smoke case: short spans, so that the split path runs under the interpreter
+        runner.lse_min_split_keys = 64
     q3 = torch.randn(batch, hq, d, device=dev, generator=g, dtype=dt)
     layers = [SimpleNamespace(layer_id=i, scaling=d ** -0.5) for i in range(n_l)]
     o3 = torch.empty_like(q3)
@@ -122,8 +133,8 @@ def measure(case, kind: str, dev: torch.device, iters: int) -> dict:
     for _ in range(3):  # warm-up (Triton compiles, allocator caches)
         step()
     _sync(dev)
-    assert runner.dec is not None and any(runner.dec["fire"]) == (kind == "selecting")
-    out = {}
+    assert runner.dec is not None and any(runner.dec["fire"]) == kind.startswith("selecting")
+    out = {"lse_splits": runner.dec["sel"]["num_splits"] if runner.dec["sel"] is not None else None}
     for name, fn in (("plan", plan), ("step", step)):
         walls, hosts = [], []
         for _ in range(iters):
@@ -151,6 +162,8 @@ def measure(case, kind: str, dev: torch.device, iters: int) -> dict:
         out["gpu_kernel_ms"] = sum(getattr(e, "self_device_time_total", 0.0) for e in ev) / 1e3  # each kernel once
         top = sorted(ev, key=lambda e: e.self_cpu_time_total, reverse=True)[:12]
         out["top_cpu_self_us"] = {e.key: round(e.self_cpu_time_total, 1) for e in top}
+        gpu = sorted(ev, key=lambda e: getattr(e, "self_device_time_total", 0.0), reverse=True)[:8]
+        out["top_gpu_us"] = {e.key[:60]: round(getattr(e, "self_device_time_total", 0.0), 1) for e in gpu}
     return out
 
 
@@ -167,7 +180,7 @@ def main(argv=None) -> int:
     cases = SMOKE if args.smoke else CASES
     rows = []
     for case in cases:
-        for kind in ("selecting", "steady"):
+        for kind in KINDS:
             t0 = time.time()
             r = measure(case, kind, dev, 2 if args.smoke else args.iters)
             rows.append(dict(case=case[0], layers=case[1], qo_heads=case[2], kv_heads=case[3], head_dim=case[4],
@@ -182,12 +195,23 @@ def main(argv=None) -> int:
              f"- command: `{meta['command']}`", f"- device: {meta['gpu'] or 'cpu (smoke, no claim)'}; torch "
              f"{meta['torch']}", "- step = begin_batch + decode of every layer, synced; host = until the last call "
              "returns; plan = begin_batch alone", "",
-             "| case | kind | layers | batch | context | budget | step ms | host ms | plan ms | launches | GPU kernel ms |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| case | kind | layers | batch | context | budget | LSE spans | step ms | host ms | plan ms | launches "
+             "| GPU kernel ms |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['case']} | {r['kind']} | {r['layers']} | {r['batch']} | {r['context']} | {r['budget']} | "
-                     f"{r['step_ms']:.2f} | {r['host_ms']:.2f} | {r['plan_ms']:.2f} | {r.get('launches', '')} | "
-                     f"{r.get('gpu_kernel_ms', float('nan')):.2f} |")
+                     f"{r['lse_splits'] or ''} | {r['step_ms']:.2f} | {r['host_ms']:.2f} | {r['plan_ms']:.2f} | "
+                     f"{r.get('launches', '')} | {r.get('gpu_kernel_ms', float('nan')):.2f} |")
+    by = {(r["case"], r["kind"]): r for r in rows}
+    ratios = [(c[0], by[(c[0], "selecting_unsplit")]["step_ms"] / by[(c[0], "selecting")]["step_ms"])
+              for c in cases if (c[0], "selecting") in by and (c[0], "selecting_unsplit") in by]
+    if ratios:
+        lines += ["", "Re-selecting step, unsplit / split LSE pass (same run): " +
+                  ", ".join(f"{name} {x:.2f}x" for name, x in ratios)]
+    for r in rows:
+        if r.get("top_gpu_us"):
+            lines += ["", f"GPU time by kernel, {r['case']} {r['kind']} (us, one step): " +
+                      "; ".join(f"`{k}` {v}" for k, v in r["top_gpu_us"].items())]
     (args.out / "loopserve_step.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0

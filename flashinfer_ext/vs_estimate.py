@@ -93,14 +93,15 @@ def _scores(q, k_ptr, stride_ks, stride_kh, h, slot, kvalid, sm_scale_log2,
 
 
 @triton.jit
-def _rows_lse(q, pos, k_ptr, stride_ks, stride_kh, h, slots_ptr, sm_scale_log2, ROWS: tl.constexpr,
-              BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, DOT_FP32: tl.constexpr):
-    """Base-2 log-sum-exp ``[ROWS]`` of packed query rows ``q`` at positions ``pos`` (-1: padding row,
-    gives ``+inf``) over the causal keys of ``slots_ptr`` (flash-style running max / sum)."""
-    hi = tl.max(pos, axis=0) + 1
+def _rows_ml(q, pos, k_ptr, stride_ks, stride_kh, h, slots_ptr, sm_scale_log2, k_lo, k_hi, ROWS: tl.constexpr,
+             BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, DOT_FP32: tl.constexpr):
+    """Running base-2 max ``m`` and sum ``l`` (``[ROWS]`` each, flash-style) of packed query rows ``q`` at
+    positions ``pos`` (-1: padding row) over the causal keys in ``[k_lo, k_hi)`` of ``slots_ptr``; a row
+    with no key in the range gives ``(-inf, 0)``. ``k_lo`` must be a multiple of ``BLOCK_N``."""
+    hi = tl.minimum(tl.max(pos, axis=0) + 1, k_hi)
     m_i = tl.full([ROWS], float("-inf"), tl.float32)
     l_i = tl.zeros([ROWS], tl.float32)
-    for n0 in range(0, hi, BLOCK_N):
+    for n0 in range(k_lo, hi, BLOCK_N):
         kp = n0 + tl.arange(0, BLOCK_N)
         kvalid = kp < hi
         slot = tl.load(slots_ptr + kp, mask=kvalid, other=0).to(tl.int64)
@@ -110,6 +111,16 @@ def _rows_lse(q, pos, k_ptr, stride_ks, stride_kh, h, slots_ptr, sm_scale_log2, 
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         l_i = l_i * tl.exp2(m_i - m_safe) + tl.sum(tl.exp2(s - m_safe[:, None]), axis=1)
         m_i = m_new
+    return m_i, l_i
+
+
+@triton.jit
+def _rows_lse(q, pos, k_ptr, stride_ks, stride_kh, h, slots_ptr, sm_scale_log2, ROWS: tl.constexpr,
+              BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, DOT_FP32: tl.constexpr):
+    """Base-2 log-sum-exp ``[ROWS]`` of packed query rows ``q`` at positions ``pos`` (-1: padding row,
+    gives ``+inf``) over the causal keys of ``slots_ptr`` (flash-style running max / sum)."""
+    m_i, l_i = _rows_ml(q, pos, k_ptr, stride_ks, stride_kh, h, slots_ptr, sm_scale_log2, 0, 1 << 62, ROWS,
+                        BLOCK_N, HEAD_DIM, D_PAD, DOT_FP32)
     return tl.where(l_i > 0, m_i + tl.log2(tl.maximum(l_i, 1e-30)), float("inf"))
 
 

@@ -16,7 +16,9 @@ selection needs none), so no atomics and a deterministic result.
 
 Two launches: ``_batched_lse_kernel`` (grid ``[num_reqs, Hk, row blocks]``) then
 ``_batched_vsum_kernel`` (grid ``[num_reqs, Hk, key blocks of max_len]``, every output entry written:
-no zero-fill). The per-row LSE and per-block probabilities reuse the jit helpers of
+no zero-fill). With ``num_splits > 1`` (long contexts, few requests: :func:`lse_splits`) the LSE pass is
+``_batched_lse_split_kernel`` (grid ``[num_reqs, Hk, row blocks x spans]``: each program walks one span of
+the keys) + ``_lse_merge_kernel``, three launches. The per-row LSE and per-block probabilities reuse the jit helpers of
 :mod:`flashinfer_ext.vs_estimate`. :func:`decode_topb_batched` (pure torch, one ``topk``) turns
 ``v_sum`` into per-request top-B lists.
 
@@ -37,10 +39,15 @@ import torch
 import triton
 import triton.language as tl
 
-from .vs_estimate import _group_probs, _load_q, _rows_lse, check_heads, launch_meta
+from .vs_estimate import _group_probs, _load_q, _rows_lse, _rows_ml, check_heads, launch_meta
 
 __all__ = ["vertical_sums_batched", "vertical_sums_batched_reference", "decode_topb_batched", "decode_topb_masks",
-           "decode_topb_masked", "qo_indptr_of"]
+           "decode_topb_masked", "qo_indptr_of", "lse_splits"]
+
+# the key-split LSE (lse_splits): at most this many spans, each at least MIN_SPLIT_KEYS keys (shorter walks are
+# latency-cheap already, and the merge launch would cost more than it saves)
+MAX_LSE_SPLITS = 32
+MIN_SPLIT_KEYS = 4096
 
 
 @triton.jit
@@ -61,6 +68,55 @@ def _batched_lse_kernel(q_ptr, stride_qr, stride_qh, pos_ptr, indptr_ptr, k_ptr,
         lse = _rows_lse(q, pos, k_ptr, stride_ks, stride_kh, h, slots_ptr, sm_scale_log2, G_PAD * BLOCK_R,
                         BLOCK_N, HEAD_DIM, D_PAD, DOT_FP32)
         tl.store(lse_ptr + (h * GROUP + g) * stride_lh + start + r, lse, mask=rvalid)
+
+
+@triton.jit
+def _batched_lse_split_kernel(q_ptr, stride_qr, stride_qh, pos_ptr, indptr_ptr, k_ptr, stride_ks, stride_kh,
+                              rtt_ptr, stride_rtt, rpi_ptr, part_ptr, stride_pp, stride_ps, stride_ph, sm_scale_log2,
+                              num_splits, split_len,
+                              GROUP: tl.constexpr, G_PAD: tl.constexpr, BLOCK_R: tl.constexpr,
+                              BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
+                              DOT_FP32: tl.constexpr):
+    """One key span ``[sp * split_len, (sp + 1) * split_len)`` of a row block's LSE: the running max / sum
+    into ``part [2, num_splits, Hq, R_total]`` (merged by ``_lse_merge_kernel``)."""
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    r0 = (tl.program_id(2) // num_splits) * BLOCK_R
+    sp = tl.program_id(2) % num_splits
+    start = tl.load(indptr_ptr + b).to(tl.int64)
+    n_rows = tl.load(indptr_ptr + b + 1).to(tl.int64) - start
+    if r0 < n_rows:
+        slots_ptr = rtt_ptr + tl.load(rpi_ptr + b).to(tl.int64) * stride_rtt
+        q, g, r, rvalid = _load_q(q_ptr + start * stride_qr, stride_qr, stride_qh, h, r0, n_rows, GROUP, G_PAD,
+                                  BLOCK_R, HEAD_DIM, D_PAD)
+        pos = tl.load(pos_ptr + start + r, mask=rvalid, other=-1).to(tl.int64)
+        k_lo = sp.to(tl.int64) * split_len
+        m_i, l_i = _rows_ml(q, pos, k_ptr, stride_ks, stride_kh, h, slots_ptr, sm_scale_log2, k_lo, k_lo + split_len,
+                            G_PAD * BLOCK_R, BLOCK_N, HEAD_DIM, D_PAD, DOT_FP32)
+        off = sp * stride_ps + (h * GROUP + g) * stride_ph + start + r
+        tl.store(part_ptr + off, m_i, mask=rvalid)
+        tl.store(part_ptr + stride_pp + off, l_i, mask=rvalid)
+
+
+@triton.jit
+def _lse_merge_kernel(part_ptr, stride_pp, stride_ps, stride_ph, lse_ptr, stride_lh, r_total, num_splits,
+                      BLOCK: tl.constexpr):
+    """``lse [Hq, R_total]`` (base 2; ``+inf`` for a row without keys, as ``_rows_lse``) from the spans'
+    running maxima / sums."""
+    hq = tl.program_id(0)
+    r = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = r < r_total
+    base = part_ptr + hq * stride_ph + r
+    m = tl.full([BLOCK], float("-inf"), tl.float32)
+    for sp in range(0, num_splits):
+        m = tl.maximum(m, tl.load(base + sp * stride_ps, mask=ok, other=float("-inf")))
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    l_tot = tl.zeros([BLOCK], tl.float32)
+    for sp in range(0, num_splits):
+        m_s = tl.load(base + sp * stride_ps, mask=ok, other=float("-inf"))
+        l_tot += tl.load(base + stride_pp + sp * stride_ps, mask=ok, other=0.0) * tl.exp2(m_s - m_safe)
+    lse = tl.where(l_tot > 0, m + tl.log2(tl.maximum(l_tot, 1e-30)), float("inf"))
+    tl.store(lse_ptr + hq * stride_lh + r, lse, mask=ok)
 
 
 @triton.jit
@@ -103,7 +159,8 @@ def vertical_sums_batched(q_rows: torch.Tensor, q_pos: torch.Tensor, q_req: torc
                           req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor,
                           max_len: int, *, sm_scale: float, out: torch.Tensor | None = None,
                           qo_indptr: torch.Tensor | None = None, max_qo_len: int | None = None,
-                          lse_buf: torch.Tensor | None = None, block_r: int = 16, block_n: int = 64) -> torch.Tensor:
+                          lse_buf: torch.Tensor | None = None, block_r: int = 16, block_n: int = 64,
+                          num_splits: int = 1, lse_part_buf: torch.Tensor | None = None) -> torch.Tensor:
     """Per-request, per-KV-head vertical sums of the rows' causal softmax attention (module docstring).
 
     Args:
@@ -120,8 +177,12 @@ def vertical_sums_batched(q_rows: torch.Tensor, q_pos: torch.Tensor, q_req: torc
       qo_indptr: optional ``[num_reqs + 1]`` int32 row offsets (else computed from ``q_req`` on the device).
       max_qo_len: optional host bound on the rows of one request (sizes the first grid).
       lse_buf: optional preallocated ``[num_qo_heads, >= R_total]`` fp32 scratch (the rows' LSE).
-    Returns ``v_sum [num_reqs, num_kv_heads, max_len]`` fp32 (a view of ``out`` if given). Two launches,
-    no host sync.
+      num_splits: host int >= 1: the LSE pass walks the keys in this many spans on separate programs and
+        merges them (one more launch; :func:`lse_splits` picks it); 1 = one program walks all keys.
+      lse_part_buf: optional preallocated ``[2, >= num_splits, num_qo_heads, >= R_total]`` fp32 scratch of
+        the spans' running maxima / sums (``num_splits > 1`` only).
+    Returns ``v_sum [num_reqs, num_kv_heads, max_len]`` fp32 (a view of ``out`` if given). Two launches
+    (three with ``num_splits > 1``), no host sync.
     """
     r_total, hq, d = q_rows.shape
     hk = k_buffer.shape[1]
@@ -151,14 +212,46 @@ def vertical_sums_batched(q_rows: torch.Tensor, q_pos: torch.Tensor, q_req: torc
         raise ValueError(f"lse_buf must be [{hq}, >= {r_total}] fp32 with a contiguous last dim")
     q_pos = q_pos.contiguous()
     rows = r_total if max_qo_len is None else max(min(max_qo_len, r_total), 1)
-    _batched_lse_kernel[(n_req, hk, triton.cdiv(rows, meta["BLOCK_R"]))](
-        q_rows, q_rows.stride(0), q_rows.stride(1), q_pos, qo_indptr, k_buffer, k_buffer.stride(0),
-        k_buffer.stride(1), req_to_token, req_to_token.stride(0), req_pool_indices, lse, lse.stride(0), scale, **meta)
+    row_blocks = triton.cdiv(rows, meta["BLOCK_R"])
+    if num_splits < 1:
+        raise ValueError(f"num_splits={num_splits} is out of range: expected an integer >= 1")
+    split_len = triton.cdiv(triton.cdiv(max_len, num_splits), block_n) * block_n
+    num_splits = triton.cdiv(max_len, split_len)  # spans of whole key blocks; never an empty one
+    if num_splits == 1:
+        _batched_lse_kernel[(n_req, hk, row_blocks)](
+            q_rows, q_rows.stride(0), q_rows.stride(1), q_pos, qo_indptr, k_buffer, k_buffer.stride(0),
+            k_buffer.stride(1), req_to_token, req_to_token.stride(0), req_pool_indices, lse, lse.stride(0), scale,
+            **meta)
+    else:
+        part = lse_part_buf if lse_part_buf is not None else \
+            torch.empty(2, num_splits, hq, r_total, dtype=torch.float32, device=q_rows.device)
+        if part.dtype != torch.float32 or part.dim() != 4 or part.shape[0] != 2 or part.shape[1] < num_splits \
+                or part.shape[2] != hq or part.shape[3] < r_total or part.stride(3) != 1:
+            raise ValueError(f"lse_part_buf must be [2, >= {num_splits}, {hq}, >= {r_total}] fp32 with a contiguous "
+                             "last dim")
+        _batched_lse_split_kernel[(n_req, hk, row_blocks * num_splits)](
+            q_rows, q_rows.stride(0), q_rows.stride(1), q_pos, qo_indptr, k_buffer, k_buffer.stride(0),
+            k_buffer.stride(1), req_to_token, req_to_token.stride(0), req_pool_indices, part, part.stride(0),
+            part.stride(1), part.stride(2), scale, num_splits, split_len, **meta)
+        _lse_merge_kernel[(hq, triton.cdiv(r_total, 128))](
+            part, part.stride(0), part.stride(1), part.stride(2), lse, lse.stride(0), r_total, num_splits, BLOCK=128)
     _batched_vsum_kernel[(n_req, hk, triton.cdiv(max_len, block_n))](
         q_rows, q_rows.stride(0), q_rows.stride(1), q_pos, qo_indptr, k_buffer, k_buffer.stride(0),
         k_buffer.stride(1), req_to_token, req_to_token.stride(0), req_pool_indices, seq_lens, max_len,
         lse, lse.stride(0), out, out.stride(0), out.stride(1), scale, **meta)
     return out
+
+
+def lse_splits(num_reqs: int, num_kv_heads: int, row_blocks: int, max_len: int, target_programs: int,
+               min_split_keys: int = MIN_SPLIT_KEYS) -> int:
+    """Key spans for :func:`vertical_sums_batched`'s LSE pass (host ints only): enough that
+    ``num_reqs * num_kv_heads * row_blocks * spans`` programs reach ``target_programs`` (about two waves),
+    a power of two, each span at least ``min_split_keys`` keys, at most ``MAX_LSE_SPLITS``. One program per
+    (request, KV head, row block) walks every key otherwise: at 8 requests x 32k keys on an H100 that is 64
+    programs of 512 serial key blocks, a latency-bound pass that dominated a re-selecting decode step."""
+    programs = max(num_reqs * num_kv_heads * row_blocks, 1)
+    want = min(-(-target_programs // programs), max_len // max(min_split_keys, 1), MAX_LSE_SPLITS)
+    return 1 if want < 2 else 1 << (int(want).bit_length() - 1)
 
 
 def vertical_sums_batched_reference(q_rows: torch.Tensor, q_pos: torch.Tensor, q_req: torch.Tensor,

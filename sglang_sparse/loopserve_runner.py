@@ -74,6 +74,7 @@ import os
 import torch
 
 from flashinfer_ext.vs_estimate import sample_query_rows
+from flashinfer_ext.vs_estimate_batched import MIN_SPLIT_KEYS
 from flashinfer_ext.vs_select import VSSelectConfig, _compact, vs_select
 from sglang_sparse.config import LoopServeConfig
 from sglang_sparse.loopserve_select import h2d as _h2d, plan_selection, reselect
@@ -180,6 +181,7 @@ class LoopServeRunner:
         # split-list decode (flashinfer_ext.split_decode): aim at about two waves of programs per layer
         self.target_programs = 2 * torch.cuda.get_device_properties(device).multi_processor_count \
             if device.type == "cuda" else 8
+        self.lse_min_split_keys = MIN_SPLIT_KEYS  # re-selection's LSE pass: shortest key span (lse_splits)
 
     # ------------------------------------------------------------------ planning (once per batch)
     def _commit_ring(self) -> None:

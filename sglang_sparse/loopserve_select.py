@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from flashinfer_ext.vs_estimate_batched import decode_topb_masks
+from flashinfer_ext.vs_estimate import launch_meta
+from flashinfer_ext.vs_estimate_batched import decode_topb_masks, lse_splits
 
 __all__ = ["plan_selection", "reselect", "snapkv_pool", "h2d"]
 
@@ -81,11 +82,23 @@ def plan_selection(runner, states, lens, fire, rpi) -> dict | None:
     kw = dict(dtype=torch.float32, device=dev)
     vsum_buf, lse_buf = (torch.empty(len(fire_j), runner.shape.num_kv_heads, max(sel_seq), **kw),
                          torch.empty(runner.shape.num_qo_heads, r_total, **kw)) if runner.use_kernels else (None, None)
-    return dict(obs_buf=obs_buf, vsum_buf=vsum_buf, lse_buf=lse_buf, obs_pos=views[0], q_req=views[1],
+    # long contexts, few rows: the LSE pass walks the keys in spans on separate programs (host ints only)
+    num_splits = lse_splits(len(fire_j), runner.shape.num_kv_heads, _row_blocks(runner.shape, max(counts)),
+                            max(sel_seq), runner.target_programs, runner.lse_min_split_keys) if runner.use_kernels else 1
+    lse_part_buf = torch.empty(2, num_splits, runner.shape.num_qo_heads, r_total, **kw) if num_splits > 1 else None
+    return dict(obs_buf=obs_buf, vsum_buf=vsum_buf, lse_buf=lse_buf, num_splits=num_splits, lse_part_buf=lse_part_buf,
+                obs_pos=views[0], q_req=views[1],
                 qo_indptr=views[2], cur_rows=views[3], fire_dev=views[4], sel_seq=views[5], budgets=views[6],
                 cand_seq=views[7],
                 excluded=excluded, valid=valid, max_len=max(sel_seq), width=max(widths), max_qo_len=max(counts), rpi=rpi[views[4].to(rpi.device)],
                 widths=list(zip(fire_j, widths)))
+
+
+def _row_blocks(shape, rows: int) -> int:
+    """Row blocks of :func:`~flashinfer_ext.vs_estimate_batched.vertical_sums_batched`'s LSE grid for ``rows``
+    observation rows of one request (its default ``block_r``)."""
+    group = shape.num_qo_heads // shape.num_kv_heads
+    return -(-rows // launch_meta(group, shape.head_dim, 16, 64)["BLOCK_R"])
 
 
 def reselect(runner, d, sel, q_s, k_buf, rtt, lid, scale) -> None:
@@ -101,7 +114,8 @@ def reselect(runner, d, sel, q_s, k_buf, rtt, lid, scale) -> None:
     args = (q_obs, sel["obs_pos"], sel["q_req"], k_buf, rtt, sel["rpi"], sel["sel_seq"], sel["max_len"])
     if runner.use_kernels:
         v_sum = vertical_sums_batched(*args, sm_scale=scale, out=sel["vsum_buf"], lse_buf=sel["lse_buf"],
-                                      qo_indptr=sel["qo_indptr"], max_qo_len=sel["max_qo_len"])
+                                      qo_indptr=sel["qo_indptr"], max_qo_len=sel["max_qo_len"],
+                                      num_splits=sel["num_splits"], lse_part_buf=sel["lse_part_buf"])
     else:
         v_sum = vertical_sums_batched_reference(*args, sm_scale=scale)
     if runner.lastwindow:  # SnapKV: pool the scores over neighbouring positions, never pick the sink

@@ -1,5 +1,5 @@
-"""bench/loopserve_step_bench.py: the --smoke path runs the server's LoopServe runner for a selecting and a steady
-decode step on the CPU (Triton interpreter) and writes its report."""
+"""bench/loopserve_step_bench.py: the --smoke path runs the server's LoopServe runner for a selecting step (its LSE
+pass split into key spans, and not), and a steady decode step on the CPU (Triton interpreter) and writes its report."""
 
 from __future__ import annotations
 
@@ -8,10 +8,12 @@ import json
 from .bench_smoke import run_smoke
 
 
-def test_smoke_times_a_selecting_and_a_steady_step_and_writes_the_report(tmp_path):
+def test_smoke_times_selecting_steps_split_and_unsplit_and_a_steady_step_and_writes_the_report(tmp_path):
     run_smoke("loopserve_step_bench.py", tmp_path)
     js = json.loads((tmp_path / "loopserve_step.json").read_text())
-    assert [row["kind"] for row in js["rows"]] == ["selecting", "steady"]  # the bench asserts each step's kind
+    # the bench asserts each step's kind; the smoke's selecting step splits its LSE pass, the unsplit one does not
+    assert [row["kind"] for row in js["rows"]] == ["selecting", "selecting_unsplit", "steady"]
+    assert [row["lse_splits"] for row in js["rows"]] == [2, 1, None]
     for row in js["rows"]:
         assert row["step_ms"] > 0 and row["plan_ms"] > 0 and row["host_ms"] > 0
     assert js["meta"]["smoke"] is True and js["meta"]["gpu"] is None

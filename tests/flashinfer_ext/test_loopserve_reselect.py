@@ -61,12 +61,14 @@ def _setup(lastwindow, seq_lens, prompt_lens, budgets, seed=0, device="cpu", all
     return cfg, shape, backend, fb, reqs, q3, pool
 
 
-def _run(lastwindow, use_kernels, seq_lens, prompt_lens, budgets, device="cpu", all_topb=False):
+def _run(lastwindow, use_kernels, seq_lens, prompt_lens, budgets, device="cpu", all_topb=False, split_keys=None):
     cfg, shape, backend, fb, reqs, q3, pool = _setup(lastwindow, seq_lens, prompt_lens, budgets,
                                                      device=device, all_topb=all_topb)
     old_topb = [None if getattr(r, STATE_ATTR).topb is None else getattr(r, STATE_ATTR).topb.clone() for r in reqs]
     rings = [getattr(r, STATE_ATTR).ring.clone() for r in reqs]
     runner = LoopServeRunner(cfg, shape, torch.device(device), use_kernels=use_kernels)
+    if split_keys is not None:  # the LSE pass in key spans of this many keys (as long contexts have)
+        runner.lse_min_split_keys, runner.target_programs = split_keys, 1024
     runner.begin_batch(backend, fb)
     o3 = torch.zeros(len(seq_lens), HQ, D, device=device)
     for lid in range(L):
@@ -81,12 +83,14 @@ LOOPSERVE = ([300, 140, 90], [296, 125, 71], [32, 200, 8])
 LASTWINDOW = ([300, 41, 90], [299, 40, 89], [32, 200, 16])  # first decode step: every row selects once
 
 
-def _check_reselection(lastwindow, use_kernels, device="cpu"):
+def _check_reselection(lastwindow, use_kernels, device="cpu", split_keys=None):
     """On the CPU the selected sets equal the reference's; on a GPU (fp32 keys but tf32 dots: not
     bit-equal) every selected position scores within 1e-3 of the reference's ``keep``-th score."""
     seq_lens, prompt_lens, budgets = LASTWINDOW if lastwindow else LOOPSERVE
-    runner, _, env = _run(lastwindow, use_kernels, seq_lens, prompt_lens, budgets, device=device)
+    runner, _, env = _run(lastwindow, use_kernels, seq_lens, prompt_lens, budgets, device=device,
+                          split_keys=split_keys)
     d = runner.dec
+    assert (d["sel"]["num_splits"] > 1) == (split_keys is not None)
     fires = [True, True, lastwindow]
     assert d["fire"] == fires
     pool, reqs = env["pool"], env["reqs"]
@@ -144,11 +148,17 @@ def test_batched_reselection_picks_each_rows_reference_top_b(lastwindow, use_ker
     _check_reselection(lastwindow, use_kernels)
 
 
+@pytest.mark.parametrize("lastwindow", [False, True], ids=["loopserve", "lastwindow"])
+def test_batched_reselection_with_the_lse_pass_in_key_spans_picks_the_reference_top_b(lastwindow):
+    _check_reselection(lastwindow, True, split_keys=64)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("split_keys", [None, 64], ids=["one_pass", "key_spans"])
 @pytest.mark.parametrize("lastwindow", [False, True], ids=["loopserve", "lastwindow"])
-def test_gpu_batched_reselection_picks_each_rows_reference_top_b(lastwindow):
-    _check_reselection(lastwindow, True, device="cuda")
+def test_gpu_batched_reselection_picks_each_rows_reference_top_b(lastwindow, split_keys):
+    _check_reselection(lastwindow, True, device="cuda", split_keys=split_keys)
 
 
 @pytest.mark.parametrize("lastwindow", [False, True], ids=["loopserve", "lastwindow"])

@@ -108,16 +108,18 @@ def test_decode_topb_batched_equals_per_request_decode_topb_and_stays_below_seq_
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("num_splits", [1, 4])
 @pytest.mark.parametrize("hq,hk,seq_lens", [(32, 8, [8192, 300, 4097, 2048]), (9, 3, [130, 2700, 1500, 700])])
-def test_gpu_vertical_sums_batched_matches_reference(hq, hk, seq_lens):
-    """Llama-3.1-8B (32/8) and SmolLM2-135M (9/3) head layouts, bf16, decode-like rows (16 per request)."""
+def test_gpu_vertical_sums_batched_matches_reference(hq, hk, seq_lens, num_splits):
+    """Llama-3.1-8B (32/8) and SmolLM2-135M (9/3) head layouts, bf16, decode-like rows (16 per request), the
+    LSE pass whole and split into 4 key spans."""
     d = 128 if hq == 32 else 64
     pool = make_pool(seq_lens, hq, hk, d, torch.bfloat16, 1, seed=11, device="cuda")
     pos, req = _batch(seq_lens, [16] * len(seq_lens), seed=12, device="cuda")
     q = torch.randn(len(pos), hq, d, device="cuda").to(torch.bfloat16)
     max_len = max(seq_lens)
     out = vertical_sums_batched(q, pos, req, pool.k_buffer, pool.req_to_token, pool.req_pool_indices,
-                                pool.seq_lens, max_len, sm_scale=d ** -0.5, max_qo_len=16)
+                                pool.seq_lens, max_len, sm_scale=d ** -0.5, max_qo_len=16, num_splits=num_splits)
     ref = vertical_sums_batched_reference(q.cpu(), pos.cpu(), req.cpu(), pool.k_buffer.cpu(),
                                           pool.req_to_token.cpu(), pool.req_pool_indices.cpu(),
                                           pool.seq_lens.cpu(), max_len, sm_scale=d ** -0.5)
@@ -128,3 +130,51 @@ def test_gpu_vertical_sums_batched_matches_reference(hq, hk, seq_lens):
         got = lists[b].cpu()
         assert bool(((got == -1) | ((got >= 0) & (got < s))).all())
         assert int((got >= 0).sum()) == hk * min(1024, s)
+
+
+@pytest.mark.parametrize("num_splits", [2, 3, 5])
+@pytest.mark.parametrize("hq,hk,d,dtype,page,seq_lens,n_rows", CASES)
+def test_vertical_sums_batched_split_lse_equals_the_unsplit_pass(hq, hk, d, dtype, page, seq_lens, n_rows,
+                                                                  num_splits):
+    """The key-split LSE pass (spans of whole key blocks, merged) gives the reference's sums, and spans past a
+    short request's end (no key for its rows) do not disturb it; the preallocated span buffer is used."""
+    pool = make_pool(seq_lens, hq, hk, d, dtype, page, seed=17)
+    pos, req = _batch(seq_lens, n_rows, seed=18)
+    q = torch.randn(len(pos), hq, d, generator=torch.Generator().manual_seed(19)).to(dtype)
+    max_len = max(seq_lens) + 5
+    args = (q, pos, req, pool.k_buffer, pool.req_to_token, pool.req_pool_indices, pool.seq_lens, max_len)
+    part = torch.full((2, num_splits, hq, len(pos)), float("nan"))
+    split = vertical_sums_batched(*args, sm_scale=d ** -0.5, block_n=32, max_qo_len=max(n_rows),
+                                  num_splits=num_splits, lse_part_buf=part)
+    whole = vertical_sums_batched(*args, sm_scale=d ** -0.5, block_n=32, max_qo_len=max(n_rows))
+    ref = vertical_sums_batched_reference(*args, sm_scale=d ** -0.5)
+    torch.testing.assert_close(split, ref, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(split, whole, rtol=1e-5, atol=1e-6)
+    assert not torch.isnan(part[:, :2]).any()  # the first spans were written through the given buffer
+
+
+def test_vertical_sums_batched_rejects_bad_splits_and_span_buffer():
+    seq_lens, n_rows = [100, 70], [4, 6]
+    pool = make_pool(seq_lens, 4, 2, 64, torch.float16, 1, seed=2)
+    pos, req = _batch(seq_lens, n_rows, seed=3)
+    q = torch.randn(len(pos), 4, 64).to(torch.float16)
+    args = (q, pos, req, pool.k_buffer, pool.req_to_token, pool.req_pool_indices, pool.seq_lens, 100)
+    with pytest.raises(ValueError, match="num_splits=0"):
+        vertical_sums_batched(*args, sm_scale=0.125, num_splits=0)
+    with pytest.raises(ValueError, match="lse_part_buf must be"):
+        vertical_sums_batched(*args, sm_scale=0.125, block_n=32, num_splits=2,
+                              lse_part_buf=torch.zeros(2, 1, 4, len(pos)))
+
+
+def test_lse_splits_fills_the_target_with_long_spans_only():
+    from flashinfer_ext.vs_estimate_batched import MAX_LSE_SPLITS, lse_splits
+
+    # 8 requests x 8 KV heads x 1 row block at 32k keys, 264 target programs (H100: 2 x 132 SMs): 4 spans
+    assert lse_splits(8, 8, 1, 32768, 264) == 4
+    # one request: as many spans as the keys allow (32k / 4096 = 8), a power of two
+    assert lse_splits(1, 8, 1, 32768, 264) == 8
+    assert lse_splits(1, 8, 1, 1 << 20, 264) == MAX_LSE_SPLITS
+    # short contexts (SmolLM2's 2.7k) and batches that already fill the GPU keep the one-pass LSE
+    assert lse_splits(1, 3, 1, 2700, 264) == 1
+    assert lse_splits(64, 8, 1, 32768, 264) == 1
+    assert lse_splits(1, 1, 1, 300, 8, min_split_keys=64) == 4
