@@ -145,6 +145,32 @@ def pool_of(k, v, dev, seed=1):
     return k_buf, v_buf, slots.to(torch.int32)
 
 
+def phase_times(q, k_buf, v_buf, slots, sm_scale, iters, alpha=ALPHA, out=None) -> dict:
+    """Where :func:`sparse_prefill`'s time goes: each phase timed alone on the same inputs (median CUDA-event ms),
+    and the host time to issue the selection (median ms, no sync: above its event time it is launch-bound)."""
+    t = q.shape[0]
+    sample = sample_query_rows(t, SAMPLED_ROWS).to(q.device)
+    q_s = q[sample].contiguous()
+    cfg = VSSelectConfig(alpha=alpha, sink_tokens=SINK, local_window=LOCAL)
+    lines = vs_estimate(q_s, sample, k_buf, slots, t, sm_scale=sm_scale)
+    sel = vs_select(lines, prefix_len=0, config=cfg)
+    hosts = []
+    for _ in range(iters):
+        if q.is_cuda:
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        vs_select(lines, prefix_len=0, config=cfg)
+        hosts.append((time.perf_counter() - t0) * 1e3)
+    hosts.sort()
+    return dict(
+        t_estimate_ms=timed(lambda: vs_estimate(q_s, sample, k_buf, slots, t, sm_scale=sm_scale), iters=iters) * 1e3,
+        t_select_ms=timed(lambda: vs_select(lines, prefix_len=0, config=cfg), iters=iters) * 1e3,
+        t_select_host_ms=hosts[len(hosts) // 2],
+        t_attention_ms=timed(lambda: vs_prefill(q, k_buf, v_buf, slots, prefix_len=0, seq_len=t, v_idx=sel.v_idx,
+                                                v_cnt=sel.v_cnt, s_idx=sel.s_idx, s_cnt=sel.s_cnt, sm_scale=sm_scale,
+                                                out=out), iters=iters) * 1e3)
+
+
 def sparse_prefill(q, k_buf, v_buf, slots, sm_scale, alpha=ALPHA, out=None):
     """The server's per-layer sparse extend of one first segment (prefix 0); returns (o, selection)."""
     t = q.shape[0]
@@ -192,7 +218,8 @@ def run_case(name, ctx, q, k, v, min_context, dev, iters):
     t_served = t_sparse if served_sparse else timed(dense, iters=iters, warmup=2)  # a second timing of the same call
     flops = 4.0 * t * (t + 1) / 2 * hq * d
     n_lines = float((sel.v_cnt.sum() + sel.s_cnt.sum()).item())
-    return dict(case=name, ctx=t, heads=f"{hq}/{hk}", head_dim=d, t_sparse_ms=t_sparse * 1e3,
+    phases = phase_times(q, k_buf, v_buf, slots, sm_scale, iters, out=out)
+    return dict(case=name, ctx=t, heads=f"{hq}/{hk}", head_dim=d, t_sparse_ms=t_sparse * 1e3, **phases,
                 t_dense_ms=t_dense * 1e3, t_served_ms=t_served * 1e3, served="sparse" if served_sparse else "dense",
                 sparse_speedup=t_dense / t_sparse, served_speedup=t_dense / t_served,
                 dense_tflops=flops / t_dense / 1e12, line_fraction=n_lines / (2.0 * t * hk),
@@ -255,6 +282,14 @@ def write_report(out: Path, meta, results):
                      f"{r['dense_tflops']:.0f} ({r.get('dense_frac_of_matmul_peak', float('nan')):.2f}) | {r['line_fraction']:.4f} | {r['vertical_lines_per_head']:.0f} | "
                      f"{r['slash_lines_per_head']:.0f} | {r['covered_lb_mean']:.3f} | {r['out_err_mean']:.2e} | "
                      f"{r['out_err_max']:.2e} |")
+    lines += ["", "Sparse path by phase (each timed alone, median ms; select host = the host time to issue it):", "",
+              "| case | ctx | estimate | select | select host | attention | sum of phases | sparse (together) |",
+              "|---|---|---|---|---|---|---|---|"]
+    for r in results:
+        if "error" not in r and "t_estimate_ms" in r:
+            tot = r["t_estimate_ms"] + r["t_select_ms"] + r["t_attention_ms"]
+            lines.append(f"| {r['case']} | {r['ctx']} | {r['t_estimate_ms']:.3f} | {r['t_select_ms']:.3f} | "
+                         f"{r['t_select_host_ms']:.3f} | {r['t_attention_ms']:.3f} | {tot:.3f} | {r['t_sparse_ms']:.3f} |")
     (out / "loopserve_prefill.md").write_text("\n".join(lines) + "\n")
     try:
         import matplotlib
