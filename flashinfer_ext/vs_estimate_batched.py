@@ -42,7 +42,7 @@ import triton.language as tl
 from .vs_estimate import _group_probs, _load_q, _rows_lse, _rows_ml, check_heads, launch_meta
 
 __all__ = ["vertical_sums_batched", "vertical_sums_batched_reference", "decode_topb_batched", "decode_topb_masks",
-           "decode_topb_masked", "qo_indptr_of", "lse_splits"]
+           "decode_topb_masked", "qo_indptr_of", "lse_splits", "vsum_key_blocks"]
 
 # the key-split LSE (lse_splits): at most this many spans, each at least MIN_SPLIT_KEYS keys (shorter walks are
 # latency-cheap already, and the merge launch would cost more than it saves)
@@ -122,30 +122,50 @@ def _lse_merge_kernel(part_ptr, stride_pp, stride_ps, stride_ph, lse_ptr, stride
 @triton.jit
 def _batched_vsum_kernel(q_ptr, stride_qr, stride_qh, pos_ptr, indptr_ptr, k_ptr, stride_ks, stride_kh,
                          rtt_ptr, stride_rtt, rpi_ptr, seq_ptr, max_len, lse_ptr, stride_lh,
-                         out_ptr, stride_ob, stride_oh, sm_scale_log2,
+                         out_ptr, stride_ob, stride_oh, sm_scale_log2, key_blocks,
                          GROUP: tl.constexpr, G_PAD: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
-                         HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, DOT_FP32: tl.constexpr):
+                         HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, DOT_FP32: tl.constexpr,
+                         ONE_ROW_BLOCK: tl.constexpr):
+    """``key_blocks`` consecutive key blocks of one (request, KV head) per program. ``ONE_ROW_BLOCK`` (every
+    request has at most ``BLOCK_R`` rows, as decode's n_d observation rows): the rows' queries and LSE are
+    loaded once and the key loop carries only the key loads (pipelined across blocks)."""
     b = tl.program_id(0)
     h = tl.program_id(1)
-    n0 = tl.program_id(2) * BLOCK_N
+    n_lo = tl.program_id(2) * (BLOCK_N * key_blocks)
     start = tl.load(indptr_ptr + b).to(tl.int64)
     n_rows = tl.load(indptr_ptr + b + 1).to(tl.int64) - start
     seq_len = tl.load(seq_ptr + b).to(tl.int64)
-    kp = n0 + tl.arange(0, BLOCK_N)
-    kvalid = kp < seq_len
     slots_ptr = rtt_ptr + tl.load(rpi_ptr + b).to(tl.int64) * stride_rtt
-    slot = tl.load(slots_ptr + kp, mask=kvalid, other=0).to(tl.int64)
-    v_acc = tl.zeros([BLOCK_N], tl.float32)
-    n_iter = tl.where(n0 < seq_len, n_rows, 0)  # a key block past the request's end only writes zeros
-    for r0 in range(0, n_iter, BLOCK_R):
-        q, g, r, rvalid = _load_q(q_ptr + start * stride_qr, stride_qr, stride_qh, h, r0, n_rows, GROUP, G_PAD,
+    o_ptr = out_ptr + b * stride_ob + h * stride_oh
+    if ONE_ROW_BLOCK:
+        q, g, r, rvalid = _load_q(q_ptr + start * stride_qr, stride_qr, stride_qh, h, 0, n_rows, GROUP, G_PAD,
                                   BLOCK_R, HEAD_DIM, D_PAD)
         pos = tl.load(pos_ptr + start + r, mask=rvalid, other=-1).to(tl.int64)
         lse = tl.load(lse_ptr + (h * GROUP + g) * stride_lh + start + r, mask=rvalid, other=float("inf"))
-        pg = _group_probs(q, pos, rvalid, lse, k_ptr, stride_ks, stride_kh, h, slot, kp, kvalid, sm_scale_log2,
-                          G_PAD, BLOCK_R, BLOCK_N, HEAD_DIM, D_PAD, DOT_FP32)
-        v_acc += tl.sum(pg, axis=0)
-    tl.store(out_ptr + b * stride_ob + h * stride_oh + kp, v_acc, mask=kp < max_len)
+        for kb in range(0, key_blocks):
+            kp = n_lo + kb * BLOCK_N + tl.arange(0, BLOCK_N)
+            kvalid = kp < seq_len  # a key block past the request's end only writes zeros
+            slot = tl.load(slots_ptr + kp, mask=kvalid, other=0).to(tl.int64)
+            pg = _group_probs(q, pos, rvalid, lse, k_ptr, stride_ks, stride_kh, h, slot, kp, kvalid, sm_scale_log2,
+                              G_PAD, BLOCK_R, BLOCK_N, HEAD_DIM, D_PAD, DOT_FP32)
+            tl.store(o_ptr + kp, tl.sum(pg, axis=0), mask=kp < max_len)
+    else:
+        for kb in range(0, key_blocks):
+            n0 = n_lo + kb * BLOCK_N
+            kp = n0 + tl.arange(0, BLOCK_N)
+            kvalid = kp < seq_len
+            slot = tl.load(slots_ptr + kp, mask=kvalid, other=0).to(tl.int64)
+            v_acc = tl.zeros([BLOCK_N], tl.float32)
+            n_iter = tl.where(n0 < seq_len, n_rows, 0)  # a key block past the request's end only writes zeros
+            for r0 in range(0, n_iter, BLOCK_R):
+                q, g, r, rvalid = _load_q(q_ptr + start * stride_qr, stride_qr, stride_qh, h, r0, n_rows, GROUP,
+                                          G_PAD, BLOCK_R, HEAD_DIM, D_PAD)
+                pos = tl.load(pos_ptr + start + r, mask=rvalid, other=-1).to(tl.int64)
+                lse = tl.load(lse_ptr + (h * GROUP + g) * stride_lh + start + r, mask=rvalid, other=float("inf"))
+                pg = _group_probs(q, pos, rvalid, lse, k_ptr, stride_ks, stride_kh, h, slot, kp, kvalid,
+                                  sm_scale_log2, G_PAD, BLOCK_R, BLOCK_N, HEAD_DIM, D_PAD, DOT_FP32)
+                v_acc += tl.sum(pg, axis=0)
+            tl.store(o_ptr + kp, v_acc, mask=kp < max_len)
 
 
 def qo_indptr_of(q_req: torch.Tensor, num_reqs: int) -> torch.Tensor:
@@ -160,7 +180,8 @@ def vertical_sums_batched(q_rows: torch.Tensor, q_pos: torch.Tensor, q_req: torc
                           max_len: int, *, sm_scale: float, out: torch.Tensor | None = None,
                           qo_indptr: torch.Tensor | None = None, max_qo_len: int | None = None,
                           lse_buf: torch.Tensor | None = None, block_r: int = 16, block_n: int = 64,
-                          num_splits: int = 1, lse_part_buf: torch.Tensor | None = None) -> torch.Tensor:
+                          num_splits: int = 1, lse_part_buf: torch.Tensor | None = None,
+                          key_blocks: int | None = None, target_programs: int = 264) -> torch.Tensor:
     """Per-request, per-KV-head vertical sums of the rows' causal softmax attention (module docstring).
 
     Args:
@@ -181,6 +202,8 @@ def vertical_sums_batched(q_rows: torch.Tensor, q_pos: torch.Tensor, q_req: torc
         merges them (one more launch; :func:`lse_splits` picks it); 1 = one program walks all keys.
       lse_part_buf: optional preallocated ``[2, >= num_splits, num_qo_heads, >= R_total]`` fp32 scratch of
         the spans' running maxima / sums (``num_splits > 1`` only).
+      key_blocks: host int >= 1: consecutive ``block_n``-key blocks per program of the sums pass (default
+        :func:`vsum_key_blocks` of ``target_programs``, host ints: about 2 x the SM count).
     Returns ``v_sum [num_reqs, num_kv_heads, max_len]`` fp32 (a view of ``out`` if given). Two launches
     (three with ``num_splits > 1``), no host sync.
     """
@@ -235,11 +258,26 @@ def vertical_sums_batched(q_rows: torch.Tensor, q_pos: torch.Tensor, q_req: torc
             part.stride(1), part.stride(2), scale, num_splits, split_len, **meta)
         _lse_merge_kernel[(hq, triton.cdiv(r_total, 128))](
             part, part.stride(0), part.stride(1), part.stride(2), lse, lse.stride(0), r_total, num_splits, BLOCK=128)
-    _batched_vsum_kernel[(n_req, hk, triton.cdiv(max_len, block_n))](
+    n_blocks = triton.cdiv(max_len, block_n)
+    if key_blocks is None:
+        key_blocks = vsum_key_blocks(n_req * hk * n_blocks, target_programs)
+    if key_blocks < 1:
+        raise ValueError(f"key_blocks={key_blocks} is out of range: expected an integer >= 1")
+    _batched_vsum_kernel[(n_req, hk, triton.cdiv(n_blocks, key_blocks))](
         q_rows, q_rows.stride(0), q_rows.stride(1), q_pos, qo_indptr, k_buffer, k_buffer.stride(0),
         k_buffer.stride(1), req_to_token, req_to_token.stride(0), req_pool_indices, seq_lens, max_len,
-        lse, lse.stride(0), out, out.stride(0), out.stride(1), scale, **meta)
+        lse, lse.stride(0), out, out.stride(0), out.stride(1), scale, key_blocks, **meta,
+        ONE_ROW_BLOCK=rows <= meta["BLOCK_R"])
     return out
+
+
+def vsum_key_blocks(total_blocks: int, target_programs: int) -> int:
+    """Key blocks per program of the sums pass: one program per (request, KV head, 64 keys) at 8 x 32k keys is
+    32768 programs of one dependent slot -> key -> dot chain each (H100: 25 ms a 32-layer step, more than the
+    whole LSE pass); grouping blocks so that ~4 waves of ``target_programs`` remain lets each program pipeline
+    its key loads. A power of two, at most 16, 1 for small grids."""
+    want = min(total_blocks // max(4 * target_programs, 1), 16)
+    return 1 if want < 2 else 1 << (int(want).bit_length() - 1)
 
 
 def lse_splits(num_reqs: int, num_kv_heads: int, row_blocks: int, max_len: int, target_programs: int,

@@ -115,7 +115,8 @@ def reselect(runner, d, sel, q_s, k_buf, rtt, lid, scale) -> None:
     if runner.use_kernels:
         v_sum = vertical_sums_batched(*args, sm_scale=scale, out=sel["vsum_buf"], lse_buf=sel["lse_buf"],
                                       qo_indptr=sel["qo_indptr"], max_qo_len=sel["max_qo_len"],
-                                      num_splits=sel["num_splits"], lse_part_buf=sel["lse_part_buf"])
+                                      num_splits=sel["num_splits"], lse_part_buf=sel["lse_part_buf"],
+                                      target_programs=runner.target_programs)
     else:
         v_sum = vertical_sums_batched_reference(*args, sm_scale=scale)
     if runner.lastwindow:  # SnapKV: pool the scores over neighbouring positions, never pick the sink

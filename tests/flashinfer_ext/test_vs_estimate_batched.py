@@ -108,18 +108,19 @@ def test_decode_topb_batched_equals_per_request_decode_topb_and_stays_below_seq_
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("num_splits", [1, 4])
+@pytest.mark.parametrize("num_splits,key_blocks", [(1, 1), (4, 8)])
 @pytest.mark.parametrize("hq,hk,seq_lens", [(32, 8, [8192, 300, 4097, 2048]), (9, 3, [130, 2700, 1500, 700])])
-def test_gpu_vertical_sums_batched_matches_reference(hq, hk, seq_lens, num_splits):
+def test_gpu_vertical_sums_batched_matches_reference(hq, hk, seq_lens, num_splits, key_blocks):
     """Llama-3.1-8B (32/8) and SmolLM2-135M (9/3) head layouts, bf16, decode-like rows (16 per request), the
-    LSE pass whole and split into 4 key spans."""
+    LSE pass whole and split into 4 key spans, one and 8 key blocks per program of the sums pass."""
     d = 128 if hq == 32 else 64
     pool = make_pool(seq_lens, hq, hk, d, torch.bfloat16, 1, seed=11, device="cuda")
     pos, req = _batch(seq_lens, [16] * len(seq_lens), seed=12, device="cuda")
     q = torch.randn(len(pos), hq, d, device="cuda").to(torch.bfloat16)
     max_len = max(seq_lens)
     out = vertical_sums_batched(q, pos, req, pool.k_buffer, pool.req_to_token, pool.req_pool_indices,
-                                pool.seq_lens, max_len, sm_scale=d ** -0.5, max_qo_len=16, num_splits=num_splits)
+                                pool.seq_lens, max_len, sm_scale=d ** -0.5, max_qo_len=16, num_splits=num_splits,
+                                key_blocks=key_blocks)
     ref = vertical_sums_batched_reference(q.cpu(), pos.cpu(), req.cpu(), pool.k_buffer.cpu(),
                                           pool.req_to_token.cpu(), pool.req_pool_indices.cpu(),
                                           pool.seq_lens.cpu(), max_len, sm_scale=d ** -0.5)
@@ -178,3 +179,37 @@ def test_lse_splits_fills_the_target_with_long_spans_only():
     assert lse_splits(1, 3, 1, 2700, 264) == 1
     assert lse_splits(64, 8, 1, 32768, 264) == 1
     assert lse_splits(1, 1, 1, 300, 8, min_split_keys=64) == 4
+
+
+@pytest.mark.parametrize("key_blocks", [1, 2, 3])
+@pytest.mark.parametrize("seq_lens,n_rows", [([77, 130, 33], [16, 5, 1]), ([150, 64], [20, 3])],
+                         ids=["one_row_block", "two_row_blocks"])
+def test_vertical_sums_batched_with_several_key_blocks_per_program_equals_one_block(seq_lens, n_rows, key_blocks):
+    """Programs of the sums pass walking several consecutive key blocks (the rows' queries loaded once when
+    every request fits one row block) give exactly the one-block-per-program sums, zeros past each length."""
+    hq, hk, d = 4, 1, 64
+    pool = make_pool(seq_lens, hq, hk, d, torch.bfloat16, 16, seed=21)
+    pos, req = _batch(seq_lens, n_rows, seed=22)
+    q = torch.randn(len(pos), hq, d, generator=torch.Generator().manual_seed(23)).to(torch.bfloat16)
+    max_len = max(seq_lens) + 40  # wider than any request, and than the last program's blocks
+    args = (q, pos, req, pool.k_buffer, pool.req_to_token, pool.req_pool_indices, pool.seq_lens, max_len)
+    kw = dict(sm_scale=d ** -0.5, block_n=32, max_qo_len=max(n_rows))
+    got = vertical_sums_batched(*args, **kw, key_blocks=key_blocks, out=torch.full((len(seq_lens), hk, max_len),
+                                                                                float("nan")))
+    one = vertical_sums_batched(*args, **kw, key_blocks=1)
+    assert torch.equal(got, one)
+    ref = vertical_sums_batched_reference(*args, sm_scale=d ** -0.5)
+    torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-5)
+
+
+def test_vsum_key_blocks_groups_blocks_only_for_large_grids():
+    from flashinfer_ext.vs_estimate_batched import vsum_key_blocks
+
+    assert vsum_key_blocks(8 * 8 * 512, 264) == 16     # 8 requests x 32k keys, Llama-8B heads, H100
+    assert vsum_key_blocks(1 * 8 * 512, 264) == 2      # one request x 32k keys
+    assert vsum_key_blocks(1 * 3 * 43, 264) == 1       # SmolLM2 at 2.7k keys: one block per program, as before
+    with pytest.raises(ValueError, match="key_blocks=0"):
+        pool = make_pool([40], 4, 1, 64, torch.float16, 16, seed=1)
+        vertical_sums_batched(torch.zeros(1, 4, 64, dtype=torch.float16), torch.tensor([39]), torch.tensor([0]),
+                              pool.k_buffer, pool.req_to_token, pool.req_pool_indices, pool.seq_lens, 40,
+                              sm_scale=0.125, key_blocks=0)
