@@ -114,3 +114,23 @@ def test_gpu_vs_prefill_llama_shapes(seq_len, prefix_len):
                                     **{k: (v.cpu() if torch.is_tensor(v) else v) for k, v in kw.items()})
     torch.testing.assert_close(o.float().cpu()[rows], ro[rows], rtol=2e-2, atol=2e-2)
     torch.testing.assert_close(lse.cpu()[rows], rlse[rows], rtol=1e-3, atol=1e-2)
+
+
+@pytest.mark.parametrize("prefix_len", [0, 450])
+def test_vs_prefill_with_a_few_far_slashes_visits_only_crossed_blocks_and_matches_reference(prefix_len):
+    """The local window plus two far offsets (bands crossing block edges) and no vertical past the sink over
+    600 keys in 32-key blocks: phase B jumps over the blocks no band crosses; the result is the masked
+    reference's."""
+    hq, hk, d, dtype, seq_len = 4, 2, 64, torch.bfloat16, 600
+    pool, slots, q_all = _setup(seq_len, hq, hk, d, dtype, 16, seed=5)
+    q = q_all[prefix_len:]
+    v_idx = torch.tensor([[0, 1, -1, -1], [0, 1, 2, 3]], dtype=torch.int32)
+    v_cnt = torch.tensor([2, 4], dtype=torch.int32)
+    s_idx = torch.tensor([[0, 1, 2, 3, 77, 301], [0, 1, 2, 40, 513, -1]], dtype=torch.int32)
+    s_cnt = torch.tensor([6, 5], dtype=torch.int32)
+    kw = dict(prefix_len=prefix_len, seq_len=seq_len, v_idx=v_idx, v_cnt=v_cnt, s_idx=s_idx, s_cnt=s_cnt,
+              sm_scale=d ** -0.5)
+    o, lse = vs_prefill(q, pool.k_buffer, pool.v_buffer, slots, block_n=32, **kw)
+    ro, rlse = vs_prefill_reference(q, pool.k_buffer, pool.v_buffer, slots, **kw)
+    torch.testing.assert_close(o.float(), ro, rtol=TOL[dtype], atol=TOL[dtype])
+    torch.testing.assert_close(lse, rlse, rtol=1e-4, atol=1e-3)
