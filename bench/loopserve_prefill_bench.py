@@ -162,7 +162,17 @@ def phase_times(q, k_buf, v_buf, slots, sm_scale, iters, alpha=ALPHA, out=None) 
         vs_select(lines, prefix_len=0, config=cfg)
         hosts.append((time.perf_counter() - t0) * 1e3)
     hosts.sort()
-    return dict(
+    top = {}
+    if q.is_cuda:  # the selection's kernels by GPU time (one call): where its time goes
+        from torch.profiler import ProfilerActivity, profile
+
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            vs_select(lines, prefix_len=0, config=cfg)
+            torch.cuda.synchronize()
+        ev = sorted(prof.key_averages(), key=lambda e: getattr(e, "self_device_time_total", 0.0), reverse=True)[:6]
+        top = {e.key[:60]: round(getattr(e, "self_device_time_total", 0.0), 1) for e in ev}
+    return dict(select_top_gpu_us=top,
         t_estimate_ms=timed(lambda: vs_estimate(q_s, sample, k_buf, slots, t, sm_scale=sm_scale), iters=iters) * 1e3,
         t_select_ms=timed(lambda: vs_select(lines, prefix_len=0, config=cfg), iters=iters) * 1e3,
         t_select_host_ms=hosts[len(hosts) // 2],
@@ -290,6 +300,10 @@ def write_report(out: Path, meta, results):
             tot = r["t_estimate_ms"] + r["t_select_ms"] + r["t_attention_ms"]
             lines.append(f"| {r['case']} | {r['ctx']} | {r['t_estimate_ms']:.3f} | {r['t_select_ms']:.3f} | "
                          f"{r['t_select_host_ms']:.3f} | {r['t_attention_ms']:.3f} | {tot:.3f} | {r['t_sparse_ms']:.3f} |")
+    for r in results:
+        if r.get("select_top_gpu_us"):
+            lines += ["", f"vs_select kernels by GPU time, {r['case']} {r['ctx']} (us, one call): " +
+                      "; ".join(f"`{k}` {v}" for k, v in r["select_top_gpu_us"].items())]
     (out / "loopserve_prefill.md").write_text("\n".join(lines) + "\n")
     try:
         import matplotlib

@@ -199,7 +199,8 @@ def launch_meta(group: int, head_dim: int, block_r: int, block_n: int) -> dict:
 
 
 def vs_estimate(q_rows: torch.Tensor, q_pos: torch.Tensor, k_buffer: torch.Tensor, token_slots: torch.Tensor,
-                seq_len: int, *, sm_scale: float, block_r: int = 16, block_n: int = 64) -> VSLineSums:
+                seq_len: int, *, sm_scale: float, block_r: int = 16, block_n: int = 64, target_programs: int = 264,
+                min_split_keys: int | None = None) -> VSLineSums:
     """Per-KV-head vertical and slash line sums of the sampled rows' causal softmax attention.
 
     Args:
@@ -209,8 +210,10 @@ def vs_estimate(q_rows: torch.Tensor, q_pos: torch.Tensor, k_buffer: torch.Tenso
       token_slots: ``[>= seq_len]`` int32/int64 slot of each position (``req_to_token[req_pool_idx]``).
       seq_len: keys ``0..seq_len-1`` exist (host int: it sizes the outputs and the grid).
       sm_scale: softmax scale (usually ``head_dim ** -0.5``).
+      target_programs, min_split_keys: host ints; at long contexts the LSE pass splits the keys into spans
+        (:func:`flashinfer_ext.vs_estimate_batched.lse_splits` with these; one more launch).
     Returns :class:`VSLineSums` (``[num_kv_heads, seq_len]`` fp32 each; total mass per KV head is
-    ``group_size * R``). Two launches, no host sync.
+    ``group_size * R``). Two launches (three with key spans), no host sync.
     """
     r, hq, d = q_rows.shape
     hk = k_buffer.shape[1]
@@ -228,9 +231,20 @@ def vs_estimate(q_rows: torch.Tensor, q_pos: torch.Tensor, k_buffer: torch.Tenso
     meta = launch_meta(group, d, block_r, block_n)
     scale = float(sm_scale) / math.log(2.0)
     q_pos = q_pos.contiguous()
-    _row_lse_kernel[(hk, triton.cdiv(r, meta["BLOCK_R"]))](
-        q_rows, q_rows.stride(0), q_rows.stride(1), q_pos, r, k_buffer, k_buffer.stride(0), k_buffer.stride(1),
-        token_slots, lse, lse.stride(0), scale, **meta)
+    row_blocks = triton.cdiv(r, meta["BLOCK_R"])
+    from .vs_estimate_batched import MIN_SPLIT_KEYS, lse_splits, split_lse
+
+    num_splits = lse_splits(1, hk, row_blocks, seq_len, target_programs, min_split_keys or MIN_SPLIT_KEYS)
+    if num_splits > 1:  # long context: the keys in spans on separate programs (one more launch, the merge)
+        split_len = triton.cdiv(triton.cdiv(seq_len, num_splits), block_n) * block_n
+        indptr = torch.zeros(2, dtype=torch.int32, device=dev)
+        indptr[1] = r
+        split_lse(q_rows, q_pos, indptr, k_buffer, token_slots[None], torch.zeros(1, dtype=torch.int32, device=dev),
+                  lse, scale, triton.cdiv(seq_len, split_len), split_len, row_blocks, meta)
+    else:
+        _row_lse_kernel[(hk, row_blocks)](
+            q_rows, q_rows.stride(0), q_rows.stride(1), q_pos, r, k_buffer, k_buffer.stride(0), k_buffer.stride(1),
+            token_slots, lse, lse.stride(0), scale, **meta)
     _lines_kernel[(hk, triton.cdiv(seq_len, block_n))](
         q_rows, q_rows.stride(0), q_rows.stride(1), q_pos, r, k_buffer, k_buffer.stride(0), k_buffer.stride(1),
         token_slots, seq_len, lse, lse.stride(0), out.v_sum, out.v_max, out.s_sum, out.s_max, out.v_sum.stride(0),

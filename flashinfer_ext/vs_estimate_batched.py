@@ -246,18 +246,8 @@ def vertical_sums_batched(q_rows: torch.Tensor, q_pos: torch.Tensor, q_req: torc
             k_buffer.stride(1), req_to_token, req_to_token.stride(0), req_pool_indices, lse, lse.stride(0), scale,
             **meta)
     else:
-        part = lse_part_buf if lse_part_buf is not None else \
-            torch.empty(2, num_splits, hq, r_total, dtype=torch.float32, device=q_rows.device)
-        if part.dtype != torch.float32 or part.dim() != 4 or part.shape[0] != 2 or part.shape[1] < num_splits \
-                or part.shape[2] != hq or part.shape[3] < r_total or part.stride(3) != 1:
-            raise ValueError(f"lse_part_buf must be [2, >= {num_splits}, {hq}, >= {r_total}] fp32 with a contiguous "
-                             "last dim")
-        _batched_lse_split_kernel[(n_req, hk, row_blocks * num_splits)](
-            q_rows, q_rows.stride(0), q_rows.stride(1), q_pos, qo_indptr, k_buffer, k_buffer.stride(0),
-            k_buffer.stride(1), req_to_token, req_to_token.stride(0), req_pool_indices, part, part.stride(0),
-            part.stride(1), part.stride(2), scale, num_splits, split_len, **meta)
-        _lse_merge_kernel[(hq, triton.cdiv(r_total, 128))](
-            part, part.stride(0), part.stride(1), part.stride(2), lse, lse.stride(0), r_total, num_splits, BLOCK=128)
+        split_lse(q_rows, q_pos, qo_indptr, k_buffer, req_to_token, req_pool_indices, lse, scale, num_splits,
+                  split_len, row_blocks, meta, lse_part_buf)
     n_blocks = triton.cdiv(max_len, block_n)
     if key_blocks is None:
         key_blocks = vsum_key_blocks(n_req * hk * n_blocks, target_programs)
@@ -269,6 +259,28 @@ def vertical_sums_batched(q_rows: torch.Tensor, q_pos: torch.Tensor, q_req: torc
         lse, lse.stride(0), out, out.stride(0), out.stride(1), scale, key_blocks, **meta,
         ONE_ROW_BLOCK=rows <= meta["BLOCK_R"])
     return out
+
+
+def split_lse(q_rows, q_pos, qo_indptr, k_buffer, req_to_token, req_pool_indices, lse, scale, num_splits, split_len,
+              row_blocks, meta, lse_part_buf=None) -> None:
+    """The LSE pass in ``num_splits`` key spans of ``split_len`` keys (a multiple of ``BLOCK_N``) + the merge
+    into ``lse [Hq, >= R_total]`` fp32: two launches. Arguments as :func:`vertical_sums_batched`'s (``scale``
+    base 2, ``meta`` :func:`~flashinfer_ext.vs_estimate.launch_meta`); shared with the single-request
+    :func:`~flashinfer_ext.vs_estimate.vs_estimate`."""
+    r_total, hq, _ = q_rows.shape
+    n_req, hk = req_pool_indices.shape[0], k_buffer.shape[1]
+    part = lse_part_buf if lse_part_buf is not None else \
+        torch.empty(2, num_splits, hq, r_total, dtype=torch.float32, device=q_rows.device)
+    if part.dtype != torch.float32 or part.dim() != 4 or part.shape[0] != 2 or part.shape[1] < num_splits \
+            or part.shape[2] != hq or part.shape[3] < r_total or part.stride(3) != 1:
+        raise ValueError(f"lse_part_buf must be [2, >= {num_splits}, {hq}, >= {r_total}] fp32 with a contiguous "
+                         "last dim")
+    _batched_lse_split_kernel[(n_req, hk, row_blocks * num_splits)](
+        q_rows, q_rows.stride(0), q_rows.stride(1), q_pos, qo_indptr, k_buffer, k_buffer.stride(0),
+        k_buffer.stride(1), req_to_token, req_to_token.stride(0), req_pool_indices, part, part.stride(0),
+        part.stride(1), part.stride(2), scale, num_splits, split_len, **meta)
+    _lse_merge_kernel[(hq, triton.cdiv(r_total, 128))](
+        part, part.stride(0), part.stride(1), part.stride(2), lse, lse.stride(0), r_total, num_splits, BLOCK=128)
 
 
 def vsum_key_blocks(total_blocks: int, target_programs: int) -> int:

@@ -27,12 +27,15 @@ def _rows(seq_len, prefix_len, n_rows, seed):
     (9, 3, 128, torch.bfloat16, 16, 95, 60, 35),
     (8, 8, 128, torch.float16, 32, 64, 63, 1),
 ])
-def test_vs_estimate_matches_reference(hq, hk, d, dtype, page, seq_len, prefix_len, n_rows):
+@pytest.mark.parametrize("split_keys", [None, 32], ids=["one_pass_lse", "lse_in_key_spans"])
+def test_vs_estimate_matches_reference(hq, hk, d, dtype, page, seq_len, prefix_len, n_rows, split_keys):
+    """Also with the LSE pass in key spans (as long contexts run it: spans of >= split_keys keys)."""
     pool = make_pool([seq_len], hq, hk, d, dtype, page, seed=3)
     slots = pool.req_to_token[pool.req_pool_indices[0].long()]
     pos = _rows(seq_len, prefix_len, n_rows, seed=4)
     q = torch.randn(len(pos), hq, d, generator=torch.Generator().manual_seed(5)).to(dtype)
-    out = vs_estimate(q, pos, pool.k_buffer, slots, seq_len, sm_scale=d ** -0.5, block_n=32)
+    out = vs_estimate(q, pos, pool.k_buffer, slots, seq_len, sm_scale=d ** -0.5, block_n=32,
+                      min_split_keys=split_keys)
     ref = vs_estimate_reference(q, pos, pool.k_buffer, slots, seq_len, d ** -0.5)
     for got, want in zip((out.v_sum, out.v_max, out.s_sum, out.s_max), ref):
         assert got.shape == (hk, seq_len) and got.dtype == torch.float32
