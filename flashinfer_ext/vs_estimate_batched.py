@@ -39,7 +39,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .vs_estimate import _group_probs, _load_q, _rows_lse, _rows_ml, check_heads, launch_meta
+from .vs_estimate import _group_probs, _load_q, _rows_lse, _rows_ml, _scores, check_heads, launch_meta
 
 __all__ = ["vertical_sums_batched", "vertical_sums_batched_reference", "decode_topb_batched", "decode_topb_masks",
            "decode_topb_masked", "qo_indptr_of", "lse_splits", "vsum_key_blocks"]
@@ -146,9 +146,10 @@ def _batched_vsum_kernel(q_ptr, stride_qr, stride_qh, pos_ptr, indptr_ptr, k_ptr
             kp = n_lo + kb * BLOCK_N + tl.arange(0, BLOCK_N)
             kvalid = kp < seq_len  # a key block past the request's end only writes zeros
             slot = tl.load(slots_ptr + kp, mask=kvalid, other=0).to(tl.int64)
-            pg = _group_probs(q, pos, rvalid, lse, k_ptr, stride_ks, stride_kh, h, slot, kp, kvalid, sm_scale_log2,
-                              G_PAD, BLOCK_R, BLOCK_N, HEAD_DIM, D_PAD, DOT_FP32)
-            tl.store(o_ptr + kp, tl.sum(pg, axis=0), mask=kp < max_len)
+            # summed over all packed (head, row) pairs at once: no per-group reshape (a layout shuffle per block)
+            s = _scores(q, k_ptr, stride_ks, stride_kh, h, slot, kvalid, sm_scale_log2, HEAD_DIM, D_PAD, DOT_FP32)
+            ok = rvalid[:, None] & kvalid[None, :] & (kp[None, :] <= pos[:, None])
+            tl.store(o_ptr + kp, tl.sum(tl.where(ok, tl.exp2(s - lse[:, None]), 0.0), axis=0), mask=kp < max_len)
     else:
         for kb in range(0, key_blocks):
             n0 = n_lo + kb * BLOCK_N

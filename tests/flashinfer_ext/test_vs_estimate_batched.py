@@ -197,7 +197,7 @@ def test_vertical_sums_batched_with_several_key_blocks_per_program_equals_one_bl
     got = vertical_sums_batched(*args, **kw, key_blocks=key_blocks, out=torch.full((len(seq_lens), hk, max_len),
                                                                                 float("nan")))
     one = vertical_sums_batched(*args, **kw, key_blocks=1)
-    assert torch.equal(got, one)
+    torch.testing.assert_close(got, one, rtol=1e-6, atol=1e-7)  # one row block: one sum over all packed rows
     ref = vertical_sums_batched_reference(*args, sm_scale=d ** -0.5)
     torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-5)
 
