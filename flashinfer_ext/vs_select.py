@@ -21,7 +21,8 @@ The rule (a vectorised relaxation of Alg. 2's greedy with the same overlap accou
      ``2 * seq_len`` sequential steps). Instead, for ``split_candidates`` split points ``i``
      (quadratically spaced over the slash list) the cumulative sums of the gains give, in one
      vectorised pass, the fewest verticals reaching ``alpha * total``; the same with the roles
-     swapped; the (slashes, verticals) pair of least cost ``sum l`` wins. The exact covered mass of
+     swapped (:mod:`flashinfer_ext.vs_split_search`: one Triton launch for both orders on CUDA, its torch
+     reference elsewhere); the (slashes, verticals) pair of least cost ``sum l`` wins. The exact covered mass of
      the sampled rows is therefore ``>= alpha * total`` (Alg. 2's guarantee); ``covered_lb``
      reports the bound. Taking every slash alone covers everything, so a pair always exists.
      ``alpha >= 1`` selects every line (= dense causal attention).
@@ -45,6 +46,7 @@ from dataclasses import dataclass
 import torch
 
 from .vs_estimate import VSLineSums
+from .vs_split_search import split_candidates, split_search, split_search_reference
 
 __all__ = ["VSSelectConfig", "VSSelection", "vs_select", "decode_topb"]
 
@@ -100,14 +102,18 @@ def _compact(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return idx, mask.sum(1, dtype=torch.int32)
 
 
-def vs_select(lines: VSLineSums, *, prefix_len: int, config: VSSelectConfig = VSSelectConfig()) -> VSSelection:
+def vs_select(lines: VSLineSums, *, prefix_len: int, config: VSSelectConfig = VSSelectConfig(),
+              use_kernel: bool | None = None) -> VSSelection:
     """Select per KV head the lines covering ``alpha`` of the sampled mass (see the module docstring).
 
     Args:
       lines: :class:`VSLineSums` (``[num_kv_heads, seq_len]`` fp32 fields) of one request, one layer.
       prefix_len: first query position of the segment being prefilled (host int, ``< seq_len``).
       config: :class:`VSSelectConfig`.
-    Returns :class:`VSSelection`. Pure torch on ``lines``' device; no host sync.
+      use_kernel: the split search as one Triton launch (:func:`flashinfer_ext.vs_split_search.split_search`)
+        or in torch (its reference); default: the kernel on CUDA.
+    Returns :class:`VSSelection`. Torch ops (sorts, gathers, prefix sums) + that launch on ``lines``' device
+    (the split sizes: one pinned host->device copy); no host sync.
     """
     hk, n = lines.v_sum.shape
     if not 0 <= prefix_len < max(n, 1):
@@ -124,51 +130,31 @@ def vs_select(lines: VSLineSums, *, prefix_len: int, config: VSSelectConfig = VS
 
     lens = (n - ar.clamp(min=prefix_len)).to(torch.float32)  # cost of vertical k / slash d
     total = lines.v_sum.sum(1)
-    target = (config.alpha * total)[:, None, None]
+    target = config.alpha * total
     inf = float("inf")
 
     def ordered(wsum, wmax, forced):
+        """density order ``[Hk, n]`` and the (w, m, l) planes in it ``[3, Hk, n]``"""
         key = torch.where(forced, torch.full_like(wsum, inf), wsum / lens[None, :])
         order = torch.sort(key, dim=1, descending=True, stable=True).indices
-        return order, wsum.gather(1, order), wmax.gather(1, order), lens[order]
-
-    def split_search(a, b, n_fa, n_fb):
-        """Take ``i`` lines of list ``a`` (candidates), then the fewest of list ``b`` reaching the target."""
-        _, wa, ma, la = a
-        _, wb, mb, lb = b
-        k = config.split_candidates
-        frac = torch.linspace(0.0, 1.0, k, device=dev) ** 2
-        # [K] split sizes (repeats are harmless; no unique(): it would sync the host on the GPU)
-        cand = (n_fa + torch.round(frac * (n - n_fa))).long()
-        zero = torch.zeros(hk, 1, device=dev)
-        cs_a = torch.cat([zero, wa.cumsum(1)], 1)[:, cand]              # [Hk, K]
-        ol_a = torch.cat([zero, ma.cumsum(1)], 1)[:, cand]
-        cl_a = torch.cat([zero, la.cumsum(1)], 1)[:, cand]
-        over = torch.minimum(ol_a[:, :, None], cand.float()[None, :, None] * mb[:, None, :])
-        gain = (wb[:, None, :] - over).clamp(min=0.0)                   # [Hk, K, n]
-        lb_cov = cs_a[:, :, None] + torch.cat([torch.zeros_like(gain[:, :, :1]), gain.cumsum(2)], 2)
-        j = (lb_cov < target).sum(2).clamp(min=n_fb)                    # [Hk, K]; n + 1 = not reachable
-        feasible = j <= n
-        j = j.clamp(max=n)
-        cl_b = torch.cat([zero, lb.cumsum(1)], 1)
-        cost = torch.where(feasible, cl_a + cl_b.gather(1, j), torch.full_like(cl_a, inf))
-        cov = lb_cov.gather(2, j[:, :, None]).squeeze(2)
-        return cost, cand[None, :].expand(hk, -1), j, cov
+        return order, torch.stack([wsum, wmax, lens.expand(hk, n)]).gather(2, order.expand(3, hk, n))
 
     n_fv = min(config.sink_tokens, n)
     n_fs = min(config.local_window, n)
-    v_list = ordered(lines.v_sum, lines.v_max, forced_v)
-    s_list = ordered(lines.s_sum, lines.s_max, forced_s)
-    c1, i1, j1, cov1 = split_search(s_list, v_list, n_fs, n_fv)  # slashes first: (i slashes, j verticals)
-    c2, j2, i2, cov2 = split_search(v_list, s_list, n_fv, n_fs)  # verticals first: (j verticals, i slashes)
-    cost = torch.cat([c1, c2], 1)
+    v_order, v_planes = ordered(lines.v_sum, lines.v_max, forced_v)
+    s_order, s_planes = ordered(lines.s_sum, lines.s_max, forced_s)
+    cand = split_candidates(n, (n_fs, n_fv), config.split_candidates)
+    cand = cand.pin_memory().to(dev, non_blocking=True) if dev.type == "cuda" else cand.to(dev)
+    kernel = dev.type == "cuda" if use_kernel is None else use_kernel
+    # (cost, slashes, verticals, covered lower bound) per split candidate, slashes-first order then verticals-first
+    cost, n_s_all, n_v_all, cov_all = (split_search if kernel else split_search_reference)(
+        torch.stack([s_planes, v_planes], 1), target, cand, (n_fs, n_fv))
     best = cost.argmin(1, keepdim=True)
-    n_s = torch.cat([i1, i2], 1).gather(1, best)
-    n_v = torch.cat([j1, j2], 1).gather(1, best)
-    cov = torch.cat([cov1, cov2], 1).gather(1, best).squeeze(1)
+    n_s, n_v = n_s_all.gather(1, best), n_v_all.gather(1, best)
+    cov = cov_all.gather(1, best).squeeze(1)
     rank = torch.arange(n, device=dev)[None, :]
-    sel_v = torch.zeros(hk, n, dtype=torch.bool, device=dev).scatter(1, v_list[0], rank < n_v)
-    sel_s = torch.zeros(hk, n, dtype=torch.bool, device=dev).scatter(1, s_list[0], rank < n_s)
+    sel_v = torch.zeros(hk, n, dtype=torch.bool, device=dev).scatter(1, v_order, rank < n_v)
+    sel_s = torch.zeros(hk, n, dtype=torch.bool, device=dev).scatter(1, s_order, rank < n_s)
     v_idx, v_cnt = _compact(sel_v)
     s_idx, s_cnt = _compact(sel_s)
     covered_lb = torch.where(total > 0, cov / total.clamp(min=1e-30), torch.ones_like(total)).clamp(max=1.0)
