@@ -51,20 +51,31 @@ MIN_SPLIT_KEYS = 4096
 
 
 @triton.jit
+def _row_block(q_ptr, stride_qr, stride_qh, pos_ptr, indptr_ptr, rtt_ptr, stride_rtt, rpi_ptr, b, h, r0,
+               GROUP: tl.constexpr, G_PAD: tl.constexpr, BLOCK_R: tl.constexpr, HEAD_DIM: tl.constexpr,
+               D_PAD: tl.constexpr):
+    """Request ``b``'s rows ``r0..r0+BLOCK_R-1`` for KV head ``h`` (packed as ``_load_q``; masked past its
+    rows): ``(start, n_rows, slots_ptr, q, g, r, rvalid, pos)``."""
+    start = tl.load(indptr_ptr + b).to(tl.int64)
+    n_rows = tl.load(indptr_ptr + b + 1).to(tl.int64) - start
+    slots_ptr = rtt_ptr + tl.load(rpi_ptr + b).to(tl.int64) * stride_rtt
+    q, g, r, rvalid = _load_q(q_ptr + start * stride_qr, stride_qr, stride_qh, h, r0, n_rows, GROUP, G_PAD,
+                              BLOCK_R, HEAD_DIM, D_PAD)
+    pos = tl.load(pos_ptr + start + r, mask=rvalid, other=-1).to(tl.int64)
+    return start, n_rows, slots_ptr, q, g, r, rvalid, pos
+
+
+@triton.jit
 def _batched_lse_kernel(q_ptr, stride_qr, stride_qh, pos_ptr, indptr_ptr, k_ptr, stride_ks, stride_kh,
                         rtt_ptr, stride_rtt, rpi_ptr, lse_ptr, stride_lh, sm_scale_log2,
                         GROUP: tl.constexpr, G_PAD: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
                         HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, DOT_FP32: tl.constexpr):
-    b = tl.program_id(0)
-    h = tl.program_id(1)
     r0 = tl.program_id(2) * BLOCK_R
-    start = tl.load(indptr_ptr + b).to(tl.int64)
-    n_rows = tl.load(indptr_ptr + b + 1).to(tl.int64) - start
+    start, n_rows, slots_ptr, q, g, r, rvalid, pos = _row_block(
+        q_ptr, stride_qr, stride_qh, pos_ptr, indptr_ptr, rtt_ptr, stride_rtt, rpi_ptr, tl.program_id(0),
+        tl.program_id(1), r0, GROUP, G_PAD, BLOCK_R, HEAD_DIM, D_PAD)
     if r0 < n_rows:
-        slots_ptr = rtt_ptr + tl.load(rpi_ptr + b).to(tl.int64) * stride_rtt
-        q, g, r, rvalid = _load_q(q_ptr + start * stride_qr, stride_qr, stride_qh, h, r0, n_rows, GROUP, G_PAD,
-                                  BLOCK_R, HEAD_DIM, D_PAD)
-        pos = tl.load(pos_ptr + start + r, mask=rvalid, other=-1).to(tl.int64)
+        h = tl.program_id(1)
         lse = _rows_lse(q, pos, k_ptr, stride_ks, stride_kh, h, slots_ptr, sm_scale_log2, G_PAD * BLOCK_R,
                         BLOCK_N, HEAD_DIM, D_PAD, DOT_FP32)
         tl.store(lse_ptr + (h * GROUP + g) * stride_lh + start + r, lse, mask=rvalid)
@@ -79,17 +90,13 @@ def _batched_lse_split_kernel(q_ptr, stride_qr, stride_qh, pos_ptr, indptr_ptr, 
                               DOT_FP32: tl.constexpr):
     """One key span ``[sp * split_len, (sp + 1) * split_len)`` of a row block's LSE: the running max / sum
     into ``part [2, num_splits, Hq, R_total]`` (merged by ``_lse_merge_kernel``)."""
-    b = tl.program_id(0)
     h = tl.program_id(1)
     r0 = (tl.program_id(2) // num_splits) * BLOCK_R
     sp = tl.program_id(2) % num_splits
-    start = tl.load(indptr_ptr + b).to(tl.int64)
-    n_rows = tl.load(indptr_ptr + b + 1).to(tl.int64) - start
+    start, n_rows, slots_ptr, q, g, r, rvalid, pos = _row_block(
+        q_ptr, stride_qr, stride_qh, pos_ptr, indptr_ptr, rtt_ptr, stride_rtt, rpi_ptr, tl.program_id(0), h, r0,
+        GROUP, G_PAD, BLOCK_R, HEAD_DIM, D_PAD)
     if r0 < n_rows:
-        slots_ptr = rtt_ptr + tl.load(rpi_ptr + b).to(tl.int64) * stride_rtt
-        q, g, r, rvalid = _load_q(q_ptr + start * stride_qr, stride_qr, stride_qh, h, r0, n_rows, GROUP, G_PAD,
-                                  BLOCK_R, HEAD_DIM, D_PAD)
-        pos = tl.load(pos_ptr + start + r, mask=rvalid, other=-1).to(tl.int64)
         k_lo = sp.to(tl.int64) * split_len
         m_i, l_i = _rows_ml(q, pos, k_ptr, stride_ks, stride_kh, h, slots_ptr, sm_scale_log2, k_lo, k_lo + split_len,
                             G_PAD * BLOCK_R, BLOCK_N, HEAD_DIM, D_PAD, DOT_FP32)
