@@ -340,6 +340,9 @@ def main():
                     help="the server's min_context (default: LoopServeConfig's default)")
     ap.add_argument("--max-ctx", type=int, default=131072)
     ap.add_argument("--smollm", action="store_true", help="also SmolLM2-135M captures (8k tokens, layer 15)")
+    ap.add_argument("--contexts", default=None,
+                    help="comma-separated planted contexts to run instead of the default cases (e.g. the break-even "
+                         "of min_context: 8192,16384,24576); every one runs (no --time-budget)")
     ap.add_argument("--time-budget", type=float, default=1e9,
                     help="seconds after the first case: extra cases not started by then are recorded as skipped "
                          "(the 128k/32k/4k planted cases and --smollm always run)")
@@ -372,11 +375,14 @@ def main():
         cases += [("smollm2", 8192, None)] if args.smollm else []
         cases += [("planted-diffuse", c, dict(llama, plant=DIFFUSE)) for c in (32768, 131072) if c <= args.max_ctx]
         cases += [("planted", c, llama) for c in CONTEXTS[3:] if c <= args.max_ctx]
+    required = {("planted", c) for c in CONTEXTS[:3]} | {("smollm2", 8192)}
+    if args.contexts and not args.smoke:
+        cases = [("planted", int(c), llama) for c in args.contexts.split(",")]
+        required = {(n, c) for n, c, _ in cases}
     results = []
     # the headline contexts and the SmolLM2 capture always run; --time-budget only drops the extra cases,
     # and its clock starts after the first case (on a cold machine the JIT compiles of FlashInfer and of
     # the Triton kernels took 89 s of an 80 s budget there, H100 2026-11-23, and every later case was skipped)
-    required = {("planted", c) for c in CONTEXTS[:3]} | {("smollm2", 8192)}
     t_budget0 = None
     for name, ctx, sh in cases:
         if (name, ctx) not in required and t_budget0 is not None and time.time() - t_budget0 > args.time_budget:
