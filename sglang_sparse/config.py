@@ -203,11 +203,12 @@ class LoopServeConfig(SparseConfig):
     n_d: int = knob(16, doc="decode re-selection interval (tokens)", range=Range(1, 4096))
     budget: int = knob(1024, doc="top-B tokens kept per KV head in decode", range=Range(1, 1 << 24))
     sampled_rows: int = knob(64, doc="query rows sampled for line estimation", range=Range(1, 8192))
-    min_context: int = knob(32768, doc="segments over contexts shorter than this run dense. Measured on an H100 "
+    min_context: int = knob(24576, doc="segments over contexts shorter than this run dense. Measured on an H100 "
                             "(bench/loopserve_prefill_bench.py, planted structure, Llama-3.1-8B attention shapes, "
-                            "bf16; estimation + selection + sparse attention vs FlashInfer dense): 8k 0.20x, 16k "
-                            "0.74x, 32k 1.53x, 64k 2.44x, 128k 3.79x; the log-interpolated break-even is ~22k, "
-                            "32768 is the smallest measured context where sparse wins",
+                            "bf16; estimation + selection + sparse attention vs FlashInfer dense; 2026-11-25, "
+                            "bench/results/gpu_s20/): 8k 0.31x, 16k 0.93x, 24k 1.79x, 32k 2.11x, 64k 7.37x, 128k "
+                            "21.1x; 24576 is the smallest measured context where sparse wins (below ~24k the "
+                            "sparse path is bound by the host's ~3 ms of launches)",
                             range=Range(0, 1 << 24))
     sink_tokens: int = knob(4, doc="first key positions always attended (vertical lines)", range=Range(0, 1 << 20))
     local_window: int = knob(64, doc="slash offsets 0..local_window-1 always attended", range=Range(1, 1 << 20))
