@@ -189,6 +189,12 @@ def check_heads(num_qo_heads: int, num_kv_heads: int, head_dim: int) -> int:
     return num_qo_heads // num_kv_heads
 
 
+def target_programs_of(device: torch.device) -> int:
+    """About two waves of programs on ``device``: 2 x its SM count on CUDA (host query, no sync), 8 elsewhere."""
+    device = torch.device(device)
+    return 2 * torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
+
+
 def launch_meta(group: int, head_dim: int, block_r: int, block_n: int) -> dict:
     """Compile-time parameters shared by the estimation kernels (``BLOCK_R`` raised so that
     ``G_PAD * BLOCK_R >= 16``, the smallest ``tl.dot`` tile; fp32 dots under the interpreter)."""
@@ -199,8 +205,8 @@ def launch_meta(group: int, head_dim: int, block_r: int, block_n: int) -> dict:
 
 
 def vs_estimate(q_rows: torch.Tensor, q_pos: torch.Tensor, k_buffer: torch.Tensor, token_slots: torch.Tensor,
-                seq_len: int, *, sm_scale: float, block_r: int = 16, block_n: int = 64, target_programs: int = 264,
-                min_split_keys: int | None = None) -> VSLineSums:
+                seq_len: int, *, sm_scale: float, block_r: int = 16, block_n: int = 64,
+                target_programs: int | None = None, min_split_keys: int | None = None) -> VSLineSums:
     """Per-KV-head vertical and slash line sums of the sampled rows' causal softmax attention.
 
     Args:
@@ -211,7 +217,8 @@ def vs_estimate(q_rows: torch.Tensor, q_pos: torch.Tensor, k_buffer: torch.Tenso
       seq_len: keys ``0..seq_len-1`` exist (host int: it sizes the outputs and the grid).
       sm_scale: softmax scale (usually ``head_dim ** -0.5``).
       target_programs, min_split_keys: host ints; at long contexts the LSE pass splits the keys into spans
-        (:func:`flashinfer_ext.vs_estimate_batched.lse_splits` with these; one more launch).
+        (:func:`flashinfer_ext.vs_estimate_batched.lse_splits` with these; one more launch; defaults
+        :func:`target_programs_of` the device and ``MIN_SPLIT_KEYS``).
     Returns :class:`VSLineSums` (``[num_kv_heads, seq_len]`` fp32 each; total mass per KV head is
     ``group_size * R``). Two launches (three with key spans), no host sync.
     """
@@ -234,7 +241,8 @@ def vs_estimate(q_rows: torch.Tensor, q_pos: torch.Tensor, k_buffer: torch.Tenso
     row_blocks = triton.cdiv(r, meta["BLOCK_R"])
     from .vs_estimate_batched import MIN_SPLIT_KEYS, lse_splits, split_lse
 
-    num_splits = lse_splits(1, hk, row_blocks, seq_len, target_programs, min_split_keys or MIN_SPLIT_KEYS)
+    num_splits = lse_splits(1, hk, row_blocks, seq_len, target_programs or target_programs_of(dev),
+                            min_split_keys or MIN_SPLIT_KEYS)
     if num_splits > 1:  # long context: the keys in spans on separate programs (one more launch, the merge)
         split_len = triton.cdiv(triton.cdiv(seq_len, num_splits), block_n) * block_n
         indptr = torch.zeros(2, dtype=torch.int32, device=dev)

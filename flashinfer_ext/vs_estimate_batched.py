@@ -39,7 +39,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .vs_estimate import _group_probs, _load_q, _rows_lse, _rows_ml, _scores, check_heads, launch_meta
+from .vs_estimate import _load_q, _rows_lse, _rows_ml, _scores, check_heads, launch_meta, target_programs_of
 
 __all__ = ["vertical_sums_batched", "vertical_sums_batched_reference", "decode_topb_batched", "decode_topb_masks",
            "decode_topb_masked", "qo_indptr_of", "lse_splits", "vsum_key_blocks"]
@@ -127,6 +127,16 @@ def _lse_merge_kernel(part_ptr, stride_pp, stride_ps, stride_ph, lse_ptr, stride
 
 
 @triton.jit
+def _block_vsum(q, pos, rvalid, lse, k_ptr, stride_ks, stride_kh, h, slot, kp, kvalid, sm_scale_log2,
+                HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, DOT_FP32: tl.constexpr):
+    """``[BLOCK_N]`` fp32: the normalised causal probabilities of the packed (query head, row) pairs on keys
+    ``kp``, summed over all pairs at once (no per-group reshape: a layout shuffle per key block)."""
+    s = _scores(q, k_ptr, stride_ks, stride_kh, h, slot, kvalid, sm_scale_log2, HEAD_DIM, D_PAD, DOT_FP32)
+    ok = rvalid[:, None] & kvalid[None, :] & (kp[None, :] <= pos[:, None])
+    return tl.sum(tl.where(ok, tl.exp2(s - lse[:, None]), 0.0), axis=0)
+
+
+@triton.jit
 def _batched_vsum_kernel(q_ptr, stride_qr, stride_qh, pos_ptr, indptr_ptr, k_ptr, stride_ks, stride_kh,
                          rtt_ptr, stride_rtt, rpi_ptr, seq_ptr, max_len, lse_ptr, stride_lh,
                          out_ptr, stride_ob, stride_oh, sm_scale_log2, key_blocks,
@@ -153,10 +163,9 @@ def _batched_vsum_kernel(q_ptr, stride_qr, stride_qh, pos_ptr, indptr_ptr, k_ptr
             kp = n_lo + kb * BLOCK_N + tl.arange(0, BLOCK_N)
             kvalid = kp < seq_len  # a key block past the request's end only writes zeros
             slot = tl.load(slots_ptr + kp, mask=kvalid, other=0).to(tl.int64)
-            # summed over all packed (head, row) pairs at once: no per-group reshape (a layout shuffle per block)
-            s = _scores(q, k_ptr, stride_ks, stride_kh, h, slot, kvalid, sm_scale_log2, HEAD_DIM, D_PAD, DOT_FP32)
-            ok = rvalid[:, None] & kvalid[None, :] & (kp[None, :] <= pos[:, None])
-            tl.store(o_ptr + kp, tl.sum(tl.where(ok, tl.exp2(s - lse[:, None]), 0.0), axis=0), mask=kp < max_len)
+            v = _block_vsum(q, pos, rvalid, lse, k_ptr, stride_ks, stride_kh, h, slot, kp, kvalid, sm_scale_log2,
+                            HEAD_DIM, D_PAD, DOT_FP32)
+            tl.store(o_ptr + kp, v, mask=kp < max_len)
     else:
         for kb in range(0, key_blocks):
             n0 = n_lo + kb * BLOCK_N
@@ -170,9 +179,8 @@ def _batched_vsum_kernel(q_ptr, stride_qr, stride_qh, pos_ptr, indptr_ptr, k_ptr
                                           G_PAD, BLOCK_R, HEAD_DIM, D_PAD)
                 pos = tl.load(pos_ptr + start + r, mask=rvalid, other=-1).to(tl.int64)
                 lse = tl.load(lse_ptr + (h * GROUP + g) * stride_lh + start + r, mask=rvalid, other=float("inf"))
-                pg = _group_probs(q, pos, rvalid, lse, k_ptr, stride_ks, stride_kh, h, slot, kp, kvalid,
-                                  sm_scale_log2, G_PAD, BLOCK_R, BLOCK_N, HEAD_DIM, D_PAD, DOT_FP32)
-                v_acc += tl.sum(pg, axis=0)
+                v_acc += _block_vsum(q, pos, rvalid, lse, k_ptr, stride_ks, stride_kh, h, slot, kp, kvalid,
+                                     sm_scale_log2, HEAD_DIM, D_PAD, DOT_FP32)
             tl.store(o_ptr + kp, v_acc, mask=kp < max_len)
 
 
@@ -189,7 +197,7 @@ def vertical_sums_batched(q_rows: torch.Tensor, q_pos: torch.Tensor, q_req: torc
                           qo_indptr: torch.Tensor | None = None, max_qo_len: int | None = None,
                           lse_buf: torch.Tensor | None = None, block_r: int = 16, block_n: int = 64,
                           num_splits: int = 1, lse_part_buf: torch.Tensor | None = None,
-                          key_blocks: int | None = None, target_programs: int = 264) -> torch.Tensor:
+                          key_blocks: int | None = None, target_programs: int | None = None) -> torch.Tensor:
     """Per-request, per-KV-head vertical sums of the rows' causal softmax attention (module docstring).
 
     Args:
@@ -211,7 +219,8 @@ def vertical_sums_batched(q_rows: torch.Tensor, q_pos: torch.Tensor, q_req: torc
       lse_part_buf: optional preallocated ``[2, >= num_splits, num_qo_heads, >= R_total]`` fp32 scratch of
         the spans' running maxima / sums (``num_splits > 1`` only).
       key_blocks: host int >= 1: consecutive ``block_n``-key blocks per program of the sums pass (default
-        :func:`vsum_key_blocks` of ``target_programs``, host ints: about 2 x the SM count).
+        :func:`vsum_key_blocks` of ``target_programs``, host ints; default
+        :func:`~flashinfer_ext.vs_estimate.target_programs_of` the device: about 2 x the SM count).
     Returns ``v_sum [num_reqs, num_kv_heads, max_len]`` fp32 (a view of ``out`` if given). Two launches
     (three with ``num_splits > 1``), no host sync.
     """
@@ -258,7 +267,7 @@ def vertical_sums_batched(q_rows: torch.Tensor, q_pos: torch.Tensor, q_req: torc
                   split_len, row_blocks, meta, lse_part_buf)
     n_blocks = triton.cdiv(max_len, block_n)
     if key_blocks is None:
-        key_blocks = vsum_key_blocks(n_req * hk * n_blocks, target_programs)
+        key_blocks = vsum_key_blocks(n_req * hk * n_blocks, target_programs or target_programs_of(q_rows.device))
     if key_blocks < 1:
         raise ValueError(f"key_blocks={key_blocks} is out of range: expected an integer >= 1")
     _batched_vsum_kernel[(n_req, hk, triton.cdiv(n_blocks, key_blocks))](

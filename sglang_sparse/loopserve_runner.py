@@ -73,7 +73,7 @@ import os
 
 import torch
 
-from flashinfer_ext.vs_estimate import sample_query_rows
+from flashinfer_ext.vs_estimate import sample_query_rows, target_programs_of
 from flashinfer_ext.vs_estimate_batched import MIN_SPLIT_KEYS
 from flashinfer_ext.vs_select import VSSelectConfig, _compact, vs_select
 from sglang_sparse.config import LoopServeConfig
@@ -179,8 +179,7 @@ class LoopServeRunner:
         # for bit (loopserve_graph sizes its static lists by it)
         self.split_width = int(getattr(cfg, "graph_list_width", 0))
         # split-list decode (flashinfer_ext.split_decode): aim at about two waves of programs per layer
-        self.target_programs = 2 * torch.cuda.get_device_properties(device).multi_processor_count \
-            if device.type == "cuda" else 8
+        self.target_programs = target_programs_of(device)
         self.lse_min_split_keys = MIN_SPLIT_KEYS  # re-selection's LSE pass: shortest key span (lse_splits)
 
     # ------------------------------------------------------------------ planning (once per batch)

@@ -179,6 +179,9 @@ def test_lse_splits_fills_the_target_with_long_spans_only():
     assert lse_splits(1, 3, 1, 2700, 264) == 1
     assert lse_splits(64, 8, 1, 32768, 264) == 1
     assert lse_splits(1, 1, 1, 300, 8, min_split_keys=64) == 4
+    from flashinfer_ext.vs_estimate import target_programs_of
+
+    assert target_programs_of(torch.device("cpu")) == 8  # the kernels' default off CUDA (2 x SMs on CUDA)
 
 
 @pytest.mark.parametrize("key_blocks", [1, 2, 3])
