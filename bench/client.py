@@ -61,15 +61,28 @@ def _post(url: str, payload: dict, timeout: float) -> dict:
     return r.json()
 
 
+def uses_documents_api(task: Task, documents_api: bool) -> bool:
+    """Whether ``task`` goes through the ``documents`` field (a documents-API run and a task that
+    carries its documents apart, :mod:`bench.tasks_long` ``rag``); else its stock inline prompt."""
+    return documents_api and bool(task.meta.get("documents")) and len(task.turns) == 1
+
+
 def run_conversation(base_url: str, task: Task, model: str, max_tokens: int,
-                     timeout: float = 600.0) -> list[dict]:
-    """Play a task turn by turn (greedy) and return one record per turn."""
+                     timeout: float = 600.0, documents_api: bool = False) -> list[dict]:
+    """Play a task turn by turn (greedy) and return one record per turn.
+
+    ``documents_api``: tasks with documents send them in ``extra_body.documents`` (``--sparse samkv``)
+    and only the question as the user message; every other task is sent as a stock client would.
+    The per-request report of a sparse mode (``meta_info.sparse``) is kept as ``sparse``."""
     messages = [{"role": "system", "content": task.system}]
     out = []
+    docs = uses_documents_api(task, documents_api)
     for j, turn in enumerate(task.turns):
-        messages.append({"role": "user", "content": turn.user})
+        messages.append({"role": "user", "content": task.meta["question"] if docs else turn.user})
         payload = {"model": model, "messages": messages, "temperature": 0.0, "max_tokens": max_tokens,
                    "return_meta_info": True, "return_token_ids": True}
+        if docs:
+            payload["documents"] = list(task.meta["documents"])
         if task.answer_prefix:
             payload["messages"] = messages + [{"role": "assistant", "content": task.answer_prefix}]
             payload["continue_final_message"] = True
@@ -86,7 +99,8 @@ def run_conversation(base_url: str, task: Task, model: str, max_tokens: int,
             "latency_s": latency, "prompt_tokens": usage.get("prompt_tokens"),
             "completion_tokens": usage.get("completion_tokens"),
             "cached_tokens": meta.get("cached_tokens", details.get("cached_tokens")),
-            "kept_mass": kept_mass(meta),
+            "kept_mass": kept_mass(meta), "documents_api": docs,
+            "sparse": meta.get("sparse") or (resp.get("metadata") or {}).get("sparse"),
         })
         messages.append({"role": "assistant", "content": (task.answer_prefix or "") + reply})
     return out

@@ -37,8 +37,23 @@ def last_turns(rec: dict) -> list[dict]:
     return out
 
 
+def scored_turns(rec: dict) -> list[dict]:
+    """Every turn of every completed task as a scored item (long presets): ``task_id`` is
+    ``<task>#<turn>`` so pairing across modes matches turn by turn."""
+    out = []
+    for t in rec.get("tasks", []):
+        for x in t["turns"]:
+            out.append({**x, "kind": t["kind"], "words": t["words"], "docs": t["docs"], "tokens": t.get("tokens"),
+                        "depth": t.get("depth"), "task_id": f"{t['task_id']}#{x['turn']}",
+                        "task_position": t["position"], "n_turns": len(t["turns"])})
+    return out
+
+
 def headline_rows(rec: dict, preset: Preset) -> list[dict]:
-    """The scored turns of the headline tasks: the accuracy kinds at validated (short) lengths."""
+    """The scored turns of the headline tasks: the accuracy kinds at validated (short) lengths; for a
+    long preset every turn of every task of its kinds (:func:`scored_turns`)."""
+    if preset.long:
+        return [r for r in scored_turns(rec) if r["kind"] in preset.accuracy_kinds]
     return [r for r in last_turns(rec) if r["kind"] in preset.accuracy_kinds and r["words"] <= HEADLINE_MAX_WORDS]
 
 
@@ -180,8 +195,10 @@ def write_report(out_dir: Path, results: dict, preset: Preset, meta: dict, error
     md = [f"# Multi-turn long-context harness: preset `{preset.name}`", ""]
     md += [f"- {k}: {v}" for k, v in meta.items()]
     md += ["", "## Headline accuracy by question position",
-           f"Last turn of the {', '.join(preset.accuracy_kinds)} tasks at <= {HEADLINE_MAX_WORDS} words per "
-           "turn/document (lengths where dense SmolLM2-135M is reliable).", ""]
+           (f"Every turn of the {', '.join(preset.accuracy_kinds)} tasks (needle: position = depth 10/50/90 %)."
+            if preset.long else
+            f"Last turn of the {', '.join(preset.accuracy_kinds)} tasks at <= {HEADLINE_MAX_WORDS} words per "
+            "turn/document (lengths where dense SmolLM2-135M is reliable)."), ""]
     rows = []
     summary = {"meta": meta, "modes": {}, "errors": errors}
     for m, r in results.items():

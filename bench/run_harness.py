@@ -49,6 +49,15 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="seconds to wait for a server to be ready (default 300 cpu / 900 cuda)")
     p.add_argument("--server-args", default="", help="extra server args, one shell-quoted string, "
                    "e.g. '--attention-backend flashinfer'")
+    p.add_argument("--parallel", action="store_true",
+                   help="start every mode's server at once on its own port (GPU: each with --max-total-tokens "
+                        "--parallel-kv-tokens and --mem-fraction-static 0.95 so they share one GPU) and play the "
+                        "modes' tasks side by side: accuracy and fidelity only, the latencies overlap")
+    p.add_argument("--tasks-time-budget", type=float, default=None, metavar="S",
+                   help="per mode: tasks not started within S seconds are skipped (reported), so one slow mode "
+                        "cannot take the whole run; comparisons use the turns both runs answered")
+    p.add_argument("--parallel-kv-tokens", type=int, default=400000,
+                   help="with --parallel on cuda: KV pool of each server in tokens (default 400000)")
     p.add_argument("--rerender", default=None, metavar="DIR",
                    help="only rebuild report/plots/baseline JSON of an earlier run from DIR/run.json and "
                         "DIR/raw/*.json (e.g. on a machine with matplotlib); starts no server")
@@ -110,6 +119,9 @@ def main(argv=None) -> int:
     tok = AutoTokenizer.from_pretrained(a.model)
     preset = tasks.PRESETS[a.preset]
     suite = tasks.generate(preset, a.seed)
+    if preset.long:  # interleave kinds, lengths and positions, so a time-budgeted run still covers every cell
+        import random
+        random.Random(f"order|{a.seed}").shuffle(suite)
     prompts = tasks.fidelity_prompts(preset, a.seed)
     if a.fidelity_probes is not None:  # a prefix of the preset's probes: the same probes as a full run's first N
         prompts = prompts[:a.fidelity_probes]
@@ -127,11 +139,27 @@ def main(argv=None) -> int:
     log(f"[driver] {meta['tasks']}; modes {a.mode_list}; out {out}")
     results: dict = {}
     errors: dict = {}
-    interrupted = False
     signal.signal(signal.SIGTERM, _sigterm)
-    for mode in a.mode_list:
-        spec = ServerSpec(a.python, a.model, a.device, a.port, mode, a.configs.get(mode), a.dtype, a.extra)
-        srv = Server(spec, out / "logs" / f"{mode}.log", a.server_timeout, log)
+
+    def save(mode: str) -> None:
+        (out / "raw" / f"{mode}.json").write_text(json.dumps(results[mode], default=str))
+        (out / "run.json").write_text(json.dumps({"preset": preset.name, "modes": a.mode_list, "meta": meta,
+                                                  "errors": errors}, indent=1, default=str))
+        path = report.write_report(out, results, preset, meta, errors,
+                                   Path(a.baseline_json) if a.baseline_json else None)
+        log(f"[driver] report written: {path}")
+
+    servers: list[Server] = []
+
+    def one(i: int, mode: str) -> None:
+        extra = list(a.extra)
+        if a.parallel and a.device == "cuda":
+            extra += ["--mem-fraction-static", "0.95", "--max-total-tokens", str(a.parallel_kv_tokens)]
+        spec = ServerSpec(a.python, a.model, a.device, a.port + (i if a.parallel else 0), mode,
+                          a.configs.get(mode), a.dtype, extra)
+        mlog = (lambda msg: log(f"[{mode}] {msg}")) if a.parallel else log
+        srv = Server(spec, out / "logs" / f"{mode}.log", a.server_timeout, mlog)
+        servers.append(srv)
         t0 = time.monotonic()
         try:
             with srv:
@@ -139,31 +167,59 @@ def main(argv=None) -> int:
                 states = info.get("internal_states") or [{}]
                 rec = {"server": {"sparse": info.get("sparse"), "sparse_config": info.get("sparse_config"),
                                   "attention_backend": info.get("attention_backend"),
+                                  "max_model_len": _max_model_len(srv.base_url),
                                   "reported": (states[0] or {}).get("sparse")},
                        "startup_s": srv.startup_s}
-                rec.update(harness.run_mode(srv.base_url, preset, suite, pairs, a.model, log, a.concurrency))
+                rec.update(harness.run_mode(srv.base_url, preset, suite, pairs, a.model, mlog, a.concurrency, mode,
+                                            a.tasks_time_budget))
                 # the mode's cumulative statistics after the tasks and probes (`reported` is at start-up)
                 after = srv.server_info().get("internal_states") or [{}]
                 rec["server"]["reported_after"] = (after[0] or {}).get("sparse")
                 results[mode] = rec  # kept even if stopping the server is interrupted
-            log(f"[driver] mode {mode} done in {time.monotonic() - t0:.0f}s")
+            mlog(f"[driver] mode {mode} done in {time.monotonic() - t0:.0f}s")
         except KeyboardInterrupt:  # Ctrl-C or SIGTERM (e.g. `timeout`): server already stopped
             errors[mode] = "interrupted (SIGINT/SIGTERM); later modes not run"
             results.setdefault(mode, {})
-            log(f"[driver] mode {mode} INTERRUPTED")
-            interrupted = True
+            mlog(f"[driver] mode {mode} INTERRUPTED")
+            raise
         except Exception as e:  # keep going: partial results beat none
             errors[mode] = f"{type(e).__name__}: {e}"
             results.setdefault(mode, {})
-            log(f"[driver] mode {mode} FAILED: {errors[mode]}")
-        (out / "raw" / f"{mode}.json").write_text(json.dumps(results[mode], default=str))
-        (out / "run.json").write_text(json.dumps({"preset": preset.name, "modes": a.mode_list, "meta": meta,
-                                                  "errors": errors}, indent=1, default=str))
-        path = report.write_report(out, results, preset, meta, errors,
-                                   Path(a.baseline_json) if a.baseline_json else None)
-        log(f"[driver] report written: {path}")
-        if interrupted:
-            break
+            mlog(f"[driver] mode {mode} FAILED: {errors[mode]}")
+
+    if a.parallel:
+        import threading
+        lock = threading.Lock()
+
+        def worker(i, mode):
+            try:
+                one(i, mode)
+            except KeyboardInterrupt:
+                pass
+            with lock:
+                save(mode)
+
+        threads = [threading.Thread(target=worker, args=(i, m), daemon=True) for i, m in enumerate(a.mode_list)]
+        for t in threads:
+            t.start()
+        try:
+            for t in threads:
+                while t.is_alive():
+                    t.join(timeout=1.0)
+        except KeyboardInterrupt:  # the servers' context managers stop them as their threads unwind
+            log("[driver] interrupted; stopping the servers")
+            for srv in servers:
+                srv.stop()
+            for t in threads:
+                t.join(timeout=60)
+    else:
+        for i, mode in enumerate(a.mode_list):
+            try:
+                one(i, mode)
+            except KeyboardInterrupt:
+                save(mode)
+                break
+            save(mode)
     for m in a.mode_list:
         if m in results and results[m].get("tasks"):
             h = report.headline(results[m], preset)
@@ -175,6 +231,15 @@ def main(argv=None) -> int:
 def _sigterm(signum, frame):
     """Turn SIGTERM into KeyboardInterrupt so the running server is stopped on the way out."""
     raise KeyboardInterrupt
+
+
+def _max_model_len(base_url: str) -> int | None:
+    """The served context length (``/v1/models`` ``max_model_len``)."""
+    import requests
+    try:
+        return requests.get(base_url + "/v1/models", timeout=30).json()["data"][0].get("max_model_len")
+    except (requests.RequestException, KeyError, IndexError, ValueError):
+        return None
 
 
 def _mean_len(pairs) -> int:

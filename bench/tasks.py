@@ -86,14 +86,33 @@ class KindSpec:
 
 
 @dataclass(frozen=True)
+class LongSpec:
+    """A long-context kind (:mod:`bench.tasks_long`), sized in tokens: ``per_position`` tasks per
+    question position (needle: per depth). ``tokens``: needle haystack; ``docs`` / ``doc_tokens``:
+    rag documents (default sizes 0.5k-4k); ``turn_tokens``: chat3 turn sizes (default 1.5k-8k)."""
+
+    kind: str
+    per_position: int
+    tokens: int = 0
+    docs: int = 0
+    turn_tokens: tuple[int, ...] = ()
+    doc_tokens: tuple[int, int] | None = None
+
+    @property
+    def words(self) -> int:
+        return 0
+
+
+@dataclass(frozen=True)
 class Preset:
     name: str
-    kinds: tuple[KindSpec, ...]
+    kinds: tuple  # of KindSpec / LongSpec
     accuracy_kinds: tuple[str, ...]   # kinds in the headline accuracy_by_position
     fidelity_prompts: int             # raw-text prompts for teacher-forced / greedy fidelity
     fidelity_words: int
     max_tokens: int = 24              # reply budget for task turns
     description: str = ""
+    long: bool = False                # headline over every scored turn of every kind (bench.report_long)
 
 
 PRESETS: dict[str, Preset] = {
@@ -128,6 +147,31 @@ PRESETS: dict[str, Preset] = {
                                     KindSpec("multidoc", 40, 30, docs=3)),
                        accuracy_kinds=("needle", "recall", "multidoc"), fidelity_prompts=30, fidelity_words=2000,
                        description="GPU headline accuracy, 140 tasks per question position"),
+    # The long-context testbed (SmolLM2 with YaRN x4, 32k; build_model --context 32768): 150 scored
+    # turns per question position: chat3 20 conversations x 3 turns, needle 15 per length (8k / 16k /
+    # 32k) per depth, rag 15 per document count (4 / 8 / 16 of 0.5k-4k tokens).
+    "long": Preset("long", (LongSpec("chat3", 20),
+                            LongSpec("needle_depth", 15, tokens=7680), LongSpec("needle_depth", 15, tokens=15872),
+                            LongSpec("needle_depth", 15, tokens=30720),
+                            LongSpec("rag", 15, docs=4), LongSpec("rag", 15, docs=8), LongSpec("rag", 15, docs=16)),
+                   accuracy_kinds=("chat3", "needle_depth", "rag"), fidelity_prompts=6, fidelity_words=9000,
+                   description="long-context testbed (32k), 150 scored turns per position", long=True),
+    # The dense needle table of the testbed: 30 needles per (length, depth).
+    "needle_table": Preset("needle_table", tuple(LongSpec("needle_depth", 30, tokens=t)
+                                                 for t in (3840, 7680, 15872, 23808, 30720)),
+                           accuracy_kinds=("needle_depth",), fidelity_prompts=0, fidelity_words=0,
+                           description="dense needle retrieval by length and depth", long=True),
+    # x8 YaRN (64k profile): does dense still retrieve? 10 needles per (length, depth).
+    "needle_table_64k": Preset("needle_table_64k", tuple(LongSpec("needle_depth", 10, tokens=t)
+                                                         for t in (30720, 46080, 62464)),
+                               accuracy_kinds=("needle_depth",), fidelity_prompts=0, fidelity_words=0,
+                               description="dense needle retrieval at the 64k (YaRN x8) profile", long=True),
+    # CPU / CI form of every long kind: short lengths, a handful of tasks.
+    "long_cpu": Preset("long_cpu", (LongSpec("chat3", 1, turn_tokens=(160, 240)),
+                                    LongSpec("needle_depth", 1, tokens=320),
+                                    LongSpec("rag", 1, docs=3, doc_tokens=(80, 140))),
+                       accuracy_kinds=("chat3", "needle_depth", "rag"), fidelity_prompts=1, fidelity_words=200,
+                       max_tokens=12, description="CI form of the long kinds", long=True),
 }
 # Headline accuracy uses only the short (validated) lengths of accuracy_kinds.
 HEADLINE_MAX_WORDS = 250
@@ -261,7 +305,11 @@ def generate(preset: str | Preset, seed: int = 0) -> list[Task]:
     for spec in p.kinds:
         for position in POSITIONS:
             for i in range(spec.per_position):
-                out.append(make_task(spec.kind, position, spec.words, seed * 100003 + i, spec.docs))
+                if isinstance(spec, LongSpec):
+                    from bench.tasks_long import generate_long
+                    out.append(generate_long(spec, position, i, seed))
+                else:
+                    out.append(make_task(spec.kind, position, spec.words, seed * 100003 + i, spec.docs))
     return out
 
 

@@ -70,12 +70,14 @@ class SamKVRuntime:
     num_layers: KV layers.
     """
 
-    def __init__(self, config, rope_theta: float, rotary_dim: int, model, num_layers: int, metrics=None):
+    def __init__(self, config, rope_theta: float, rotary_dim: int, model, num_layers: int, metrics=None,
+                 inv_freq: torch.Tensor | None = None):
         from sglang_sparse.samkv_stats import SamKVStats
 
         self.config = config
         self.rope_theta = float(rope_theta)
         self.rotary_dim = int(rotary_dim)
+        self.inv_freq = inv_freq  # fp32 [rotary_dim // 2] of a frequency-scaled RoPE (YaRN); None: plain
         self.model = model
         self.num_layers = int(num_layers)
         self.stats = SamKVStats()
@@ -141,7 +143,8 @@ class SamKVRuntime:
         from flashinfer_ext.rope_shift import rope_shift, rope_shift_reference
 
         fn = rope_shift if k.is_cuda else rope_shift_reference
-        return fn(k, delta, rope_theta=self.rope_theta, rotary_dim=self.rotary_dim)
+        inv = None if self.inv_freq is None else self.inv_freq.to(k.device)
+        return fn(k, delta, rope_theta=self.rope_theta, rotary_dim=self.rotary_dim, inv_freq=inv)
 
 
 def scheduler_init_hook(result, scheduler, *args, **kwargs):
@@ -154,17 +157,36 @@ def scheduler_init_hook(result, scheduler, *args, **kwargs):
     runner = scheduler.tp_worker.model_runner
     model = runner.model
     rope = _rotary(model)
-    if rope is None or not getattr(rope, "is_neox_style", True) or type(rope).__name__ != "RotaryEmbedding":
-        raise RuntimeError(f"sglang-sparse samkv: the model's RoPE ({type(rope).__name__}) is not plain NeoX "
-                           "RoPE; re-rotating reused keys is only exact for it")
+    inv_freq = rope_inv_freq_of(rope)
     metrics = None
     if scheduler.server_args.enable_metrics:
         from sglang_sparse.samkv_stats import SamKVMetrics
 
         metrics = SamKVMetrics()
     scheduler.tree_cache.samkv_runtime = SamKVRuntime(
-        ctx.config, rope.base, rope.rotary_dim, model, runner.model_config.num_hidden_layers, metrics=metrics)
+        ctx.config, rope.base, rope.rotary_dim, model, runner.model_config.num_hidden_layers, metrics=metrics,
+        inv_freq=inv_freq)
     return result
+
+
+# RoPE classes whose reused keys can be re-rotated exactly: NeoX-style rotations by ``pos * inv_freq``.
+# YaRN only changes ``inv_freq`` and multiplies cos/sin by a constant ``mscale``; a rotation keeps that
+# factor, so re-rotating a cached key by ``delta`` with YaRN's own ``inv_freq`` (no second mscale) gives
+# the key SGLang computes at the new position.
+_SHIFTABLE_ROPES = ("RotaryEmbedding", "YaRNScalingRotaryEmbedding")
+
+
+def rope_inv_freq_of(rope) -> torch.Tensor | None:
+    """``inv_freq`` fp32 for :func:`flashinfer_ext.rope_shift.rope_shift` of the model's RoPE module:
+    None for plain RoPE (recomputed from ``rope_theta``), YaRN's scaled frequencies for YaRN; raises for
+    any other RoPE (re-rotation would not be exact)."""
+    name = type(rope).__name__
+    if rope is None or not getattr(rope, "is_neox_style", True) or name not in _SHIFTABLE_ROPES:
+        raise RuntimeError(f"sglang-sparse samkv: the model's RoPE ({name}) is not NeoX RoPE or YaRN; "
+                           "re-rotating reused keys is only exact for those")
+    if name == "RotaryEmbedding":
+        return None
+    return rope._compute_inv_freq(rope.scaling_factor).to(torch.float32).cpu()
 
 
 def _rotary(model):

@@ -1,0 +1,61 @@
+#!/usr/bin/env bash
+# Long-context testbed runs on the lent GPU (after the device kit's last stage; see scripts/gpu/README.md).
+# Run from the repository root on the device:
+#
+#   bash scripts/gpu/testbed.sh needle   # testbed folders (32k, 64k) + dense needle table by length and depth
+#   bash scripts/gpu/testbed.sh long     # `long` preset: off + every mode at defaults, servers side by side
+#   bash scripts/gpu/testbed.sh e2e      # bench.load grid: 4k/16k/32k x concurrency 1/8/32, off + every mode
+#
+# Reports go to /tmp/testbed/<part>/ and come back packed as $OUT/<part>.tgz.
+set -uo pipefail
+part=${1:?usage: testbed.sh needle|long|e2e}
+out=${OUT:-$PWD/gpu_out}
+R=/tmp/testbed/$part
+mkdir -p "$out" "$R"
+# shellcheck disable=SC1091
+source /tmp/kit/env.sh
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}   # this checkout, not the copy the kit installed
+export PYTHONUNBUFFERED=1
+M32=/tmp/models/SmolLM2-135M-Instruct-32k
+M64=/tmp/models/SmolLM2-135M-Instruct-64k
+SARGS="--attention-backend flashinfer"
+MODES=${TESTBED_MODES:-off,psa,loopserve,lastwindow,samkv}
+say() { echo "[testbed $(date +%H:%M:%S)] $*" | tee -a "$R/steps.txt"; }
+step() {  # step NAME CMD...: logged; a failure is recorded, not fatal
+  local name=$1; shift
+  local t0; t0=$(date +%s)
+  say "== $name"
+  "$@" > "$R/$name.log" 2>&1
+  local rc=$?
+  say "== $name: exit $rc in $(( $(date +%s) - t0 ))s"
+  tail -n 25 "$R/$name.log"
+}
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader > "$R/gpu.txt"
+for ctx in 32768 65536; do  # the testbed folders: the kit's converted model + YaRN config (no download)
+  python3 -m sglang_sparse.tools.build_model --context $ctx --base "$KIT_MODEL" \
+      --out /tmp/models/SmolLM2-135M-Instruct-$((ctx / 1024))k >> "$R/steps.txt" 2>&1
+done
+case $part in
+  needle)
+    step needle32k timeout "${NEEDLE_TIMEOUT:-330}" python3 -m bench.run_harness --preset needle_table --modes off \
+        --device cuda --python python3 --model $M32 --port 30000 --out "$R/needle32k" --concurrency 32 --server-args "$SARGS"
+    step needle32k_report python3 -m bench.report_long --needle-run "$R/needle32k" --needle-json "$R/needle_table.json"
+    step needle64k timeout "${NEEDLE64_TIMEOUT:-180}" python3 -m bench.run_harness --preset needle_table_64k --modes off \
+        --device cuda --python python3 --model $M64 --port 30000 --out "$R/needle64k" --concurrency 32 --server-args "$SARGS"
+    step needle64k_report python3 -m bench.report_long --needle-run "$R/needle64k" --needle-json "$R/needle_table_64k.json"
+    ;;
+  long)
+    step long timeout "${LONG_TIMEOUT:-560}" python3 -m bench.run_harness --preset long --modes "$MODES" --parallel \
+        --concurrency "${LONG_CONCURRENCY:-16}" --tasks-time-budget "${LONG_TASK_BUDGET:-330}" --device cuda \
+        --python python3 --model $M32 --port 30000 --out "$R/long" --server-args "$SARGS"
+    step long_report python3 -m bench.report_long --run "$R/long" --json "$R/fidelity_long.json" \
+        --psa-json "$R/psa_fidelity.json" --loopserve-json "$R/loopserve_fidelity.json"
+    ;;
+  e2e)
+    step e2e timeout "${E2E_TIMEOUT:-570}" python3 -m bench.load ${E2E_ARGS:-} --model $M32 --out "$R/e2e" \
+        --python python3 --server-args "$SARGS"
+    ;;
+  *) echo "unknown part $part" >&2; exit 2 ;;
+esac
+tar czf "$out/$part.tgz" -C /tmp/testbed "$part"
+ls -la "$out"
