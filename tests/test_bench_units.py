@@ -153,7 +153,7 @@ def test_psa_fidelity_figures_are_ratios_computed_from_the_run():
 
     from bench.psa_fidelity import fidelity_figures
 
-    summary = json.loads((Path(__file__).parents[1] / "bench/results/cpu_tiny_off_vs_psa/summary.json").read_text())
+    summary = json.loads((Path(__file__).parents[1] / "tests/data/runs/cpu_tiny_off_vs_psa/summary.json").read_text())
     figs = fidelity_figures(summary)
     dense = summary["modes"]["off"]["headline"]["accuracy_by_position"]
     sparse = summary["modes"]["psa"]["headline"]["accuracy_by_position"]

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from bench.loopserve_fidelity import loopserve_figures, main
 
-RUN = Path(__file__).parents[1] / "bench/results/gpu_psa/summary.json"
+RUN = Path(__file__).parents[1] / "tests/data/runs/gpu_psa/summary.json"
 
 
 def _summary():
@@ -79,7 +79,7 @@ def test_server_stats_are_the_ones_read_after_the_run():
     assert loopserve_figures(s)["loopserve"]["server_stats"] == {"sparse_decode_rows": 0}
 
 
-CPU_RUN = Path(__file__).parents[1] / "bench/results/cpu_loopserve_lastwindow"
+CPU_RUN = Path(__file__).parents[1] / "tests/data/runs/cpu_loopserve_lastwindow"
 
 
 def test_paired_figures_match_the_headline_and_count_the_tasks_that_differ(tmp_path):
