@@ -4,7 +4,7 @@
 # psa + host tier vs HiCache at the same --mem-fraction-static / KV pool; merges concurrency_ratio_vs_dense
 # into REPORT_DIR/host_tier.json).
 # Run on the device from the repository root with the kit's env already sourced
-# (scripts/gpu_session.sh tests_host calls it):  bash scripts/gpu_part_host_tier.sh REPORT_DIR
+# (scripts/gpu/session.sh tests_host calls it):  bash scripts/gpu/part_host_tier.sh REPORT_DIR
 # Reports: REPORT_DIR/{pytest_host_tier.log,junit_host_tier.xml,pytest_host_tier_server.log,junit_host_tier_server.xml,host_tier_bench.log,host_tier.md,host_tier.json,
 #          host_tier_concurrency.log,host_tier_concurrency/{host_tier_concurrency.md,host_tier_concurrency.json,server_*.log}}.
 # A failing step is recorded (exit code in the log and status.txt), never fatal; total <= ~19 minutes

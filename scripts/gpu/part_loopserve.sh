@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
-# LoopServe's GPU part (issue 5), called on the device by `scripts/gpu_session.sh loopserve` after
+# LoopServe's GPU part (issue 5), called on the device by `scripts/gpu/session.sh loopserve` after
 # the kit is staged (env sourced, $KIT_MODEL set, models/SmolLM2-135M-Instruct linked to it):
 #
-#   bash scripts/gpu_part_loopserve.sh REPORT_DIR
+#   bash scripts/gpu/part_loopserve.sh REPORT_DIR
 #
 # Steps (each one's failure is recorded in REPORT_DIR/steps.txt, never fatal); LS_STEPS picks them
 # (default all four; the device allows 10 minutes a command, so run the harness on its own call:
-#   LS_STEPS="pytest_gpu prefill_bench" bash scripts/gpu_session.sh loopserve      # ~4 minutes
-#   LS_STEPS="harness fidelity" bash scripts/gpu_session.sh loopserve              # <= 8 minutes
+#   LS_STEPS="pytest_gpu prefill_bench" bash scripts/gpu/session.sh loopserve      # ~4 minutes
+#   LS_STEPS="harness fidelity" bash scripts/gpu/session.sh loopserve              # <= 8 minutes
 # ):
 #   pytest_gpu    the loopserve GPU server tests + the vertical/slash/decode kernel tests (-m gpu; the
 #                 lastwindow GPU server test runs with `pytest -m gpu tests`, the harness serves lastwindow here)

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# GPU hook called by scripts/gpu_session.sh (part "bench") after the device kit's last
-# stage, from the repository root:  bash bench/harness_driver_cmd.sh REPORT_DIR
+# GPU hook called by scripts/gpu/session.sh (part "bench") after the device kit's last
+# stage, from the repository root:  bash scripts/gpu/harness_driver_cmd.sh REPORT_DIR
 # 1. dense baseline: python -m bench.run_harness --preset full on CUDA with FlashInfer
 #    -> REPORT_DIR/gpu_dense/ (report.md, PNGs if matplotlib exists, baseline_dense.json, raw/)
 # 2. load driver: SGLang's serving benchmark at concurrencies 1,8,32 -> REPORT_DIR/gpu_load/
@@ -8,7 +8,7 @@
 # BENCH_MODES (off), BENCH_LOAD (1 = run the load driver), BENCH_LOAD_CONCURRENCY (1,8,32),
 # BENCH_HARNESS_TIMEOUT (540 s), BENCH_LOAD_TIMEOUT (420 s). Exit 1 if either part failed.
 set -uo pipefail
-rep=${1:?usage: bash bench/harness_driver_cmd.sh REPORT_DIR}
+rep=${1:?usage: bash scripts/gpu/harness_driver_cmd.sh REPORT_DIR}
 py=${BENCH_PYTHON:-python3}
 model=${BENCH_MODEL:-${KIT_MODEL:-/tmp/models/SmolLM2-135M-Instruct}}
 sargs=${BENCH_SERVER_ARGS:---attention-backend flashinfer}

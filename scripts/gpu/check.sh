@@ -2,7 +2,7 @@
 # Foundation check on the lent GPU machine, after the device kit's last stage
 # (../shared/device/README.md). From the repository root on the device:
 #
-#   bash scripts/gpu_check.sh            # writes reports under $OUT (or ./gpu_check_out)
+#   bash scripts/gpu/check.sh            # writes reports under $OUT (or ./gpu_check_out)
 #
 # It (1) installs the project into the kit (its sglang.srt.plugins entry point registers),
 # (2) starts the server on the kit's model with --attention-backend flashinfer --sparse off,

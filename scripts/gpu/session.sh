@@ -2,18 +2,18 @@
 # One GPU session's runs, in as few device calls as possible (see ../shared/device/README.md).
 # Run on the device from the repository root after the kit's last stage:
 #
-#   bash scripts/gpu_session.sh foundation   # gpu_check.sh: server with flashinfer, chat, pytest -m gpu
-#   bash scripts/gpu_session.sh bench        # dense harness baseline + PSA kernel benchmark
-#   bash scripts/gpu_session.sh psa_tests    # pytest -m gpu (kernels + the psa server on FlashInfer)
-#   bash scripts/gpu_session.sh psa_bench    # PSA kernel benchmark + harness fidelity off vs psa
-#   bash scripts/gpu_session.sh psa_load     # SGLang serving benchmark, off vs psa, long inputs
-#   bash scripts/gpu_session.sh gpu_tests    # pytest -m gpu on GPU_TEST_ARGS only
-#   bash scripts/gpu_session.sh tests_host   # pytest -m gpu (every GPU test) + scripts/gpu_part_host_tier.sh
-#   bash scripts/gpu_session.sh loopserve    # scripts/gpu_part_loopserve.sh (prefill bench, harness, fidelity)
-#   bash scripts/gpu_session.sh samkv        # scripts/gpu_part_samkv.sh (GPU tests, accuracy + TTFT sets, 8B dummy TTFT)
-#   bash scripts/gpu_session.sh host_conc    # bench/host_tier_concurrency.py (dense vs psa + host tier vs HiCache)
-#   bash scripts/gpu_session.sh decode       # sparse-decode kernel tests + bench/sparse_decode_bench.py + bench/decode_profile.py
-#   bash scripts/gpu_session.sh ws_overhead  # bench.load off vs psa + host tier, working-set admission on / off (TPOT cost)
+#   bash scripts/gpu/session.sh foundation   # gpu_check.sh: server with flashinfer, chat, pytest -m gpu
+#   bash scripts/gpu/session.sh bench        # dense harness baseline + PSA kernel benchmark
+#   bash scripts/gpu/session.sh psa_tests    # pytest -m gpu (kernels + the psa server on FlashInfer)
+#   bash scripts/gpu/session.sh psa_bench    # PSA kernel benchmark + harness fidelity off vs psa
+#   bash scripts/gpu/session.sh psa_load     # SGLang serving benchmark, off vs psa, long inputs
+#   bash scripts/gpu/session.sh gpu_tests    # pytest -m gpu on GPU_TEST_ARGS only
+#   bash scripts/gpu/session.sh tests_host   # pytest -m gpu (every GPU test) + scripts/gpu/part_host_tier.sh
+#   bash scripts/gpu/session.sh loopserve    # scripts/gpu/part_loopserve.sh (prefill bench, harness, fidelity)
+#   bash scripts/gpu/session.sh samkv        # scripts/gpu/part_samkv.sh (GPU tests, accuracy + TTFT sets, 8B dummy TTFT)
+#   bash scripts/gpu/session.sh host_conc    # bench/host_tier_concurrency.py (dense vs psa + host tier vs HiCache)
+#   bash scripts/gpu/session.sh decode       # sparse-decode kernel tests + bench/sparse_decode_bench.py + bench/decode_profile.py
+#   bash scripts/gpu/session.sh ws_overhead  # bench.load off vs psa + host tier, working-set admission on / off (TPOT cost)
 #
 # Reports land in /tmp/gpu_reports/<part>/ and are packed into $OUT/<part>_reports.tgz
 # (the device returns at most 8 files from $OUT); each part's log is also copied to $OUT.
@@ -42,11 +42,11 @@ step() {  # step NAME CMD...: run with its log in the report folder; a failure i
 }
 case $part in
   foundation)
-    step gpu_check env OUT="$rep" bash scripts/gpu_check.sh
+    step gpu_check env OUT="$rep" bash scripts/gpu/check.sh
     bash /tmp/kit/device.sh save-cache || true   # kernels compiled here -> $OUT/kcache_N.tgz
     ;;
   bench)
-    if [ -f bench/harness_driver_cmd.sh ]; then step harness_dense bash bench/harness_driver_cmd.sh "$rep"; fi
+    if [ -f scripts/gpu/harness_driver_cmd.sh ]; then step harness_dense bash scripts/gpu/harness_driver_cmd.sh "$rep"; fi
     if [ -f bench/psa_decode_bench.py ]; then
       step psa_decode timeout "${PSA_BENCH_TIMEOUT:-300}" python3 bench/psa_decode_bench.py --out "$rep" ${PSA_BENCH_ARGS:-}
     fi
@@ -92,15 +92,15 @@ case $part in
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$rep/gpu.txt"
     step pytest_gpu timeout "${GPU_TEST_TIMEOUT:-420}" python3 -m pytest -m gpu -q -p no:cacheprovider -rA \
         --junitxml="$rep/junit_gpu.xml" ${GPU_TEST_ARGS:-tests}
-    if [ -f scripts/gpu_part_host_tier.sh ]; then step host_tier bash scripts/gpu_part_host_tier.sh "$rep/host_tier"; fi
+    if [ -f scripts/gpu/part_host_tier.sh ]; then step host_tier bash scripts/gpu/part_host_tier.sh "$rep/host_tier"; fi
     ;;
   loopserve)
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$rep/gpu.txt"
-    step loopserve bash scripts/gpu_part_loopserve.sh "$rep/loopserve"
+    step loopserve bash scripts/gpu/part_loopserve.sh "$rep/loopserve"
     ;;
   samkv)
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$rep/gpu.txt"
-    step samkv bash scripts/gpu_part_samkv.sh "$rep/samkv"
+    step samkv bash scripts/gpu/part_samkv.sh "$rep/samkv"
     ;;
   host_conc)  # the end-to-end concurrency benchmark alone, merged into a copy of the committed host_tier.json
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$rep/gpu.txt"

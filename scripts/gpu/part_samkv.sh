@@ -2,7 +2,7 @@
 # SamKV's GPU part (issue 7), run on the device after the kit is staged (env sourced, $KIT_MODEL set,
 # models/SmolLM2-135M-Instruct linked to it):
 #
-#   bash scripts/gpu_part_samkv.sh REPORT_DIR
+#   bash scripts/gpu/part_samkv.sh REPORT_DIR
 #
 # Steps (each one's failure is recorded in REPORT_DIR/steps.txt, never fatal; ~5 minutes, <= ~9 in all):
 #   pytest_gpu    tests/test_gpu_samkv_server.py + the rope_shift / score / assembly tests       (<= 150 s)
