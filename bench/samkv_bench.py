@@ -1,4 +1,4 @@
-"""SamKV end-to-end benchmark (issue 7) against a ``--sparse samkv`` server: TTFT, KV kept, accuracy.
+"""SamKV end-to-end benchmark against a ``--sparse samkv`` server: TTFT, KV kept, accuracy.
 
 Tasks (:func:`make_task`): ``docs`` documents of real text (bench.corpus) each carrying one planted fact;
 one document holds the asked person's secret number, the others a distractor fact about other people.
@@ -7,7 +7,7 @@ The documents go in ``extra_body.documents``. Two task sets, one server, one rep
 * **accuracy set** (``--acc-tasks`` x ``--acc-docs`` documents of ``--acc-words`` words; default 60 x 8 x
   400 words, ~550 tokens each, ~4.4k in all): short enough that SmolLM2-135M's *dense* prefill answers them
   (it fails the long set even densely), long enough that the 0.2 KV cap leaves room to select blocks (at
-  120 words, the set of stops 11-15, the initial + local blocks took all but 0-7 blocks of 16 tokens).
+  120 words the initial + local blocks take all but 0-7 blocks of 16 tokens).
   Asked through ``/v1/completions`` with the raw prompt
   ``Question: What is <name>'s secret number?\nAnswer: The answer is`` after the documents (no chat
   template: measured on the CPU server, SmolLM2 answers the chat-template form of these tasks with one
@@ -458,7 +458,7 @@ def main(argv: list[str] | None = None) -> int:
     server = None
     url = a.url
     # `timeout` sends SIGTERM: unwind through the finally below, which stops the launched server by its process
-    # group (a killed bench left its 8B server holding 0.6 of the GPU on 2026-11-24)
+    # group (else a killed bench leaves its 8B server holding the GPU)
     signal.signal(signal.SIGTERM, _sigterm)
     if a.launch:
         from bench.server import Server, ServerSpec

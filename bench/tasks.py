@@ -122,7 +122,7 @@ PRESETS: dict[str, Preset] = {
                    accuracy_kinds=("needle", "recall", "multidoc"), fidelity_prompts=1, fidelity_words=60,
                    description="CI smoke: short haystacks"),
     # CPU measurement preset: the lengths at which dense SmolLM2-135M was measured to
-    # score >= 0.6 at every question position (bench/results/cpu_dense/report.md).
+    # score >= 0.6 at every question position.
     "cpu": Preset("cpu", (KindSpec("needle", 12, 60), KindSpec("recall", 10, 40),
                           KindSpec("recall2", 4, 40), KindSpec("multidoc", 10, 30, docs=3),
                           KindSpec("multidoc2", 4, 30, docs=3)),
@@ -139,10 +139,8 @@ PRESETS: dict[str, Preset] = {
                    accuracy_kinds=("needle", "recall", "multidoc"), fidelity_prompts=30, fidelity_words=2000,
                    description="GPU baseline"),
     # GPU headline accuracy: only the full preset's short (headline) kinds, with 2x its seeds (the full
-    # preset's tasks are the first half of each kind), for the accuracy ratios of issue 5: at 70 tasks per
-    # question position one task is 1.4 % of dense accuracy; here 140 per position (0.7 %). 2x, not more: on
-    # an H100 loopserve at min_context 128 takes ~0.55 s a short task at concurrency 8 (stop 17), and off +
-    # loopserve must fit one 10-minute device call.
+    # preset's tasks are the first half of each kind), for short-context accuracy ratios: at 70 tasks per
+    # question position one task is 1.4 % of dense accuracy; here 140 per position (0.7 %).
     "headline": Preset("headline", (KindSpec("needle", 60, 60), KindSpec("recall", 40, 40),
                                     KindSpec("multidoc", 40, 30, docs=3)),
                        accuracy_kinds=("needle", "recall", "multidoc"), fidelity_prompts=30, fidelity_words=2000,

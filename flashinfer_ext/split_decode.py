@@ -16,7 +16,7 @@ them once per step and share them across layers (CUDA-graph capturable at a fixe
 
 Why: :func:`~flashinfer_ext.sparse_decode.sparse_decode` runs one program per (request, KV head); at
 SmolLM2's 3 KV heads and one request that is 3 programs walking ~1k list entries each, latency-bound
-(H100, 2026-11-24: 49 us a layer against FlashInfer's 6 us for the whole context, ``bench/results/gpu_s13``).
+(on an H100 49 us a layer against FlashInfer's 6 us for the whole context).
 :func:`plan_splits` picks the split count from the host-known list width and the SM count.
 
 Cautions: the partial buffers hold ``batch * num_kv_heads * num_splits * group * head_dim`` fp32 values;

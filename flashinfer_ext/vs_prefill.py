@@ -17,9 +17,8 @@ the line sets (``vs_select`` always adds them). Each entry is computed exactly o
   * phase B computes only the key blocks that a selected slash band crosses, masking to the exact
     diagonals: it walks down from the diagonal block, and the smallest selected offset ``>= d``
     (``s_next``, a suffix minimum over the slash bitmap, one load) tells whether a block is crossed
-    and, if not, which block the next band starts in, so a query block costs O(crossed blocks) (until
-    2026-11-25 it tested every causal key block: at 128k, 16-token query blocks x up to 2048 key blocks
-    of dependent loads, most of the kernel's time).
+    and, if not, which block the next band starts in, so a query block costs O(crossed blocks) rather than a test per causal key block (at
+    128k, 16-token query blocks x up to 2048 dependent loads).
 Outputs ``o [T, num_qo_heads, head_dim]`` and a BASE-2 ``lse [T, num_qo_heads]``
 (FlashInfer's ``return_lse`` convention: mergeable with ``flashinfer.merge_state``).
 

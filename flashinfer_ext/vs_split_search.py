@@ -15,8 +15,8 @@ infeasible), ``n_s`` / ``n_v`` (slashes / verticals taken) and ``cov`` (``lb_cov
 
 The kernel (grid ``[num_kv_heads, 2 * K]``) scans the second list once per program in ``BLOCK`` chunks
 (a block cumsum + a running carry), so no ``[num_kv_heads, K, n]`` tensor exists: the torch form
-materialises four of them and ~35 small ops per order (at 32k keys vs_select was host-bound at ~5 ms an
-H100 call, 2026-11-25, and at 128k its cumsum over ``[8, 16, 131072]`` took 2 ms).
+materialises four of them and ~35 small ops per order (at 32k keys that form is host-bound at ~5 ms a
+call on an H100, and at 128k its cumsum over ``[8, 16, 131072]`` takes 2 ms).
 
 Cautions:
   * fp32 scans in a different association than ``torch.cumsum``: where ``lb_cov`` lands within rounding

@@ -205,8 +205,8 @@ class LoopServeConfig(SparseConfig):
     sampled_rows: int = knob(64, doc="query rows sampled for line estimation", range=Range(1, 8192))
     min_context: int = knob(24576, doc="segments over contexts shorter than this run dense. Measured on an H100 "
                             "(bench/loopserve_prefill_bench.py, planted structure, Llama-3.1-8B attention shapes, "
-                            "bf16; estimation + selection + sparse attention vs FlashInfer dense; 2026-11-25, "
-                            "bench/results/gpu_s20/): 8k 0.31x, 16k 0.93x, 24k 1.79x, 32k 2.11x, 64k 7.37x, 128k "
+                            "bf16; estimation + selection + sparse attention vs FlashInfer dense, "
+                            "bench/results/loopserve_prefill.md): 8k 0.31x, 16k 0.93x, 24k 1.79x, 32k 2.11x, 64k 7.37x, 128k "
                             "21.1x; 24576 is the smallest measured context where sparse wins (below ~24k the "
                             "sparse path is bound by the host's ~3 ms of launches)",
                             range=Range(0, 1 << 24))

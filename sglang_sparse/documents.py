@@ -1,6 +1,6 @@
-"""Validation of the planned ``documents`` request field of the samkv mode (no server wiring yet).
+"""Validation of the ``documents`` request field of the samkv mode.
 
-Planned API (issue 7): ``/v1/chat/completions`` and ``/v1/completions`` accept
+API: ``/v1/chat/completions`` and ``/v1/completions`` accept
 ``extra_body={"documents": ["text of doc 1", "text of doc 2", ...]}``; each document's KV is
 prefilled alone and cached per document. This module only checks the payload's shape and size:
 a non-empty list of non-empty strings, at most ``max_documents`` items and at most

@@ -53,13 +53,12 @@ Where the host work goes (nothing per layer needs a sync; no ``.item()``):
     The host->device planning copies are pinned and non-blocking (:func:`sglang_sparse.loopserve_select.h2d`).
   * steady decode steps (no row selects top-B) replay SGLang's decode CUDA graph over static buffers
     planned by :mod:`sglang_sparse.loopserve_graph` (it calls :meth:`begin_batch` outside the graph).
-Where the remaining host cost is: a re-selection step runs eagerly, about 20 launches per layer (45 before
-stop 15); per request
+Where the remaining host cost is: a re-selection step runs eagerly, about 20 launches per layer; per request
 per step there remain the planning copies above (ring gathers, top-B write-back, the padding of the line
 lists), once per step. The prefill side is still per request per layer: ``rows x layers`` single-request
 estimation + :func:`vs_select` (tens of small torch ops) + sparse prefill; at short contexts these launches
-cost more than the attention they replace (H100 harness, SmolLM2, concurrency 8, 2026-11-24: loopserve tasks
-175 s vs 14 s dense; decode figures in ``bench/results/gpu_s14/``).
+cost more than the attention they replace (H100 harness, SmolLM2, concurrency 8: loopserve tasks
+175 s vs 14 s dense).
 When every row of a batch is sparse the backend skips the stock attention (K/V written as stock
 writes them); in a mixed batch the stock backend computes all rows first and the sparse rows are
 then overwritten. A mixed batch (``--enable-mixed-chunk``) treats

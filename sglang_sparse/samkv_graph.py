@@ -3,7 +3,7 @@
 Why: each side forward runs ``R`` rows (~150 selection rows, ~15 % of the kept tokens for recompute) through
 every layer with the attention computed in torch. The GPU work is small (the weights are read once), but
 each layer is ~30 kernel launches from Python: on the H100 the two side forwards took 25-45 ms per request on
-both SmolLM2-135M and a Llama-3.1-8B shape, more than SmolLM2's whole dense prefill of 8k tokens (stop 16).
+both SmolLM2-135M and a Llama-3.1-8B shape, more than SmolLM2's whole dense prefill of 8k tokens.
 
 Both kinds call :func:`side_rows_forward` with :func:`sglang_sparse.samkv_select.side_forward`'s one
 formulation: every row's fresh K/V appended after the ``C`` context rows, a bool mask ``[R, C + R]`` saying which

@@ -76,7 +76,7 @@ def test_gpu_loopserve_alpha_one_and_short_contexts_equal_dense(gpu_servers):
     assert s["metadata"]["sparse"]["sparse_prefill"] is False
 
 
-# The H100 run of 2026-11-22 answered "42" here (strict xfail then). Not a kernel bug: the CPU reference
+# An H100 run answered "42" here (strict xfail then). Not a kernel bug: the CPU reference
 # path answered "4" on this same 1448-token prompt (the CPU test's shorter prompt had passed), and dense
 # prefill + that decode lost it too while sparse prefill + dense decode kept it: the decode before Alg. 3's
 # first re-selection (stored lines + tokens since) was the loss. With initial_topb (default) the CPU

@@ -142,6 +142,6 @@ def test_gpu_psa_request_crossing_min_context_during_decode_turns_sparse(gpu_ser
     assert ra["sparse_decode_steps"] == b["metadata"]["sparse"]["sparse_decode_steps"]
     # graph and eager agree on the answer line; past it (96 forced tokens, no EOS) the two wave plans
     # (graphs rank the full width, blocks read differ by <= 2 %) may pick a different near-tie token:
-    # on the H100 they diverged after ~40 tokens of rambling once (bench/results/gpu_psa_s11/)
+    # on the H100 they diverged after ~40 tokens of rambling once
     first = lambda r: r["choices"][0]["message"]["content"].strip().split("\n")[0]  # noqa: E731
     assert first(a) == first(b) and "4817" in first(a)

@@ -1,6 +1,6 @@
 """rope_shift: Triton kernel == fp32 torch reference, and the SamKV exactness contract on real weights.
 
-The contract (issue 7, item 5): SmolLM2-135M's layer-0 keys of a text computed at positions [0, n) and
+The contract: SmolLM2-135M's layer-0 keys of a text computed at positions [0, n) and
 re-rotated by o equal the keys computed at positions [o, o + n), within bf16 tolerance. Layer-0 keys
 depend on position only through RoPE, so the contract is exact up to rounding; a shift by o + 1 is the
 negative control that shows the tolerance has teeth.
