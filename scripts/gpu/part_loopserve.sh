@@ -41,7 +41,7 @@ export PYTHONUNBUFFERED=1
 rc=0
 part=gpu_part_loopserve
 # shellcheck disable=SC1091
-source "$(dirname "${BASH_SOURCE[0]}")/gpu_steps.sh"
+source "$(dirname "${BASH_SOURCE[0]}")/steps.sh"
 mc=${LS_MIN_CONTEXT:-128}
 budget=${LS_BUDGET:-64}
 lw_budget=${LS_LW_BUDGET:-$budget}

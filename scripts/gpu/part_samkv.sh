@@ -27,7 +27,7 @@ export PYTHONUNBUFFERED=1
 rc=0
 part=gpu_part_samkv
 # shellcheck disable=SC1091
-source "$(dirname "${BASH_SOURCE[0]}")/gpu_steps.sh"
+source "$(dirname "${BASH_SOURCE[0]}")/steps.sh"
 samkv_cfg=${SAMKV_SPARSE_CONFIG:-'{"block_size": 16}'}
 # SAMKV_STEPS picks the steps (default all five: more than one 600 s device call allows; on 2026-11-24
 # "pytest_gpu bench" took 216 s and "bench_acc_block8 bench_dummy8b" ~330 s)

@@ -1,4 +1,4 @@
-# Sourced by scripts/gpu_part_*.sh: `say` and `step` for a GPU part that reports into "$rep".
+# Sourced by scripts/gpu/part_*.sh: `say` and `step` for a GPU part that reports into "$rep".
 # Needs: rep (report folder), part (name in the log lines); sets rc=1 when a step fails.
 rc=${rc:-0}
 say() { echo "[$part $(date +%H:%M:%S)] $*"; }
