@@ -18,7 +18,9 @@ per-request report below is not in the chunks, the OpenAI stream format has no m
 Why this design (SGLang 0.5.17, no patched files): the radix tree is SGLang's KV store for
 documents too. (1) Each document is prefilled alone, from position 0, by an internal generate
 request (``max_new_tokens`` 1) whose ``extra_key`` is the document namespace
-``samkv-doc:<salt>``; SGLang caches its KV under its own tokens + namespace, refcounted and evicted
+``samkv-doc:<secret>:<salt>`` (``secret``: 128 random bits drawn once per server process, so no client
+request can name a document namespace, whatever ``extra_key`` / ``cache_salt`` it sends; no salt and ``""``
+are the same, unsalted namespace); SGLang caches its KV under its own tokens + namespace, refcounted and evicted
 like any radix node, and a cached document costs one token of compute; documents this front door
 has seen cached (:class:`KnownDocuments`) skip that round trip (a stale belief costs a dense request,
 after which they are prefilled again), and a document's text is tokenised once per server
@@ -69,6 +71,7 @@ class DocumentPlan:
     salt: str
     variant: str
     doc_digests: tuple[str, ...] | None = None  # per document ids_digest(ids) (computed here when None)
+    secret: str = ""  # the front door's namespace secret (:func:`_ns_secret`); part of every namespace
 
     def __post_init__(self):
         if self.doc_digests is None:
@@ -97,13 +100,13 @@ class DocumentPlan:
         return sum(len(d) for d in self.doc_ids)
 
     def doc_namespace(self) -> str:
-        return f"samkv-doc:{self.salt}"
+        return f"samkv-doc:{self.secret}:{self.salt}"
 
     def composite_namespace(self, nonce: str) -> str:
         """Composite entries: per variant and salt, keyed by all ids (selection depends on the question);
         ``recompute`` gets a fresh nonce so the baseline never reuses anything."""
         h = hashlib.sha256(repr((self.doc_digests, self.prompt_ids)).encode()).hexdigest()[:24]
-        return f"samkv:{self.variant}:{self.salt}:{h}" + (f":{nonce}" if self.variant == "recompute" else "")
+        return f"samkv:{self.secret}:{self.variant}:{self.salt}:{h}" + (f":{nonce}" if self.variant == "recompute" else "")
 
 
 def ids_digest(ids: tuple[int, ...] | list[int]) -> str:
@@ -228,10 +231,15 @@ class DocumentTokenCache:
         self.tokens = 0
         self.hits = self.misses = 0
 
-    def encode(self, tokenizer, text: str) -> tuple[tuple[int, ...], str]:
+    @staticmethod
+    def _key(text: str) -> str:
+        return hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()
+
+    def encode(self, tokenizer, text: str, store: bool = True) -> tuple[tuple[int, ...], str]:
         """``(ids, ids_digest(ids))`` of ``tokenizer.encode(text, add_special_tokens=False)``, from the cache
-        when this text was tokenised before."""
-        key = hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()
+        when this text was tokenised before. ``store=False``: do not keep a new result (the caller
+        :meth:`keep` s it once the request is accepted, so refused requests hold no memory)."""
+        key = self._key(text)
         hit = self._map.get(key)
         if hit is not None:
             self._map.move_to_end(key)
@@ -240,6 +248,17 @@ class DocumentTokenCache:
         self.misses += 1
         ids = tuple(tokenizer.encode(text, add_special_tokens=False))
         val = (ids, ids_digest(ids))
+        if store:
+            self.keep(text, val)
+        return val
+
+    def keep(self, text: str, val: tuple[tuple[int, ...], str]) -> None:
+        """Keep ``val`` (from :meth:`encode`) for ``text``, evicting the least recently used beyond the limits."""
+        key = self._key(text)
+        ids = val[0]
+        if key in self._map:
+            self._map.move_to_end(key)
+            return
         if len(ids) <= self.max_tokens:
             self._map[key] = val
             self.tokens += len(ids)
@@ -260,6 +279,13 @@ def _state(serving, name: str, factory):
         obj = factory()
         setattr(owner, name, obj)
     return obj
+
+
+def _ns_secret(serving) -> str:
+    """128 random bits, drawn once per server process: the part of the cache namespaces no client can send."""
+    import secrets
+
+    return _state(serving, "samkv_ns_secret", lambda: secrets.token_hex(16))
 
 
 def _known(serving) -> KnownDocuments:
@@ -327,10 +353,11 @@ async def _serve_documents(serving, request, raw_request, body, cfg, received):
     front_ms = {}
     t0 = time.perf_counter()
     cache = _token_cache(serving)
-    encoded = [cache.encode(tok, d + SEPARATOR) for d in docs]  # each document tokenised once per server
+    # each document tokenised once per server; kept only after the request passes the length check below
+    encoded = [cache.encode(tok, d + SEPARATOR, store=False) for d in docs]
     doc_ids = tuple(e[0] for e in encoded)
     plan = DocumentPlan(doc_ids, tuple(_prompt_ids(serving, adapted)), salt, variant,
-                        doc_digests=tuple(e[1] for e in encoded))
+                        doc_digests=tuple(e[1] for e in encoded), secret=_ns_secret(serving))
     front_ms["tokenize"] = round(1000.0 * (time.perf_counter() - t0), 3)
     ctx_len = serving.tokenizer_manager.context_len
     max_new = (adapted.sampling_params or {}).get("max_new_tokens") or 0
@@ -338,6 +365,8 @@ async def _serve_documents(serving, request, raw_request, body, cfg, received):
         raise ValueError(f"'{FIELD}' is too long for the context: {plan.document_tokens} document tokens + "
                          f"{len(plan.prompt_ids)} prompt tokens + {max_new} max tokens exceed the model's "
                          f"context of {ctx_len} tokens")
+    for d, e in zip(docs, encoded):
+        cache.keep(d + SEPARATOR, e)
     page = max(1, int(get_global_server_args().page_size or 1))
     filler = int(getattr(tok, "eos_token_id", None) or 0)
     doc_cached = [0] * len(doc_ids)  # -1: known cached, no prefill round trip

@@ -61,3 +61,23 @@ def test_plan_identities_are_functions_of_the_token_ids():
     assert KnownDocuments.key(DocumentPlan(a.doc_ids, a.prompt_ids, "t", "samkv"), 0) != KnownDocuments.key(a, 0)
     with pytest.raises(ValueError):
         DocumentPlan(a.doc_ids, a.prompt_ids, "s", "samkv", doc_digests=("x",))
+
+
+def test_refused_documents_are_not_kept_in_the_token_cache():
+    """A document tokenised for a request that is then refused (e.g. too long for the context) holds no memory:
+    the front door encodes with ``store=False`` and keeps the ids only once the request is accepted."""
+    tok, cache = CountingTokenizer(), DocumentTokenCache(max_entries=8, max_tokens=1000)
+    val = cache.encode(tok, "abc\n\n", store=False)
+    assert len(cache) == 0 and cache.tokens == 0
+    cache.keep("abc\n\n", val)
+    assert len(cache) == 1 and cache.encode(tok, "abc\n\n") == val and tok.calls == 1
+
+
+def test_document_namespaces_carry_the_server_secret_a_client_cannot_send():
+    """Isolation cannot be forged: every document and composite namespace holds the front door's random secret,
+    so a plain request whose ``extra_key`` / ``cache_salt`` is ``samkv-doc:<salt>`` names no document entry."""
+    a = DocumentPlan(((1, 2, 3),), (9,), "tenantX", "samkv", secret="s3cr3t")
+    assert a.doc_namespace() == "samkv-doc:s3cr3t:tenantX" != "samkv-doc:tenantX"
+    assert "s3cr3t" in a.composite_namespace("n")
+    b = DocumentPlan(((1, 2, 3),), (9,), "tenantX", "samkv", secret="other")
+    assert a.doc_namespace() != b.doc_namespace() and KnownDocuments.key(a, 0) != KnownDocuments.key(b, 0)
