@@ -1,40 +1,73 @@
-"""Load driver: SGLang's own serving benchmark against each ``--sparse`` mode.
+"""Load driver: end-to-end serving throughput, TTFT and TPOT of each ``--sparse`` mode against ``off``.
 
-    python -m bench.load --modes off,psa --concurrency 1,8,32 --input-len 2048 --output-len 128
+    python -m bench.load --modes off,psa,loopserve,lastwindow,samkv --input-lens 4096,16384,32000 \\
+        --output-len 256 --concurrency 1,8,32 --device cuda --parallel-servers auto --out DIR
 
-For every mode (``off`` first, as the baseline of the same run) the driver starts a
-server, runs ``python -m sglang.benchmark.serving`` once per concurrency, stops the
-server, and writes ``load_report.md``, ``load.png`` and ``load_summary.json`` with
-throughput, TTFT and TPOT side by side and as ratios to ``off``.
+Grid: every (mode, input length, max concurrency) cell; ``off`` (stock ``--sparse off``) is the baseline
+of the same run, and every ratio is mode / off of the same cell (throughput: > 1 is better; TTFT, TPOT:
+< 1 is better). Each mode runs at its default config unless ``--sparse-config MODE=JSON`` is given.
 
-Offline by construction: ``--dataset-name random`` with ``--dataset-path`` pointing at a
-ShareGPT-format JSON that this driver writes from the real-prose corpus
-(:mod:`bench.corpus`), so SGLang samples real text and never downloads ShareGPT
-(it only downloads when the path is not a valid JSON file); ``HF_HUB_OFFLINE=1`` is set
-for good measure. The tokenizer is read from the local model folder.
+Clients (``--client``):
+- ``fast`` (default): :mod:`bench.load_client`, an in-process threaded streaming client on
+  ``/v1/completions`` (token-exact real-prose prompts, ``ignore_eos``, radix cache flushed before every
+  cell, one warm-up request at the longest input per server). No subprocess per cell.
+- ``sglang``: ``python -m sglang.benchmark.serving`` once per cell (``--dataset-name random`` over a
+  ShareGPT-format JSON written from :mod:`bench.corpus`, so nothing is downloaded).
+
+Servers: ``--parallel-servers N`` starts up to N mode servers at once (ports ``--port``, ``--port``+1, ...)
+and benchmarks them strictly one after another (never two cells at once; a started server idles while
+another is measured), then stops the group and starts the next. On CUDA each server's KV pool is capped
+with ``--max-total-tokens`` at what its largest cell needs (max concurrency x (longest input + output)),
+and ``--mem-fraction`` is passed as ``--mem-fraction-static``. The cap is what splits the GPU between
+servers: SGLang 0.5.17 sizes the pool as (free memory after loading weights) - (free memory before
+loading) x (1 - mem_fraction_static), so with several processes a fraction alone does not give each an
+equal share (a server that starts after another has allocated sees less free memory). ``auto`` picks the
+largest N whose pools and a per-server overhead fit the GPU (nvidia-smi); an N that does not fit is lowered.
+An idle SGLang server does no GPU work but its scheduler polls (about 0.7 of a CPU core, measured on the
+CPU box): harmless on a 16-core GPU host, but on a 2-core CPU box parallel servers slow each other.
+
+Outputs in ``--out``: ``load_summary.json`` (everything, rewritten after every cell), ``load_report.md``,
+``load.png`` and ``e2e_long.json`` (``--e2e-json`` elsewhere): ``{"gpu", "model", "modes": {MODE:
+{"<input>_c<conc>": {"throughput_ratio_vs_off", "ttft_ratio_vs_off", "tpot_ratio_vs_off", ...absolute
+figures}}}}``. ``--accuracy-json`` (a fidelity_long.json) adds each mode's ``accuracy_ratio_by_length``.
+``--rerender DIR`` rebuilds the report and the JSON from ``DIR/load_summary.json`` without servers.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import random
 import shlex
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 from bench import corpus, envinfo
-from bench.server import Server, ServerError, ServerSpec
+from bench import load_client as lc
+from bench.server import Server, ServerSpec
 
 REPO = Path(__file__).resolve().parent.parent
 METRICS = ("output_throughput", "input_throughput", "request_throughput", "mean_ttft_ms", "median_ttft_ms",
            "p99_ttft_ms", "mean_tpot_ms", "median_tpot_ms", "p99_tpot_ms", "mean_e2e_latency_ms", "completed",
            "duration")
+RATIOS = (("throughput_ratio_vs_off", "output_throughput"), ("ttft_ratio_vs_off", "mean_ttft_ms"),
+          ("median_ttft_ratio_vs_off", "median_ttft_ms"), ("tpot_ratio_vs_off", "mean_tpot_ms"))
+SERVER_OVERHEAD_GIB = 3.0   # per server beside its KV pool: weights, CUDA context and graphs, activations
+DEFAULT_MEM_FRACTION_PARALLEL = 0.85
 
+
+def default_model() -> str:
+    long = REPO / "models" / "SmolLM2-135M-Instruct-32k"
+    return str(long if (long / "config.json").is_file() else REPO / "models" / "SmolLM2-135M-Instruct")
+
+
+# ------------------------------------------------------------------------------------ sglang's own client
 
 def write_dataset(path: Path, n: int, words: int, seed: int) -> Path:
     """ShareGPT-format prompts made of corpus paragraphs (human turn ~``words`` words)."""
@@ -45,145 +78,464 @@ def write_dataset(path: Path, n: int, words: int, seed: int) -> Path:
     return path
 
 
-def bench_cmd(a, dataset: Path, concurrency: int, out_file: Path) -> list[str]:
-    n = max(a.min_prompts, a.prompts_per_concurrency * concurrency)
+def bench_cmd(a, dataset: Path, port: int, input_len: int, concurrency: int, out_file: Path) -> list[str]:
     return [a.python, "-m", "bench.serving_entry", "--backend", "sglang", "--host", "127.0.0.1",
-            "--port", str(a.port), "--model", a.model, "--tokenizer", a.model, "--dataset-name", "random",
-            "--dataset-path", str(dataset), "--random-input-len", str(a.input_len),
+            "--port", str(port), "--model", a.model, "--tokenizer", a.model, "--dataset-name", "random",
+            "--dataset-path", str(dataset), "--random-input-len", str(input_len),
             "--random-output-len", str(a.output_len), "--random-range-ratio", str(a.range_ratio),
-            "--num-prompts", str(n), "--max-concurrency", str(concurrency), "--request-rate", "inf",
-            "--seed", str(a.seed), "--output-file", str(out_file), "--disable-tqdm"]
+            "--num-prompts", str(n_prompts(a, concurrency)), "--max-concurrency", str(concurrency),
+            "--request-rate", "inf", "--seed", str(a.seed), "--output-file", str(out_file), "--disable-tqdm"]
 
 
-def run_one(a, dataset: Path, concurrency: int, out_dir: Path, log) -> dict:
-    out_file = out_dir / f"c{concurrency}.jsonl"
+def run_sglang_cell(a, out: Path, port: int, input_len: int, concurrency: int, mode_dir: Path, log) -> dict:
+    dataset = out / f"load_prompts_{input_len}.json"
+    if not dataset.exists():
+        write_dataset(dataset, n_prompts(a, max(a.conc)), int(input_len * 0.8) + 50, a.seed)
+    stem = lc.cell_key(input_len, concurrency)
+    out_file = mode_dir / f"{stem}.jsonl"
     out_file.unlink(missing_ok=True)
-    cmd = bench_cmd(a, dataset, concurrency, out_file)
+    cmd = bench_cmd(a, dataset, port, input_len, concurrency, out_file)
     log(f"[load] {' '.join(shlex.quote(c) for c in cmd)}")
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
-    with open(out_dir / f"c{concurrency}.log", "w") as fh:
+    with open(mode_dir / f"{stem}.log", "w") as fh:
         r = subprocess.run(cmd, stdout=fh, stderr=subprocess.STDOUT, timeout=a.bench_timeout, env=env)
     if r.returncode != 0 or not out_file.exists():
-        tail = "\n".join((out_dir / f"c{concurrency}.log").read_text(errors="replace").splitlines()[-15:])
-        raise RuntimeError(f"bench_serving exited {r.returncode} at concurrency {concurrency}:\n{tail}")
+        tail = "\n".join((mode_dir / f"{stem}.log").read_text(errors="replace").splitlines()[-15:])
+        raise RuntimeError(f"bench_serving exited {r.returncode} at {stem}:\n{tail}")
     res = json.loads(out_file.read_text().strip().splitlines()[-1])
     return {k: res.get(k) for k in METRICS}
+
+
+# ------------------------------------------------------------------------------------------- planning
+
+def n_prompts(a, concurrency: int) -> int:
+    return max(a.min_prompts, a.prompts_per_concurrency * concurrency)
+
+
+def context_length(model: str, server_args: list[str]) -> int | None:
+    for i, tok in enumerate(server_args):
+        if tok == "--context-length" and i + 1 < len(server_args):
+            return int(server_args[i + 1])
+        if tok.startswith("--context-length="):
+            return int(tok.split("=", 1)[1])
+    try:
+        return int(json.loads((Path(model) / "config.json").read_text())["max_position_embeddings"])
+    except (OSError, KeyError, ValueError):
+        return None
+
+
+def pool_plan(a, server_args: list[str], n_modes: int, log) -> dict:
+    """KV pool cap, mem fraction and group size of the run (CUDA); CPU keeps ServerSpec's own bounded pool."""
+    need = max(a.conc) * (max(a.input_lens) + a.output_len)
+    tokens = a.max_total_tokens if a.max_total_tokens is not None else int(math.ceil(need * 1.02 / 1024) * 1024)
+    if any(t == "--max-total-tokens" or t.startswith("--max-total-tokens=") for t in server_args):
+        tokens = 0  # the user's own cap wins
+    kv_gib = (tokens or need) * lc.kv_bytes_per_token(a.model) / 2**30
+    want = n_modes if a.parallel_servers == "auto" else max(1, int(a.parallel_servers))
+    frac = a.mem_fraction
+    plan = {"kv_tokens_needed_largest_cell": need, "max_total_tokens": tokens or None,
+            "kv_gib_per_server": round(kv_gib, 2), "gpu_total_gib": None, "mem_fraction_static": frac,
+            "parallel_servers_requested": a.parallel_servers}
+    n = want
+    if a.device == "cuda":
+        total = lc.gpu_total_gib()
+        plan["gpu_total_gib"] = None if total is None else round(total, 1)
+        if frac is None and want > 1:
+            frac = plan["mem_fraction_static"] = DEFAULT_MEM_FRACTION_PARALLEL
+        if total is not None:
+            def fits(k):  # k footprints in 90% of the GPU, and the last starter's budget still holds its pool
+                slack = total * (1 - (frac or 0.9))
+                return k * (kv_gib + SERVER_OVERHEAD_GIB) <= 0.9 * total and \
+                    total - (k - 1) * (kv_gib + SERVER_OVERHEAD_GIB) - slack >= kv_gib
+            while n > 1 and not fits(n):
+                n -= 1
+            if n < want and a.parallel_servers != "auto":
+                log(f"[load] --parallel-servers {want} does not fit {total:.0f} GiB with {kv_gib:.1f} GiB of KV "
+                    f"per server: using {n}")
+        elif a.parallel_servers == "auto":
+            n = 1
+    else:  # CPU: ServerSpec's own bounded pool (--max-total-tokens 16384), SGLang's default fraction
+        n = min(want, 2) if a.parallel_servers == "auto" else want
+        plan.update(max_total_tokens=None, mem_fraction_static=None)
+    plan["parallel_servers"] = max(1, min(n, n_modes))
+    return plan
+
+
+def server_extra(a, plan: dict, server_args: list[str]) -> list[str]:
+    extra = []
+    if a.device == "cuda":
+        if plan["mem_fraction_static"] is not None:
+            extra += ["--mem-fraction-static", str(plan["mem_fraction_static"])]
+        if plan["max_total_tokens"]:
+            extra += ["--max-total-tokens", str(plan["max_total_tokens"])]
+    return extra + server_args
+
+
+# ------------------------------------------------------------------------------------------- outputs
+
+def _ratio(x, b):
+    return x / b if isinstance(x, (int, float)) and isinstance(b, (int, float)) and b > 0 and x >= 0 else None
+
+
+def load_accuracy(path: str | None) -> dict:
+    if not path:
+        return {}
+    d = json.loads(Path(path).read_text())
+    return {"source": str(path), "modes": {m: v.get("accuracy_ratio_by_length") for m, v in (d.get("modes") or {})
+                                           .items() if isinstance(v, dict) and v.get("accuracy_ratio_by_length")}}
+
+
+def e2e_json(summary: dict) -> dict:
+    """The ``e2e_long.json`` document: per mode and cell, the ratios vs off plus the absolute figures."""
+    meta, grid, results = summary["meta"], summary["grid"], summary["results"]
+    base = results.get("off", {})
+    acc = (summary.get("accuracy") or {}).get("modes") or {}
+    modes = {}
+    for m, cells in results.items():
+        row = {}
+        for key, r in cells.items():
+            b = base.get(key) or {}
+            cell = {name: _ratio(r.get(k), b.get(k)) for name, k in RATIOS}
+            cell.update({"input_len": r.get("input_len"), "concurrency": r.get("concurrency"),
+                         "num_prompts": r.get("num_prompts"), "completed": r.get("completed"),
+                         "output_throughput_tok_s": r.get("output_throughput"), "mean_ttft_ms": r.get("mean_ttft_ms"),
+                         "median_ttft_ms": r.get("median_ttft_ms"), "mean_tpot_ms": r.get("mean_tpot_ms"),
+                         "median_tpot_ms": r.get("median_tpot_ms")})
+            row[key] = cell
+        if acc.get(m):
+            row["accuracy_ratio_by_length"] = acc[m]
+        modes[m] = row
+    return {"gpu": meta.get("gpu"), "model": Path(meta.get("model", "")).name, "model_path": meta.get("model"),
+            "source": "bench/load.py (load_summary.json)", "command": meta.get("command"),
+            "date_utc": meta.get("date_utc"), "versions": meta.get("versions"), "client": grid.get("client"),
+            "output_len": grid.get("output_len"), "input_lens": grid.get("input_lens"),
+            "concurrency": grid.get("concurrency"), "baseline": "off (stock --sparse off), same cell, same run",
+            "ratio_definitions": "mode / off of the same cell: throughput > 1 is better; ttft, tpot < 1 is better "
+                                 "(ttft = mean TTFT, tpot = mean TPOT)",
+            "servers": summary.get("servers"), "accuracy_source": (summary.get("accuracy") or {}).get("source"),
+            "modes": modes}
 
 
 def _fmt(x, nd=1):
     return "n/a" if x is None else f"{x:.{nd}f}"
 
 
-def write_report(out: Path, results: dict, meta: dict, errors: dict, conc: list[int]) -> None:
-    md = ["# Serving load benchmark (sglang.benchmark.serving) by --sparse mode", ""]
-    md += [f"- {k}: {v}" for k, v in meta.items()] + [""]
-    hdr = ["mode", "concurrency", "completed", "out tok/s", "vs off", "mean TTFT ms", "vs off", "p99 TTFT ms",
-           "mean TPOT ms", "vs off", "p99 TPOT ms"]
-    md += ["| " + " | ".join(hdr) + " |", "|" + "---|" * len(hdr)]
-    base = results.get("off", {})
-    for m, per in results.items():
-        for c in conc:
-            r, b = per.get(c), base.get(c)
-            if not r:
-                continue
+def _acc_cell(acc: dict | None, input_len: int) -> str:
+    if not acc:
+        return ""
+    for k in (lc.input_label(input_len), str(input_len)):
+        if k in acc:
+            v = acc[k]
+            return _fmt(v, 2) if isinstance(v, (int, float)) else str(v)
+    return ""
 
-            def ratio(k):
-                return _fmt(r[k] / b[k], 2) if b and b.get(k) and r.get(k) is not None else "n/a"
-            md.append(f"| {m} | {c} | {r['completed']} | {_fmt(r['output_throughput'])} | {ratio('output_throughput')} "
-                      f"| {_fmt(r['mean_ttft_ms'])} | {ratio('mean_ttft_ms')} | {_fmt(r['p99_ttft_ms'])} "
-                      f"| {_fmt(r['mean_tpot_ms'], 2)} | {ratio('mean_tpot_ms')} | {_fmt(r['p99_tpot_ms'], 2)} |")
-    md += ["", "![load](load.png)"]
+
+def write_report(out: Path, summary: dict, e2e_path: Path | None = None, plot: bool = True) -> None:
+    meta, grid, results, errors = summary["meta"], summary["grid"], summary["results"], summary["errors"]
+    (out / "load_summary.json").write_text(json.dumps(summary, indent=1))
+    doc = e2e_json(summary)
+    (e2e_path or out / "e2e_long.json").write_text(json.dumps(doc, indent=1) + "\n")
+    acc = (summary.get("accuracy") or {}).get("modes") or {}
+    md = ["# End-to-end serving load by --sparse mode (bench/load.py)", ""]
+    md += [f"- {k}: {v}" for k, v in meta.items()]
+    md += [f"- grid: inputs {', '.join(map(str, grid['input_lens']))} tokens, output {grid['output_len']} tokens "
+           f"(ignore_eos), max concurrency {', '.join(map(str, grid['concurrency']))}; prompts per cell "
+           f"{grid['prompts']}; client `{grid['client']}`", ""]
+    srv = summary.get("servers") or {}
+    plan = srv.get("plan") or {}
+    if plan:
+        md += ["## Servers", "",
+               f"- groups started together (benchmarked one server at a time): "
+               f"{' | '.join(', '.join(g) for g in srv.get('groups', []))}",
+               f"- KV pool per server: {plan.get('max_total_tokens') or 'not capped here (CPU: ServerSpec bounds it)'}"
+               f" tokens (largest cell needs "
+               f"{plan.get('kv_tokens_needed_largest_cell')} = max concurrency x (longest input + output); "
+               f"{plan.get('kv_gib_per_server')} GiB), --mem-fraction-static "
+               f"{plan.get('mem_fraction_static') or 'SGLang default'}, GPU {plan.get('gpu_total_gib') or 'n/a'} GiB"]
+        md += ["- each server's KV pool is capped with --max-total-tokens at its largest cell's need, so the servers "
+               "of a group fit the GPU side by side (SGLang 0.5.17 sizes a pool from the free memory it sees, so a "
+               "--mem-fraction-static split alone would not divide the GPU evenly between processes); while one "
+               "server is measured the others of its group idle (no GPU work)"] if plan.get("max_total_tokens") else []
+        md += [f"- `{m}`: port {s.get('port')}, ready in {_fmt(s.get('startup_s'), 0)} s, KV pool "
+               f"{s.get('pool_tokens')} tokens" for m, s in (srv.get("per_mode") or {}).items()]
+        md += [""]
+    hdr = ["mode", "input", "conc", "done", "out tok/s", "vs off", "mean TTFT ms", "median TTFT ms", "vs off",
+           "mean TPOT ms", "vs off"] + (["accuracy ratio (len)"] if acc else [])
+    md += ["| " + " | ".join(hdr) + " |", "|" + "---|" * len(hdr)]
+    for m, cells in doc["modes"].items():
+        for n in grid["input_lens"]:
+            for c in grid["concurrency"]:
+                key = lc.cell_key(n, c)
+                r, x = results.get(m, {}).get(key), cells.get(key)
+                if not r:
+                    continue
+                row = [m, lc.input_label(n), str(c), f"{r.get('completed')}/{r.get('num_prompts', '?')}",
+                       _fmt(r.get("output_throughput")), _fmt(x["throughput_ratio_vs_off"], 2),
+                       _fmt(r.get("mean_ttft_ms")), _fmt(r.get("median_ttft_ms")), _fmt(x["ttft_ratio_vs_off"], 2),
+                       _fmt(r.get("mean_tpot_ms"), 2), _fmt(x["tpot_ratio_vs_off"], 2)]
+                md.append("| " + " | ".join(row + ([_acc_cell(acc.get(m), n)] if acc else [])) + " |")
+    md += ["", "Ratios are mode / off of the same cell (throughput: > 1 is better; TTFT, TPOT: < 1 is better). "
+           "TTFT = first streamed token - request start; TPOT = (last token - first token) / (tokens - 1); "
+           "output tok/s = completion tokens of the cell / its wall time."]
+    if acc:
+        md += ["", f"## Accuracy ratio by length (from `{summary['accuracy']['source']}`)", ""]
+        md += [f"- `{m}`: " + ", ".join(f"{k} {_fmt(v, 2) if isinstance(v, (int, float)) else v}"
+                                        for k, v in a.items()) for m, a in acc.items()]
+    if plot and _plot(out, summary):
+        md += ["", "![load](load.png)"]
     if errors:
         md += ["", "## Errors", ""] + [f"- `{m}`: {e}" for m, e in errors.items()]
     (out / "load_report.md").write_text("\n".join(md) + "\n")
-    (out / "load_summary.json").write_text(json.dumps({"meta": meta, "results": results, "errors": errors},
-                                                      indent=1))
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    fig, axs = plt.subplots(1, 3, figsize=(13, 3.8))
-    for m, per in results.items():
-        cs = [c for c in conc if per.get(c)]
-        for ax, k, t in zip(axs, ("output_throughput", "mean_ttft_ms", "mean_tpot_ms"),
-                            ("output tokens/s", "mean TTFT (ms)", "mean TPOT (ms)")):
-            ax.plot(cs, [per[c][k] for c in cs], marker="o", label=m)
-            ax.set_xscale("log", base=2)
-            ax.set_xlabel("max concurrency")
-            ax.set_title(t)
-    axs[0].legend()
+
+
+def _plot(out: Path, summary: dict) -> bool:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    grid, results = summary["grid"], summary["results"]
+    lens = grid["input_lens"]
+    fig, axs = plt.subplots(len(lens), 3, figsize=(13, 3.4 * len(lens)), squeeze=False)
+    for i, n in enumerate(lens):
+        for m, cells in results.items():
+            cs = [c for c in grid["concurrency"] if (cells.get(lc.cell_key(n, c)) or {}).get("completed")]
+            for ax, k, t in zip(axs[i], ("output_throughput", "mean_ttft_ms", "mean_tpot_ms"),
+                                ("output tokens/s", "mean TTFT (ms)", "mean TPOT (ms)")):
+                ax.plot(cs, [cells[lc.cell_key(n, c)][k] for c in cs], marker="o", label=m)
+                ax.set_xscale("log", base=2)
+                ax.set_xlabel("max concurrency")
+                ax.set_title(f"{t}, input {lc.input_label(n)}")
+        if axs[i][0].get_legend_handles_labels()[0]:
+            axs[i][0].legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(out / "load.png", dpi=110)
+    fig.savefig(out / "load.png", dpi=100)
     plt.close(fig)
+    return True
+
+
+# ------------------------------------------------------------------------------------------- driver
+
+def _start_group(servers: list[Server], errors: dict, log) -> list[Server]:
+    """Start the group's servers at once; returns those that came up (failures go to ``errors``)."""
+    aborted = threading.Event()
+
+    def go(s):
+        try:
+            s.start()
+        except Exception as e:  # noqa: BLE001 - reported per mode
+            errors[s.spec.mode] = "server start interrupted" if aborted.is_set() else \
+                f"server start: {type(e).__name__}: {e}"
+    threads = [threading.Thread(target=go, args=(s,), daemon=True) for s in servers]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    except BaseException:
+        aborted.set()
+        _stop_all(servers, threads)
+        raise
+    return [s for s in servers if s.proc is not None and s.startup_s is not None]
+
+
+def _stop_all(servers: list[Server], threads=()) -> None:
+    stoppers = [threading.Thread(target=s.stop) for s in servers]  # each by its own process group, in parallel
+    for t in stoppers:
+        t.start()
+    for t in stoppers:
+        t.join()
+    deadline = time.monotonic() + 120
+    while True:  # a start thread may still be launching: stop until every thread is done
+        for s in servers:
+            s.stop()
+        if not any(t.is_alive() for t in threads) or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    for s in servers:
+        s.stop()
+
+
+def bench_server(a, s: Server, maker, out: Path, summary: dict, t_start: float, log, flush) -> None:
+    mode, url = s.spec.mode, s.url
+    mode_dir = out / mode
+    cells = summary["results"].setdefault(mode, {})
+    summary["servers"]["per_mode"][mode].update(startup_s=s.startup_s, pool_tokens=lc.server_pool_tokens(url))
+    if maker is not None:
+        ids = maker.cell_prompts(a.seed + 1000, max(a.input_lens), 0, 1)[0]
+        w = lc.stream_completion(url, ids, min(a.output_len, 16), a.request_timeout)
+        log(f"[load] {mode} warm-up ({len(ids)} tokens): {'ok' if w['ok'] else w['error']}")
+    for n in a.input_lens:
+        for c in a.conc:
+            key = lc.cell_key(n, c)
+            if a.time_budget and time.monotonic() - t_start > a.time_budget:
+                summary["errors"].setdefault(mode, "")
+                summary["errors"][mode] += f" {key}: skipped (time budget {a.time_budget:.0f}s);"
+                continue
+            if a.client == "fast":
+                if not lc.flush_cache(url):
+                    log(f"[load] {mode}: /flush_cache refused before {key}")
+                prompts = maker.cell_prompts(a.seed, n, c, n_prompts(a, c))
+                r = lc.run_cell(url, prompts, a.output_len, c, a.request_timeout)
+            else:
+                r = run_sglang_cell(a, out, s.spec.port, n, c, mode_dir, log)
+            r.update(input_len=n, concurrency=c, num_prompts=n_prompts(a, c), output_len=a.output_len)
+            cells[key] = r
+            if r.get("completed") != r["num_prompts"]:
+                summary["errors"][f"{mode} {key}"] = (f"{r.get('completed')}/{r['num_prompts']} requests completed: "
+                                                      f"{r.get('errors')}")
+            log(f"[load] {mode} {key}: {_fmt(r.get('output_throughput'))} out tok/s, TTFT mean "
+                f"{_fmt(r.get('mean_ttft_ms'))} ms, TPOT {_fmt(r.get('mean_tpot_ms'), 2)} ms, "
+                f"{r.get('completed')}/{n_prompts(a, c)} done")
+            flush()
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--modes", default="off", help="comma-separated; off is always added first (the baseline)")
+    p.add_argument("--concurrency", default="1,4,16", help="comma-separated max concurrencies")
+    p.add_argument("--input-lens", default=None, help="comma-separated input lengths (tokens), e.g. 4096,16384,32000")
+    p.add_argument("--input-len", type=int, default=2048, help="one input length (when --input-lens is not given)")
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--client", choices=["fast", "sglang"], default="fast")
+    p.add_argument("--range-ratio", type=float, default=1.0, help="sglang client: 1.0 = fixed lengths")
+    p.add_argument("--prompts-per-concurrency", type=int, default=2)
+    p.add_argument("--min-prompts", type=int, default=3)
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--python", default=sys.executable, help="interpreter of the servers")
+    p.add_argument("--model", default=default_model())
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--port", type=int, default=32010, help="first port; a group uses port .. port+N-1")
+    p.add_argument("--out", default=None)
+    p.add_argument("--e2e-json", default=None, help="where e2e_long.json goes (default OUT/e2e_long.json)")
+    p.add_argument("--accuracy-json", default=None, help="a fidelity_long.json: accuracy_ratio_by_length per mode")
+    p.add_argument("--rerender", default=None, metavar="DIR", help="rebuild outputs from DIR/load_summary.json")
+    p.add_argument("--sparse-config", action="append", default=[], metavar="MODE=JSON")
+    p.add_argument("--server-args", default="",
+                   help="extra args for every server, e.g. '--attention-backend flashinfer'")
+    p.add_argument("--parallel-servers", default="1", help="servers started at once (N or auto); benched one at a time")
+    p.add_argument("--mem-fraction", type=float, default=None, help="--mem-fraction-static of every CUDA server")
+    p.add_argument("--max-total-tokens", type=int, default=None,
+                   help="KV pool cap per CUDA server (default: the largest cell's need + 2%%; 0 = no cap)")
+    p.add_argument("--server-timeout", type=float, default=None)
+    p.add_argument("--request-timeout", type=float, default=600.0)
+    p.add_argument("--bench-timeout", type=float, default=600.0, help="sglang client: seconds per cell")
+    p.add_argument("--time-budget", type=float, default=None, help="seconds: cells not started by then are skipped")
+    a = p.parse_args(argv)
+    a.modes_list = ["off"] + [m.strip() for m in a.modes.split(",") if m.strip() and m.strip() != "off"]
+    a.conc = [int(c) for c in a.concurrency.split(",")]
+    a.input_lens = [int(x) for x in a.input_lens.split(",")] if a.input_lens else [a.input_len]
+    return a
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--modes", default="off")
-    p.add_argument("--concurrency", default="1,4,16", help="comma-separated max concurrencies")
-    p.add_argument("--input-len", type=int, default=2048)
-    p.add_argument("--output-len", type=int, default=128)
-    p.add_argument("--range-ratio", type=float, default=1.0, help="1.0 = fixed lengths")
-    p.add_argument("--prompts-per-concurrency", type=int, default=4)
-    p.add_argument("--min-prompts", type=int, default=8)
-    p.add_argument("--seed", type=int, default=1)
-    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    p.add_argument("--python", default=sys.executable)
-    p.add_argument("--model", default=str(REPO / "models" / "SmolLM2-135M-Instruct"))
-    p.add_argument("--dtype", default="bfloat16")
-    p.add_argument("--port", type=int, default=32010)
-    p.add_argument("--out", default=None)
-    p.add_argument("--sparse-config", action="append", default=[], metavar="MODE=JSON")
-    p.add_argument("--server-args", default="")
-    p.add_argument("--server-timeout", type=float, default=None)
-    p.add_argument("--bench-timeout", type=float, default=600.0, help="seconds per bench_serving run")
-    a = p.parse_args(argv)
-    modes = ["off"] + [m.strip() for m in a.modes.split(",") if m.strip() and m.strip() != "off"]
-    conc = [int(c) for c in a.concurrency.split(",")]
-    configs = dict(item.split("=", 1) for item in a.sparse_config)
-    timeout = a.server_timeout or (300.0 if a.device == "cpu" else 900.0)
-    out = Path(a.out) if a.out else REPO / "bench" / "results" / "tmp" / f"load-{a.device}"
-    out.mkdir(parents=True, exist_ok=True)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    a = parse_args(argv)
 
     def log(msg):
         print(f"{time.strftime('%H:%M:%S')} {msg}", flush=True)
 
-    n_max = max(a.min_prompts, a.prompts_per_concurrency * max(conc))
-    dataset = write_dataset(out / "load_prompts.json", n_max, int(a.input_len * 0.8) + 50, a.seed)
-    meta = envinfo.collect(a.python, [sys.executable, "-m", "bench.load"] + (argv or sys.argv[1:]))
-    meta.update({"device": a.device, "model": a.model, "dtype": a.dtype, "modes": ", ".join(modes),
-                 "workload": f"input {a.input_len} tok, output {a.output_len} tok (range ratio {a.range_ratio}), "
-                             f"{a.prompts_per_concurrency} prompts per unit of concurrency (min {a.min_prompts}), "
-                             f"request rate inf, dataset 'random' over {corpus.source_description()}",
-                 "extra server args": a.server_args or "(none)"})
-    results: dict = {}
-    errors: dict = {}
+    if a.rerender:
+        src = Path(a.rerender)
+        summary = json.loads((src / "load_summary.json").read_text())
+        if a.accuracy_json:
+            summary["accuracy"] = load_accuracy(a.accuracy_json)
+        out = Path(a.out) if a.out else src
+        out.mkdir(parents=True, exist_ok=True)
+        write_report(out, summary, Path(a.e2e_json) if a.e2e_json else None)
+        log(f"[load] re-rendered {out / 'load_report.md'} and {a.e2e_json or out / 'e2e_long.json'}")
+        return 0
+
+    server_args = shlex.split(a.server_args)
+    ctx = context_length(a.model, server_args)
+    too_long = [n for n in a.input_lens if ctx and n + a.output_len > ctx]
+    if too_long:
+        print(f"bench.load: input {too_long} + output {a.output_len} exceeds the context length {ctx} of {a.model}",
+              file=sys.stderr)
+        return 2
+    configs = dict(item.split("=", 1) for item in a.sparse_config)
+    timeout = a.server_timeout or (300.0 if a.device == "cpu" else 900.0)
+    out = Path(a.out) if a.out else REPO / "bench" / "results" / "tmp" / f"load-{a.device}"
+    out.mkdir(parents=True, exist_ok=True)
+    plan = pool_plan(a, server_args, len(a.modes_list), log)
+    npar = plan["parallel_servers"]
+    groups = [a.modes_list[i:i + npar] for i in range(0, len(a.modes_list), npar)]
+    extra = server_extra(a, plan, server_args)
+    bg: dict = {}
+
+    def _bg_env():
+        bg["env"] = envinfo.collect(a.python, [sys.executable, "-m", "bench.load"] + argv)
+
+    def _bg_prompts():
+        bg["maker"] = lc.PromptMaker(a.model) if a.client == "fast" else None
+    # the version probe (a subprocess that imports torch) and the tokenizer load overlap the first server starts
+    prep = [threading.Thread(target=f, daemon=True) for f in (_bg_env, _bg_prompts)]
+    for t in prep:
+        t.start()
+    meta_more = {"device": a.device, "model": a.model, "dtype": a.dtype, "modes": ", ".join(a.modes_list),
+                 "sparse configs": ", ".join(f"{m}={configs[m]}" for m in a.modes_list if m in configs) or
+                 "each mode's default (no --sparse-config)", "context length": ctx,
+                 "prompts": f"exact-length token ids of {corpus.source_description()}",
+                 "extra server args": " ".join(extra) or "(none)"}
+    grid = {"modes": a.modes_list, "input_lens": a.input_lens, "concurrency": a.conc, "output_len": a.output_len,
+            "client": a.client, "prompts": {str(c): n_prompts(a, c) for c in a.conc}}
+    summary = {"meta": meta_more, "grid": grid,
+               "servers": {"plan": plan, "groups": groups, "per_mode": {}},
+               "results": {}, "errors": {}, "accuracy": load_accuracy(a.accuracy_json)}
+    e2e_path = Path(a.e2e_json) if a.e2e_json else None
+    log(f"[load] {len(a.modes_list)} modes in groups {groups}; KV plan {plan}")
 
     def _sigterm(signum, frame):
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, _sigterm)
-    for mode in modes:
-        spec = ServerSpec(a.python, a.model, a.device, a.port, mode, configs.get(mode), a.dtype,
-                          shlex.split(a.server_args))
-        (out / mode).mkdir(exist_ok=True)
-        results[mode] = {}
+    t_start = time.monotonic()
+    rc = 0
+    for group in groups:
+        if a.time_budget and time.monotonic() - t_start > a.time_budget:
+            for m in group:
+                summary["errors"][m] = f"not started (time budget {a.time_budget:.0f}s)"
+            rc = 1
+            continue
+        servers = []
+        for i, mode in enumerate(group):
+            (out / mode).mkdir(exist_ok=True)
+            spec = ServerSpec(a.python, a.model, a.device, a.port + i, mode, configs.get(mode), a.dtype, extra)
+            servers.append(Server(spec, out / mode / "server.log", timeout, log))
+            summary["servers"]["per_mode"][mode] = {"port": a.port + i, "group": groups.index(group)}
         try:
-            with Server(spec, out / mode / "server.log", timeout, log):
-                for c in conc:
-                    results[mode][c] = run_one(a, dataset, c, out / mode, log)
-                    r = results[mode][c]
-                    log(f"[load] {mode} c={c}: {r['output_throughput']:.1f} out tok/s, TTFT {r['mean_ttft_ms']:.1f} ms,"
-                        f" TPOT {r['mean_tpot_ms']:.2f} ms")
-        except KeyboardInterrupt:  # Ctrl-C or SIGTERM: the server was stopped by the context manager
-            errors[mode] = "interrupted (SIGINT/SIGTERM); later modes not run"
-            write_report(out, results, meta, errors, conc)
+            up = _start_group(servers, summary["errors"], log)
+            if prep:
+                for t in prep:
+                    t.join()
+                prep = []
+                summary["meta"] = {**bg.get("env", {}), **meta_more}
+                if a.client == "fast" and bg.get("maker") is None:
+                    raise RuntimeError("could not load the model's tokenizer for the prompts (see the traceback)")
+            maker = bg.get("maker")
+            for s in up:
+                try:
+                    bench_server(a, s, maker, out, summary, t_start, log,
+                                 lambda: write_report(out, summary, e2e_path, plot=False))
+                except (RuntimeError, subprocess.TimeoutExpired, OSError) as e:
+                    summary["errors"][s.spec.mode] = f"{type(e).__name__}: {e}"
+                    log(f"[load] mode {s.spec.mode} FAILED: {summary['errors'][s.spec.mode]}")
+        except KeyboardInterrupt:  # Ctrl-C or SIGTERM: stop this group's servers, keep what was measured
+            summary["errors"]["interrupted"] = "SIGINT/SIGTERM; later cells not run"
+            _stop_all(servers)
+            rc = 1
             break
-        except (ServerError, RuntimeError, subprocess.TimeoutExpired, OSError) as e:
-            errors[mode] = f"{type(e).__name__}: {e}"
-            log(f"[load] mode {mode} FAILED: {errors[mode]}")
-        write_report(out, results, meta, errors, conc)
-    log(f"[load] report: {out / 'load_report.md'}")
-    return 1 if errors else 0
+        finally:
+            _stop_all(servers)
+        write_report(out, summary, e2e_path, plot=False)
+    for t in prep:
+        t.join(timeout=120)
+    summary["meta"] = {**bg.get("env", {}), **meta_more}
+    write_report(out, summary, e2e_path)
+    log(f"[load] report: {out / 'load_report.md'}; e2e json: {e2e_path or out / 'e2e_long.json'}")
+    return 1 if (rc or summary["errors"]) else 0
 
 
 if __name__ == "__main__":
