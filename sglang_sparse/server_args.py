@@ -97,6 +97,9 @@ def _apply_mode_requirements(args, ctx: SparseContext) -> None:
     explicit page size is refused); prefill CUDA graphs are off (the block-metadata update after an
     extend takes a host bound); decode graphs stay on unless the config's ``cuda_graph`` is false.
     """
+    if ctx.mode == "samkv" and getattr(args, "disable_radix_cache", False):
+        raise SparseConfigError("--sparse samkv keeps each document's KV in the radix cache: it cannot be used "
+                                "with --disable-radix-cache (every documents request would fall back to dense)")
     if _device_type(args.device) != "cuda":
         return
     if ctx.mode in ("loopserve", "lastwindow"):

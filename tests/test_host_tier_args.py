@@ -55,3 +55,12 @@ def test_help_text_lists_the_host_tier_keys():
     text = _config_help()
     for frag in ("host_tier_gb=0.0 [0, 4096]", "gpu_cache_mb=64.0 (0, 1048576]", "working_set_window=12 [1, 256]"):
         assert frag in text
+
+
+def test_samkv_without_radix_cache_is_refused_at_start(args, capsys):
+    """samkv keeps documents in the radix cache: with --disable-radix-cache it would serve every documents
+    request as a fallback, so it is refused before the model loads."""
+    with pytest.raises(SystemExit) as exc:
+        args("--sparse", "samkv", "--disable-radix-cache")
+    assert exc.value.code == 2
+    assert "--sparse samkv" in capsys.readouterr().err

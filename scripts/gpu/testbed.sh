@@ -37,11 +37,13 @@ for ctx in 32768 65536; do  # the testbed folders: the kit's converted model + Y
 done
 case $part in
   needle)
-    step needle32k timeout "${NEEDLE_TIMEOUT:-330}" python3 -m bench.run_harness --preset needle_table --modes off \
-        --device cuda --python python3 --model $M32 --port 30000 --out "$R/needle32k" --concurrency 32 --server-args "$SARGS"
+    step needle32k timeout "${NEEDLE_TIMEOUT:-420}" python3 -m bench.run_harness --preset needle_table --modes off \
+        --device cuda --python python3 --model $M32 --port 30000 --out "$R/needle32k" --concurrency 32 \
+        --tasks-time-budget "${NEEDLE_TASK_BUDGET:-150}" --server-args "$SARGS"
     step needle32k_report python3 -m bench.report_long --needle-run "$R/needle32k" --needle-json "$R/needle_table.json"
-    step needle64k timeout "${NEEDLE64_TIMEOUT:-180}" python3 -m bench.run_harness --preset needle_table_64k --modes off \
-        --device cuda --python python3 --model $M64 --port 30000 --out "$R/needle64k" --concurrency 32 --server-args "$SARGS"
+    step needle64k timeout "${NEEDLE64_TIMEOUT:-170}" python3 -m bench.run_harness --preset needle_table_64k --modes off \
+        --device cuda --python python3 --model $M64 --port 30000 --out "$R/needle64k" --concurrency 32 \
+        --tasks-time-budget "${NEEDLE64_TASK_BUDGET:-70}" --server-args "$SARGS"
     step needle64k_report python3 -m bench.report_long --needle-run "$R/needle64k" --needle-json "$R/needle_table_64k.json"
     ;;
   long)
@@ -52,10 +54,12 @@ case $part in
         --psa-json "$R/psa_fidelity.json" --loopserve-json "$R/loopserve_fidelity.json"
     ;;
   e2e)
-    step e2e timeout "${E2E_TIMEOUT:-570}" python3 -m bench.load ${E2E_ARGS:-} --model $M32 --out "$R/e2e" \
-        --python python3 --server-args "$SARGS"
+    step e2e timeout -k 20 "${E2E_TIMEOUT:-560}" python3 -m bench.load --device cuda --python python3 --model $M32 \
+        --modes "$MODES" --input-lens 4096,16384,32000 --output-len 256 --concurrency 1,8,32 --parallel-servers auto \
+        --port 30010 --time-budget "${E2E_TASK_BUDGET:-450}" --server-args "$SARGS" --out "$R/e2e" ${E2E_ARGS:-}
     ;;
   *) echo "unknown part $part" >&2; exit 2 ;;
 esac
+[ "${SAVE_CACHE:-0}" = 1 ] && bash /tmp/kit/device.sh save-cache >> "$R/steps.txt" 2>&1
 tar czf "$out/$part.tgz" -C /tmp/testbed "$part"
 ls -la "$out"
