@@ -1,4 +1,4 @@
-"""End-to-end host-tier benchmark (issue #6 item 6): concurrent long multi-turn requests at a TPOT SLO.
+"""End-to-end host-tier benchmark: concurrent long multi-turn requests at a TPOT SLO.
 
 One GPU, three servers in turn on the same model, the same ``--mem-fraction-static`` and the same
 ``--max-total-tokens`` cap (a KV pool that holds only a few long contexts), the same attention backend

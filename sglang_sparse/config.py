@@ -132,7 +132,7 @@ _UNIT = Range(0.0, 1.0, lo_open=True)
 
 
 def _host_tier_knobs():
-    """Host-tier keys shared by the modes that serve it (issue #6; ``sglang_sparse.host_tier``)."""
+    """Host-tier keys shared by the modes that serve it (``sglang_sparse.host_tier``)."""
     return dict(
         host_tier_gb=knob(0.0, doc="pinned host memory (GiB) keeping radix nodes evicted from the GPU, loaded back "
                           "on a prefix hit instead of recomputed (0 = host tier off)", range=Range(0, 4096)),
@@ -203,13 +203,9 @@ class LoopServeConfig(SparseConfig):
     n_d: int = knob(16, doc="decode re-selection interval (tokens)", range=Range(1, 4096))
     budget: int = knob(1024, doc="top-B tokens kept per KV head in decode", range=Range(1, 1 << 24))
     sampled_rows: int = knob(64, doc="query rows sampled for line estimation", range=Range(1, 8192))
-    min_context: int = knob(24576, doc="segments over contexts shorter than this run dense. Measured on an H100 "
-                            "(bench/loopserve_prefill_bench.py, planted structure, Llama-3.1-8B attention shapes, "
-                            "bf16; estimation + selection + sparse attention vs FlashInfer dense, "
-                            "bench/results/loopserve_prefill.md): 8k 0.31x, 16k 0.93x, 24k 1.79x, 32k 2.11x, 64k 7.37x, 128k "
-                            "21.1x; 24576 is the smallest measured context where sparse wins (below ~24k the "
-                            "sparse path is bound by the host's ~3 ms of launches)",
-                            range=Range(0, 1 << 24))
+    min_context: int = knob(24576, doc="segments over contexts shorter than this run dense: below it the sparse "
+                            "prefill's fixed costs (estimation, selection, launches) exceed the attention it saves "
+                            "(bench/results/loopserve_prefill.md)", range=Range(0, 1 << 24))
     sink_tokens: int = knob(4, doc="first key positions always attended (vertical lines)", range=Range(0, 1 << 20))
     local_window: int = knob(64, doc="slash offsets 0..local_window-1 always attended", range=Range(1, 1 << 20))
     min_request_alpha: float = knob(0.5, doc="floor for a request's own alpha (custom_params.sparse.alpha); "

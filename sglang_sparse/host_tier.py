@@ -1,4 +1,4 @@
-"""Host tier for radix nodes (issue #6 item 1): nodes evicted from the GPU move to pinned host memory and
+"""Host tier for radix nodes: nodes evicted from the GPU move to pinned host memory and
 come back on a prefix hit instead of being recomputed.
 
 How it plugs in: a radix-cache backend registered with SGLang (``mem_cache/registry.py``,

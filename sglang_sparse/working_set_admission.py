@@ -1,4 +1,4 @@
-"""Working-set-aware admission in SGLang's scheduler (issue #6 item 3; SparseServe §3.3, Alg. 1).
+"""Working-set-aware admission in SGLang's scheduler (SparseServe §3.3, Alg. 1).
 
 Under ``--sparse psa`` or ``--sparse loopserve`` with the host tier (``host_tier_gb > 0``) and
 ``working_set_admission`` (default on), a waiting request joins the running batch only while the summed
