@@ -44,6 +44,12 @@ class PsaDecodeConfig:
     """block score: 'cuboid' = sum_d max(q_d*min_d, q_d*max_d) (an upper bound), 'mean' = q . mean."""
     group_reduce: str = "max"
     """how the query heads of one KV head's group combine into one score: 'max' or 'sum'."""
+    rank_by: str = "mean"
+    """rank order of the blocks: 'criticality' = by the criticality score above; 'mean' = by the group
+    max of q . mean key (the estimator keeps using the criticality scores of the blocks in that order).
+    Measured on real testbed attention (bench/results/psa_root_cause.md): post-RoPE keys rotate inside
+    a block, so the cuboid bound is ~30 nats above the block's true max logit and ranks a retrieval
+    head's needle block 86th-144th of 312 where q . mean ranks it 0th-3rd."""
     estimator: str = "calibrated"
     """remaining-mass estimate R of the stop test P = AS_acc / (AS_acc + R) >= epsilon:
     'paper' = AS_min * N_left (PSA Alg. 1; not conservative on real attention),
@@ -83,6 +89,8 @@ class PsaDecodeConfig:
             raise bad("criticality", "one of 'cuboid', 'mean'")
         if self.group_reduce not in ("max", "sum"):
             raise bad("group_reduce", "one of 'max', 'sum'")
+        if self.rank_by not in ("criticality", "mean"):
+            raise bad("rank_by", "one of 'criticality', 'mean'")
         if self.estimator not in ESTIMATORS:
             raise bad("estimator", "one of " + ", ".join(repr(e) for e in ESTIMATORS))
         if self.estimator != "paper" and (self.criticality != "cuboid" or self.group_reduce != "max"):

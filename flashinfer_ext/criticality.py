@@ -40,7 +40,7 @@ def _criticality_kernel(
     num_cols, sink_blocks, local_blocks,
     NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE_B: tl.constexpr,
-    CUBOID: tl.constexpr, REDUCE_MAX: tl.constexpr, WRITE_KEYS: tl.constexpr,
+    CUBOID: tl.constexpr, REDUCE_MAX: tl.constexpr, WRITE_KEYS: tl.constexpr, RANK_MEAN: tl.constexpr,
 ):
     pid = tl.program_id(0)
     r = pid // NUM_KV_HEADS
@@ -58,13 +58,14 @@ def _criticality_kernel(
     if CUBOID:
         mx = tl.load(kmax_ptr + m_off, mask=m_mask, other=0.0).to(tl.float32)  # [TILE_B, D_PAD]
         mn = tl.load(kmin_ptr + m_off, mask=m_mask, other=0.0).to(tl.float32)
-    else:
+    if (not CUBOID) or RANK_MEAN:
         me = tl.load(kmean_ptr + m_off, mask=m_mask, other=0.0).to(tl.float32)
     q_row = q_ptr + r.to(tl.int64) * stride_qb + (h * GROUP) * stride_qh
     if REDUCE_MAX:
         s = tl.full([TILE_B], float("-inf"), tl.float32)
     else:
         s = tl.zeros([TILE_B], tl.float32)
+    rs = tl.full([TILE_B], float("-inf"), tl.float32)  # RANK_MEAN: group max of q . mean (the rank key)
     for gi in tl.static_range(GROUP):  # one query head of the group at a time: 2D tiles only
         qg = tl.load(q_row + gi * stride_qh + d, mask=dmask, other=0.0).to(tl.float32)
         if CUBOID:
@@ -75,13 +76,20 @@ def _criticality_kernel(
             s = tl.maximum(s, ub)
         else:
             s = s + ub
+        if RANK_MEAN:
+            rs = tl.maximum(rs, tl.sum(qg[None, :] * me, axis=1))
     forced = (b < sink_blocks) | (b >= n_blocks - local_blocks)
     s = tl.where(forced, float("inf"), s)
     s = tl.where(valid, s, float("-inf"))
     off = r.to(tl.int64) * stride_sb + h * stride_sh + b
     tl.store(scores_ptr + off, s, mask=in_cols)
     if WRITE_KEYS:  # order-preserving int16 sort key: the top 16 bits of the fp32 (bf16 truncation)
-        bits = s.to(tl.int32, bitcast=True) >> 16
+        if RANK_MEAN:
+            rs = tl.where(forced, float("inf"), rs)
+            rs = tl.where(valid, rs, float("-inf"))
+            bits = rs.to(tl.int32, bitcast=True) >> 16
+        else:
+            bits = s.to(tl.int32, bitcast=True) >> 16
         key = bits ^ ((bits >> 15) & 0x7FFF)
         tl.store(keys_ptr + off, key.to(tl.int16), mask=in_cols)
 
@@ -90,7 +98,7 @@ def block_criticality(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, k
                       block_table: torch.Tensor, seq_lens: torch.Tensor, scores_out: torch.Tensor, *,
                       block_size: int, sink_blocks: int, local_blocks: int,
                       criticality: str = "cuboid", group_reduce: str = "max",
-                      keys_out: torch.Tensor | None = None) -> torch.Tensor:
+                      keys_out: torch.Tensor | None = None, rank_by: str = "criticality") -> torch.Tensor:
     """Score every block of every request for every KV head.
 
     Args:
@@ -101,6 +109,8 @@ def block_criticality(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, k
       scores_out: ``[batch, num_kv_heads, num_cols]`` fp32, written (last dim contiguous).
       keys_out: optional int16 tensor with ``scores_out``'s shape and strides: an order-preserving
         16-bit key of each score (bf16 truncation), for a 2-pass radix sort (:func:`rank_blocks`).
+      rank_by: 'criticality' (keys of ``scores_out``) or 'mean' (keys of the group max of ``q . kmean``;
+        ``scores_out`` still gets the criticality scores). Needs ``keys_out`` to matter.
 
     Returns ``scores_out``. One launch, no allocation.
     """
@@ -128,6 +138,7 @@ def block_criticality(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, k
         NUM_KV_HEADS=num_kv_heads, GROUP=group, HEAD_DIM=head_dim, D_PAD=d_pad,
         BLOCK_SIZE=block_size, TILE_B=tile_b,
         CUBOID=criticality == "cuboid", REDUCE_MAX=group_reduce == "max", WRITE_KEYS=keys_out is not None,
+        RANK_MEAN=keys_out is not None and rank_by == "mean" and (criticality, group_reduce) != ("mean", "max"),
         num_warps=8 if tile_b * d_pad >= 8192 else 4,
     )
     return scores_out

@@ -222,7 +222,7 @@ class PsaDecodeWrapper:
         block_criticality(q, kmin, kmax, kmean, self._block_table_buf[:bs], seq_lens, scores,
                           block_size=self.block_size, sink_blocks=cfg.sink_blocks,
                           local_blocks=cfg.local_blocks, criticality=cfg.criticality,
-                          group_reduce=cfg.group_reduce, keys_out=keys)
+                          group_reduce=cfg.group_reduce, keys_out=keys, rank_by=cfg.rank_by)
         c = self._num_cols
         if self._prefix:  # exact top-K prefix + block-order tail (one Triton launch)
             rank_select(keys, order, self._select_scratch_buf,

@@ -269,6 +269,9 @@ def psa_decode_reference(q, k_buffer, v_buffer, req_to_token, req_pool_indices, 
                          block_size, sm_scale, epsilon=None, return_kept_est=False):
     """Whole PSA decode from scratch (metadata, scores, stable rank, chunk-granular progressive attention).
 
+    Rank order: by the criticality scores, or (``config.rank_by == 'mean'``) by the group max of
+    ``q . mean key``; the estimator always sees the criticality scores of the blocks in rank order.
+
     ``config``: a :class:`flashinfer_ext.config.PsaDecodeConfig` (estimator, chunk schedule, caps);
     ``epsilon``: ``None`` (``config.epsilon``) or a per-request sequence (``>= 1``: every block, no cap).
     Returns ``(o, lse, nread, order)`` with ``order`` ``[batch, num_kv_heads, max_n_blocks]`` int64, plus
@@ -290,7 +293,13 @@ def psa_decode_reference(q, k_buffer, v_buffer, req_to_token, req_pool_indices, 
                                    num_blocks=num_blocks, sink_blocks=config.sink_blocks,
                                    local_blocks=config.local_blocks, criticality=config.criticality,
                                    group_reduce=config.group_reduce)
-    order = rank_reference(scores, config.ranking_prefix())
+    rank_scores = scores
+    if config.rank_by == "mean" and (config.criticality, config.group_reduce) != ("mean", "max"):
+        rank_scores = criticality_reference(q, kmin, kmax, kmean, table, seq_lens, block_size=block_size,
+                                            num_blocks=num_blocks, sink_blocks=config.sink_blocks,
+                                            local_blocks=config.local_blocks, criticality="mean",
+                                            group_reduce="max")
+    order = rank_reference(rank_scores, config.ranking_prefix())
     eps = [config.epsilon] * batch if epsilon is None else [float(e) for e in epsilon]
     list_lens = torch.zeros(batch, num_kv_heads, dtype=torch.int32)
     n_forced = torch.zeros(batch, dtype=torch.int32)
