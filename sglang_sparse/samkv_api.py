@@ -1,10 +1,18 @@
 """``--sparse samkv`` front door: the ``documents`` field of ``/v1/chat/completions`` and ``/v1/completions``.
 
-API. ``extra_body={"documents": ["text 1", ...], "cache_salt": "s"?, "samkv": {"variant": ...}?}``.
-The documents are placed, in order, before the request's own prompt (the chat-template tokens of
-``messages``, or the completion ``prompt``)::
+API. ``extra_body={"documents": ["text 1", ...], "cache_salt": "s"?, "samkv": {"variant": ..., "layout": ...}?}``.
+Layout ``in_user_turn`` (the default, chat requests): the documents go where a chat user puts them, inside
+the last user turn after the template's header and before that turn's own text::
 
-    [tok(doc_1 + "\\n\\n")] [tok(doc_2 + "\\n\\n")] ... [tok(doc_D + "\\n\\n")] [prompt tokens]
+    [P: template tokens up to the last user turn's text] [tok(doc_1 + "\\n\\n")] ... [tok(doc_D + "\\n\\n")]
+    [the user turn's text, the rest of the template]
+
+and each document's KV is computed once behind the shared prefix ``P`` (the system prompt and the user header:
+its prefill request is ``P + document``), so it is reusable in any order and position: the scheduler copies
+``P``'s KV as is and re-rotates each document's keys to its place (APE / Block-Attention style). Layout
+``before_prompt`` (and every ``/v1/completions`` request, which has no turns) places the documents before the
+whole prompt, each prefilled alone from position 0. When the user turn's text cannot be found as a token
+run of the templated prompt the request uses ``before_prompt`` and reports it (``layout`` in the response).
 
 Each document is tokenised alone (no special tokens), so its token span is known and its tokens
 are the same in every request: that is the per-document cache key. Validation (HTTP 400 naming
@@ -56,6 +64,7 @@ SPANS_KEY = "samkv_spans"          # [start_0, len_0, start_1, len_1, ...] of th
 NS_KEY = "samkv_doc_ns"            # the documents' radix namespace (extra_key of their prefill requests)
 FILLER_KEY = "samkv_filler"        # [filler token id, page size]
 VARIANT_KEY = "samkv_variant"
+PREFIX_KEY = "samkv_prefix_len"    # tokens of the shared template prefix P before the documents (0: none)
 
 
 @dataclass(frozen=True)
@@ -63,7 +72,9 @@ class DocumentPlan:
     """Token layout of one documents request (main process).
 
     doc_ids: per document, its token ids (``tok(doc + SEPARATOR)``); prompt_ids: the request's own
-    prompt tokens after them; salt: the cache salt ('' if none); variant: the pipeline to run.
+    prompt tokens after them; salt: the cache salt ('' if none); variant: the pipeline to run;
+    prefix_ids: the template tokens before the documents (``P``; empty for ``before_prompt``), part of
+    every document's prefill and of its cache identity.
     """
 
     doc_ids: tuple[tuple[int, ...], ...]
@@ -72,6 +83,7 @@ class DocumentPlan:
     variant: str
     doc_digests: tuple[str, ...] | None = None  # per document ids_digest(ids) (computed here when None)
     secret: str = ""  # the front door's namespace secret (:func:`_ns_secret`); part of every namespace
+    prefix_ids: tuple[int, ...] = ()
 
     def __post_init__(self):
         if self.doc_digests is None:
@@ -80,8 +92,16 @@ class DocumentPlan:
             raise ValueError(f"DocumentPlan: {len(self.doc_digests)} digests for {len(self.doc_ids)} documents")
 
     @property
+    def layout(self) -> str:
+        return "in_user_turn" if self.prefix_ids else "before_prompt"
+
+    def doc_prefill_ids(self, i: int, filler: int, page_size: int) -> list[int]:
+        """Prefill ids of document ``i``: ``P + document``, padded to a page multiple."""
+        return doc_key_ids(list(self.prefix_ids) + list(self.doc_ids[i]), filler, page_size)
+
+    @property
     def input_ids(self) -> list[int]:
-        out: list[int] = []
+        out: list[int] = list(self.prefix_ids)
         for d in self.doc_ids:
             out.extend(d)
         out.extend(self.prompt_ids)
@@ -89,7 +109,7 @@ class DocumentPlan:
 
     @property
     def spans(self) -> list[int]:
-        flat, pos = [], 0
+        flat, pos = [], len(self.prefix_ids)
         for d in self.doc_ids:
             flat += [pos, len(d)]
             pos += len(d)
@@ -102,10 +122,13 @@ class DocumentPlan:
     def doc_namespace(self) -> str:
         return f"samkv-doc:{self.secret}:{self.salt}"
 
+    def prefix_digest(self) -> str:
+        return ids_digest(self.prefix_ids) if self.prefix_ids else ""
+
     def composite_namespace(self, nonce: str) -> str:
         """Composite entries: per variant and salt, keyed by all ids (selection depends on the question);
         ``recompute`` gets a fresh nonce so the baseline never reuses anything."""
-        h = hashlib.sha256(repr((self.doc_digests, self.prompt_ids)).encode()).hexdigest()[:24]
+        h = hashlib.sha256(repr((self.prefix_ids, self.doc_digests, self.prompt_ids)).encode()).hexdigest()[:24]
         return f"samkv:{self.secret}:{self.variant}:{self.salt}:{h}" + (f":{nonce}" if self.variant == "recompute" else "")
 
 
@@ -128,13 +151,48 @@ def _parse_extra(body: dict, cfg) -> tuple[tuple[str, ...], str, str]:
     if salt is not None and not isinstance(salt, str):
         raise ValueError(f"'cache_salt' must be a string, got {type(salt).__name__}")
     opts = body.get("samkv") or {}
-    if not isinstance(opts, dict) or set(opts) - {"variant"}:
-        raise ValueError("'samkv' must be an object with the only key 'variant'")
+    if not isinstance(opts, dict) or set(opts) - {"variant", "layout"}:
+        raise ValueError("'samkv' must be an object with the keys 'variant' and / or 'layout'")
     variant = opts.get("variant", cfg.variant)
     choices = type(cfg).__dataclass_fields__["variant"].metadata["choices"]
     if variant not in choices:
         raise ValueError(f"'samkv.variant'={variant!r} must be one of {', '.join(choices)}")
-    return docs, salt or "", variant
+    layout = opts.get("layout", "in_user_turn")
+    if layout not in LAYOUTS:
+        raise ValueError(f"'samkv.layout'={layout!r} must be one of {', '.join(LAYOUTS)}")
+    return docs, salt or "", variant, layout
+
+
+LAYOUTS = ("in_user_turn", "before_prompt")
+
+
+def split_user_turn(prompt_ids: list[int], content_ids: list[int]) -> int | None:
+    """Where the last user turn's text starts in the templated prompt: the start of the last occurrence of
+    ``content_ids`` as a token run of ``prompt_ids`` (None when absent or empty)."""
+    n = len(content_ids)
+    if n == 0 or n > len(prompt_ids):
+        return None
+    first = content_ids[0]
+    for start in range(len(prompt_ids) - n, -1, -1):
+        if prompt_ids[start] == first and prompt_ids[start:start + n] == content_ids:
+            return start
+    return None
+
+
+def _last_user_text(request) -> str | None:
+    """Text of the last ``user`` message of a chat request (None: not a chat request, or no text)."""
+    for m in reversed(getattr(request, "messages", None) or []):
+        role = m.get("role") if isinstance(m, dict) else getattr(m, "role", None)
+        if role != "user":
+            continue
+        content = m.get("content") if isinstance(m, dict) else getattr(m, "content", None)
+        if isinstance(content, str):
+            return content
+        if isinstance(content, list):  # OpenAI content parts: the text parts, in order
+            parts = [(p.get("text") if isinstance(p, dict) else getattr(p, "text", None)) for p in content]
+            return "".join(x for x in parts if isinstance(x, str)) or None
+        return None
+    return None
 
 
 def _prompt_ids(serving, adapted) -> list[int]:
@@ -157,15 +215,15 @@ def summarize(plan: DocumentPlan, doc_cached: list[int], meta: dict, page_size: 
     prompt = int(meta.get("prompt_tokens", 0))
     cached = int(meta.get("cached_tokens", 0))
     n_doc = plan.document_tokens
-    kept = kept_from_meta(meta, n_doc, len(plan.prompt_ids))
+    kept = kept_from_meta(meta, n_doc, len(plan.prompt_ids) + len(plan.prefix_ids))
     sched = meta.get("samkv")
     sched = next((x for x in sched if isinstance(x, dict)), {}) if isinstance(sched, list) else {}
     ok = sched.get("status") == "assembled"
     reused = sum(1 for c, d in zip(doc_cached, plan.doc_ids) if (c < 0 and ok) or c >= len(d) - page_size)
     return {
-        "mode": "samkv", "variant": plan.variant, "documents": len(plan.doc_ids),
+        "mode": "samkv", "variant": plan.variant, "layout": plan.layout, "documents": len(plan.doc_ids),
         "documents_reused": reused, "documents_prefilled": len(plan.doc_ids) - reused,
-        "document_tokens": n_doc, "question_tokens": len(plan.prompt_ids),
+        "document_tokens": n_doc, "question_tokens": len(plan.prompt_ids), "prefix_tokens": len(plan.prefix_ids),
         "context_tokens": prompt, "cached_tokens": cached, "computed_tokens": prompt - cached,
         "kv_kept_tokens": kept, "kv_kept_ratio": kept / n_doc if n_doc else 1.0,
         "recomputed_tokens": int(sched.get("recomputed_tokens", 0)),
@@ -195,8 +253,8 @@ class KnownDocuments:
 
     @staticmethod
     def key(plan: DocumentPlan, i: int) -> tuple[str, str]:
-        """Key of document ``i`` of ``plan``: (document namespace, digest of its ids)."""
-        return plan.doc_namespace(), plan.doc_digests[i]
+        """Key of document ``i`` of ``plan``: (document namespace + digest of the prefix P, digest of its ids)."""
+        return plan.doc_namespace() + ":" + plan.prefix_digest(), plan.doc_digests[i]
 
     def has(self, k) -> bool:
         if k in self._keys:
@@ -302,12 +360,13 @@ async def _prefill_documents(serving, plan: DocumentPlan, filler: int, page_size
     from sglang.srt.managers.io_struct import GenerateReqInput
 
     async def one(ids):
-        req = GenerateReqInput(input_ids=doc_key_ids(ids, filler, page_size), extra_key=plan.doc_namespace(),
+        req = GenerateReqInput(input_ids=ids, extra_key=plan.doc_namespace(),
                                sampling_params={"max_new_tokens": 1, "temperature": 0.0}, stream=False)
         ret = await serving.tokenizer_manager.generate_request(req, raw_request).__anext__()
-        return int(ret["meta_info"].get("cached_tokens", 0))
+        # cached tokens of the document itself (the shared prefix P is cached after the first document)
+        return max(0, int(ret["meta_info"].get("cached_tokens", 0)) - len(plan.prefix_ids))
 
-    got = await asyncio.gather(*(one(plan.doc_ids[i]) for i in todo))
+    got = await asyncio.gather(*(one(plan.doc_prefill_ids(i, filler, page_size)) for i in todo))
     return dict(zip(todo, got))
 
 
@@ -343,7 +402,7 @@ async def _serve_documents(serving, request, raw_request, body, cfg, received):
 
     from sglang.srt.server_args import get_global_server_args
 
-    docs, salt, variant = _parse_extra(body, cfg)
+    docs, salt, variant, layout = _parse_extra(body, cfg)
     stream = bool(getattr(request, "stream", False))
     err = serving._validate_request(request)
     if err:
@@ -356,14 +415,25 @@ async def _serve_documents(serving, request, raw_request, body, cfg, received):
     # each document tokenised once per server; kept only after the request passes the length check below
     encoded = [cache.encode(tok, d + SEPARATOR, store=False) for d in docs]
     doc_ids = tuple(e[0] for e in encoded)
-    plan = DocumentPlan(doc_ids, tuple(_prompt_ids(serving, adapted)), salt, variant,
-                        doc_digests=tuple(e[1] for e in encoded), secret=_ns_secret(serving))
+    prompt = _prompt_ids(serving, adapted)
+    cut = None
+    if layout == "in_user_turn":
+        text = _last_user_text(request)
+        if text:
+            cut = split_user_turn(prompt, list(tok.encode(text, add_special_tokens=False)))
+        if cut is None:
+            logger.info("sglang-sparse samkv: no user turn text found in the templated prompt; documents go "
+                        "before the prompt")
+    plan = DocumentPlan(doc_ids, tuple(prompt[cut or 0:]), salt, variant,
+                        doc_digests=tuple(e[1] for e in encoded), secret=_ns_secret(serving),
+                        prefix_ids=tuple(prompt[:cut or 0]))
     front_ms["tokenize"] = round(1000.0 * (time.perf_counter() - t0), 3)
     ctx_len = serving.tokenizer_manager.context_len
     max_new = (adapted.sampling_params or {}).get("max_new_tokens") or 0
     if len(plan.input_ids) + max_new > ctx_len:
         raise ValueError(f"'{FIELD}' is too long for the context: {plan.document_tokens} document tokens + "
-                         f"{len(plan.prompt_ids)} prompt tokens + {max_new} max tokens exceed the model's "
+                         f"{len(plan.prompt_ids) + len(plan.prefix_ids)} prompt tokens + {max_new} max tokens "
+                         f"exceed the model's "
                          f"context of {ctx_len} tokens")
     for d, e in zip(docs, encoded):
         cache.keep(d + SEPARATOR, e)
@@ -383,7 +453,7 @@ async def _serve_documents(serving, request, raw_request, body, cfg, received):
     sp = dict(adapted.sampling_params or {})
     custom = dict(sp.get("custom_params") or {})
     custom.update({SPANS_KEY: plan.spans, NS_KEY: plan.doc_namespace(), FILLER_KEY: [filler, page],
-                   VARIANT_KEY: variant})
+                   VARIANT_KEY: variant, PREFIX_KEY: len(plan.prefix_ids)})
     sp["custom_params"] = custom
     adapted.sampling_params = sp
     adapted.received_time = received

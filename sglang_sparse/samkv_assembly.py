@@ -37,7 +37,7 @@ from array import array
 
 import torch
 
-from sglang_sparse.samkv_api import FILLER_KEY, NS_KEY, SPANS_KEY, VARIANT_KEY, doc_key_ids
+from sglang_sparse.samkv_api import FILLER_KEY, NS_KEY, PREFIX_KEY, SPANS_KEY, VARIANT_KEY, doc_key_ids
 
 logger = logging.getLogger("sglang_sparse")
 
@@ -237,15 +237,15 @@ def init_round_hook(result, req, *args, **kwargs):
     return result
 
 
-def _spans(custom, n_ids: int) -> list[tuple[int, int]]:
+def _spans(custom, n_ids: int, prefix: int = 0) -> list[tuple[int, int]]:
     flat = custom[SPANS_KEY]
     if not isinstance(flat, list) or len(flat) % 2 or not flat:
         raise ValueError("bad samkv spans")
     spans = [(int(flat[i]), int(flat[i + 1])) for i in range(0, len(flat), 2)]
-    pos = 0
+    pos = prefix
     for s, n in spans:
         if s != pos or n <= 0:
-            raise ValueError("samkv spans must tile the documents from 0")
+            raise ValueError(f"samkv spans must tile the documents from {prefix}")
         pos += n
     if pos >= n_ids:
         raise ValueError("samkv spans leave no prompt")
@@ -260,38 +260,44 @@ def _assemble(req, tree_cache, rt, custom) -> dict:
     if variant == "recompute":
         return {"status": "recompute"}
     ids = [int(x) for x in req.origin_input_ids]
-    spans = _spans(custom, len(ids))
+    lp = int(custom.get(PREFIX_KEY, 0) or 0)  # the shared template prefix P before the documents
+    spans = _spans(custom, len(ids), lp)
     ns = str(custom[NS_KEY])
     filler, page = (int(x) for x in custom[FILLER_KEY])
     page = max(1, int(getattr(tree_cache, "page_size", 1) or 1))
-    n_doc = spans[-1][0] + spans[-1][1]
+    n_doc = spans[-1][0] + spans[-1][1]  # end of the documents in ids
 
-    locked, srcs = [], []
+    locked, srcs, p_src = [], [], None
     try:
-        for s, n in spans:
-            m = tree_cache.match_prefix(MatchPrefixParams(key=RadixKey(array("q", doc_key_ids(ids[s:s + n], filler, page)), ns)))
-            if len(m.device_indices) < n:
+        for s, n in spans:  # each document was prefilled as P + document: its KV sits behind P's
+            key = RadixKey(array("q", doc_key_ids(ids[:lp] + ids[s:s + n], filler, page)), ns)
+            m = tree_cache.match_prefix(MatchPrefixParams(key=key))
+            if len(m.device_indices) < lp + n:
                 return {"status": "fallback", "reason": "document not cached"}
             tree_cache.inc_lock_ref(m.last_device_node)
             locked.append(m.last_device_node)
-            srcs.append(m.device_indices[:n])
+            srcs.append(m.device_indices[lp:lp + n])
+            if p_src is None:
+                p_src = m.device_indices[:lp]
         _tick(rt, "match_documents")
-        keep, scores = _select(rt, spans, srcs, ids, variant, tree_cache)
+        keep, scores = _select(rt, spans, srcs, ids, variant, tree_cache, lp)
         _tick(rt, "select")
         # kept tokens: their index into all documents' slots and their RoPE delta (new position - position in
         # the document), built on the host, moved in one transfer when needed
-        new_doc_ids, gidx, delta_list = [], [], []
+        # P's tokens: as cached (index 0..lp-1 of the gathered slots, delta 0); document tokens: gathered after
+        # P, cached at lp + p, placed at lp + base + i
+        new_doc_ids, gidx, delta_list = [], list(range(lp)), [0] * lp
         for (s, n), kp in zip(spans, keep):
             base = len(new_doc_ids)
             new_doc_ids.extend(ids[s + p] for p in kp)
-            gidx.extend(s + p for p in kp)
+            gidx.extend(lp + (s - lp) + p for p in kp)
             delta_list.extend(base + i - p for i, p in enumerate(kp))
         n_kept = len(new_doc_ids)
-        new_ids = new_doc_ids + ids[n_doc:]
-        aligned = (n_kept // page) * page
-        result = {"status": "assembled", "variant": variant, "document_tokens": n_doc, "kept_tokens": n_kept,
-                  "recomputed_tokens": 0, "kept_ranges": [kept_ranges(kp) for kp in keep]}
-        if aligned == 0:
+        new_ids = ids[:lp] + new_doc_ids + ids[n_doc:]
+        aligned = ((lp + n_kept) // page) * page
+        result = {"status": "assembled", "variant": variant, "document_tokens": n_doc - lp, "kept_tokens": n_kept,
+                  "recomputed_tokens": 0, "kept_ranges": [kept_ranges(kp) for kp in keep], "prefix_tokens": lp}
+        if aligned <= lp:
             result["status"] = "too_short"
             return result
         key = RadixKey(array("q", new_ids[:aligned]), req.extra_key)
@@ -304,7 +310,7 @@ def _assemble(req, tree_cache, rt, custom) -> dict:
                 dst = alloc.alloc(aligned)
             if dst is None:
                 return {"status": "fallback", "reason": "no free KV slots for the composite"}
-            src_all = srcs[0] if len(srcs) == 1 else torch.cat(srcs)
+            src_all = torch.cat([p_src] + srcs) if lp else (srcs[0] if len(srcs) == 1 else torch.cat(srcs))
             host = torch.tensor(gidx[:aligned] + delta_list[:aligned], dtype=torch.int64).to(src_all.device)
             g_t, delta = host.split(aligned)
             src = src_all.index_select(0, g_t)
@@ -318,7 +324,7 @@ def _assemble(req, tree_cache, rt, custom) -> dict:
             if scores is not None and rt.config.recompute_ratio > 0:
                 from sglang_sparse.samkv_recompute import recompute, recompute_set
 
-                r_idx = recompute_set(keep, scores, rt.config.recompute_ratio, aligned)
+                r_idx = [lp + j for j in recompute_set(keep, scores, rt.config.recompute_ratio, aligned - lp)]
                 recompute(rt, pool, dst, new_ids, r_idx, rt.config.fuse)
                 result["recomputed_tokens"] = len(r_idx)
                 _tick(rt, "recompute")
@@ -343,11 +349,12 @@ def _tick(rt, name: str) -> None:
         tick(name)
 
 
-def _select(rt, spans, srcs, ids, variant, tree_cache):
+def _select(rt, spans, srcs, ids, variant, tree_cache, prefix: int = 0):
     """Kept in-document positions of each document (sorted) and the token scores that pick the recompute
-    set (None for ``reuse``: nothing is recomputed)."""
+    set (None for ``reuse``: nothing is recomputed). ``prefix``: the documents' KV was cached at positions
+    ``prefix + p``."""
     if variant == "reuse":
         return [list(range(n)) for _, n in spans], None
     from sglang_sparse.samkv_select import select_blocks
 
-    return select_blocks(rt, spans, srcs, ids, tree_cache, keep_all=variant == "cacheblend")
+    return select_blocks(rt, spans, srcs, ids, tree_cache, keep_all=variant == "cacheblend", cached_at=prefix)

@@ -39,7 +39,7 @@ from flashinfer_ext.samkv_score import (ScoreIndex, anchor_layouts, block_mass, 
                                         select_mass_blocks, select_middle_blocks)
 
 
-def _gather_context(rt, pool, spans, srcs, layouts, bs, ids, local_tokens, question_ids):
+def _gather_context(rt, pool, spans, srcs, layouts, bs, ids, local_tokens, question_ids, cached_at: int = 0):
     """The anchor context (initial + local blocks of every document) at positions ``0..C-1``: per layer
     ``(K, V)`` ``[C, kv_heads, head_dim]``, and (device int64 tensors, one host->device transfer for all) per
     context row its token id ``[C]``, document ``[C]``, position in the document ``[C]``; the context rows of each
@@ -50,7 +50,7 @@ def _gather_context(rt, pool, spans, srcs, layouts, bs, ids, local_tokens, quest
         loc_from = max(0, n - local_tokens)
         local += [pos + i for i, p in enumerate(tok) if p >= loc_from]
         gidx += [base + p for p in tok]
-        delta += [pos + i - p for i, p in enumerate(tok)]
+        delta += [pos + i - p - cached_at for i, p in enumerate(tok)]
         tok_ids += [ids[s + p] for p in tok]
         doc_of += [d] * len(tok)
         pos_in += tok
@@ -176,7 +176,8 @@ def _to_host(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     return [h.reshape(sh) for h, sh in zip(host.split([sh.numel() for sh in shapes]), shapes)]
 
 
-def select_blocks(rt, spans, srcs, ids, tree_cache, keep_all: bool = False) -> tuple[list[list[int]], list[torch.Tensor]]:
+def select_blocks(rt, spans, srcs, ids, tree_cache, keep_all: bool = False,
+                  cached_at: int = 0) -> tuple[list[list[int]], list[torch.Tensor]]:
     """Kept in-document token positions of each document (sorted), by SamKV's selection (every token when
     ``keep_all``: the CacheBlend-style variant), and per document
     the layer-averaged score of every token against its personalised query (``[n_i]`` fp32, CPU; used to
@@ -184,17 +185,18 @@ def select_blocks(rt, spans, srcs, ids, tree_cache, keep_all: bool = False) -> t
     cfg = rt.config
     bs = cfg.block_size
     pool = tree_cache.token_to_kv_pool_allocator.get_kvcache()
-    n_doc = spans[-1][0] + spans[-1][1]
+    n_doc = spans[-1][0] + spans[-1][1]  # end of the documents in ids (they may start after a template prefix)
+    doc_tokens = sum(n for _, n in spans)
     # the KV budget in tokens (what kv_kept_ratio reports); the always-kept blocks may take at most
     # anchor_share of it (local blocks trimmed, flashinfer_ext.samkv_score.anchor_layouts), the rest is
     # for the selected middle blocks
     ratio = float(getattr(cfg, "max_kept_ratio", 1.0))
-    token_cap = int(ratio * n_doc + 1e-9)
+    token_cap = int(ratio * doc_tokens + 1e-9)
     share = float(getattr(cfg, "anchor_share", 1.0))
     layouts, _ = anchor_layouts([n for _, n in spans], bs, cfg.initial_blocks, cfg.local_blocks,
                                 int(share * token_cap + 1e-9) if ratio < 1.0 and not keep_all else None)
     ctx_k, ctx_v, (ctx_ids, ctx_doc, ctx_pos, local, q_ids) = _gather_context(
-        rt, pool, spans, srcs, layouts, bs, ids, cfg.local_query_tokens, ids[n_doc:])
+        rt, pool, spans, srcs, layouts, bs, ids, cfg.local_query_tokens, ids[n_doc:], cached_at)
     _tick(rt, "select_gather")
     first = max(0, rt.num_layers - cfg.stable_layers)
     mass_layers = cfg.mass_layer_range(rt.num_layers) if cfg.selection == "mass" and not keep_all else range(0)

@@ -21,7 +21,7 @@ from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool  # noqa: E402
 from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey  # noqa: E402
 
 from sglang_sparse.config import SamKVConfig  # noqa: E402
-from sglang_sparse.samkv_api import FILLER_KEY, NS_KEY, SPANS_KEY, VARIANT_KEY, doc_key_ids  # noqa: E402
+from sglang_sparse.samkv_api import FILLER_KEY, NS_KEY, PREFIX_KEY, SPANS_KEY, VARIANT_KEY, doc_key_ids  # noqa: E402
 from sglang_sparse.samkv_assembly import SamKVRuntime, _assemble  # noqa: E402
 from tests.flashinfer_ext.test_rope_shift import _layer0_keys, _max_rel, _rope_theta, smollm2  # noqa: E402,F401
 
@@ -96,7 +96,7 @@ def test_assembled_keys_equal_keys_at_offset(smollm2, page):
     aligned = n_doc // page * page
     assert result == {"status": "assembled", "variant": "reuse", "document_tokens": n_doc, "kept_tokens": n_doc,
                       "recomputed_tokens": 0, "composite_cached": False,
-                      "kept_ranges": [[0, len(doc_a)], [0, len(doc_b)]]}
+                      "kept_ranges": [[0, len(doc_a)], [0, len(doc_b)]], "prefix_tokens": 0}
     assert list(req.origin_input_ids) == all_ids  # reuse keeps every token
     m = tree.match_prefix(MatchPrefixParams(key=RadixKey(array("q", all_ids), req.extra_key)))
     assert len(m.device_indices) == aligned
@@ -138,3 +138,57 @@ def test_kept_ranges_are_flat_half_open_runs_of_the_kept_positions(positions, ra
     from sglang_sparse.samkv_assembly import kept_ranges
 
     assert kept_ranges(positions) == ranges
+
+
+@pytest.mark.parametrize("page", [1, 4])
+def test_documents_cached_behind_a_shared_prefix_assemble_in_the_user_turn(smollm2, page):
+    """In-user-turn layout: each document was prefilled as ``P + document`` (P = the template tokens before the
+    user's text), so its KV sits behind P's. The composite ``P + doc A + doc B + question`` keeps P's keys as
+    cached, doc A's keys where they were (offset |P|) and doc B's keys re-rotated to |P| + len(doc A)."""
+    model, ids = smollm2
+    cfg = model.config
+    prefix = ids[0, 30:39].tolist()   # stands for "<|im_start|>system ... <|im_start|>user\n"
+    doc_a = ids[0, :13].tolist()
+    doc_b = ids[0, 5:26].tolist()
+    question = [11, 22, 33, 44, 55]
+    lp = len(prefix)
+    tree, kv, alloc = _make(page, cfg.num_key_value_heads, cfg.head_dim)
+    ns = "samkv-doc:secret:salt"
+    pa = _layer0_keys(model, torch.tensor([prefix + doc_a]), 0, torch.bfloat16)
+    pb = _layer0_keys(model, torch.tensor([prefix + doc_b]), 0, torch.bfloat16)
+    sa = _cache_document(tree, kv, alloc, prefix + doc_a, pa, ns, page, 1)
+    # P + doc B shares P's radix node: only doc B's part needs new slots (insert the whole key like a prefill)
+    key_b = doc_key_ids(prefix + doc_b, FILLER, page)
+    slots_b = alloc.alloc(len(key_b))
+    kv.k_buffer[0][slots_b[: lp + len(doc_b)]] = pb
+    res = tree.insert(InsertParams(key=RadixKey(array("q", key_b), ns), value=slots_b.to(torch.int64)))
+    alloc.free(slots_b[:res.prefix_len])
+    rt = SamKVRuntime(SamKVConfig(variant="reuse"), _rope_theta(model), cfg.head_dim, None, 1)
+    custom = {SPANS_KEY: [lp, len(doc_a), lp + len(doc_a), len(doc_b)], NS_KEY: ns, FILLER_KEY: [FILLER, page],
+              VARIANT_KEY: "reuse", PREFIX_KEY: lp}
+    all_ids = prefix + doc_a + doc_b + question
+    req = SimpleNamespace(origin_input_ids=array("q", all_ids), extra_key="samkv:secret:reuse:salt:t",
+                          sampling_params=SimpleNamespace(custom_params=custom), rid="t")
+    result = _assemble(req, tree, rt, custom)
+    assert result["status"] == "assembled" and result["prefix_tokens"] == lp
+    assert result["document_tokens"] == len(doc_a) + len(doc_b) == result["kept_tokens"]
+    n = lp + len(doc_a) + len(doc_b)
+    aligned = n // page * page
+    comp = tree.match_prefix(MatchPrefixParams(key=RadixKey(array("q", all_ids), req.extra_key))).device_indices
+    assert len(comp) == aligned
+    # P and doc A: exactly the cached keys (delta 0)
+    assert torch.equal(kv.k_buffer[0][comp[:lp + len(doc_a)]], pa)
+    assert torch.equal(kv.v_buffer[0][comp[:lp + len(doc_a)]], kv.v_buffer[0][sa[:lp + len(doc_a)]])
+    # doc B: its keys as if computed at lp + len(doc A)
+    nb = aligned - lp - len(doc_a)
+    got = kv.k_buffer[0][comp[lp + len(doc_a):aligned]]
+    want = _layer0_keys(model, torch.tensor([doc_b]), lp + len(doc_a), torch.bfloat16)[:nb]
+    assert _max_rel(got, want) < 1.5e-2
+    wrong = _layer0_keys(model, torch.tensor([doc_b]), len(doc_a), torch.bfloat16)[:nb]  # P's offset forgotten
+    assert _max_rel(got, wrong) > 0.2
+    # a request whose prefix differs (another system prompt) finds no cached document: dense fallback
+    other_ids = [7] + prefix[1:] + doc_a + doc_b + question
+    req2 = SimpleNamespace(origin_input_ids=array("q", other_ids), extra_key="samkv:secret:reuse:salt:u",
+                           sampling_params=SimpleNamespace(custom_params=custom), rid="u")
+    assert _assemble(req2, tree, rt, custom) == {"status": "fallback", "reason": "document not cached"}
+    assert tree.protected_size() == 0

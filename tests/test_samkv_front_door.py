@@ -81,3 +81,37 @@ def test_document_namespaces_carry_the_server_secret_a_client_cannot_send():
     assert "s3cr3t" in a.composite_namespace("n")
     b = DocumentPlan(((1, 2, 3),), (9,), "tenantX", "samkv", secret="other")
     assert a.doc_namespace() != b.doc_namespace() and KnownDocuments.key(a, 0) != KnownDocuments.key(b, 0)
+
+
+def test_documents_go_inside_the_last_user_turn_behind_the_template_prefix():
+    """The user turn's text is found as a token run of the templated prompt (its last occurrence); the plan puts
+    the documents between the template prefix P and that text, and every document's prefill is ``P + document``."""
+    from sglang_sparse.samkv_api import split_user_turn
+
+    prompt = [1, 50, 2, 60, 61, 3, 1, 70, 2, 80, 81, 82, 3, 1, 90, 2]  # ... <user header> 80 81 82 <end> ...
+    assert split_user_turn(prompt, [80, 81, 82]) == 9
+    assert split_user_turn(prompt + [80, 81, 82], [80, 81, 82]) == 16   # the last occurrence wins
+    assert split_user_turn(prompt, [80, 99]) is None and split_user_turn(prompt, []) is None
+    plan = DocumentPlan(((5, 6), (7,)), tuple(prompt[9:]), "s", "samkv", prefix_ids=tuple(prompt[:9]))
+    assert plan.layout == "in_user_turn"
+    assert plan.input_ids == prompt[:9] + [5, 6, 7] + prompt[9:]
+    assert plan.spans == [9, 2, 11, 1]
+    assert plan.doc_prefill_ids(1, filler=0, page_size=4) == prompt[:9] + [7] + [0, 0]
+    # the prefix is part of each document's identity: another system prompt is another cache entry
+    other = DocumentPlan(plan.doc_ids, plan.prompt_ids, "s", "samkv", prefix_ids=(1, 51) + tuple(prompt[2:9]))
+    assert KnownDocuments.key(plan, 0) != KnownDocuments.key(other, 0)
+    before = DocumentPlan(plan.doc_ids, tuple(prompt), "s", "samkv")
+    assert before.layout == "before_prompt" and before.spans == [0, 2, 2, 1]
+
+
+def test_last_user_text_reads_strings_and_text_parts():
+    from sglang_sparse.samkv_api import _last_user_text
+
+    class Req:
+        messages = [{"role": "system", "content": "sys"}, {"role": "user", "content": "first"},
+                    {"role": "assistant", "content": "a"},
+                    {"role": "user", "content": [{"type": "text", "text": "What is "}, {"type": "text", "text": "x?"}]},
+                    {"role": "assistant", "content": "The answer is"}]
+
+    assert _last_user_text(Req()) == "What is x?"
+    assert _last_user_text(object()) is None

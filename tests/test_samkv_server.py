@@ -33,7 +33,7 @@ def _ask(server, task, *, variant=None, salt=None, max_tokens=12, endpoint="chat
     q = f"What is {task.name}'s secret number? Answer the question above with the number only."
     body = {"model": "default", "max_tokens": max_tokens, "temperature": 0, "documents": list(task.documents), **extra}
     if endpoint == "chat":
-        body["messages"] = [{"role": "user", "content": q}]
+        body["messages"] = extra.pop("messages", None) or [{"role": "user", "content": q}]
     else:
         body["prompt"] = f"Question: {q}\nAnswer:"
     if variant:
@@ -59,12 +59,15 @@ def test_documents_reused_fact_retrieved_and_salts_isolate(samkv_server):
     assert m1["assembled"] and m1["cached_tokens"] >= m1["document_tokens"]  # composite from the documents' KV
     assert m1["computed_tokens"] == m1["question_tokens"] and m1["kv_kept_ratio"] == 1.0
     assert correct(_text(first), task.answer), _text(first)
-    # same documents, another question wording: documents reused, only the question computed
-    second = _ask(server, task, variant="reuse", salt="a", endpoint="completions")
-    m2 = second.json()["metadata"]["sparse"]
-    assert m2["documents_reused"] == 3 and m2["documents_prefilled"] == 0
+    assert m1["layout"] == "in_user_turn" and m1["prefix_tokens"] > 0  # inside the user turn, behind the header
+    # the same documents in another order: every document reused, only the question computed
+    shuffled = type(task)(**{**task.__dict__, "documents": tuple(reversed(task.documents))})
+    m2 = _ask(server, shuffled, variant="reuse", salt="a").json()["metadata"]["sparse"]
+    assert m2["documents_reused"] == 3 and m2["documents_prefilled"] == 0 and m2["assembled"]
     assert m2["cached_tokens"] >= m2["document_tokens"] and m2["computed_tokens"] == m2["question_tokens"]
-    assert correct(_text(second), task.answer), _text(second)
+    # /v1/completions has no turns: the documents go before the prompt, cached behind no prefix (its own entries)
+    third = _ask(server, task, variant="reuse", salt="a", endpoint="completions").json()["metadata"]["sparse"]
+    assert third["layout"] == "before_prompt" and third["prefix_tokens"] == 0 and third["assembled"]
     # another salt: nothing shared
     other = _ask(server, task, variant="reuse", salt="b").json()["metadata"]["sparse"]
     assert other["documents_prefilled"] == 3 and other["documents_reused"] == 0
@@ -90,7 +93,7 @@ def test_samkv_variant_keeps_fewer_blocks_and_reuses(samkv_server):
     # 1 initial + 2 local blocks alone are ~0.24 (kept before the token cap), so local blocks are trimmed
     assert m["kv_kept_tokens"] <= int(0.2 * m["document_tokens"]), m
     # the prompt became kept document tokens + question; the kept context came from the cache
-    assert m["context_tokens"] == m["kv_kept_tokens"] + m["question_tokens"]
+    assert m["context_tokens"] == m["prefix_tokens"] + m["kv_kept_tokens"] + m["question_tokens"]
     assert m["cached_tokens"] >= m["kv_kept_tokens"] - 1
     text = log.read_text(errors="replace").lower()
     assert "traceback" not in text and "leak" not in text
