@@ -1,0 +1,145 @@
+"""Generate ``docs/results.md`` from the headline JSONs in ``bench/results/`` (tables + the PNGs).
+
+    python -m bench.results_doc [--results bench/results] [--out docs/results.md]
+
+Every number is read from a JSON written by a benchmark; a missing file is named as missing, never filled in.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+POSITIONS = ("begin", "middle", "end")
+LENGTHS = ("8k", "16k", "32k")
+
+
+def _load(results: Path, name: str) -> dict | None:
+    p = results / name
+    try:
+        return json.loads(p.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _f(x, nd=2) -> str:
+    if x is None or (isinstance(x, float) and math.isnan(x)):
+        return "n/a"
+    return f"{x:.{nd}f}" if isinstance(x, (int, float)) else str(x)
+
+
+def _table(header: list[str], rows: list[list]) -> list[str]:
+    return ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)] + \
+           ["| " + " | ".join(str(c) for c in r) + " |" for r in rows]
+
+
+def fidelity_section(fid: dict | None) -> list[str]:
+    md = ["## Fidelity on the 32k testbed (`fidelity_long.json`)", ""]
+    if not fid:
+        return md + ["(missing: run the `long` preset and `bench.report_long`)", ""]
+    floor = fid.get("dense_floor", 0.3)
+    mark = lambda v: f"{_f(v)}{' (!)' if isinstance(v, (int, float)) and v < floor else ''}"  # noqa: E731
+    md += [f"GPU: {fid.get('gpu')}; model: {fid.get('model')}; preset `{fid.get('preset')}`. Ratios are mode / dense "
+           f"accuracy on the same scored turns; `(!)` marks cells where dense itself is below {floor}; "
+           "the interval is the paired 95 % bootstrap interval of the difference in points; "
+           "\"dense\" = the mode's defaults did not engage at that length.", ""]
+    dp, dl = fid.get("dense_accuracy_by_position", {}), fid.get("dense_accuracy_by_length", {})
+    rows = [["off (dense accuracy)", *[mark(dp.get(p)) for p in POSITIONS], *[mark(dl.get(n)) for n in LENGTHS],
+             "-", "-", "-"]]
+    for mode, m in fid.get("modes", {}).items():
+        ci = m.get("paired_ci95_by_position", {})
+        rows.append([mode, *[_f(m["accuracy_ratio_by_position"].get(p)) for p in POSITIONS],
+                     *[("dense" if n in m.get("dense_at_length", []) else _f(m["accuracy_ratio_by_length"].get(n)))
+                       for n in LENGTHS],
+                     " / ".join("n/a" if not ci.get(p) else f"[{ci[p][0]:+.1f}, {ci[p][1]:+.1f}]" for p in POSITIONS),
+                     _f(m.get("engaged_fraction")), _f(m.get("output_agreement"))])
+    md += _table(["mode", *POSITIONS, *LENGTHS, "diff CI95 (points)", "engaged", "output agreement"], rows)
+    return md + ["", "Details: [bench/results/fidelity_long.md](../bench/results/fidelity_long.md).", ""]
+
+
+def e2e_section(e2e: dict | None) -> list[str]:
+    md = ["## Serving load on the testbed (`e2e_long.json`)", ""]
+    if not e2e:
+        return md + ["(missing: run `python -m bench.load` on the testbed)", ""]
+    md += [f"GPU: {e2e.get('gpu')}; model: {e2e.get('model')}; output {e2e.get('output_len')} tokens; ratios are "
+           "mode / stock `off` in the same cell of the same run (throughput > 1 and TTFT / TPOT < 1 are better).", ""]
+    rows = []
+    for mode, cells in e2e.get("modes", {}).items():
+        if mode == "off":
+            continue
+        for key, c in cells.items():
+            if not isinstance(c, dict) or "throughput_ratio_vs_off" not in c:
+                continue
+            rows.append([mode, key, _f(c.get("throughput_ratio_vs_off")), _f(c.get("ttft_ratio_vs_off")),
+                         _f(c.get("tpot_ratio_vs_off")), _f(c.get("output_throughput_tok_s"), 0)])
+    md += _table(["mode", "input_concurrency", "throughput", "TTFT", "TPOT", "mode tok/s"], rows)
+    return md + ["", "Details: [bench/results/e2e_long.md](../bench/results/e2e_long.md).", ""]
+
+
+def needle_section(tab: dict | None, title: str) -> list[str]:
+    md = [f"## {title}", ""]
+    if not tab:
+        return md + ["(missing)", ""]
+    md += [f"GPU: {tab.get('gpu')}; model: {tab.get('model')}; dense (`off`), question last.", ""]
+    rows = []
+    for length, cells in tab.get("by_length_and_depth", {}).items():
+        rows.append([length, *[f"{_f((cells.get(d) or {}).get('accuracy'))} (n={(cells.get(d) or {}).get('n', 0)})"
+                               for d in ("10%", "50%", "90%")]])
+    return md + _table(["haystack tokens", "depth 10 %", "depth 50 %", "depth 90 %"], rows) + [""]
+
+
+def kernel_section(psa: dict | None, ls: dict | None) -> list[str]:
+    md = ["## Kernels (planted structure: kernel speed only, no default is chosen from these)", ""]
+    rows = []
+    if psa:
+        rows.append(["PSA decode vs FlashInfer dense, 128k, batch 8, eps 0.95", _f(psa.get("speedup_128k_b8_eps095")),
+                     f"fraction of the bytes-read limit {_f(psa.get('fraction_of_bytes_limit'))}"])
+    if ls:
+        rows.append(["LoopServe sparse prefill vs FlashInfer dense, 128k", _f(ls.get("speedup_128k")),
+                     f"32k {_f(ls.get('speedup_32k'))}, 4k {_f(ls.get('speedup_4k'))}"])
+    md += _table(["kernel", "speedup", "also"], rows) if rows else ["(missing)"]
+    for png in ("psa_decode.png", "loopserve_prefill.png"):
+        md += ["", f"![{png}](../bench/results/{png})"]
+    return md + [""]
+
+
+def samkv_section(s: dict | None) -> list[str]:
+    md = ["## SamKV (`samkv.json`)", ""]
+    if not s:
+        return md + ["(missing)", ""]
+    keys = ("baseline", "accuracy_delta_vs_stock_inline", "ttft_ratio_vs_stock_inline", "accuracy_delta_vs_recompute",
+            "ttft_ratio_vs_recompute", "kv_kept_ratio")
+    rows = [[k, _f(s.get(k)) if not isinstance(s.get(k), str) else s.get(k)] for k in keys if k in s]
+    return md + _table(["figure", "value"], rows) + ["", f"GPU: {s.get('gpu')}; model: {s.get('model')}.", ""]
+
+
+def build(results: Path) -> str:
+    md = ["# Results", "",
+          "Generated by `python -m bench.results_doc` from the JSONs in `bench/results/` (each names its command, "
+          "GPU and versions). Fidelity headlines come from the 32k testbed at each mode's defaults.", ""]
+    md += fidelity_section(_load(results, "fidelity_long.json"))
+    md += e2e_section(_load(results, "e2e_long.json"))
+    md += needle_section(_load(results, "needle_table.json"), "Dense needle retrieval, 32k profile (`needle_table.json`)")
+    md += needle_section(_load(results, "needle_table_64k.json"),
+                         "Dense needle retrieval, 64k profile (`needle_table_64k.json`)")
+    md += samkv_section(_load(results, "samkv.json"))
+    md += kernel_section(_load(results, "psa_decode.json"), _load(results, "loopserve_prefill.json"))
+    return "\n".join(md) + "\n"
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--results", default=str(REPO / "bench" / "results"))
+    p.add_argument("--out", default=str(REPO / "docs" / "results.md"))
+    a = p.parse_args(argv)
+    text = build(Path(a.results))
+    Path(a.out).write_text(text)
+    print(f"wrote {a.out} ({len(text)} bytes)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,23 @@
+"""Contract: docs/results.md is generated from the headline JSONs (every figure read, a missing file named as
+missing, never filled in)."""
+
+from __future__ import annotations
+
+import json
+
+from bench import results_doc
+
+
+def test_results_doc_reads_the_headline_jsons_and_names_missing_ones(tmp_path):
+    fid = {"gpu": "G", "model": "M", "preset": "long", "dense_floor": 0.3,
+           "dense_accuracy_by_position": {"begin": 0.25, "middle": 0.5, "end": 0.75},
+           "dense_accuracy_by_length": {"8k": 0.6, "16k": 0.5, "32k": 0.4},
+           "modes": {"psa": {"accuracy_ratio_by_position": {"begin": 0.912, "middle": 1.0, "end": 0.5},
+                             "accuracy_ratio_by_length": {"8k": 1.0, "16k": 0.875, "32k": None},
+                             "paired_ci95_by_position": {"begin": [-4.25, 1.0], "middle": None, "end": [0.0, 0.0]},
+                             "dense_at_length": ["32k"], "engaged_fraction": 0.625, "output_agreement": 0.875}}}
+    (tmp_path / "fidelity_long.json").write_text(json.dumps(fid))
+    text = results_doc.build(tmp_path)
+    assert "| psa | 0.91 | 1.00 | 0.50 | 1.00 | 0.88 | dense | [-4.2, +1.0] / n/a / [+0.0, +0.0] | 0.62 | 0.88 |" in text
+    assert "0.25 (!)" in text  # dense below the floor is marked
+    assert "(missing: run `python -m bench.load` on the testbed)" in text
