@@ -66,9 +66,10 @@ def test_wrapper_matches_reference_pipeline(hq, hk, d, dtype, page_size, block_s
     w, mp, table = build(pool, cfg, block_size, max_batch_size=4, wave_programs=2)
     assert len(w.waves) >= 3
     o, lse, nread = w.run(pool.q, pool.k_buffer, pool.v_buffer, *mp.layer(0))
-    # ranking: descending in the reference scores, sink/local first
+    # ranking: descending in the reference rank scores (cfg.rank_by: q . mean by default), sink/local first
     ref_scores = criticality_reference(pool.q, *mp.layer(0), table, pool.seq_lens, block_size=block_size,
-                                       num_blocks=w.max_blocks_per_req, sink_blocks=1, local_blocks=1)
+                                       num_blocks=w.max_blocks_per_req, sink_blocks=1, local_blocks=1,
+                                       criticality="mean" if cfg.rank_by == "mean" else cfg.criticality)
     ranked = torch.gather(ref_scores, 2, w.order)  # the sort key is the score truncated to bf16
     fin = torch.isfinite(ranked[..., 1:])
     slack = torch.where(fin, ranked[..., 1:].abs() * 2.0 ** -7, torch.zeros_like(ranked[..., 1:])) + 1e-3
@@ -130,7 +131,7 @@ def test_wrapper_partial_ranking_prefix(prefix):
     """sorted_prefix_blocks: the top-16 ranks are the 16 best blocks in order, the rest in block order
     (0 = full sort); the stops still equal the reference on the wrapper's order; eps = 1 rows stay dense."""
     cfg = PsaDecodeConfig(epsilon=0.99, micro_batch_blocks=2, sink_blocks=1, local_blocks=1, estimator="paper",
-                          sorted_prefix_blocks=prefix)
+                          sorted_prefix_blocks=prefix, rank_by="criticality")  # sorted_scores are the rank keys
     pool = make_pool([700, 500], 9, 3, 64, torch.bfloat16, 16, seed=19, planted=True)
     w, mp, _ = build(pool, cfg, 16, epsilon=torch.tensor([0.99, 1.0]))
     o, lse, nread = w.run(pool.q, pool.k_buffer, pool.v_buffer, *mp.layer(0))
