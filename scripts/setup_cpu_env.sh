@@ -21,7 +21,7 @@ if [ ! -x "$venv/bin/python" ]; then
 fi
 pip=("$venv/bin/python" -m pip install -q --disable-pip-version-check -c "$cons")
 
-log "torch 2.13.0 (CPU build)"
+log "torch 2.13.0 (the CPU build where a local index has it; from PyPI alone the CUDA build, which runs on CPU too)"
 "${pip[@]}" torch==2.13.0
 log "sglang's light dependencies"
 "${pip[@]}" -r "$here/scripts/requirements-cpu.txt"
