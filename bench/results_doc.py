@@ -57,6 +57,9 @@ def fidelity_section(fid: dict | None) -> list[str]:
                      " / ".join("n/a" if not ci.get(p) else f"[{ci[p][0]:+.1f}, {ci[p][1]:+.1f}]" for p in POSITIONS),
                      _f(m.get("engaged_fraction")), _f(m.get("output_agreement"))])
     md += _table(["mode", *POSITIONS, *LENGTHS, "diff CI95 (points)", "engaged", "output agreement"], rows)
+    errors = fid.get("errors") or {}
+    if errors:
+        md += ["", "Modes that did not finish: " + "; ".join(f"`{m}`: {e[:160]}" for m, e in errors.items())]
     return md + ["", "Details: [bench/results/fidelity_long.md](../bench/results/fidelity_long.md).", ""]
 
 
@@ -65,7 +68,9 @@ def e2e_section(e2e: dict | None) -> list[str]:
     if not e2e:
         return md + ["(missing: run `python -m bench.load` on the testbed)", ""]
     md += [f"GPU: {e2e.get('gpu')}; model: {e2e.get('model')}; output {e2e.get('output_len')} tokens; ratios are "
-           "mode / stock `off` in the same cell of the same run (throughput > 1 and TTFT / TPOT < 1 are better).", ""]
+           "mode / stock `off` in the same cell, measured in the same `bench.load` invocation (throughput > 1 and "
+           "TTFT / TPOT < 1 are better)." + (f" Invocations per mode: {e2e['mode_sources']}." if e2e.get("mode_sources")
+                                             else ""), ""]
     rows = []
     for mode, cells in e2e.get("modes", {}).items():
         if mode == "off":
