@@ -85,6 +85,7 @@ import requests  # noqa: E402
 from bench.server import Server, ServerError, ServerSpec  # noqa: E402
 from bench.conc_stats import BASELINE, HEADLINE, aggregate, summarize_level  # noqa: E402
 from bench.conc_report import fmt, merge_into, write_outputs  # noqa: E402
+from bench.load_client import iter_sse  # noqa: E402
 from bench.prom_metrics import COUNTERS, MetricsSampler, scrape_metrics  # noqa: E402
 
 DEFAULT_MODEL = ROOT / "models" / "SmolLM2-135M-Instruct"
@@ -260,12 +261,7 @@ def stream_chat(url: str, messages: list[dict], max_tokens: int, timeout_s: floa
         with requests.post(url + "/v1/chat/completions", json=body, stream=True, timeout=(10, timeout_s)) as r:
             if r.status_code != 200:
                 return {"ok": False, "t_start": t0, "error": f"HTTP {r.status_code}: {r.text[:300]}"}
-            for line in r.iter_lines():
-                if not line.startswith(b"data:"):
-                    continue
-                data = line[5:].strip()
-                if data == b"[DONE]":
-                    break
+            for data in iter_sse(r):
                 obj = json.loads(data)
                 if obj.get("usage"):
                     usage = obj["usage"]

@@ -84,6 +84,17 @@ class PromptMaker:
         return [self.prompt(input_len, rng, f) for f in firsts]
 
 
+def iter_sse(response):
+    """The ``data:`` payloads (bytes) of a server-sent-event stream, up to ``[DONE]``."""
+    for line in response.iter_lines():
+        if not line.startswith(b"data:"):
+            continue
+        data = line[5:].strip()
+        if data == b"[DONE]":
+            return
+        yield data
+
+
 def stream_completion(url: str, ids: list[int], max_tokens: int, timeout_s: float) -> dict:
     """One streamed greedy completion of exactly ``max_tokens`` tokens; monotonic timestamps."""
     body = {"model": "default", "prompt": ids, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
@@ -95,12 +106,7 @@ def stream_completion(url: str, ids: list[int], max_tokens: int, timeout_s: floa
         with requests.post(url + "/v1/completions", json=body, stream=True, timeout=(10, timeout_s)) as r:
             if r.status_code != 200:
                 return {"ok": False, "t_start": t0, "error": f"HTTP {r.status_code}: {r.text[:300]}"}
-            for line in r.iter_lines():
-                if not line.startswith(b"data:"):
-                    continue
-                data = line[5:].strip()
-                if data == b"[DONE]":
-                    break
+            for data in iter_sse(r):
                 now = time.monotonic()
                 if first is not None and b'"usage":null' in data.replace(b" ", b""):
                     last = now  # a token chunk after the first: no need to parse it

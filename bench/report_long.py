@@ -115,31 +115,28 @@ def mode_figures(dense: dict, other: dict, mode: str, preset) -> dict:
                  "n_by_position": {}, "dense_below_floor": [], "accuracy_ratio_by_length": {},
                  "accuracy_by_length": {}, "dense_accuracy_by_length": {}, "n_by_length": {},
                  "engaged_fraction_by_length": {}, "dense_at_length": []}
-    for pos in POSITIONS:
-        sel = [t for t in ids if d[t]["task_position"] == pos]
+    def cell(sel: list[str], suffix: str, key: str) -> None:
+        """Accuracy, dense accuracy on the same turns, their ratio and n of the turns ``sel`` under ``key``."""
         pairs = [(float(d[t]["score"]), float(m[t]["score"])) for t in sel]
         da, ma = _mean(a for a, _ in pairs), _mean(b for _, b in pairs)
-        out["n_by_position"][pos] = len(pairs)
-        out["accuracy_by_position"][pos] = ma
-        out["dense_accuracy_same_turns_by_position"][pos] = da
-        out["accuracy_ratio_by_position"][pos] = _ratio(ma, da)
-        out["paired_ci95_by_position"][pos] = paired_diff_ci(pairs)
+        out[f"n_by_{suffix}"][key] = len(pairs)
+        out[f"accuracy_by_{suffix}"][key] = ma
+        out["dense_accuracy_same_turns_by_position" if suffix == "position" else "dense_accuracy_by_length"][key] = da
+        out[f"accuracy_ratio_by_{suffix}"][key] = _ratio(ma, da)
         if da is not None and da < DENSE_FLOOR:
-            out["dense_below_floor"].append(pos)
+            out["dense_below_floor"].append(key)
+        if suffix == "position":
+            out["paired_ci95_by_position"][key] = paired_diff_ci(pairs)
+
+    for pos in POSITIONS:
+        cell([t for t in ids if d[t]["task_position"] == pos], "position", pos)
     for name, _ in LENGTH_BUCKETS:
         sel = [t for t in ids if bucket_of(d[t].get("prompt_tokens")) == name]
-        pairs = [(float(d[t]["score"]), float(m[t]["score"])) for t in sel]
-        da, ma = _mean(a for a, _ in pairs), _mean(b for _, b in pairs)
-        out["n_by_length"][name] = len(pairs)
-        out["accuracy_by_length"][name] = ma
-        out["dense_accuracy_by_length"][name] = da
-        out["accuracy_ratio_by_length"][name] = _ratio(ma, da)
+        cell(sel, "length", name)
         eng = engaged([m[t] for t in sel], mode)["engaged_fraction"] if sel else None
         out["engaged_fraction_by_length"][name] = eng
         if sel and not eng:
             out["dense_at_length"].append(name)
-        if da is not None and da < DENSE_FLOOR:
-            out["dense_below_floor"].append(name)
     kinds = sorted({d[t]["kind"] for t in ids})
     out["accuracy_by_kind"] = {k: _mean(float(m[t]["score"]) for t in ids if d[t]["kind"] == k) for k in kinds}
     out["dense_accuracy_by_kind_same_turns"] = {k: _mean(float(d[t]["score"]) for t in ids if d[t]["kind"] == k)
@@ -276,6 +273,12 @@ def needle_markdown(tab: dict) -> str:
     return "\n".join(md) + "\n"
 
 
+def _write(path: Path, doc: dict, md: str) -> None:
+    """``doc`` as JSON at ``path`` and its markdown beside it (``.md``)."""
+    path.write_text(json.dumps(doc, indent=1) + "\n")
+    path.with_suffix(".md").write_text(md)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--run", help="harness run dir of a long preset (off + modes)")
@@ -292,8 +295,7 @@ def main(argv=None) -> int:
         md = markdown(fid)
         print(md)
         if a.json:
-            Path(a.json).write_text(json.dumps(fid, indent=1) + "\n")
-            Path(a.json).with_suffix(".md").write_text(md)
+            _write(Path(a.json), fid, md)
         summary = json.loads((Path(a.run) / "summary.json").read_text())
         if a.psa_json and "psa" in summary["modes"]:
             from bench.psa_fidelity import fidelity_figures
@@ -308,8 +310,7 @@ def main(argv=None) -> int:
         md = needle_markdown(tab)
         print(md)
         if a.needle_json:
-            Path(a.needle_json).write_text(json.dumps(tab, indent=1) + "\n")
-            Path(a.needle_json).with_suffix(".md").write_text(md)
+            _write(Path(a.needle_json), tab, md)
     return 0
 
 
