@@ -1,5 +1,5 @@
 """PSA on real long-context attention: capture the 32k testbed's decode attention on CPU and
-compare PSA's block selection with dense, per layer and KV head (issue 23).
+compare PSA's block selection with dense, per layer and KV head.
 
 Usage::
 
