@@ -150,6 +150,9 @@ def _parse_extra(body: dict, cfg) -> tuple[tuple[str, ...], str, str]:
     salt = body.get("cache_salt")
     if salt is not None and not isinstance(salt, str):
         raise ValueError(f"'cache_salt' must be a string, got {type(salt).__name__}")
+    if salt is not None and len(salt) > MAX_SALT_CHARS:
+        raise ValueError(f"'cache_salt' has {len(salt)} characters; at most {MAX_SALT_CHARS} are allowed "
+                         "(it becomes part of every cache key of the request)")
     opts = body.get("samkv") or {}
     if not isinstance(opts, dict) or set(opts) - {"variant", "layout"}:
         raise ValueError("'samkv' must be an object with the keys 'variant' and / or 'layout'")
@@ -164,6 +167,7 @@ def _parse_extra(body: dict, cfg) -> tuple[tuple[str, ...], str, str]:
 
 
 LAYOUTS = ("in_user_turn", "before_prompt")
+MAX_SALT_CHARS = 256  # a salt is part of every document and composite cache key
 
 
 def split_user_turn(prompt_ids: list[int], content_ids: list[int]) -> int | None:

@@ -115,3 +115,16 @@ def test_last_user_text_reads_strings_and_text_parts():
 
     assert _last_user_text(Req()) == "What is x?"
     assert _last_user_text(object()) is None
+
+
+def test_cache_salt_and_layout_are_bounded_with_clear_errors():
+    from sglang_sparse.config import SamKVConfig
+    from sglang_sparse.samkv_api import MAX_SALT_CHARS, _parse_extra
+
+    cfg = SamKVConfig()
+    docs, salt, variant, layout = _parse_extra({"documents": ["a"], "cache_salt": "t" * MAX_SALT_CHARS}, cfg)
+    assert salt == "t" * MAX_SALT_CHARS and variant == cfg.variant and layout == "in_user_turn"
+    with pytest.raises(ValueError, match="'cache_salt' has 1000000 characters; at most 256"):
+        _parse_extra({"documents": ["a"], "cache_salt": "x" * 1_000_000}, cfg)
+    with pytest.raises(ValueError, match="'samkv.layout'='sideways' must be one of in_user_turn, before_prompt"):
+        _parse_extra({"documents": ["a"], "samkv": {"layout": "sideways"}}, cfg)
