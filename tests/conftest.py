@@ -29,6 +29,15 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+def pytest_unconfigure(config):
+    """SGLang's engine shutdown (an atexit handler of the in-process ``sgl.Engine`` tests) logs after pytest has
+    closed its output streams; the logging module would print a "Logging error ... closed file" traceback after
+    the summary that reads like a failure. Those late records are dropped instead."""
+    import logging
+
+    logging.raiseExceptions = False
+
+
 @pytest.fixture(scope="session")
 def default_model():
     if not (DEFAULT_MODEL / "config.json").is_file():
