@@ -143,8 +143,9 @@ class SamKVRuntime:
         from flashinfer_ext.rope_shift import rope_shift, rope_shift_reference
 
         fn = rope_shift if k.is_cuda else rope_shift_reference
-        inv = None if self.inv_freq is None else self.inv_freq.to(k.device)
-        return fn(k, delta, rope_theta=self.rope_theta, rotary_dim=self.rotary_dim, inv_freq=inv)
+        if self.inv_freq is not None and self.inv_freq.device != k.device:  # moved once, not per layer
+            self.inv_freq = self.inv_freq.to(k.device)
+        return fn(k, delta, rope_theta=self.rope_theta, rotary_dim=self.rotary_dim, inv_freq=self.inv_freq)
 
 
 def scheduler_init_hook(result, scheduler, *args, **kwargs):

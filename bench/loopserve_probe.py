@@ -1,13 +1,13 @@
 """HF-transformers simulator of the LoopServe CPU reference path, phase by phase (batch 1, fp32): sparse or dense prefill (lines from sample_query_rows + vs_select, vs_prefill_reference), sparse or dense decode (stored lines + initial top-B + Alg. 3), per-row coverage probes. Used for bench/results/loopserve_root_cause.md; usage: generate(prompt_ids(task), dict(prefill="sparse", decode="dense"), max_new=7)."""
 import sys, json, torch, dataclasses
-sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[1]))
 from transformers import AutoModelForCausalLM, AutoTokenizer, AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 from flashinfer_ext.loopserve_reference import vs_estimate_reference, vs_prefill_reference, decode_topb_reference
 from flashinfer_ext.vs_estimate import VSLineSums, sample_query_rows
 from flashinfer_ext.vs_select import VSSelectConfig, vs_select
 
-MODEL = str(__import__("pathlib").Path(__file__).resolve().parents[2] / "models" / "SmolLM2-135M-Instruct-32k")
+MODEL = str(__import__("pathlib").Path(__file__).resolve().parents[1] / "models" / "SmolLM2-135M-Instruct-32k")
 
 @dataclasses.dataclass
 class Sim:
