@@ -316,6 +316,10 @@ def _assemble(req, tree_cache, rt, custom) -> dict:
             g_t, delta = host.split(aligned)
             src = src_all.index_select(0, g_t)
             pool = alloc.get_kvcache()
+            slots = pool.get_key_buffer(0).shape[0]
+            if dst.numel() != aligned or int(src.min()) < 0 or int(torch.maximum(src.max(), dst.max())) >= slots:
+                alloc.free(dst)  # one host check per request (the assembly synchronises per phase anyway)
+                return {"status": "fallback", "reason": "KV slot indices out of the pool's range"}
             _tick(rt, "alloc")
             for layer in range(rt.num_layers):
                 kbuf, vbuf = pool.get_key_buffer(layer), pool.get_value_buffer(layer)
