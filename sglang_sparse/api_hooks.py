@@ -4,8 +4,8 @@
   ``custom_params["sparse"]`` against the server's mode (:mod:`sglang_sparse.request_params`);
   a ``ValueError`` there is SGLang's HTTP 400.
 * ``ForwardBatch.init_new`` (scheduler process): the rows' ``Req`` objects onto the sampling info.
-* ``DecodeCudaGraphRunner.can_run_graph`` (scheduler process): psa replays decode graphs only for
-  batches with a sparse row (see :mod:`sglang_sparse.psa_runner`).
+* ``DecodeCudaGraphRunner.can_run_graph`` (scheduler process): a sparse batch replays the mode's sparse
+  graph, a batch without a sparse row the stock graph (:mod:`sglang_sparse.graph_variants`); others run eagerly.
 * ``ModelRunner.forward`` (scheduler process): hands the attention backend's step rows to
   SGLang as ``logits_output.customized_info`` (see :mod:`sglang_sparse.psa_stats`); SGLang
   carries them to the request's ``meta_info[STEP_KEY]`` (one row per output token).
@@ -62,6 +62,12 @@ def graph_gate_hook(result, graph_runner, forward_batch, *args, **kwargs):
     if not result:
         return result
     backend = getattr(getattr(graph_runner, "model_runner", None), "attn_backend", None)
+    variant = getattr(backend, "sparse_graph_variant", None)
+    if variant is not None:  # sparse graph for sparse batches, stock graph (when recorded) for dense ones
+        from sglang_sparse.graph_variants import dual_capture
+
+        v = variant(forward_batch)
+        return v == "sparse" or (v == "dense" and dual_capture(graph_runner))
     wants = getattr(backend, "sparse_wants_graph", None)  # the mode's gate (psa, loopserve, lastwindow)
     return result if wants is None else bool(wants(forward_batch))
 

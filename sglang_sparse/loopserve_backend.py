@@ -55,8 +55,13 @@ class LoopServeMixin:
         graphs.plan(self, forward_batch, in_capture)
 
     def sparse_wants_graph(self, forward_batch) -> bool:
-        """``can_run_graph`` gate (``api_hooks.graph_gate_hook``): replay only the steady decode steps."""
+        """``can_run_graph`` gate without a stock graph: replay only the steady decode steps."""
         return self._ls_graphs is not None and self._ls_graphs.wants_graph(forward_batch)
+
+    def sparse_graph_variant(self, forward_batch, peek: bool = False) -> str | None:
+        """``can_run_graph`` gate (``api_hooks.graph_gate_hook``, :mod:`sglang_sparse.graph_variants`):
+        ``"sparse"`` for steady steps, ``"dense"`` for batches without a sparse row, None: eager."""
+        return None if self._ls_graphs is None else self._ls_graphs.graph_variant(forward_batch, peek)
 
     def forward_extend(self, q, k, v, layer, forward_batch, *args, **kwargs):
         runner = self._ls_runner

@@ -20,8 +20,9 @@ it steady, are its lists at most ``W`` wide? keeps the batch for the replay plan
 of the kept batch, then one copy of its lists / lengths / lengths into the static buffers) -> graph replay.
 A step's working set (host tier admission, :mod:`sglang_sparse.loopserve_ws`) is recorded inside the graph from
 ``lists_buf`` into the tracker's fixed buffers, planned here before each replay. Every other step (prefill, re-selection, lists wider than ``W``, a batch larger than the captured ones)
-runs eagerly as before. Captured batch sizes above the config's ``graph_max_bs`` record the stock decode and are
-never replayed. Memory: ``lists_buf`` + ``lens_buf`` take ``L * max_bs * num_kv_heads * (W + 1) * 4`` bytes,
+runs eagerly. Batches without a sparse row replay SGLang's stock graph, recorded beside the sparse one
+(:mod:`sglang_sparse.graph_variants`). Captured batch sizes above the config's ``graph_max_bs`` record the
+stock decode in both variants. Memory: ``lists_buf`` + ``lens_buf`` take ``L * max_bs * num_kv_heads * (W + 1) * 4`` bytes,
 ``max_bs`` = the largest captured size <= ``graph_max_bs`` (logged at allocation).
 """
 
@@ -54,8 +55,10 @@ class LoopServeGraphs:
         self.stats = stats                 # LoopServeStats: graph_decode_steps
         self.max_bs = 0
         self._dicts: dict[int, dict] = {}  # per captured batch size: the decode dict the graph recorded
-        self._pending = None               # (forward batch, reqs, lens) kept by wants_graph for plan()
+        self._pending = None               # (forward batch, reqs, lens, variant) kept for plan()
+        self._decided = (None, None)       # (forward batch, variant) of the last graph_variant answer
         self.replays = 0                   # steps planned for a graph replay (statistics, tests)
+        self.dense_replays = 0             # steps that replayed the stock graph (no sparse row)
 
     # ------------------------------------------------------------------ host test (can_run_graph)
     def wants_graph(self, forward_batch) -> bool:
@@ -85,8 +88,40 @@ class LoopServeGraphs:
             tail = max(tail, n - (st.since or st.prompt_len))
         if max(wv, 1) + max(ws, 1) + max(wb, 1) + r.cfg.sink_tokens + tail > self.width:
             return False
-        self._pending = (forward_batch, reqs, lens)
+        self._pending = (forward_batch, reqs, lens, "sparse")
         return True
+
+    def graph_variant(self, forward_batch, peek: bool = False) -> str | None:
+        """Which decode graph this batch replays: ``"sparse"`` (a steady step, :meth:`wants_graph`), ``"dense"``
+        (no row is sparse: SGLang's stock graph, :mod:`sglang_sparse.graph_variants`) or None (eager). Keeps the
+        batch for :meth:`plan`; ``peek``: answer for the batch already kept, keep nothing new."""
+        if peek:  # SGLang asks again while loading the batch, after plan() took the kept batch
+            fb, variant = self._decided
+            return variant if fb is forward_batch else None
+        v = self._decide(forward_batch)
+        self._decided = (forward_batch, v)
+        return v
+
+    def _decide(self, forward_batch) -> str | None:
+        if self.wants_graph(forward_batch):
+            return "sparse"
+        from sglang_sparse.loopserve_runner import STATE_ATTR
+
+        bs = int(forward_batch.batch_size)
+        reqs = getattr(getattr(forward_batch, "sampling_info", None), "sparse_reqs", None)
+        lens = forward_batch.seq_lens_cpu
+        if not forward_batch.forward_mode.is_decode() or bs == 0 or reqs is None or len(reqs) != bs \
+                or lens is None:
+            return None
+        needs_init = getattr(forward_batch, "needs_forward_metadata_init", None)
+        if needs_init is not None and not needs_init():
+            return None
+        for req in reqs:
+            st = getattr(req, STATE_ATTR, None)
+            if st is not None and st.prefill_done:
+                return None  # a sparse row that is not steady: eager
+        self._pending = (forward_batch, reqs, [int(x) for x in lens[:bs]], "dense")
+        return "dense"
 
     # ------------------------------------------------------------------ out-of-graph planning
     def plan(self, backend, view, in_capture: bool) -> None:
@@ -97,15 +132,21 @@ class LoopServeGraphs:
             return
         pending, self._pending = self._pending, None
         d = self._dicts.get(bs)
-        if pending is None or d is None:
+        if pending is None or (d is None and pending[3] != "dense"):
             raise RuntimeError(f"sglang-sparse loopserve: a decode graph of batch size {bs} is replayed without "
                                "a batch planned by wants_graph (can_run_graph hook not applied?)")
-        fb, reqs, lens = pending
+        fb, reqs, lens, variant = pending
         raw = len(lens)
         view_lens = view.seq_lens_cpu
         if raw > bs or (view_lens is not None and [int(x) for x in view_lens[:raw]] != lens):
             raise RuntimeError("sglang-sparse loopserve: the replayed batch is not the one can_run_graph saw")
         r = self.runner
+        if variant == "dense":  # the stock graph: the eager planning of a batch without sparse rows (statistics)
+            r.begin_batch(backend, fb)
+            if r.dec is not None:
+                raise RuntimeError("sglang-sparse loopserve: a stock-graph step planned a sparse row")
+            self.dense_replays += 1
+            return
         r.planning_for_graph = True
         try:
             r.begin_batch(backend, fb)  # the eager planning: ring commit, lists of every layer, statistics
@@ -133,7 +174,10 @@ class LoopServeGraphs:
 
     def _capture(self, backend, view, bs: int) -> None:
         r, sh = self.runner, self.runner.shape
-        if bs > self.bs_cap:  # the stock decode is recorded; wants_graph never picks this size (> max_bs)
+        from sglang_sparse.graph_variants import capture_variant
+
+        if bs > self.bs_cap or capture_variant() == "dense":
+            # the stock decode is recorded: SGLang's stock variant, or a size wants_graph never picks (> max_bs)
             r._commit_ring()
             r.ext_rows, r.dec, r.bs, r.is_decode, r.step_rows = [], None, bs, True, None
             return

@@ -57,14 +57,30 @@ class PsaDecodeMixin:
             return
         if not forward_batch.forward_mode.is_decode():
             return
-        runner.begin_graph_batch(self, forward_batch, in_capture)
+        from sglang_sparse.graph_variants import capture_variant
+
+        # a replay follows the can_run_graph answer for its real batch (the view here is SGLang's padded copy)
+        dense = capture_variant() == "dense" if in_capture else runner._graph_decided[1] == "dense"
+        if dense:  # SGLang's stock graph (sglang_sparse.graph_variants): a batch without sparse rows
+            runner.begin_dense_graph_batch(forward_batch, in_capture)
+        else:
+            runner.begin_graph_batch(self, forward_batch, in_capture)
         if not in_capture:
-            self.sparse_stats.sparse_decode_steps += 1
+            self.sparse_stats.sparse_decode_steps += int(not dense)
+            self.sparse_stats.dense_decode_steps += int(dense)
             if self._psa_metrics is not None:
-                self._psa_metrics.sparse_steps.inc()
+                (self._psa_metrics.dense_steps if dense else self._psa_metrics.sparse_steps).inc()
 
     def sparse_wants_graph(self, forward_batch) -> bool:
         return self._psa_runner.wants_graph(forward_batch)
+
+    def sparse_graph_variant(self, forward_batch, peek: bool = False) -> str | None:
+        """``can_run_graph`` gate (:mod:`sglang_sparse.graph_variants`): ``"sparse"``, ``"dense"`` or None."""
+        runner = self._psa_runner
+        fn = getattr(runner, "graph_variant", None)
+        if fn is None:  # a runner without a stock-graph answer: sparse batches only
+            return None if peek or not runner.wants_graph(forward_batch) else "sparse"
+        return fn(forward_batch, peek)
 
     def forward_extend(self, q, k, v, layer, forward_batch, *args, **kwargs):
         o = self._psa_base.forward_extend(self, q, k, v, layer, forward_batch, *args, **kwargs)

@@ -101,6 +101,7 @@ class _RunnerBase:
         self.graph_mode = False  # the current batch replays (or captures) a decode CUDA graph
         self._graph_eps_stash: tuple[torch.Tensor, torch.Tensor] | None = None
         self._graph_rids_stash: list | None = None
+        self._graph_decided = (None, None)  # (forward batch, variant) of the last graph_variant answer
         self.ws = None  # WorkingSetTracker (host tier admission; set by psa_backend.make_runner) or None
         self._ws_step = False  # this decode step records its selections into ``ws``
 
@@ -118,6 +119,34 @@ class _RunnerBase:
         self._graph_eps_stash = (lens[:bs].to(torch.int64).clone(), eps)
         self._graph_rids_stash = _row_rids(forward_batch, bs)
         return bool(((lens[:bs].to(torch.int64) >= self.cfg.min_context) & (eps < 1.0)).any())
+
+    def graph_variant(self, forward_batch, peek: bool = False) -> str | None:
+        """Which decode graph this batch replays (:mod:`sglang_sparse.graph_variants`): ``"sparse"`` when a row
+        is sparse (:meth:`wants_graph`), ``"dense"`` when every row is shorter than ``min_context`` (SGLang's
+        stock graph; no metadata to fold), None (eager: long rows that all decode densely fold metadata).
+        ``peek``: the answer already given for this batch, nothing new kept."""
+        if peek:
+            fb, variant = self._graph_decided
+            return variant if fb is forward_batch else None
+        lens = forward_batch.seq_lens_cpu
+        if lens is None:
+            v = None
+        elif self.wants_graph(forward_batch):
+            v = "sparse"
+        else:
+            bs = int(forward_batch.batch_size)
+            v = "dense" if bool((lens[:bs].to(torch.int64) < self.cfg.min_context).all()) else None
+        self._graph_decided = (forward_batch, v)
+        return v
+
+    def begin_dense_graph_batch(self, forward_batch, in_capture: bool) -> None:
+        """Plan a decode batch that captures or replays the stock graph: no sparse row, no metadata fold; the
+        rows' statistics as an eager dense step writes them."""
+        bs = int(forward_batch.batch_size)
+        self._plan_rows(forward_batch, True, eps=None if in_capture else self._stashed_epsilons(forward_batch, bs))
+        self.graph_mode, self.sparse_batch, self._meta_rows, self._ws_step = False, False, False, False
+        if in_capture:
+            self.step_rows = None
 
     def _stashed_rids(self, forward_batch, bs: int) -> list | None:
         """Request ids of a graph replay view's rows, from :meth:`wants_graph`'s stash (padding -> None)."""

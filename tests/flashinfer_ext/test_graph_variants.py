@@ -1,0 +1,108 @@
+"""Contract: under psa / loopserve / lastwindow a decode batch without a sparse row replays SGLang's stock decode
+graph (recorded beside the sparse one, sglang_sparse.graph_variants) instead of decoding eagerly; sparse steady
+steps keep the sparse graph; anything else stays eager. The CPU checks the host decisions and the planning of
+both variants; the GPU server tests replay real graphs."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from sglang_sparse import graph_variants
+from sglang_sparse.api_hooks import graph_gate_hook
+from sglang_sparse.loopserve_runner import STATE_ATTR
+
+from .test_loopserve_graph import MAX_BS, _captured
+from .test_loopserve_reselect import STEADY, _Mode
+
+
+def _plan_replay(c):
+    """SGLang's load_batch up to the backend's planning (the replayed graph itself is SGLang's)."""
+    raw = c.fb.batch_size
+    c.rpi_buf.zero_()
+    c.rpi_buf[:raw] = c.fb.req_pool_indices
+    lens = torch.ones(MAX_BS, dtype=torch.int64)
+    lens[:raw] = c.fb.seq_lens_cpu
+    view = SimpleNamespace(batch_size=MAX_BS, forward_mode=_Mode(), req_pool_indices=c.rpi_buf, seq_lens_cpu=lens)
+    c.graphs.plan(c.backend, view, in_capture=False)
+
+
+@pytest.fixture
+def stock_capture():
+    """SGLang's capture label while it records its second (no-LoRA = stock) variant of a batch size."""
+    from sglang.srt.model_executor.runner_utils.capture_mode import _set_capture_lora_variant
+
+    _set_capture_lora_variant(graph_variants.DENSE)
+    yield
+    _set_capture_lora_variant(None)
+
+
+@pytest.mark.parametrize("lastwindow", [False, True], ids=["loopserve", "lastwindow"])
+def test_a_batch_without_sparse_rows_replays_the_stock_graph(lastwindow):
+    c = _captured(lastwindow, STEADY[lastwindow])
+    assert c.graphs.graph_variant(c.fb) == "sparse"  # steady sparse rows: the sparse graph
+    for req in c.fb.sampling_info.sparse_reqs:  # prompts below min_context: no row is sparse
+        delattr(req, STATE_ATTR)
+    assert c.graphs.graph_variant(c.fb) == "dense"
+    _plan_replay(c)  # the stock graph's planning: no sparse lists, the step's dense statistics
+    assert c.runner.dec is None and c.graphs.dense_replays == 1 and c.graphs.replays == 0
+    assert c.runner.step_rows is not None and c.runner.bs == c.fb.batch_size
+    # SGLang asks the variant again while loading the batch, after the planning: the same answer
+    assert c.graphs.graph_variant(c.fb, peek=True) == "dense"
+    assert c.graphs.graph_variant(SimpleNamespace(), peek=True) is None
+
+
+def test_a_batch_with_a_selecting_sparse_row_stays_eager():
+    from .test_loopserve_reselect import LOOPSERVE
+
+    c = _captured(False, LOOPSERVE, all_topb=False)
+    assert c.graphs.graph_variant(c.fb) is None
+
+
+def test_the_stock_variant_captures_the_stock_decode(stock_capture):
+    c = _captured(True, STEADY[True])  # both sizes captured while SGLang records its stock variant
+    assert c.graphs._dicts == {} and c.runner.dec is None
+
+
+def test_gate_and_variant_hooks_pick_the_recorded_graph():
+    answers = {"steady": "sparse", "short": "dense", "selecting": None}
+    backend = SimpleNamespace(sparse_graph_variant=lambda fb, peek=False: answers[fb])
+    dual = SimpleNamespace(model_runner=SimpleNamespace(attn_backend=backend, server_args=SimpleNamespace()))
+    single = SimpleNamespace(model_runner=dual.model_runner)
+    seen = []
+    assert graph_variants.capture_hook(lambda r: seen.append(r), dual) is None and seen == [dual]
+    assert dual.record_nolora_graph and graph_variants.dual_capture(dual) and not graph_variants.dual_capture(single)
+    assert [graph_gate_hook(True, dual, fb) for fb in answers] == [True, True, False]
+    assert [graph_gate_hook(True, single, fb) for fb in answers] == [True, False, False]  # no stock graph recorded
+    assert graph_gate_hook(False, dual, "short") is False  # SGLang said no: no graph
+    stock = lambda r, fb: "stock answer"  # noqa: E731
+    assert [graph_variants.resolve_variant_hook(stock, dual, fb) for fb in answers] == ["lora", "nolora", "lora"]
+    assert graph_variants.resolve_variant_hook(stock, single, "short") == "stock answer"
+    # a server with LoRA adapters keeps SGLang's own pair
+    lora = SimpleNamespace(model_runner=SimpleNamespace(attn_backend=backend,
+                                                        server_args=SimpleNamespace(enable_lora=True)))
+    graph_variants.capture_hook(lambda r: None, lora)
+    assert not graph_variants.dual_capture(lora)
+
+
+def test_psa_variant_follows_min_context_and_epsilon():
+    from sglang_sparse.config import PsaConfig
+    from sglang_sparse.psa_runner import AttnShape, PsaCpuRunner
+
+    cfg = PsaConfig.from_dict({"min_context": 100, "epsilon": 0.95})
+    runner = PsaCpuRunner(cfg, 16, AttnShape(2, 4, 2, 8), torch.device("cpu"))
+
+    def batch(lens, eps):
+        reqs = [SimpleNamespace(sampling_params=SimpleNamespace(
+            custom_params=None if e is None else {"sparse": {"epsilon": e}})) for e in eps]
+        return SimpleNamespace(batch_size=len(lens), seq_lens_cpu=torch.tensor(lens),
+                               sampling_info=SimpleNamespace(sparse_reqs=reqs))
+
+    assert runner.graph_variant(batch([150, 40], [None, None])) == "sparse"
+    short = batch([40, 99], [None, None])
+    assert runner.graph_variant(short) == "dense" and runner.graph_variant(short, peek=True) == "dense"
+    assert runner.graph_variant(batch([150, 40], [1.0, None])) is None  # long rows decoding densely fold metadata
+    runner.begin_dense_graph_batch(short, in_capture=False)
+    assert not runner.sparse_batch and not runner.graph_mode and runner.step_rows.shape[0] == 2
