@@ -39,13 +39,60 @@ class Range:
         return True
 
     def __str__(self) -> str:
-        lo = "-inf" if self.lo is None else _num(self.lo)
-        hi = "inf" if self.hi is None else _num(self.hi)
+        lo = "-inf" if self.lo is None else num_text(self.lo)
+        hi = "inf" if self.hi is None else num_text(self.hi)
         return f"{'(' if self.lo_open or self.lo is None else '['}{lo}, {hi}{')' if self.hi_open or self.hi is None else ']'}"
 
 
-def _num(v: float) -> str:
-    return str(int(v)) if float(v).is_integer() else f"{v:g}"
+def num_text(v: float) -> str:
+    """A bound as written: integers in full (``16777216``, never ``1.67772e+07``), other numbers as ``repr``."""
+    return str(int(v)) if float(v).is_integer() else repr(float(v))
+
+
+def json_type_name(value: Any) -> str:
+    """The JSON name of a decoded value's type (``null``, ``boolean``, ``string``, ...), for error messages."""
+    if value is None:
+        return "null"
+    for t, name in ((bool, "boolean"), (int, "integer"), (float, "number"), (str, "string"),
+                    (list, "array"), (dict, "object")):
+        if isinstance(value, t):
+            return name
+    return type(value).__name__
+
+
+def _duplicate_key_hook(source: str):
+    def hook(pairs):
+        seen = set()
+        for k, _ in pairs:
+            if k in seen:
+                raise SparseConfigError(f"{source}: key '{k}' appears more than once; give each key once")
+            seen.add(k)
+        return dict(pairs)
+
+    return hook
+
+
+def reject_duplicate_keys(value: Any) -> None:
+    """Raise :class:`SparseConfigError` naming the key if the ``--sparse-config`` JSON text (or ``@file``)
+    repeats a key in any object (``json`` would silently keep the last one). Unreadable files and bad JSON
+    pass: the config parser reports those."""
+    if not isinstance(value, str) or not value.strip():
+        return
+    text, source = value.strip(), "--sparse-config"
+    if text.startswith("@"):
+        import os
+
+        path = os.path.expanduser(text[1:])
+        source = f"--sparse-config file '{path}'"
+        try:
+            with open(path, encoding="utf-8") as fh:
+                text = fh.read()
+        except (OSError, UnicodeDecodeError):
+            return
+    try:
+        json.loads(text, object_pairs_hook=_duplicate_key_hook(source))
+    except json.JSONDecodeError:
+        return
 
 
 def knob(default: Any, *, doc: str, range: Range | None = None, choices: tuple | None = None):
@@ -54,6 +101,15 @@ def knob(default: Any, *, doc: str, range: Range | None = None, choices: tuple |
 
 
 _TYPE_NAMES = {int: "an integer", float: "a number", bool: "a boolean", str: "a string"}
+
+
+def json_text(value: Any) -> str:
+    """A decoded JSON value as JSON writes it (``null``, ``true``, ``"0.9"``), cut to 60 characters."""
+    try:
+        text = json.dumps(value)
+    except (TypeError, ValueError):
+        text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 @dataclass(frozen=True)
@@ -113,7 +169,7 @@ def _check_field(mode: str, f: dataclasses.Field, value: Any) -> Any:
     if not ok:
         allowed = f" in {rng}" if rng else (f", one of {list(choices)}" if choices else "")
         raise SparseConfigError(
-            f"{where} = {value!r} has type {type(value).__name__}; expected {_TYPE_NAMES[want]}{allowed}")
+            f"{where} = {json_text(value)} must be {_TYPE_NAMES[want]}{allowed}, got {json_type_name(value)}")
     if want is float and not math.isfinite(value):
         raise SparseConfigError(f"{where} = {value!r} is not a finite number; allowed range {rng}")
     if rng is not None and not rng.contains(value):
@@ -246,8 +302,8 @@ class LastWindowConfig(SparseConfig):
     def __post_init__(self):
         super().__post_init__()
         if self.pool_kernel % 2 == 0:
-            raise ValueError(f"--sparse-config: field 'pool_kernel' of mode 'lastwindow' = {self.pool_kernel} is out of range; "
-                             "allowed: an odd integer in [1, 63]")
+            raise SparseConfigError(f"--sparse-config: field 'pool_kernel' of mode 'lastwindow' = {self.pool_kernel} is "
+                                    "not allowed; allowed: an odd integer in [1, 63]")
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from sglang_sparse.config import PsaConfig, SparseConfig
+from sglang_sparse.config import PsaConfig, SparseConfig, json_type_name, num_text
 
 KEY = "sparse"
 
@@ -76,12 +76,16 @@ def normalize_request_options(mode: str, config: SparseConfig, custom_params: An
     out: dict[str, float] = {}
     for name, value in raw.items():
         opt = by_name[name]
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
-                or not (opt.lo < value <= opt.hi):
-            raise RequestParamsError(f"custom_params.sparse.{name} = {value!r} is out of range: expected a "
-                                     f"number in ({opt.lo:g}, {opt.hi:g}] ({opt.doc})")
+        kind = "an integer" if opt.integer else "a number"
+        where = f"custom_params.sparse.{name} = {value!r}"
+        allowed = (f"[{int(opt.lo) + 1}, {num_text(opt.hi)}]" if opt.integer and float(opt.lo).is_integer()
+                   else f"({num_text(opt.lo)}, {num_text(opt.hi)}]")
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise RequestParamsError(f"{where} must be {kind} in {allowed}, got {json_type_name(value)} ({opt.doc})")
+        if not math.isfinite(value) or not (opt.lo < value <= opt.hi):
+            raise RequestParamsError(f"{where} is out of range: expected {kind} in {allowed} ({opt.doc})")
         if opt.integer and not float(value).is_integer():
-            raise RequestParamsError(f"custom_params.sparse.{name} = {value!r} is not an integer ({opt.doc})")
+            raise RequestParamsError(f"{where} must be an integer in {allowed}, got a fraction ({opt.doc})")
         value = int(value) if opt.integer else float(value)
         if opt.floor_field is not None:
             value = max(value, type(value)(getattr(config, opt.floor_field)))

@@ -22,6 +22,7 @@ from typing import Optional
 import sglang.srt.server_args as _sglang_server_args
 from sglang.srt.arg_groups.arg_utils import NS, A, Arg
 
+from sglang_sparse.config import reject_duplicate_keys
 from sglang_sparse.modes import (
     MODES,
     SparseConfigError,
@@ -46,6 +47,7 @@ def _mode_arg(value: str) -> str:
 def _config_arg(value: str) -> str:
     """Syntax check at parse time (JSON object or readable @file); keys are checked per mode later."""
     try:
+        reject_duplicate_keys(value)
         load_config_arg(value)
     except SparseConfigError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
@@ -74,8 +76,15 @@ class SparseServerArgs(_BaseServerArgs):
         NS("sparse"),
     ] = None
 
+    @staticmethod
+    def add_cli_args(parser: argparse.ArgumentParser):
+        # super(), not _BaseServerArgs: the plugin's REPLACE rebinds every module's name for SGLang's class
+        super(SparseServerArgs, SparseServerArgs).add_cli_args(parser)
+        install_short_errors(parser)
+
     def __post_init__(self):
         # Resolve first: a bad mode or config must fail before SGLang touches the model.
+        reject_duplicate_keys(self.sparse_config)
         ctx = resolve_sparse(self.sparse, self.sparse_config)
         check_device(ctx.mode, _device_type(self.device))
         self.sparse_config = ctx.config.to_json()
@@ -85,6 +94,17 @@ class SparseServerArgs(_BaseServerArgs):
         _apply_host_tier(self, ctx)
         _check_hooks_applied()
         super().__post_init__()
+
+
+def install_short_errors(parser: argparse.ArgumentParser) -> None:
+    """Make ``parser`` answer a bad command line with one short usage line and the error (exit 2), not
+    argparse's full usage (hundreds of lines for SGLang's flags); ``--help`` still prints everything."""
+
+    def error(message: str):
+        prog = parser.prog
+        parser.exit(2, f"usage: {prog} [options] (see --help)\n{prog}: error: {message}\n")
+
+    parser.error = error
 
 
 def _apply_mode_requirements(args, ctx: SparseContext) -> None:

@@ -78,18 +78,18 @@ def test_default_mode_is_off(prepare, default_model):
 CONFIG_BAD_INPUTS = [
     (PsaConfig, {"epsilon": 1.5}, "field 'epsilon' of mode 'psa' = 1.5 is out of range; allowed range (0, 1]"),
     (PsaConfig, {"epsilon": 0}, "field 'epsilon' of mode 'psa' = 0.0 is out of range; allowed range (0, 1]"),
-    (PsaConfig, {"epsilon": "high"}, "field 'epsilon' of mode 'psa' = 'high' has type str; expected a number"),
-    (PsaConfig, {"micro_batch_blocks": 2.5}, "'micro_batch_blocks' of mode 'psa' = 2.5 has type float; "
-                                             "expected an integer, one of [1, 2, 4, 8"),
+    (PsaConfig, {"epsilon": "high"}, "field 'epsilon' of mode 'psa' = \"high\" must be a number in (0, 1], got string"),
+    (PsaConfig, {"micro_batch_blocks": 2.5}, "'micro_batch_blocks' of mode 'psa' = 2.5 must be an integer, "
+                                             "one of [1, 2, 4, 8"),
     (PsaConfig, {"micro_batch_blocks": 6}, "'micro_batch_blocks' of mode 'psa' = 6 is not allowed; choose one of "
                                            "[1, 2, 4, 8, 16"),
-    (PsaConfig, {"sink_pages": True}, "'sink_pages' of mode 'psa' = True has type bool; expected an integer"),
+    (PsaConfig, {"sink_pages": True}, "'sink_pages' of mode 'psa' = true must be an integer in [0, 1024], got boolean"),
     (PsaConfig, {"local_pages": -1}, "'local_pages' of mode 'psa' = -1 is out of range; allowed range [0, 1024]"),
     (PsaConfig, {"epsilon": float("nan")}, "'epsilon' of mode 'psa' = nan is not a finite number"),
     (PsaConfig, {"eps": 0.9}, "unknown key(s) 'eps' for mode 'psa'; allowed keys: block_size, cuda_graph, epsilon, gpu_cache_mb, "
                                 "host_tier_gb, local_pages"),
     (LoopServeConfig, {"n_d": 0}, "'n_d' of mode 'loopserve' = 0 is out of range; allowed range [1, 4096]"),
-    (LoopServeConfig, {"alpha": None}, "'alpha' of mode 'loopserve' = None has type NoneType; expected a number"),
+    (LoopServeConfig, {"alpha": None}, "'alpha' of mode 'loopserve' = null must be a number in (0, 1], got null"),
     (SamKVConfig, {"fuse": "blend"}, "'fuse' of mode 'samkv' = 'blend' is not allowed; choose one of "
                                      "['overwrite', 'fusion']"),
     (SamKVConfig, {"block_size": 0}, "'block_size' of mode 'samkv' = 0 is out of range; allowed range [1, 4096]"),
@@ -128,7 +128,7 @@ def test_resolve_accepts_dict_json_and_none():
         resolve_sparse(3, None)
 
 
-def test_psa_on_cuda_takes_the_block_as_page_and_turns_prefill_graphs_off():
+def test_modes_on_cuda_set_the_server_settings_they_need():
     from types import SimpleNamespace
 
     from sglang_sparse.modes import resolve_sparse
@@ -151,6 +151,14 @@ def test_psa_on_cuda_takes_the_block_as_page_and_turns_prefill_graphs_off():
         a = args()
         _apply_mode_requirements(a, resolve_sparse(mode, None))
         assert (a.disable_cuda_graph, a.disable_prefill_cuda_graph, a.page_size) == (False, True, None)
+    a = args()
+    a.disable_overlap_schedule = False
+    _apply_mode_requirements(a, resolve_sparse("samkv", None))  # assembly between forwards, never beside one
+    assert (a.disable_overlap_schedule, a.disable_prefill_cuda_graph, a.disable_cuda_graph) == (True, True, False)
+    cpu = args("cpu")
+    cpu.disable_overlap_schedule = False
+    _apply_mode_requirements(cpu, resolve_sparse("samkv", None))
+    assert (cpu.disable_overlap_schedule, cpu.disable_prefill_cuda_graph) == (False, False)
     with pytest.raises(SparseConfigError, match="must be one of \\[16, 32, 64\\]"):
         _apply_mode_requirements(args(), resolve_sparse("psa", '{"block_size": 8}'))
 
