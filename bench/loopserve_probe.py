@@ -13,7 +13,7 @@ MODEL = str(__import__("pathlib").Path(__file__).resolve().parents[1] / "models"
 class Sim:
     prefill: str = "sparse"     # sparse | dense
     decode: str = "sparse"      # sparse | dense
-    alpha: float = 0.955
+    alpha: float = 0.99
     rows: int = 64
     budget: int = 1024
     n_d: int = 16

@@ -213,6 +213,11 @@ class OffConfig(SparseConfig):
     mode: ClassVar[str] = "off"
 
 
+def _stock_graphs_knob():
+    return knob(True, doc="decode CUDA graphs: also record SGLang's stock decode graph per batch size, replayed by "
+                "batches without a sparse row (false: those batches decode eagerly)")
+
+
 @dataclass(frozen=True)
 class PsaConfig(SparseConfig):
     """PSA progressive threshold decode (PSA Alg. 1)."""
@@ -230,6 +235,7 @@ class PsaConfig(SparseConfig):
     min_request_epsilon: float = knob(0.5, doc="floor for a request's own epsilon (custom_params.sparse.epsilon); "
                                       "lower requested values are clamped up to it", range=_UNIT)
     cuda_graph: bool = knob(True, doc="CUDA: replay decode graphs for batches with a sparse row (false: eager)")
+    stock_graphs: bool = _stock_graphs_knob()
     host_tier_gb: float = _host_tier_knobs()["host_tier_gb"]
     gpu_cache_mb: float = _host_tier_knobs()["gpu_cache_mb"]
     working_set_window: int = _host_tier_knobs()["working_set_window"]
@@ -247,6 +253,7 @@ def _graph_knobs(width: int):
                               "graph_max_bs x KV heads x this many int32", range=Range(1, 1 << 20)),
         graph_max_bs=knob(16, doc="decode CUDA graphs: largest batch replayed over the sparse path (larger batches "
                           "run eagerly)", range=Range(1, 4096)),
+        stock_graphs=_stock_graphs_knob(),
     )
 
 
@@ -255,7 +262,7 @@ class LoopServeConfig(SparseConfig):
     """LoopServe online prefill lines + progressive decode (LoopServe Alg. 1-3)."""
 
     mode: ClassVar[str] = "loopserve"
-    alpha: float = knob(0.955, doc="fraction of sampled attention mass the lines must cover", range=_UNIT)
+    alpha: float = knob(0.99, doc="fraction of sampled attention mass the lines must cover (0.955 lost facts that the sampled rows do not see)", range=_UNIT)
     n_d: int = knob(16, doc="decode re-selection interval (tokens)", range=Range(1, 4096))
     budget: int = knob(1024, doc="top-B tokens kept per KV head in decode", range=Range(1, 1 << 24))
     sampled_rows: int = knob(64, doc="query rows sampled for line estimation", range=Range(1, 8192))
@@ -275,6 +282,7 @@ class LoopServeConfig(SparseConfig):
     # lines of both kinds can reach the context length: a wider default than lastwindow's budget-bound lists
     graph_list_width: int = _graph_knobs(8192)["graph_list_width"]
     graph_max_bs: int = _graph_knobs(8192)["graph_max_bs"]
+    stock_graphs: bool = _graph_knobs(8192)["stock_graphs"]
     host_tier_gb: float = _host_tier_knobs()["host_tier_gb"]
     gpu_cache_mb: float = _host_tier_knobs()["gpu_cache_mb"]
     working_set_window: int = _host_tier_knobs()["working_set_window"]
@@ -298,6 +306,7 @@ class LastWindowConfig(SparseConfig):
                             "positions before the top-budget choice (odd; 1 = none)", range=Range(1, 63))
     graph_list_width: int = _graph_knobs(2048)["graph_list_width"]
     graph_max_bs: int = _graph_knobs(2048)["graph_max_bs"]
+    stock_graphs: bool = _graph_knobs(2048)["stock_graphs"]
 
     def __post_init__(self):
         super().__post_init__()

@@ -43,7 +43,8 @@ def dual_capture(graph_runner) -> bool:
 def capture_hook(original, graph_runner, *args, **kwargs):
     """AROUND ``DecodeCudaGraphRunner.capture``: record the stock variant too (see the module docstring)."""
     backend = _backend(graph_runner)
-    if getattr(backend, "sparse_graph_variant", None) is not None and not _lora_served(graph_runner):
+    if getattr(backend, "sparse_graph_variant", None) is not None and getattr(backend, "sparse_stock_graphs", False) \
+            and not _lora_served(graph_runner):
         graph_runner.record_nolora_graph = True
         graph_runner.sparse_dual_graphs = True
         logger.info("sglang-sparse: decode CUDA graphs recorded twice per batch size (sparse path and stock)")

@@ -177,6 +177,7 @@ def install(backend, config: LoopServeConfig, page_size: int, enable_metrics: bo
 
         backend._ls_graphs = LoopServeGraphs(backend._ls_runner, stats=stats, max_bs=config.graph_max_bs)
     backend.sparse_stats = stats
+    backend.sparse_stock_graphs = bool(config.stock_graphs)  # sglang_sparse.graph_variants
     backend.sparse_installed_mode = mode
     logger.info("sglang-sparse %s: %s path (%s), line store %d MiB, decode CUDA graphs %s", mode,
                 "kernel" if kernels else "reference", device.type, getattr(config, "line_store_mb", 0),

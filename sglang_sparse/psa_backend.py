@@ -175,5 +175,6 @@ def install(backend, config: PsaConfig, page_size: int, enable_metrics: bool = F
         backend.sparse_working_set = WorkingSetSource(runner.ws, int(runner.block_size), int(config.min_context))
     backend._psa_metrics = PsaMetrics() if enable_metrics else None
     backend.sparse_stats = PsaStats()
+    backend.sparse_stock_graphs = bool(config.stock_graphs)  # sglang_sparse.graph_variants
     backend.sparse_installed_mode = "psa"
     return backend

@@ -116,11 +116,15 @@ def _apply_mode_requirements(args, ctx: SparseContext) -> None:
     psa on CUDA: the page is the PSA block, so ``--page-size`` defaults to ``block_size`` (another
     explicit page size is refused); prefill CUDA graphs are off (the block-metadata update after an
     extend takes a host bound); decode graphs stay on unless the config's ``cuda_graph`` is false.
+    samkv on CUDA: overlap scheduler and prefill CUDA graphs off (:func:`_samkv_requirements`).
     """
     if ctx.mode == "samkv" and getattr(args, "disable_radix_cache", False):
         raise SparseConfigError("--sparse samkv keeps each document's KV in the radix cache: it cannot be used "
                                 "with --disable-radix-cache (every documents request would fall back to dense)")
     if _device_type(args.device) != "cuda":
+        return
+    if ctx.mode == "samkv":
+        _samkv_requirements(args)
         return
     if ctx.mode in ("loopserve", "lastwindow"):
         if not args.disable_prefill_cuda_graph:
@@ -152,6 +156,21 @@ def _apply_mode_requirements(args, ctx: SparseContext) -> None:
     if not ctx.config.cuda_graph and not args.disable_cuda_graph:
         log.info("sglang-sparse psa: CUDA graphs disabled (--sparse-config cuda_graph=false)")
         args.disable_cuda_graph = True
+
+
+def _samkv_requirements(args) -> None:
+    """samkv on CUDA: the documents' assembly writes the KV pool (copy, RoPE shift, recompute) from the
+    scheduler between forwards, so it runs with the overlap scheduler and prefill CUDA graphs off: the
+    assembly then never runs beside an in-flight forward, and the composite's tail is prefilled eagerly."""
+    import logging
+
+    log = logging.getLogger("sglang_sparse")
+    if not getattr(args, "disable_overlap_schedule", True):
+        log.info("sglang-sparse samkv: overlap scheduler disabled (the assembly writes the KV pool between forwards)")
+        args.disable_overlap_schedule = True
+    if not getattr(args, "disable_prefill_cuda_graph", True):
+        log.info("sglang-sparse samkv: prefill CUDA graphs disabled for this mode")
+        args.disable_prefill_cuda_graph = True
 
 
 def _device_type(device: Optional[str]) -> str:

@@ -45,9 +45,8 @@ def test_sampled_rows_reach_alpha():
     assert sampled >= LoopServeConfig().alpha
 
 
-@pytest.mark.xfail(strict=True, reason="issue 24: at the default alpha (0.955) the unsampled fact rows keep only "
-                   "0.86 of their mass (worst row 0.58); not fixed in the selection yet")
 def test_fact_rows_keep_their_attention_at_default_alpha():
+    """At 0.955 (the earlier default) the unsampled fact rows kept only 0.86 of their mass (worst row 0.58)."""
     _, mean, worst = _fact_row_coverage(LoopServeConfig().alpha)
     assert mean >= FACT_ROWS_MIN_COVERAGE, (mean, worst)
 

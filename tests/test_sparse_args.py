@@ -108,7 +108,7 @@ def test_mode_configs_are_frozen_and_fill_defaults():
     assert cfg.epsilon == 1.0 and isinstance(cfg.epsilon, float) and cfg.micro_batch_blocks == 8
     with pytest.raises(Exception):
         cfg.epsilon = 0.5  # frozen
-    assert json.loads(LoopServeConfig.from_dict({}).to_json())["alpha"] == 0.955
+    assert json.loads(LoopServeConfig.from_dict({}).to_json())["alpha"] == 0.99
 
 
 def test_registry_lists_implemented_modes_and_every_config_matches_its_mode():

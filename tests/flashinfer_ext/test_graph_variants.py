@@ -68,7 +68,7 @@ def test_the_stock_variant_captures_the_stock_decode(stock_capture):
 
 def test_gate_and_variant_hooks_pick_the_recorded_graph():
     answers = {"steady": "sparse", "short": "dense", "selecting": None}
-    backend = SimpleNamespace(sparse_graph_variant=lambda fb, peek=False: answers[fb])
+    backend = SimpleNamespace(sparse_graph_variant=lambda fb, peek=False: answers[fb], sparse_stock_graphs=True)
     dual = SimpleNamespace(model_runner=SimpleNamespace(attn_backend=backend, server_args=SimpleNamespace()))
     single = SimpleNamespace(model_runner=dual.model_runner)
     seen = []
@@ -85,6 +85,11 @@ def test_gate_and_variant_hooks_pick_the_recorded_graph():
                                                         server_args=SimpleNamespace(enable_lora=True)))
     graph_variants.capture_hook(lambda r: None, lora)
     assert not graph_variants.dual_capture(lora)
+    # and a mode configured without stock graphs ("stock_graphs": false) records its sparse graphs only
+    off = SimpleNamespace(model_runner=SimpleNamespace(attn_backend=SimpleNamespace(
+        sparse_graph_variant=backend.sparse_graph_variant, sparse_stock_graphs=False), server_args=SimpleNamespace()))
+    graph_variants.capture_hook(lambda r: None, off)
+    assert not graph_variants.dual_capture(off)
 
 
 def test_psa_variant_follows_min_context_and_epsilon():
