@@ -146,6 +146,8 @@ class LoopServeGraphs:
             if r.dec is not None:
                 raise RuntimeError("sglang-sparse loopserve: a stock-graph step planned a sparse row")
             self.dense_replays += 1
+            if self.stats is not None:
+                self.stats.dense_graph_steps += 1
             return
         r.planning_for_graph = True
         try:

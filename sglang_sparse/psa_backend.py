@@ -68,6 +68,7 @@ class PsaDecodeMixin:
         if not in_capture:
             self.sparse_stats.sparse_decode_steps += int(not dense)
             self.sparse_stats.dense_decode_steps += int(dense)
+            self.sparse_stats.dense_graph_steps += int(dense)
             if self._psa_metrics is not None:
                 (self._psa_metrics.dense_steps if dense else self._psa_metrics.sparse_steps).inc()
 

@@ -37,6 +37,7 @@ class PsaStats:
 
     sparse_decode_steps: int = 0   # decode batches with at least one PSA-sparse row
     dense_decode_steps: int = 0    # decode batches entirely below min_context (stock dense path)
+    dense_graph_steps: int = 0     # of those, replayed from SGLang's stock decode graph
     sparse_rows: int = 0           # (request, decode step) pairs decoded sparsely
     blocks_read: int = 0           # sum over layers, sparse rows, KV heads
     blocks_total: int = 0          # what dense attention would have read for the same

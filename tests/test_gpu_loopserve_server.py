@@ -150,3 +150,19 @@ def test_gpu_loopserve_graph_replay_gives_the_eager_output(gpu_servers, graph_se
     time.sleep(3)
     text = (d / "loopserve_graph.log").read_text(errors="replace").lower()
     assert "leak" not in text and "traceback" not in text
+
+
+def test_gpu_loopserve_short_requests_replay_the_stock_graph(gpu_servers, graph_server):
+    """A request below min_context has no sparse row: its decode steps replay SGLang's stock graph (recorded
+    beside the sparse one, sglang_sparse.graph_variants) and its text equals the eager dense server's."""
+    dense, _, _ = gpu_servers
+    server, _ = graph_server
+    stats = lambda: server.server_info()["internal_states"][0]["sparse"]["stats"]  # noqa: E731
+    before = stats()
+    want = chat(dense, PROMPT, 32, ignore_eos=True)
+    got = chat(server, PROMPT, 32, ignore_eos=True)
+    assert got["usage"]["prompt_tokens"] < MIN_CONTEXT
+    assert got["choices"][0]["message"]["content"] == want["choices"][0]["message"]["content"]
+    after = stats()
+    assert after["dense_graph_steps"] - before["dense_graph_steps"] == 31
+    assert after["graph_decode_steps"] == before["graph_decode_steps"]

@@ -145,3 +145,18 @@ def test_gpu_psa_request_crossing_min_context_during_decode_turns_sparse(gpu_ser
     # on the H100 they diverged after ~40 tokens of rambling once
     first = lambda r: r["choices"][0]["message"]["content"].strip().split("\n")[0]  # noqa: E731
     assert first(a) == first(b) and "4817" in first(a)
+
+
+def test_gpu_psa_short_requests_replay_the_stock_graph(gpu_servers):
+    """A batch entirely below min_context replays SGLang's stock decode graph (sglang_sparse.graph_variants),
+    not an eager decode, and its text equals the dense server's."""
+    dense, graph, _, _ = gpu_servers
+    stats = lambda: graph.server_info()["internal_states"][0]["sparse"]["stats"]  # noqa: E731
+    before = stats()
+    want = chat(dense, PROMPT[0]["content"], 32, ignore_eos=True)
+    got = chat(graph, PROMPT[0]["content"], 32, ignore_eos=True)
+    assert got["usage"]["prompt_tokens"] < MIN_CONTEXT
+    assert got["choices"][0]["message"]["content"] == want["choices"][0]["message"]["content"]
+    after = stats()
+    assert after["dense_graph_steps"] - before["dense_graph_steps"] == 31
+    assert after["sparse_decode_steps"] == before["sparse_decode_steps"]
