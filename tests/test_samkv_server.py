@@ -265,3 +265,28 @@ def test_evicted_documents_fall_back_to_dense_then_are_prefilled_again(samkv_ser
     assert again["documents_prefilled"] == 2 and again["assembled"]
     text = log.read_text(errors="replace").lower()
     assert "traceback" not in text and "leak" not in text
+
+
+def test_rag_bench_scores_every_variant_against_the_stock_inline_prompt(samkv_server, tmp_path):
+    """``bench.samkv_rag`` on the real server: every variant and the stock inline prompt answer the same task;
+    the TTFT set times samkv, stock inline and recompute; the headline keys land in samkv.json."""
+    import json
+
+    from bench import samkv_rag as R
+
+    server, _ = samkv_server
+    flush_cache(server)
+    acc = R.run_accuracy(server.url, R.SMOKE, log=lambda *_: None)
+    assert acc["n"] == 1 and set(acc["accuracy"]) == {"stock_inline", "recompute", "samkv"}
+    assert all(0.0 <= v <= 1.0 for v in acc["accuracy"].values())
+    assert acc["rows"][0]["samkv_status"] in ("assembled", "too_short", "fallback")
+    tt = R.run_ttft(server.url, R.SMOKE, log=lambda *_: None)
+    assert set(tt["ttft_median_s"]) == {"samkv", "stock_inline", "recompute"} and tt["ttft_ratio_vs_stock_inline"] > 0
+    inline = tt["rows"][0]["samkv_phases"][0]
+    assert inline["stock_inline_cached_tokens"] < inline["stock_inline_prompt_tokens"] / 2  # documents not cached
+    head = tmp_path / "samkv.json"
+    head.write_text(json.dumps({"ttft_ratio_vs_recompute": 0.5}))
+    got = R.merge_headline(head, {"accuracy_set": acc, "ttft_set": tt}, R.SMOKE)
+    assert got["baseline"] == "stock_inline" and got["ttft_ratio_vs_recompute"] == 0.5
+    assert got["accuracy_delta_vs_stock_inline"] == acc["delta_vs_stock_inline_points"]["samkv"]
+    assert got["ttft_ratio_vs_stock_inline"] == tt["ttft_ratio_vs_stock_inline"]

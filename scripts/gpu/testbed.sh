@@ -4,11 +4,12 @@
 #
 #   bash scripts/gpu/testbed.sh needle   # testbed folders (32k, 64k) + dense needle table by length and depth
 #   bash scripts/gpu/testbed.sh long     # `long` preset: off + every mode at defaults, servers side by side
+#   bash scripts/gpu/testbed.sh samkv    # bench.samkv_rag: every variant vs the stock inline prompt, TTFT 8 x 3k
 #   bash scripts/gpu/testbed.sh e2e      # bench.load grid: 4k/16k/32k x concurrency 1/8/32, off + every mode
 #
 # Reports go to /tmp/testbed/<part>/ and come back packed as $OUT/<part>.tgz.
 set -uo pipefail
-part=${1:?usage: testbed.sh needle|long|e2e}
+part=${1:?usage: testbed.sh needle|long|samkv|e2e}
 out=${OUT:-$PWD/gpu_out}
 R=/tmp/testbed/$part
 mkdir -p "$out" "$R"
@@ -52,6 +53,12 @@ case $part in
         --python python3 --model $M32 --port 30000 --out "$R/long" --server-args "$SARGS"
     step long_report python3 -m bench.report_long --run "$R/long" --json "$R/fidelity_long.json" \
         --psa-json "$R/psa_fidelity.json" --loopserve-json "$R/loopserve_fidelity.json"
+    ;;
+  samkv)
+    cp bench/results/samkv.json "$R/samkv.json" 2>/dev/null || true
+    step samkv_rag timeout -k 20 "${SAMKV_TIMEOUT:-420}" python3 -m bench.samkv_rag --launch --device cuda \
+        --python python3 --model $M32 --port 30020 --server-args "$SARGS" --out "$R" --headline "$R/samkv.json" \
+        --tasks "${SAMKV_TASKS:-20}" --time-budget "${SAMKV_TASK_BUDGET:-240}"
     ;;
   e2e)
     step e2e timeout -k 20 "${E2E_TIMEOUT:-560}" python3 -m bench.load --device cuda --python python3 --model $M32 \
