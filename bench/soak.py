@@ -45,7 +45,9 @@ from bench.soak_observe import last_half_slope, leak_check, metrics_report, samp
 
 ALLOWED_HOSTS = ("127.0.0.1",)
 KINDS = ("chat", "rag", "stream", "knob", "bad")
-WEIGHTS = (0.35, 0.3, 0.2, 0.1, 0.05)
+# item i has kind CYCLE[i % 20]: 7 chat, 6 rag, 4 stream, 2 knob, 1 bad, every kind within the first 5 items
+CYCLE = ("rag", "chat", "stream", "knob", "bad", "chat", "rag", "stream", "chat", "rag",
+         "chat", "rag", "stream", "knob", "chat", "rag", "chat", "stream", "rag", "chat")
 ANIMALS = ("heron", "otter", "lynx", "badger", "falcon", "marten", "ibis", "newt", "yak", "wren")
 COLOURS = ("blue", "red", "amber", "green", "grey", "violet", "white", "black")
 
@@ -104,7 +106,7 @@ class Workload:
 
     def item(self, i: int) -> dict:
         rng = random.Random(f"{self.cfg.seed}-{i}")
-        kind = rng.choices(KINDS, WEIGHTS)[0]
+        kind = CYCLE[i % len(CYCLE)]
         item = {"id": i, "kind": kind}
         if kind == "rag":
             salt = rng.choice(sorted(self.private))
@@ -149,7 +151,8 @@ class Stats:
     def __init__(self):
         self.lock = threading.Lock()
         self.c = {k: 0 for k in ("sent", "completed", "aborted", "failed", "rejected_as_expected",
-                                 "http_4xx", "http_5xx", "facts_checked", "wrong")}
+                                 "http_4xx", "http_5xx", "facts_checked", "wrong", "documents_requests_served")}
+        self.kinds = {k: 0 for k in KINDS}
         self.facts: dict[str, bool] = {}
         self.errors: list[str] = []
         self.wrong_replies: list[dict] = []
@@ -158,6 +161,10 @@ class Stats:
         with self.lock:
             for k, v in kw.items():
                 self.c[k] += v
+
+    def add_kind(self, kind: str):
+        with self.lock:
+            self.kinds[kind] += 1
 
     def fail(self, what: str, status: int | None = None):
         with self.lock:
@@ -202,11 +209,13 @@ class Driver:
             self.stats.fail(f"chat: HTTP {r.status_code}: {r.text}", r.status_code)
             return None
         try:
-            reply = r.json()["choices"][0]["message"]["content"] or ""
+            body = r.json()
+            reply = body["choices"][0]["message"]["content"] or ""
         except (ValueError, KeyError, IndexError, TypeError) as e:
             self.stats.fail(f"chat: bad response ({e}): {r.text}")
             return None
-        self.stats.add(completed=1)
+        served = "documents" in extra and ((body.get("metadata") or {}).get("sparse") or {}).get("mode") == "samkv"
+        self.stats.add(completed=1, documents_requests_served=int(served))
         return reply
 
     @staticmethod
@@ -228,6 +237,7 @@ class Driver:
                                                  "reply": reply[:200]})
 
     def run(self, item: dict) -> None:
+        self.stats.add_kind(item["kind"])
         try:
             getattr(self, "kind_" + item["kind"])(item)
         except OutOfBudget:
@@ -349,7 +359,7 @@ def run_soak(cfg: SoakConfig, reference: dict | None = None, log=print) -> dict:
     if final:
         samples.append(final)
     c = dict(stats.c)
-    report = {"mode": mode, "url": cfg.url, "config": asdict(cfg), "items": i, "elapsed_s": round(elapsed, 1),
+    report = {"mode": mode, "url": cfg.url, "config": asdict(cfg), "items": i, "items_by_kind": stats.kinds, "elapsed_s": round(elapsed, 1),
               **c, "errors": stats.errors, "facts": stats.facts,
               "rss": {"samples": samples, "slope_mb_per_1k_requests": last_half_slope(samples)} if samples
               else {"skipped": "no --server-pid"},

@@ -37,7 +37,7 @@ def test_workload_is_the_same_in_every_run_and_mixes_every_kind():
     a, b = soak.Workload(soak.SoakConfig(seed=3)), soak.Workload(soak.SoakConfig(seed=3))
     items = [a.item(i) for i in range(200)]
     assert items == [b.item(i) for i in range(200)]
-    assert {it["kind"] for it in items} == set(soak.KINDS)
+    assert {it["kind"] for it in items[:5]} == set(soak.KINDS)
     rag = [it for it in items if it["kind"] == "rag"]
     assert len({it["salt"] for it in rag}) == 3
     for it in items:
@@ -72,23 +72,32 @@ def test_slope_and_metrics_and_reference_comparison():
     assert soak.wrong_vs(None, {"1": False}) is None
 
 
-def test_short_soak_on_a_launched_cpu_server(default_model, tmp_path):
+def test_short_soak_on_launched_cpu_servers_off_then_samkv(default_model, tmp_path):
     out = tmp_path / "soak.json"
-    rc = soak.main(["--launch", "off", "--model", str(default_model), "--requests", "16", "--concurrency", "2",
+    rc = soak.main(["--launch", "samkv,off", "--model", str(default_model), "--requests", "16", "--concurrency", "2",
                     "--turn-words", "120", "--max-tokens", "8", "--sample-every", "4", "--time-budget", "300",
                     "--log-dir", str(tmp_path), "--out", str(out)])
     assert rc == 0
     report = json.loads(out.read_text())
-    r = report["modes"]["off"]
+    assert list(report["modes"]) == ["off", "samkv"]  # off first: the reference of the others
+    for mode, r in report["modes"].items():
+        _check_short_run(mode, r, tmp_path)
+    assert report["modes"]["off"]["documents_requests_served"] == 0
+    assert report["modes"]["samkv"]["documents_requests_served"] >= 1  # rag items went through the documents API
+    assert report["modes"]["samkv"]["wrong_vs_off"] is not None
+
+
+def _check_short_run(mode: str, r: dict, tmp_path: Path) -> None:
     assert "error" not in r, r.get("error")
+    assert r["mode"] == mode and all(n > 0 for n in r["items_by_kind"].values()), r["items_by_kind"]
     assert r["sent"] == 16, r  # the request bound holds exactly
     assert r["failed"] == 0 and r["http_5xx"] == 0, r["errors"]
     assert r["completed"] + r["aborted"] + r["rejected_as_expected"] == r["sent"]
-    assert r["facts_checked"] >= 1 and r["wrong_vs_off"] == 0
+    assert r["facts_checked"] >= 1 and (mode != "off" or r["wrong_vs_off"] == 0)
     assert len(r["rss"]["samples"]) >= 3 and all(s["rss_mb"] > 0 for s in r["rss"]["samples"])
     assert r["rss"]["slope_mb_per_1k_requests"] is not None
     assert r["metrics"]["enabled"] and r["metrics"]["consistent"], r["metrics"]
     assert r["idle_leak_check"] == "silent"
     pid = r["config"]["server_pid"]
     assert pid and not process_tree(pid) and not Path(f"/proc/{pid}").exists()  # stopped by its group
-    assert (tmp_path / "soak_server_off.log").is_file() and os.path.getsize(tmp_path / "soak_server_off.log") > 0
+    assert os.path.getsize(tmp_path / f"soak_server_{mode}.log") > 0
