@@ -85,7 +85,7 @@ def normalize_request_options(mode: str, config: SparseConfig, custom_params: An
         if not math.isfinite(value) or not (opt.lo < value <= opt.hi):
             raise RequestParamsError(f"{where} is out of range: expected {kind} in {allowed} ({opt.doc})")
         if opt.integer and not float(value).is_integer():
-            raise RequestParamsError(f"{where} must be an integer in {allowed}, got a fraction ({opt.doc})")
+            raise RequestParamsError(f"{where} is not an integer: expected an integer in {allowed} ({opt.doc})")
         value = int(value) if opt.integer else float(value)
         if opt.floor_field is not None:
             value = max(value, type(value)(getattr(config, opt.floor_field)))
