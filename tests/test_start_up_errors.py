@@ -103,3 +103,20 @@ def test_request_knob_wrong_type_is_not_called_out_of_range(mode, cfg, raw, mess
         normalize_request_options(mode, cfg, {"sparse": raw})
     assert f"custom_params.sparse.{message}" in str(exc.value)
     assert "e+" not in str(exc.value)
+
+
+def test_launch_server_process_exits_2_with_one_error_line_for_an_even_pool_kernel():
+    """The real entry point, in its own process: exit 2 before the model loads, no traceback."""
+    import subprocess
+    import sys
+
+    from tests.serverproc import server_env
+
+    proc = subprocess.run([sys.executable, "-m", "sglang.launch_server", "--model-path", str(DEFAULT_MODEL),
+                           "--device", "cpu", "--sparse", "lastwindow", "--sparse-config", '{"pool_kernel": 4}'],
+                          capture_output=True, text=True, timeout=300, env=server_env())
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    ours = [line for line in proc.stderr.splitlines()
+            if line.strip() and "warn" not in line.lower() and not line.startswith("  Example:")]
+    assert ours == ["sglang: error: --sparse-config: field 'pool_kernel' of mode 'lastwindow' = 4 is not allowed; "
+                    "allowed: an odd integer in [1, 63]"], proc.stderr[-3000:]
