@@ -359,8 +359,8 @@ def run_soak(cfg: SoakConfig, reference: dict | None = None, log=print) -> dict:
     if final:
         samples.append(final)
     c = dict(stats.c)
-    report = {"mode": mode, "url": cfg.url, "config": asdict(cfg), "items": i, "items_by_kind": stats.kinds, "elapsed_s": round(elapsed, 1),
-              **c, "errors": stats.errors, "facts": stats.facts,
+    report = {"mode": mode, "url": cfg.url, "config": asdict(cfg), "items": i, "items_by_kind": stats.kinds,
+              "elapsed_s": round(elapsed, 1), **c, "errors": stats.errors, "facts": stats.facts,
               "rss": {"samples": samples, "slope_mb_per_1k_requests": last_half_slope(samples)} if samples
               else {"skipped": "no --server-pid"},
               "metrics": metrics_report(before, after, c, mode),
