@@ -95,7 +95,8 @@ def test_config_wrong_type_names_the_type_and_ranges_print_integers(cls, raw, me
     ("psa", PsaConfig(), {"epsilon": 0}, "epsilon = 0 is out of range: expected a number in (0, 1]"),
     ("loopserve", LoopServeConfig(), {"budget": "512"},
      "budget = '512' must be an integer in [1, 16777216], got string"),
-    ("loopserve", LoopServeConfig(), {"budget": 1.5}, "budget = 1.5 is not an integer: expected an integer in [1, 16777216]"),
+    ("loopserve", LoopServeConfig(), {"budget": 1.5},
+     "budget = 1.5 is not an integer: expected an integer in [1, 16777216]"),
     ("loopserve", LoopServeConfig(), {"budget": 0}, "budget = 0 is out of range: expected an integer in [1, 16777216]"),
 ], ids=["eps-str", "eps-null", "eps-bool", "eps-0", "budget-str", "budget-frac", "budget-0"])
 def test_request_knob_wrong_type_is_not_called_out_of_range(mode, cfg, raw, message):
