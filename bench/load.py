@@ -185,17 +185,31 @@ def load_accuracy(path: str | None) -> dict:
                                            .items() if isinstance(v, dict) and v.get("accuracy_ratio_by_length")}}
 
 
+def pool_limited(pools: dict, modes, concurrency, input_len, output_len) -> list[str]:
+    """The servers among ``modes`` whose KV pool cannot hold the cell's ``concurrency`` requests at once: their
+    figures measure queueing for KV memory, not the attention path, so the cell's ratios are left out."""
+    if not concurrency or not input_len:
+        return []
+    need = int(concurrency) * (int(input_len) + int(output_len or 0))
+    return [m for m in modes if isinstance(pools.get(m), int) and pools[m] < need]
+
+
 def e2e_json(summary: dict) -> dict:
-    """The ``e2e_long.json`` document: per mode and cell, the ratios vs off plus the absolute figures."""
+    """The ``e2e_long.json`` document: per mode and cell, the ratios vs off plus the absolute figures (no ratios
+    where a KV pool was too small for the cell: :func:`pool_limited`)."""
     meta, grid, results = summary["meta"], summary["grid"], summary["results"]
     base = results.get("off", {})
     acc = (summary.get("accuracy") or {}).get("modes") or {}
+    pools = {m: s.get("pool_tokens") for m, s in ((summary.get("servers") or {}).get("per_mode") or {}).items()}
     modes = {}
     for m, cells in results.items():
         row = {}
         for key, r in cells.items():
             b = base.get(key) or {}
-            cell = {name: _ratio(r.get(k), b.get(k)) for name, k in RATIOS}
+            limited = pool_limited(pools, (m, "off"), r.get("concurrency"), r.get("input_len"), grid.get("output_len"))
+            cell = {name: None if limited else _ratio(r.get(k), b.get(k)) for name, k in RATIOS}
+            if limited:
+                cell["kv_pool_limited"] = limited
             cell.update({"input_len": r.get("input_len"), "concurrency": r.get("concurrency"),
                          "num_prompts": r.get("num_prompts"), "completed": r.get("completed"),
                          "output_throughput_tok_s": r.get("output_throughput"), "mean_ttft_ms": r.get("mean_ttft_ms"),
@@ -270,13 +284,17 @@ def write_report(out: Path, summary: dict, e2e_path: Path | None = None, plot: b
                 if not r:
                     continue
                 row = [m, lc.input_label(n), str(c), f"{r.get('completed')}/{r.get('num_prompts', '?')}",
-                       _fmt(r.get("output_throughput")), _fmt(x["throughput_ratio_vs_off"], 2),
+                       _fmt(r.get("output_throughput")),
+                       _fmt(x["throughput_ratio_vs_off"], 2) if not x.get("kv_pool_limited")
+                       else "n/a (KV pool of " + ", ".join(x["kv_pool_limited"]) + ")",
                        _fmt(r.get("mean_ttft_ms")), _fmt(r.get("median_ttft_ms")), _fmt(x["ttft_ratio_vs_off"], 2),
                        _fmt(r.get("mean_tpot_ms"), 2), _fmt(x["tpot_ratio_vs_off"], 2)]
                 md.append("| " + " | ".join(row + ([_acc_cell(acc.get(m), n)] if acc else [])) + " |")
     md += ["", "Ratios are mode / off of the same cell (throughput: > 1 is better; TTFT, TPOT: < 1 is better). "
            "TTFT = first streamed token - request start; TPOT = (last token - first token) / (tokens - 1); "
-           "output tok/s = completion tokens of the cell / its wall time."]
+           "output tok/s = completion tokens of the cell / its wall time. A cell whose concurrency x (input + "
+           "output) exceeds the KV pool of the mode or of off has no ratios (`kv_pool_limited` in the JSON): its "
+           "requests queue for KV memory."]
     if acc:
         md += ["", f"## Accuracy ratio by length (from `{summary['accuracy']['source']}`)", ""]
         md += [f"- `{m}`: " + ", ".join(f"{k} {_fmt(v, 2) if isinstance(v, (int, float)) else v}"

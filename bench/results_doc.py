@@ -78,6 +78,10 @@ def e2e_section(e2e: dict | None) -> list[str]:
         for key, c in cells.items():
             if not isinstance(c, dict) or "throughput_ratio_vs_off" not in c:
                 continue
+            if c.get("kv_pool_limited"):  # requests queued for KV memory: no comparison
+                lim = "KV pool of " + ", ".join(c["kv_pool_limited"]) + " too small"
+                rows.append([mode, key, lim, "-", "-", _f(c.get("output_throughput_tok_s"), 0)])
+                continue
             rows.append([mode, key, _f(c.get("throughput_ratio_vs_off")), _f(c.get("ttft_ratio_vs_off")),
                          _f(c.get("tpot_ratio_vs_off")), _f(c.get("output_throughput_tok_s"), 0)])
     md += _table(["mode", "input_concurrency", "throughput", "TTFT", "TPOT", "mode tok/s"], rows)
@@ -118,7 +122,17 @@ def samkv_section(s: dict | None) -> list[str]:
     keys = ("baseline", "accuracy_delta_vs_stock_inline", "ttft_ratio_vs_stock_inline", "accuracy_delta_vs_recompute",
             "ttft_ratio_vs_recompute", "kv_kept_ratio")
     rows = [[k, _f(s.get(k)) if not isinstance(s.get(k), str) else s.get(k)] for k in keys if k in s]
-    return md + _table(["figure", "value"], rows) + ["", f"GPU: {s.get('gpu')}; model: {s.get('model')}.", ""]
+    md += _table(["figure", "value"], rows)
+    src = s.get("figure_sources") or {}
+    md += [""] + [f"- `{k}`: {src[k]}" for k in keys if src.get(k)]
+    v = s.get("accuracy_vs_stock_inline")
+    if v:
+        md += ["", f"Every variant against the stock inline prompt, same server, {v.get('tasks')} RAG tasks "
+               f"(documents API kept {_f(v.get('kv_kept_ratio'))} of the document KV under `samkv`):", ""]
+        rows = [[k, _f(a), _f((v.get("delta_points") or {}).get(k), 1),
+                 str((v.get("delta_ci95_points") or {}).get(k) or "-")] for k, a in (v.get("accuracy") or {}).items()]
+        md += _table(["request", "accuracy", "delta vs stock inline (points)", "paired 95 % interval"], rows)
+    return md + ["", f"GPU: {s.get('gpu')}.", ""]
 
 
 def build(results: Path) -> str:

@@ -80,3 +80,24 @@ def test_e2e_json_and_rerender(load_run, tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     assert json.loads(again.read_text()) == doc
     assert (tmp_path / "re" / "load_report.md").read_text().count("| lastwindow |") == len(LENS) * len(CONC)
+
+
+def test_cells_that_overflow_a_kv_pool_get_no_ratios():
+    """A cell whose concurrent requests do not fit the KV pool of the mode or of off measures queueing for
+    memory: e2e_long.json keeps its figures but no ratios, and names the server."""
+    from bench.load import e2e_json, pool_limited
+
+    pools = {"off": 38468, "psa": 1053696}
+    assert pool_limited(pools, ("psa", "off"), 1, 32000, 256) == []
+    assert pool_limited(pools, ("psa", "off"), 8, 4096, 256) == []        # 34816 tokens fit off's pool
+    assert pool_limited(pools, ("psa", "off"), 32, 4096, 256) == ["off"]
+    cell = {"input_len": 4096, "concurrency": 32, "num_prompts": 64, "completed": 64, "output_throughput": 100.0,
+            "mean_ttft_ms": 10.0, "median_ttft_ms": 10.0, "mean_tpot_ms": 1.0, "median_tpot_ms": 1.0}
+    summary = {"meta": {"model": "m"}, "grid": {"output_len": 256, "client": "fast"},
+               "servers": {"per_mode": {m: {"pool_tokens": p} for m, p in pools.items()}},
+               "results": {"off": {"4k_c32": dict(cell)}, "psa": {"4k_c32": dict(cell, output_throughput=200.0)}}}
+    got = e2e_json(summary)["modes"]["psa"]["4k_c32"]
+    assert got["kv_pool_limited"] == ["off"] and got["throughput_ratio_vs_off"] is None
+    assert got["output_throughput_tok_s"] == 200.0
+    summary["servers"]["per_mode"]["off"]["pool_tokens"] = 10 ** 6
+    assert e2e_json(summary)["modes"]["psa"]["4k_c32"]["throughput_ratio_vs_off"] == 2.0
