@@ -158,5 +158,6 @@ def test_gpu_psa_short_requests_replay_the_stock_graph(gpu_servers):
     assert got["usage"]["prompt_tokens"] < MIN_CONTEXT
     assert got["choices"][0]["message"]["content"] == want["choices"][0]["message"]["content"]
     after = stats()
-    assert after["dense_graph_steps"] - before["dense_graph_steps"] == 31
+    # 31 decode steps after the prefill's token; the overlap scheduler may launch one more before it sees the end
+    assert after["dense_graph_steps"] - before["dense_graph_steps"] in (31, 32)
     assert after["sparse_decode_steps"] == before["sparse_decode_steps"]
