@@ -283,7 +283,8 @@ def main() -> None:
     ap.add_argument("--no-e2e", action="store_true")
     ap.add_argument("--variants", default="cuboid_rank,default",
                     help="cuboid_rank = ranking by the cuboid bound (before the fix); default = the defaults; "
-                         "paper, sum_paper, mean_paper, dense")
+                         "paper, sum_paper, mean_paper, dense, mean_est (the 'mean' estimator), mean_est4 (its "
+                         "calib_slack 4)")
     a = ap.parse_args()
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     out = Path(a.out)
@@ -295,7 +296,10 @@ def main() -> None:
                 "sum_paper": dataclasses.replace(base, estimator="paper", group_reduce="sum"),
                 "dense": dataclasses.replace(base, epsilon=1.0),
                 "mean_paper": dataclasses.replace(base, estimator="paper", criticality="mean"),
-                "cuboid_rank": dataclasses.replace(base, rank_by="criticality")}
+                "cuboid_rank": dataclasses.replace(base, rank_by="criticality"),
+                "mean_est": dataclasses.replace(base, criticality="mean", estimator="mean"),
+                "mean_est4": dataclasses.replace(base, criticality="mean", estimator="mean", calib_slack=4.0),
+                "mean_est0": dataclasses.replace(base, criticality="mean", estimator="mean", calib_slack=0.0)}
     summary = {"tokens": a.tokens, "config": dataclasses.asdict(base), "runs": []}
     for case in a.cases.split(","):
         seed, depth = int(case.split(":")[0]), float(case.split(":")[1])

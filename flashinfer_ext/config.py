@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 __all__ = ["PsaDecodeConfig", "ESTIMATORS"]
 
-ESTIMATORS = ("paper", "bound", "calibrated")
+ESTIMATORS = ("paper", "bound", "calibrated", "mean")
 
 
 def _is_pow2(n: int) -> bool:
@@ -57,7 +57,12 @@ class PsaDecodeConfig:
     bound: kept mass >= epsilon guaranteed, but the cuboid bound is loose, so it reads nearly
     everything), 'calibrated' = that bound times 2^min(0, delta + calib_slack), delta = the
     largest log2(true block mass / block bound) seen among the ranked blocks read so far
-    (per query head). 'bound' and 'calibrated' need criticality 'cuboid' and group_reduce 'max'."""
+    (per query head). 'bound' and 'calibrated' need criticality 'cuboid' and group_reduce 'max'.
+    'mean' = sum over unread blocks of block_size * 2^(scale * q . mean key) (the group max; an estimate,
+    below the block's true mass by its within-block spread) times 2^(gamma + calib_slack), gamma = the
+    largest log2(true block mass / that estimate) among the ranked blocks read so far (calib_slack alone while
+    none); needs criticality 'mean' and group_reduce 'max'. Not a bound: a block whose mean key misses q but
+    one of whose keys matches it is under-estimated unless read blocks showed such spread."""
     calib_slack: float = 2.0
     """log2 safety factor added to the observed bound tightness of the 'calibrated' estimator."""
     chunk_growth: int = 16
@@ -93,7 +98,11 @@ class PsaDecodeConfig:
             raise bad("rank_by", "one of 'criticality', 'mean'")
         if self.estimator not in ESTIMATORS:
             raise bad("estimator", "one of " + ", ".join(repr(e) for e in ESTIMATORS))
-        if self.estimator != "paper" and (self.criticality != "cuboid" or self.group_reduce != "max"):
+        if self.estimator == "mean" and (self.criticality != "mean" or self.group_reduce != "max"):
+            raise ValueError(f"PsaDecodeConfig.estimator='mean' needs criticality='mean' and group_reduce='max' "
+                             f"(it estimates unread blocks from q . mean key); got criticality={self.criticality!r}, "
+                             f"group_reduce={self.group_reduce!r}")
+        if self.estimator in ("bound", "calibrated") and (self.criticality != "cuboid" or self.group_reduce != "max"):
             raise ValueError(f"PsaDecodeConfig.estimator={self.estimator!r} needs criticality='cuboid' and "
                              f"group_reduce='max' (the score must bound every key of the group); got "
                              f"criticality={self.criticality!r}, group_reduce={self.group_reduce!r}")

@@ -142,7 +142,8 @@ def progressive_decode_reference(q, k_buffer, v_buffer, req_to_token, req_pool_i
     read, N_left = n_blocks - read); 'bound' U(read) (:func:`bound_suffix_reference` of
     ``sorted_scores`` ``[batch, num_kv_heads, >= L]``, the cuboid scores in rank order); 'calibrated'
     U(read) * 2^min(0, delta + calib_slack) with delta = max over ranked blocks read of
-    log2(block mass) - log2(block_size * exp(sm_scale * score)) (0 while none). The pair stops once
+    log2(block mass) - log2(block_size * exp(sm_scale * score)) (0 while none); 'mean' (scores = q . mean key)
+    U(read) * 2^(delta + calib_slack), not clamped (delta 0 while none). The pair stops once
     every head has ``AS_acc / (AS_acc + R) >= epsilon``, or at the end of its list / context.
     Returns ``(o fp32 [batch, num_qo_heads, head_dim], lse base 2 [batch, num_qo_heads], nread
     [batch, num_kv_heads])`` and, with ``return_kept_est``, ``kept_est [batch, num_kv_heads]`` (the
@@ -202,6 +203,8 @@ def progressive_decode_reference(q, k_buffer, v_buffer, req_to_token, req_pool_i
                     if estimator == "calibrated":
                         rem = rem + torch.where(dmax == float("-inf"), torch.zeros_like(dmax),
                                                 torch.clamp(dmax + calib_slack, max=0.0))
+                    elif estimator == "mean":  # an estimate: raised by the largest gap seen, never clamped
+                        rem = rem + torch.where(dmax == float("-inf"), torch.zeros_like(dmax), dmax) + calib_slack
                 p = torch.exp2(lse_acc - torch.logaddexp2(lse_acc, rem))
                 est = float(torch.nan_to_num(p, nan=0.0).min())
                 if n_left <= 0 or cur >= len(lst):

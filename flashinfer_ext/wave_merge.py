@@ -14,6 +14,8 @@ with ``R`` from the configured estimator:
   * ``calibrated``: R = U(e) * 2^min(0, delta + calib_slack), delta = max over the ranked blocks
                     read so far of log2(true block mass / its bound) (bound used as is while no
                     ranked block was read)
+  * ``mean``:       R = U(e) * 2^(delta + calib_slack) with the scores = group max of q . mean key
+                    (an estimate, not a bound; delta as above, 0 while none)
 
 (``e`` = ranks read, ``U`` from :func:`flashinfer_ext.criticality.bound_suffix``). A pair also
 stops at the end of its list (``N_left == 0`` or the ``max_blocks`` cap; a row with
@@ -34,7 +36,7 @@ import triton.language as tl
 
 __all__ = ["wave_merge", "ESTIMATOR_IDS"]
 
-ESTIMATOR_IDS = {"paper": 0, "bound": 1, "calibrated": 2}
+ESTIMATOR_IDS = {"paper": 0, "bound": 1, "calibrated": 2, "mean": 3}
 
 
 @triton.jit
@@ -125,6 +127,9 @@ def _wave_merge_kernel(
             rem = sfx[:, None] + tl.zeros([TC, G_PAD], tl.float32)
             if ESTIMATOR == 2:
                 corr = tl.where(cum_dmax == float("-inf"), 0.0, tl.minimum(cum_dmax + calib_slack, 0.0))
+                rem = rem + corr
+            if ESTIMATOR == 3:  # 'mean': an estimate raised by the largest gap seen, not clamped
+                corr = tl.where(cum_dmax == float("-inf"), 0.0, cum_dmax) + calib_slack
                 rem = rem + corr
         rem = tl.where((n_left <= 0)[:, None], float("-inf"), rem)
         ok = (cum_lse + log2_1m_eps >= log2_eps + rem) | (g >= GROUP)[None, :]

@@ -234,6 +234,10 @@ class PsaConfig(SparseConfig):
     max_blocks: int = knob(4096, doc="upper bound on blocks read per (request, KV head)", range=Range(1, 1 << 24))
     min_request_epsilon: float = knob(0.5, doc="floor for a request's own epsilon (custom_params.sparse.epsilon); "
                                       "lower requested values are clamped up to it", range=_UNIT)
+    estimator: str = knob("calibrated", doc="remaining-mass estimate of the stop test: 'calibrated' (cuboid bound "
+                          "scaled by the tightness seen on blocks read; reads most blocks on real attention) or "
+                          "'mean' (q . mean key raised by the largest gap seen: fewer reads, not a bound)",
+                          choices=("calibrated", "mean"))
     cuda_graph: bool = knob(True, doc="CUDA: replay decode graphs for batches with a sparse row (false: eager)")
     stock_graphs: bool = _stock_graphs_knob()
     host_tier_gb: float = _host_tier_knobs()["host_tier_gb"]

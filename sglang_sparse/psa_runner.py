@@ -40,8 +40,10 @@ from sglang_sparse.request_params import request_epsilon
 
 def kernel_config(cfg: PsaConfig) -> PsaDecodeConfig:
     """Map the user-facing :class:`PsaConfig` onto the kernel's :class:`PsaDecodeConfig`."""
+    mean = cfg.estimator == "mean"  # estimates unread blocks from q . mean key: scores are the mean scores
     return PsaDecodeConfig(epsilon=cfg.epsilon, micro_batch_blocks=cfg.micro_batch_blocks,
-                           sink_blocks=cfg.sink_pages, local_blocks=cfg.local_pages, max_blocks=cfg.max_blocks)
+                           sink_blocks=cfg.sink_pages, local_blocks=cfg.local_pages, max_blocks=cfg.max_blocks,
+                           estimator=cfg.estimator, criticality="mean" if mean else "cuboid")
 
 
 @dataclasses.dataclass(frozen=True)

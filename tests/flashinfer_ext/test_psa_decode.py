@@ -51,7 +51,12 @@ def reference_for(w, pool, cfg, block_size, epsilon=None):
         return_kept_est=True), lens
 
 
-@pytest.mark.parametrize("estimator", ["paper", "bound", "calibrated"])
+def _est(estimator: str) -> dict:
+    """Config keys of an estimator ('mean' estimates unread blocks from q . mean key: criticality 'mean')."""
+    return dict(estimator=estimator, criticality="mean") if estimator == "mean" else dict(estimator=estimator)
+
+
+@pytest.mark.parametrize("estimator", ["paper", "bound", "calibrated", "mean"])
 @pytest.mark.parametrize("hq,hk,d,dtype,page_size,block_size", [
     (32, 8, 128, torch.bfloat16, 16, 16),
     (9, 3, 64, torch.float16, 1, 16),
@@ -60,7 +65,7 @@ def reference_for(w, pool, cfg, block_size, epsilon=None):
 def test_wrapper_matches_reference_pipeline(hq, hk, d, dtype, page_size, block_size, estimator):
     """Several waves (tiny first wave, growing chunks): same stops, outputs, lse and estimate as the reference."""
     cfg = PsaDecodeConfig(epsilon=0.9, micro_batch_blocks=2, sink_blocks=1, local_blocks=1, max_blocks=64,
-                          estimator=estimator, chunk_growth=2)
+                          chunk_growth=2, **_est(estimator))
     seq_lens = [13 * block_size + 7, 2 * block_size, 9 * block_size + 1]
     pool = make_pool(seq_lens, hq, hk, d, dtype, page_size, seed=11, planted=True)
     w, mp, table = build(pool, cfg, block_size, max_batch_size=4, wave_programs=2)
@@ -183,13 +188,13 @@ def test_epsilon_one_equals_dense(dtype, page_size):
     torch.testing.assert_close(lse, dlse, rtol=1e-4, atol=1e-3)
 
 
-@pytest.mark.parametrize("estimator", ["paper", "bound", "calibrated"])
+@pytest.mark.parametrize("estimator", ["paper", "bound", "calibrated", "mean"])
 @pytest.mark.parametrize("epsilon", [0.9, 0.95])
 def test_true_kept_mass_reaches_epsilon_on_planted_structure(epsilon, estimator):
     """For >= 99 % of (request, query head) pairs the mass of the blocks read is >= epsilon; the paper
     and calibrated estimators save reads (mean blocks read < 60 % of all blocks)."""
     cfg = PsaDecodeConfig(epsilon=epsilon, micro_batch_blocks=2, sink_blocks=1, local_blocks=1,
-                          estimator=estimator)
+                          **_est(estimator))
     seq_lens = [700, 513, 960, 800]
     pool = make_pool(seq_lens, 9, 3, 64, torch.bfloat16, 16, seed=13, planted=True)
     w, mp, _ = build(pool, cfg, 16)
@@ -229,10 +234,12 @@ def test_config_rejects_bad_values_naming_the_field():
                       (dict(sorted_prefix_blocks=8), "sorted_prefix_blocks"),
                       (dict(sorted_prefix_blocks=100), "sorted_prefix_blocks"),
                       (dict(estimator="bound", group_reduce="sum"), "estimator"),
-                      (dict(estimator="calibrated", criticality="mean"), "estimator")):
+                      (dict(estimator="calibrated", criticality="mean"), "estimator"),
+                      (dict(estimator="mean"), "estimator"), (dict(estimator="mean", criticality="mean",
+                                                                  group_reduce="sum"), "estimator")):
         with pytest.raises(ValueError, match=field):
             PsaDecodeConfig(**kw)
-    with pytest.raises(ValueError, match=r"PsaDecodeConfig\.estimator='oracle'.*'paper', 'bound', 'calibrated'"):
+    with pytest.raises(ValueError, match=r"PsaDecodeConfig\.estimator='oracle'.*'paper', 'bound', 'calibrated', 'mean'"):
         PsaDecodeConfig(estimator="oracle")
     assert PsaDecodeConfig(epsilon=1).epsilon == 1.0
     assert PsaDecodeConfig().estimator == "calibrated"
@@ -258,3 +265,14 @@ def test_plan_rejects_batch_above_capacity():
                          max_batch_size=1, max_blocks_per_req=4, device="cpu")
     with pytest.raises(ValueError, match="max_batch_size"):
         w.plan(pool.req_to_token, pool.req_pool_indices, pool.seq_lens, torch.zeros(2, 4, dtype=torch.int32))
+
+
+def test_user_config_maps_the_mean_estimator_onto_mean_scores():
+    """``{"estimator": "mean"}`` in --sparse-config: the kernel estimates unread blocks from q . mean key."""
+    from sglang_sparse.config import PsaConfig
+    from sglang_sparse.psa_runner import kernel_config
+
+    k = kernel_config(PsaConfig.from_dict({"estimator": "mean"}))
+    assert (k.estimator, k.criticality, k.group_reduce, k.rank_by) == ("mean", "mean", "max", "mean")
+    k = kernel_config(PsaConfig())
+    assert (k.estimator, k.criticality) == ("calibrated", "cuboid")
