@@ -61,11 +61,12 @@ def _check_against_reference(w, pool, cfg, o, lse, nread, block_size, epsilon=No
 @pytest.mark.parametrize("hq,hk,d,dtype,page", [(32, 8, 128, torch.bfloat16, 16), (9, 3, 64, torch.float16, 32),
                                                 (32, 8, 128, torch.float16, 64), (32, 8, 128, torch.bfloat16, 1)])
 @pytest.mark.parametrize("epsilon,estimator", [(1.0, "calibrated"), (0.9, "paper"), (0.9, "calibrated"),
-                                               (0.9, "bound")])
+                                               (0.9, "bound"), (0.9, "mean")])
 def test_gpu_wrapper_matches_reference(hq, hk, d, dtype, page, epsilon, estimator):
     from flashinfer_ext.config import PsaDecodeConfig
 
-    cfg = PsaDecodeConfig(epsilon=epsilon, micro_batch_blocks=4, sink_blocks=1, local_blocks=2, estimator=estimator)
+    cfg = PsaDecodeConfig(epsilon=epsilon, micro_batch_blocks=4, sink_blocks=1, local_blocks=2, estimator=estimator,
+                          criticality="mean" if estimator == "mean" else "cuboid")
     pool = make_pool([2000, 37, 1500 + page // 2, 800], hq, hk, d, dtype, page, seed=21, device="cuda",
                      planted=True)
     w, mp, _ = _wrapper(pool, cfg, page, wave_programs=8)
