@@ -8,13 +8,28 @@ first, the error carries the tail of its log.
 from __future__ import annotations
 
 import os
+import atexit
 import signal
+import threading
 import subprocess
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import requests
+
+
+def _exit_on_sigterm() -> None:
+    """SIGTERM -> SystemExit(143) in the main thread when nothing else handles it, so ``finally`` blocks and
+    atexit handlers (which stop the servers) run instead of the process dying with its servers orphaned."""
+    if threading.current_thread() is not threading.main_thread() or \
+            signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+        return
+
+    def _raise(signum, frame):
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, _raise)
 
 
 class ServerError(RuntimeError):
@@ -93,6 +108,10 @@ class Server:
         with open(self.log_path, "w") as fh:
             self.proc = subprocess.Popen(argv, stdout=fh, stderr=subprocess.STDOUT, env=env,
                                          start_new_session=True)
+        # never leave a server behind: stopped at interpreter exit too, and a SIGTERM (e.g. `timeout`) on a
+        # driver that set no handler of its own becomes a normal exit that runs this
+        atexit.register(self.stop)
+        _exit_on_sigterm()
         deadline = t0 + self.timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:

@@ -29,6 +29,17 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+def pytest_configure(config):
+    """A SIGTERM (``timeout``, a CI cancel) ends the run like Ctrl-C: pytest tears the fixtures down, so every
+    server a fixture started is stopped by its process group instead of outliving the run."""
+    import signal
+
+    def _interrupt(signum, frame):
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    signal.signal(signal.SIGTERM, _interrupt)
+
+
 def pytest_unconfigure(config):
     """SGLang's engine shutdown (an atexit handler of the in-process ``sgl.Engine`` tests) logs after pytest has
     closed its output streams; the logging module would print a "Logging error ... closed file" traceback after

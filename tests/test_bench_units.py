@@ -170,3 +170,48 @@ def test_kept_mass_reads_the_chat_summary_and_the_generate_step_rows():
     rows = [[0, 0, 0, 0, 0, 0.95], [1, 3, 10, 1.9, 2, 0.95], [1, 3, 10, 1.7, 2, 0.95]]
     assert abs(kept_mass({"sparse_psa_steps": rows}) - 0.9) < 1e-9
     assert kept_mass({}) is None and kept_mass(None) is None
+
+
+def test_a_terminated_driver_stops_the_servers_it_started(tmp_path):
+    """bench.server: a driver killed with SIGTERM (``timeout``) still stops its servers' process groups."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import textwrap
+    import time
+    from pathlib import Path
+
+    def alive(pid: int) -> bool:
+        try:
+            return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] != "Z"
+        except FileNotFoundError:
+            return False
+
+    script = tmp_path / "driver.py"
+    script.write_text(textwrap.dedent("""
+        import atexit, subprocess, sys, time
+        from bench.server import Server, _exit_on_sigterm
+        srv = Server.__new__(Server)
+        srv.spec = type("S", (), {"mode": "dummy"})()
+        srv.log = lambda *a: None
+        srv.proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"], start_new_session=True)
+        atexit.register(srv.stop)
+        _exit_on_sigterm()
+        print(srv.proc.pid, flush=True)
+        time.sleep(600)
+    """))
+    root = str(Path(__file__).resolve().parent.parent)
+    drv = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True, cwd=root,
+                           env={**os.environ, "PYTHONPATH": root})
+    child = int(drv.stdout.readline())
+    drv.send_signal(signal.SIGTERM)
+    assert drv.wait(timeout=60) == 128 + signal.SIGTERM
+    deadline = time.time() + 30
+    while time.time() < deadline:
+        if not alive(child):
+            break
+        time.sleep(0.2)
+    else:
+        os.killpg(child, signal.SIGKILL)
+        raise AssertionError("the driver's server outlived it")
