@@ -395,14 +395,9 @@ def _sigterm(signum, frame):
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--url", help="a running --sparse samkv server")
-    ap.add_argument("--launch", action="store_true", help="start a server (needs --model)")
-    ap.add_argument("--model")
-    ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
-    ap.add_argument("--python", default=sys.executable)
-    ap.add_argument("--port", type=int, default=30010)
-    ap.add_argument("--sparse-config", default=None)
-    ap.add_argument("--server-args", default="")
+    from bench.server import add_target_args
+
+    add_target_args(ap, port=30010, mode="samkv")
     d = BenchPlan()
     ap.add_argument("--tasks", type=int, default=d.ttft.tasks, help="TTFT set: tasks (0 = no TTFT set)")
     ap.add_argument("--docs", type=int, default=d.ttft.docs, help="TTFT set: documents per task")

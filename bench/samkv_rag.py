@@ -245,14 +245,9 @@ def merge_headline(path: Path, res: dict, plan: RagPlan) -> dict:
 def main(argv=None) -> int:
     d = RagPlan()
     ap = argparse.ArgumentParser(prog="python -m bench.samkv_rag", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--url", help="a running --sparse samkv server")
-    ap.add_argument("--launch", action="store_true", help="start a --sparse samkv server (needs --model)")
-    ap.add_argument("--model")
-    ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
-    ap.add_argument("--python", default=sys.executable)
-    ap.add_argument("--port", type=int, default=30020)
-    ap.add_argument("--sparse-config", default=None)
-    ap.add_argument("--server-args", default="")
+    from bench.server import add_target_args
+
+    add_target_args(ap, port=30020, mode="samkv")
     ap.add_argument("--docs", default=",".join(map(str, d.docs)), help="accuracy set: document counts")
     ap.add_argument("--tasks", type=int, default=d.tasks, help="accuracy set: tasks per document count and position")
     ap.add_argument("--positions", default=",".join(d.positions))

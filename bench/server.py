@@ -162,3 +162,18 @@ class Server:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def add_target_args(ap, *, port: int, mode: str) -> None:
+    """The options of a driver that benchmarks one server: ``--url`` of a running one, or ``--launch`` one
+    (``--model``, ``--device``, ``--python``, ``--port``, ``--sparse-config``, ``--server-args``)."""
+    import sys
+
+    ap.add_argument("--url", help=f"a running --sparse {mode} server")
+    ap.add_argument("--launch", action="store_true", help=f"start a --sparse {mode} server (needs --model)")
+    ap.add_argument("--model")
+    ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    ap.add_argument("--python", default=sys.executable)
+    ap.add_argument("--port", type=int, default=port)
+    ap.add_argument("--sparse-config", default=None)
+    ap.add_argument("--server-args", default="")

@@ -14,19 +14,8 @@ from sglang_sparse import graph_variants
 from sglang_sparse.api_hooks import graph_gate_hook
 from sglang_sparse.loopserve_runner import STATE_ATTR
 
-from .test_loopserve_graph import MAX_BS, _captured
-from .test_loopserve_reselect import STEADY, _Mode
-
-
-def _plan_replay(c):
-    """SGLang's load_batch up to the backend's planning (the replayed graph itself is SGLang's)."""
-    raw = c.fb.batch_size
-    c.rpi_buf.zero_()
-    c.rpi_buf[:raw] = c.fb.req_pool_indices
-    lens = torch.ones(MAX_BS, dtype=torch.int64)
-    lens[:raw] = c.fb.seq_lens_cpu
-    view = SimpleNamespace(batch_size=MAX_BS, forward_mode=_Mode(), req_pool_indices=c.rpi_buf, seq_lens_cpu=lens)
-    c.graphs.plan(c.backend, view, in_capture=False)
+from .test_loopserve_graph import _captured, plan_replay
+from .test_loopserve_reselect import STEADY
 
 
 @pytest.fixture
@@ -46,7 +35,7 @@ def test_a_batch_without_sparse_rows_replays_the_stock_graph(lastwindow):
     for req in c.fb.sampling_info.sparse_reqs:  # prompts below min_context: no row is sparse
         delattr(req, STATE_ATTR)
     assert c.graphs.graph_variant(c.fb) == "dense"
-    _plan_replay(c)  # the stock graph's planning: no sparse lists, the step's dense statistics
+    plan_replay(c)  # the stock graph's planning: no sparse lists, the step's dense statistics
     assert c.runner.dec is None and c.graphs.dense_replays == 1 and c.graphs.replays == 0
     assert c.runner.step_rows is not None and c.runner.bs == c.fb.batch_size
     # SGLang asks the variant again while loading the batch, after the planning: the same answer

@@ -43,7 +43,7 @@ def _captured(lastwindow, case, width=256, all_topb=True, bs_cap=16):
     return SimpleNamespace(runner=runner, graphs=graphs, backend=backend, fb=fb, reqs=reqs, q3=q3, rpi_buf=rpi_buf)
 
 
-def _replay(c):
+def plan_replay(c):
     """SGLang's load_batch: the static buffers filled (padding rows: index 0, length 1), then the view planned."""
     raw = c.fb.batch_size
     c.rpi_buf.zero_()
@@ -52,6 +52,12 @@ def _replay(c):
     lens[:raw] = c.fb.seq_lens_cpu
     view = SimpleNamespace(batch_size=MAX_BS, forward_mode=_Mode(), req_pool_indices=c.rpi_buf, seq_lens_cpu=lens)
     c.graphs.plan(c.backend, view, in_capture=False)
+
+
+def _replay(c):
+    """:func:`plan_replay`, then the captured decode over the padded batch."""
+    plan_replay(c)
+    raw = c.fb.batch_size
     q_pad = torch.zeros(MAX_BS, HQ, D)
     q_pad[:raw] = c.q3
     return _decode_layers(c.runner, c.backend, q_pad)
