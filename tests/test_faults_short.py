@@ -54,7 +54,7 @@ def test_short_fault_run_on_one_cpu_psa_server(default_model, tmp_path):
                       "--out", str(out)])
     report = json.loads(out.read_text())
     assert [(f["fault"], f["mode"]) for f in report["faults"]] == [
-        ("knobs_at_limits", "psa"), ("abort_decode", "psa"), ("abort_prefill", "psa"), ("kv_pressure", "psa")]
+        ("knobs_at_limits", "psa"), ("abort_prefill", "psa"), ("abort_decode", "psa"), ("kv_pressure", "psa")]
     for f in report["faults"]:
         assert f["survived"], json.dumps(f)[:3000]
         assert f["checks"]["idle_leak_check"] == "silent" and f["checks"]["probe_same_as_before"]
