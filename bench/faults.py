@@ -3,18 +3,12 @@
     python -m bench.faults --out faults.json                       # every fault, every mode it applies to
     python -m bench.faults --faults knobs_at_limits,abort_decode --modes psa --out f.json
 
-Each fault (:data:`FAULTS`, one function each) is injected against a server started for it (one server per
-(mode, config) is reused by every fault that needs it, stopped by its process group at the end of its mode).
-A fault must end in a clear error (4xx naming the problem, or exit 2 with one line at start-up) or a documented
-fallback, never in:
-
-* a crash: the server process is alive afterwards and answers a plain chat;
-* a hang: every request has a timeout (``--request-timeout``);
-* a leaked slot: SGLang's idle memory check stays silent in the server log (``leak`` / ``traceback`` searched
-  after the fault, once the server has been idle), and ``/flush_cache`` and a plain request afterwards work;
-* a wrong answer: a planted-fact probe asked after the fault (after the flush, so recomputed) gets the same
-  reply as the same probe on the same server before any fault; under ``samkv`` a documents probe must give the
-  same reply, or a dense ``fallback`` reply holding the planted fact.
+Each fault (:data:`FAULTS`) runs against a server started for it (one per (mode, config), shared, stopped by its
+process group). It must end in a clear error (4xx naming the problem, exit 2 with one line at start-up) or a
+documented fallback, never in a crash (the server is alive and answers afterwards), a hang (per-request timeout),
+a leaked slot (SGLang's idle memory check silent in the log; ``/flush_cache`` and a request afterwards work) or a
+wrong answer (a planted-fact probe after the fault answered as on the same server before it; under ``samkv`` a
+documents probe too, or a dense ``fallback`` reply holding the planted fact).
 
 Report (``--out``): per fault its mode, what was done, outcome (error|fallback|served), survived, checks and
 details; ``faults_tried``, ``faults_survived`` (docs/soak.md). Only 127.0.0.1 servers are started and queried.
@@ -23,6 +17,7 @@ details; ``faults_tried``, ``faults_survived`` (docs/soak.md). Only 127.0.0.1 se
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import random
 import re
@@ -54,31 +49,27 @@ SERVERS = {
 LEAK = re.compile(r"leak|traceback", re.IGNORECASE)
 
 
-class Hang(Exception):
-    """A request ran past the per-request timeout."""
+class Hang(Exception):  # a request ran past the per-request timeout
+    pass
 
 
 # --------------------------------------------------------------------------- servers
 class Handle:
     """One launched server, its log, and the reference replies of its probes (taken before any fault)."""
 
-    def __init__(self, key: str, server, log_path: Path, timeout_s: float):
-        self.key, self.server, self.log_path, self.timeout_s = key, server, log_path, timeout_s
-        self.mode = SERVERS[key][0] if key in SERVERS else server.spec.mode
-        self.url = server.url
-        self.ref: dict[str, str] = {}
+    def __init__(self, server, log_path: Path, timeout_s: float):
+        self.server, self.log_path, self.timeout_s = server, log_path, timeout_s
+        self.mode, self.url, self.ref = server.spec.mode, server.url, {}
 
-    def post(self, path: str, payload: dict, timeout: float | None = None, **kw) -> requests.Response:
-        try:
-            return requests.post(self.url + path, json=payload, timeout=timeout or self.timeout_s, **kw)
-        except requests.Timeout as e:
-            raise Hang(f"{path}: no answer in {timeout or self.timeout_s:.0f}s") from e
-
-    def chat(self, messages, max_tokens: int = 8, timeout: float | None = None, **extra) -> tuple[int, dict | str]:
+    def chat(self, messages, max_tokens: int = 8, **extra) -> tuple[int, dict | str]:
+        """A greedy chat request: (HTTP status, JSON body or text); :class:`Hang` past the timeout."""
         if isinstance(messages, str):
             messages = [{"role": "user", "content": messages}]
-        r = self.post("/v1/chat/completions", {"model": "default", "messages": messages, "temperature": 0,
-                                               "max_tokens": max_tokens, **extra}, timeout)
+        payload = {"model": "default", "messages": messages, "temperature": 0, "max_tokens": max_tokens, **extra}
+        try:
+            r = requests.post(self.url + "/v1/chat/completions", json=payload, timeout=self.timeout_s)
+        except requests.Timeout as e:
+            raise Hang(f"no answer in {self.timeout_s:.0f}s") from e
         try:
             return r.status_code, r.json()
         except ValueError:
@@ -127,7 +118,7 @@ class Ctx:
         finally:
             if server.pid:
                 self.pids.append(server.pid)
-        return Handle(key, server, log_path, self.timeout_s)
+        return Handle(server, log_path, self.timeout_s)
 
     def server(self, key: str) -> Handle:
         if key not in self.handles:
@@ -184,17 +175,14 @@ def probes(h: Handle) -> dict[str, str]:
 
 
 def flush(h: Handle) -> bool:
-    try:
-        r = requests.post(h.url + "/flush_cache", params={"timeout": 60}, timeout=h.timeout_s)
-    except requests.Timeout:
-        return False
-    return r.status_code == 200
+    with contextlib.suppress(requests.Timeout):
+        return requests.post(h.url + "/flush_cache", params={"timeout": 60}, timeout=h.timeout_s).status_code == 200
+    return False
 
 
 def concurrently(fns, workers: int = 4) -> list:
     with ThreadPoolExecutor(workers) as pool:
-        futs = [pool.submit(f) for f in fns]
-        return [f.result() for f in futs]
+        return list(pool.map(lambda f: f(), fns))
 
 
 # --------------------------------------------------------------------------- the checks after a fault
@@ -256,14 +244,10 @@ def kv_pressure(ctx: Ctx, mode: str) -> dict:
     line sets / PSA block metadata / document entries), then the first ones again."""
     h = ctx.server(mode)
     off = h.log_size()
-    if mode == "samkv":
-        def one(i):
-            return ask_docs(h, f"kv-docs-{i}", 200, cache_salt=f"t{i % 2}")
-        did = "6 concurrent documents requests (2 x 200-word documents each, 2 salts), twice + the first 2 again"
-    else:
-        def one(i):
-            return ask_fact(h, f"kv-{i}", 400)
-        did = "6 concurrent ~550-token planted-fact chats, twice with new prompts + the first 2 again"
+    one = (lambda i: ask_docs(h, f"kv-docs-{i}", 200, cache_salt=f"t{i % 2}", max_tokens=5)) if mode == "samkv" \
+        else (lambda i: ask_fact(h, f"kv-{i}", 400, max_tokens=5))
+    did = ("6 concurrent documents requests (2 x 200-word documents each, 2 salts)" if mode == "samkv" else
+           "6 concurrent ~550-token planted-fact chats") + ", twice with new prompts, then the first 2 again"
     res = concurrently([lambda i=i: one(i) for i in range(6)])
     res += concurrently([lambda i=i: one(100 + i) for i in range(6)])
     res += concurrently([lambda i=i: one(i) for i in range(2)])
@@ -338,13 +322,13 @@ def line_store_full(ctx: Ctx, mode: str) -> dict:
 
 
 def host_tier_full(ctx: Ctx, mode: str) -> dict:
-    """psa + a 0.02 GiB host tier (~900 tokens) under a 1600-token KV pool: 5 prompts of ~700 tokens evict each
-    other into a tier that holds about one, so the tier drops entries (LRU); prompts come back (host loads or
-    recomputes) with the same replies."""
+    """psa + a 0.02 GiB host tier (~900 tokens) under a 1600-token KV pool: 5 prompts of ~650 tokens evict each
+    other into a tier that holds about one, so it drops entries (LRU); the last one saved (a host load) and one
+    dropped (recomputed) come back with the same replies."""
     h = ctx.server("psa_tier")
     off = h.log_size()
-    first = [ask_fact(h, f"tier-{i}", 480) for i in range(5)]
-    again = [ask_fact(h, f"tier-{i}", 480) for i in (2, 0)]  # the last one saved to the host; one dropped from it
+    first = [ask_fact(h, f"tier-{i}", 480, max_tokens=5) for i in range(5)]
+    again = [ask_fact(h, f"tier-{i}", 480, max_tokens=5) for i in (2, 0)]
     ht = requests.get(h.url + "/server_info", timeout=30).json()["internal_states"][0]["sparse"].get("host_tier", {})
     ok = all(st == 200 for st, _, _ in first + again) and again[0][1] == first[2][1] and again[1][1] == first[0][1]
     ok = ok and not ht.get("failed_loads") and 0 < ht.get("host_bytes_total", 0) \
@@ -368,10 +352,9 @@ def _send_and_close(h: Handle, payload: dict, seconds: float) -> str:
         s.sendall(head + body)
         time.sleep(seconds)
         s.setblocking(False)
-        try:
+        got = b""
+        with contextlib.suppress(BlockingIOError):
             got = s.recv(1 << 16)
-        except BlockingIOError:
-            got = b""
     return f"closed after {seconds}s ({'stream' if payload.get('stream') else 'non-stream'}, " \
            f"{len(got)} bytes received)"
 
@@ -394,12 +377,8 @@ def _abort(fault: str, what: str, h: Handle, payload: dict, seconds: float | Non
     """The abort twice (streamed, then not, for a timed abort), the server idle again, then the checks."""
     off = h.log_size()
     m0 = scrape(h.url)
-    outcomes = []
-    for stream in (True, False) if seconds is not None else (True, True):
-        if seconds is not None:
-            outcomes.append(_send_and_close(h, {**payload, "stream": stream}, seconds))
-        else:
-            outcomes.append(_close_after_chunks(h, {**payload, "stream": True}, chunks))
+    outcomes = [_send_and_close(h, {**payload, "stream": stream}, seconds) if seconds is not None
+                else _close_after_chunks(h, {**payload, "stream": True}, chunks) for stream in (True, False)]
     m1 = wait_idle(h.url, 60)
     idle = m1 is None or (m1["sglang:num_running_reqs"] == 0 and m1["sglang:num_queue_reqs"] == 0)
     aborted = None if m0 is None or m1 is None else \
@@ -492,27 +471,48 @@ EDGES = {
 }
 
 
-def _refused(ctx: Ctx, mode: str, cfg: dict) -> dict:
-    """The real entry point with a config one step beyond an edge: exit 2 and one error line, no model load."""
-    argv = [sys.executable, "-m", "sglang.launch_server", "--model-path", ctx.model, "--device", ctx.device,
-            "--port", str(free_port()), "--sparse", mode, "--sparse-config", json.dumps(cfg)]
+# the launcher's argument check (sglang.launch_server's first step) on several configs: exit code, stderr of each
+_PREPARE = """import contextlib, io, json, sys
+from sglang.srt.plugins import load_plugins
+load_plugins()
+from sglang.srt.server_args import prepare_server_args
+out = []
+for argv in json.loads(sys.argv[1]):
+    err, code = io.StringIO(), 0
     try:
-        p = subprocess.run(argv, capture_output=True, text=True, timeout=ctx.timeout_s)
-    except subprocess.TimeoutExpired:
-        return {"config": cfg, "ok": False, "error": "no exit (it may have started: the check did not refuse it)"}
-    lines = [ln for ln in p.stderr.splitlines()
-             if ln.strip() and "warn" not in ln.lower() and not ln.startswith("  Example:")]
-    named = bool(lines) and all(k in lines[-1] for k in cfg)
-    return {"config": cfg, "exit": p.returncode, "stderr_lines": lines[-3:],
-            "ok": p.returncode == 2 and len(lines) == 1 and named}
+        with contextlib.redirect_stderr(err):
+            prepare_server_args(argv)
+    except SystemExit as e:
+        code = e.code
+    out.append([code, err.getvalue()])
+print(json.dumps(out))"""
+
+
+def _refused(ctx: Ctx, mode: str, configs: list[dict]) -> list[dict]:
+    """Configs one step beyond an edge: the real entry point on the first, the launcher's argument check on the
+    others (one process): exit 2 and one error line naming the field, before any model load."""
+    argv = [["--model-path", ctx.model, "--device", ctx.device, "--port", str(free_port()), "--sparse", mode,
+             "--sparse-config", json.dumps(cfg)] for cfg in configs]
+    cmds = [[sys.executable, "-m", "sglang.launch_server", *argv[0]],
+            [sys.executable, "-c", _PREPARE, json.dumps(argv[1:])]]
+    with ThreadPoolExecutor(2) as pool:
+        procs = list(pool.map(lambda c: subprocess.run(c, capture_output=True, text=True, timeout=300), cmds))
+    got = [(procs[0].returncode, procs[0].stderr)] + [tuple(x) for x in json.loads(procs[1].stdout or "[]")]
+    out = []
+    for cfg, (code, err) in zip(configs, got):
+        lines = [ln for ln in err.splitlines() if ln.strip() and "warn" not in ln.lower()
+                 and not ln.startswith("  Example:")]
+        named = bool(lines) and all(k in lines[-1] for k in cfg)
+        out.append({"config": cfg, "via": "launch_server" if not out else "prepare_server_args", "exit": code,
+                    "stderr_lines": lines[-3:], "ok": code == 2 and len(lines) == 1 and named})
+    return out + [{"config": cfg, "ok": False, "error": "no result"} for cfg in configs[len(got):]]
 
 
 def config_range_edges(ctx: Ctx, mode: str) -> dict:
     """The mode started at a range edge of several knobs answers (a documents request under samkv); one step
     beyond an edge the launcher exits 2 with one line naming the field."""
     good, beyond = EDGES[mode]
-    with ThreadPoolExecutor(len(beyond)) as pool:
-        refused = list(pool.map(lambda cfg: _refused(ctx, mode, cfg), beyond))
+    refused = _refused(ctx, mode, beyond)
     h = ctx.launch(f"{mode}_edges", mode, good, 4000)
     try:
         off = 0
