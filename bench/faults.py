@@ -1,4 +1,4 @@
-"""Faults injected on purpose against real local servers (issue #27 item 2), CPU or GPU.
+"""Faults injected on purpose against real local servers, CPU or GPU.
 
     python -m bench.faults --out faults.json                       # every fault, every mode it applies to
     python -m bench.faults --faults knobs_at_limits,abort_decode --modes psa --out f.json
