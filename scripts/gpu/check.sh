@@ -20,6 +20,9 @@ rc=0
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | sed 's/^/[gpu_check] GPU: /'
 python3 -c "import torch, sglang, flashinfer; print('[gpu_check] torch', torch.__version__, '| sglang', sglang.__version__, '| flashinfer', flashinfer.__version__)"
 
+# the server tests use tests/serverproc.DEFAULT_MODEL (models/SmolLM2-135M-Instruct): the kit's converted model
+[ -e models/SmolLM2-135M-Instruct ] || { mkdir -p models && ln -sfn "$KIT_MODEL" models/SmolLM2-135M-Instruct; }
+
 say "installing the project into the kit"
 bash $kit/device.sh project || { say "project install FAILED"; exit 4; }
 

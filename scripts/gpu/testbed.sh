@@ -32,6 +32,8 @@ step() {  # step NAME CMD...: logged; a failure is recorded, not fatal
   tail -n 25 "$R/$name.log"
 }
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader > "$R/gpu.txt"
+# the GPU server tests (pytest -m gpu) use models/SmolLM2-135M-Instruct: the kit's converted model
+[ -e models/SmolLM2-135M-Instruct ] || { mkdir -p models && ln -sfn "$KIT_MODEL" models/SmolLM2-135M-Instruct; }
 for ctx in 32768 65536; do  # the testbed folders: the kit's converted model + YaRN config (no download)
   python3 -m sglang_sparse.tools.build_model --context $ctx --base "$KIT_MODEL" \
       --out /tmp/models/SmolLM2-135M-Instruct-$((ctx / 1024))k >> "$R/steps.txt" 2>&1
