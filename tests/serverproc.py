@@ -45,7 +45,7 @@ def server_env() -> dict[str, str]:
 
 
 def start_cpu_server(model: Path, log_path: Path, *, mode: str = "off", sparse_config: str | None = None,
-                     extra_args: tuple[str, ...] = (), timeout_s: float = 240.0) -> Server:
+                     extra_args: tuple[str, ...] = (), timeout_s: float = 480.0) -> Server:
     """Start a CPU server (bf16, bounded KV pool) and wait until it serves; raises with the log tail."""
     spec = ServerSpec(python=sys.executable, model=str(model), device="cpu", port=free_port(), mode=mode,
                       sparse_config=sparse_config, extra_args=list(extra_args))
