@@ -72,29 +72,6 @@ def _duplicate_key_hook(source: str):
     return hook
 
 
-def reject_duplicate_keys(value: Any) -> None:
-    """Raise :class:`SparseConfigError` naming the key if the ``--sparse-config`` JSON text (or ``@file``)
-    repeats a key in any object (``json`` would silently keep the last one). Unreadable files and bad JSON
-    pass: the config parser reports those."""
-    if not isinstance(value, str) or not value.strip():
-        return
-    text, source = value.strip(), "--sparse-config"
-    if text.startswith("@"):
-        import os
-
-        path = os.path.expanduser(text[1:])
-        source = f"--sparse-config file '{path}'"
-        try:
-            with open(path, encoding="utf-8") as fh:
-                text = fh.read()
-        except (OSError, UnicodeDecodeError):
-            return
-    try:
-        json.loads(text, object_pairs_hook=_duplicate_key_hook(source))
-    except json.JSONDecodeError:
-        return
-
-
 def knob(default: Any, *, doc: str, range: Range | None = None, choices: tuple | None = None):
     """A config field: its default, one-line doc, and allowed range or choices."""
     return field(default=default, metadata={"doc": doc, "range": range, "choices": choices})

@@ -15,7 +15,8 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any, Mapping
 
-from sglang_sparse.config import (
+from sglang_sparse.config import (  # noqa: I001
+    _duplicate_key_hook,
     LastWindowConfig,
     LoopServeConfig,
     OffConfig,
@@ -116,7 +117,7 @@ def load_config_arg(value: Any) -> dict[str, Any]:
         except OSError as e:
             raise SparseConfigError(f"{source} cannot be read: {e.strerror or e}") from None
     try:
-        obj = json.loads(text)
+        obj = json.loads(text, object_pairs_hook=_duplicate_key_hook(source))  # a repeated key is an error
     except json.JSONDecodeError as e:
         raise SparseConfigError(f"{source} is not valid JSON: {e.msg} at line {e.lineno} column {e.colno}") from None
     if not isinstance(obj, dict):

@@ -22,7 +22,6 @@ from typing import Optional
 import sglang.srt.server_args as _sglang_server_args
 from sglang.srt.arg_groups.arg_utils import NS, A, Arg
 
-from sglang_sparse.config import reject_duplicate_keys
 from sglang_sparse.modes import (
     MODES,
     SparseConfigError,
@@ -47,7 +46,6 @@ def _mode_arg(value: str) -> str:
 def _config_arg(value: str) -> str:
     """Syntax check at parse time (JSON object or readable @file); keys are checked per mode later."""
     try:
-        reject_duplicate_keys(value)
         load_config_arg(value)
     except SparseConfigError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
@@ -84,7 +82,6 @@ class SparseServerArgs(_BaseServerArgs):
 
     def __post_init__(self):
         # Resolve first: a bad mode or config must fail before SGLang touches the model.
-        reject_duplicate_keys(self.sparse_config)
         ctx = resolve_sparse(self.sparse, self.sparse_config)
         check_device(ctx.mode, _device_type(self.device))
         self.sparse_config = ctx.config.to_json()

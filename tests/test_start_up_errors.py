@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-from sglang_sparse.config import LastWindowConfig, LoopServeConfig, PsaConfig, SparseConfigError, reject_duplicate_keys
+from sglang_sparse.modes import load_config_arg
+from sglang_sparse.config import LastWindowConfig, LoopServeConfig, PsaConfig, SparseConfigError
 from sglang_sparse.request_params import RequestParamsError, normalize_request_options
 from tests.serverproc import DEFAULT_MODEL
 
@@ -54,15 +55,15 @@ def test_argparse_errors_print_a_short_usage_and_the_error(prepare, capsys, argv
 def test_duplicate_keys_in_sparse_config_are_refused_naming_the_key(prepare, capsys, tmp_path, text):
     key = "epsilon" if "epsilon" in text else "b"
     with pytest.raises(SparseConfigError, match=f"key '{key}' appears more than once"):
-        reject_duplicate_keys(text)
+        load_config_arg(text)
     lines = _fail(prepare, capsys, "--sparse", "psa", "--sparse-config", text)
     assert f"key '{key}' appears more than once" in lines[-1]
     path = tmp_path / "dup.json"
     path.write_text(text)
     lines = _fail(prepare, capsys, "--sparse", "psa", "--sparse-config", f"@{path}")
     assert f"file '{path}': key '{key}' appears more than once" in lines[-1]
-    reject_duplicate_keys('{"epsilon": 0.9, "min_request_epsilon": 0.5}')  # distinct keys pass
-    reject_duplicate_keys("{bad")  # not JSON: the config parser reports it
+    assert load_config_arg('{"epsilon": 0.9, "min_request_epsilon": 0.5}') == {"epsilon": 0.9,
+                                                                               "min_request_epsilon": 0.5}
 
 
 def test_engine_style_config_string_with_duplicate_keys_is_refused(prepare):
