@@ -63,7 +63,8 @@ def _est(estimator: str) -> dict:
     (9, 3, 64, torch.bfloat16, 32, 32),
 ])
 def test_wrapper_matches_reference_pipeline(hq, hk, d, dtype, page_size, block_size, estimator):
-    """Several waves (tiny first wave, growing chunks): same stops, outputs, lse and estimate as the reference."""
+    """Several waves (tiny first wave, growing chunks): same stops, outputs, lse and estimate as the reference
+    (the stop test of every estimator runs in flashinfer_ext.wave_merge)."""
     cfg = PsaDecodeConfig(epsilon=0.9, micro_batch_blocks=2, sink_blocks=1, local_blocks=1, max_blocks=64,
                           chunk_growth=2, **_est(estimator))
     seq_lens = [13 * block_size + 7, 2 * block_size, 9 * block_size + 1]
