@@ -207,7 +207,8 @@ class PsaConfig(SparseConfig):
                            range=Range(1, 1024))
     sink_pages: int = knob(1, doc="first pages always attended", range=Range(0, 1024))
     local_pages: int = knob(2, doc="last pages always attended", range=Range(0, 1024))
-    min_context: int = knob(4096, doc="contexts shorter than this (tokens) decode densely", range=Range(0, 1 << 24))
+    min_context: int = knob(8192, doc="contexts shorter than this (tokens) decode densely: at 4k tokens the ranking "
+                            "and wave launches cost more than the attention they save", range=Range(0, 1 << 24))
     max_blocks: int = knob(4096, doc="upper bound on blocks read per (request, KV head)", range=Range(1, 1 << 24))
     min_request_epsilon: float = knob(0.5, doc="floor for a request's own epsilon (custom_params.sparse.epsilon); "
                                       "lower requested values are clamped up to it", range=_UNIT)
@@ -224,15 +225,16 @@ class PsaConfig(SparseConfig):
     working_set_slots: int = _host_tier_knobs()["working_set_slots"]
 
 
-def _graph_knobs(width: int):
+def _graph_knobs(width: int, max_bs: int = 16):
     """Decode-graph keys shared by loopserve and lastwindow (``sglang_sparse.loopserve_graph``)."""
     return dict(
         graph_list_width=knob(width, doc="decode CUDA graphs (a server without --disable-cuda-graph): the widest "
                               "per-(row, KV head) token list a graph-replayed step takes (steps with wider lists, "
                               "selection steps and steps with rows in prefill run eagerly; decode lists are split "
-                              "into spans as if this wide, graphs on or off). Static buffers of layers x "
-                              "graph_max_bs x KV heads x this many int32", range=Range(1, 1 << 20)),
-        graph_max_bs=knob(16, doc="decode CUDA graphs: largest batch replayed over the sparse path (larger batches "
+                              "into spans as if this wide, graphs on or off; capped at the served context length). "
+                              "Static buffers of layers x graph_max_bs x KV heads x this many int32",
+                              range=Range(1, 1 << 20)),
+        graph_max_bs=knob(max_bs, doc="decode CUDA graphs: largest batch replayed over the sparse path (larger batches "
                           "run eagerly)", range=Range(1, 4096)),
         stock_graphs=_stock_graphs_knob(),
     )
@@ -260,10 +262,11 @@ class LoopServeConfig(SparseConfig):
                               range=Range(0, 1 << 20))
     initial_topb: bool = knob(True, doc="also select the top-B tokens at every decode step before generated token 16, "
                               "from the last n_d queries (false: Alg. 3 exactly, stored lines only until token 16)")
-    # lines of both kinds can reach the context length: a wider default than lastwindow's budget-bound lists
-    graph_list_width: int = _graph_knobs(8192)["graph_list_width"]
-    graph_max_bs: int = _graph_knobs(8192)["graph_max_bs"]
-    stock_graphs: bool = _graph_knobs(8192)["stock_graphs"]
+    # lines of both kinds can reach the context length (at alpha 0.99 a 32k context's decode lists average
+    # ~11k tokens per KV head): as wide as the context, up to 32k, unlike lastwindow's budget-bound lists
+    graph_list_width: int = _graph_knobs(32768, 32)["graph_list_width"]
+    graph_max_bs: int = _graph_knobs(32768, 32)["graph_max_bs"]
+    stock_graphs: bool = _graph_knobs(32768, 32)["stock_graphs"]
     host_tier_gb: float = _host_tier_knobs()["host_tier_gb"]
     gpu_cache_mb: float = _host_tier_knobs()["gpu_cache_mb"]
     working_set_window: int = _host_tier_knobs()["working_set_window"]

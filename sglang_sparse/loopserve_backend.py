@@ -160,7 +160,9 @@ def install(backend, config: LoopServeConfig, page_size: int, enable_metrics: bo
     kernels = use_kernels_for(device)
     backend._ls_cfg = config
     shape = AttnShape.of(model_runner)
-    backend._ls_runner = LoopServeRunner(config, shape, device, use_kernels=kernels, store=store)
+    max_context = getattr(getattr(model_runner, "model_config", None), "context_len", None)
+    backend._ls_runner = LoopServeRunner(config, shape, device, use_kernels=kernels, store=store,
+                                         max_context=int(max_context) if max_context else None)
     if mode == "loopserve":  # decode steps record their working sets (host tier admission; sglang_sparse.loopserve_ws)
         from sglang_sparse.loopserve_ws import make_working_set
 
@@ -181,6 +183,6 @@ def install(backend, config: LoopServeConfig, page_size: int, enable_metrics: bo
     backend.sparse_installed_mode = mode
     logger.info("sglang-sparse %s: %s path (%s), line store %d MiB, decode CUDA graphs %s", mode,
                 "kernel" if kernels else "reference", device.type, getattr(config, "line_store_mb", 0),
-                f"for steady steps (lists <= {config.graph_list_width}, batch <= {config.graph_max_bs})"
+                f"for steady steps (lists <= {backend._ls_runner.split_width}, batch <= {config.graph_max_bs})"
                 if graphs_on else "off")
     return backend

@@ -154,7 +154,9 @@ class _ExtRow:
 
 
 class LoopServeRunner:
-    def __init__(self, cfg: LoopServeConfig, shape, device: torch.device, *, use_kernels: bool, store=None):
+    def __init__(self, cfg: LoopServeConfig, shape, device: torch.device, *, use_kernels: bool, store=None,
+                 max_context: int | None = None):
+        """``max_context``: the served context length (a token list is never wider: it caps the split width)."""
         self.cfg = cfg
         self.shape = shape
         self.device = device
@@ -177,6 +179,8 @@ class LoopServeRunner:
         # servers with and without graphs) cut the same lists into the same spans, so their outputs agree bit
         # for bit (loopserve_graph sizes its static lists by it)
         self.split_width = int(getattr(cfg, "graph_list_width", 0))
+        if max_context:
+            self.split_width = min(self.split_width, int(max_context))
         # split-list decode (flashinfer_ext.split_decode): aim at about two waves of programs per layer
         self.target_programs = target_programs_of(device)
         self.lse_min_split_keys = MIN_SPLIT_KEYS  # re-selection's LSE pass: shortest key span (lse_splits)

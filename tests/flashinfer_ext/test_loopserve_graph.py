@@ -7,6 +7,7 @@ the GPU server test (tests/test_gpu_loopserve_server.py) replays real graphs."""
 
 from __future__ import annotations
 
+import dataclasses
 from types import SimpleNamespace
 
 import pytest
@@ -117,6 +118,20 @@ def test_graph_list_width_is_the_configs_and_is_validated():
     assert LoopServeGraphs(runner).width == runner.split_width == cfg.graph_list_width
     with pytest.raises(ValueError, match="graph_list_width"):
         LoopServeGraphs(runner, 0)
+
+
+def test_graph_list_width_is_capped_at_the_served_context_length():
+    """No token list is wider than the context: a server at 8k context sizes its static lists (and splits) at 8k
+    under the 32k default, one at 64k keeps the configured 32k."""
+    from sglang_sparse.config import LoopServeConfig
+
+    cfg, shape, *_ = _setup(True, *STEADY[True])
+    assert LoopServeConfig().graph_list_width == 32768
+    cfg = dataclasses.replace(cfg, graph_list_width=32768)
+    short = LoopServeRunner(cfg, shape, torch.device("cpu"), use_kernels=True, max_context=8192)
+    assert short.split_width == LoopServeGraphs(short).width == 8192
+    long = LoopServeRunner(cfg, shape, torch.device("cpu"), use_kernels=True, max_context=65536)
+    assert long.split_width == LoopServeGraphs(long).width == 32768
 
 
 def test_batch_sizes_above_graph_max_bs_capture_the_stock_decode_and_never_replay():
