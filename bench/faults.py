@@ -96,8 +96,11 @@ def free_port() -> int:
 class Ctx:
     """The run: model, device, launched servers (by key), logs, timeouts."""
 
-    def __init__(self, model: str, log_dir: Path, timeout_s: float, log=print):
+    def __init__(self, model: str, log_dir: Path, timeout_s: float, log=print, extra_args: list[str] | None = None):
+        """``extra_args``: appended to every launched server's arguments (e.g. ``--mem-fraction-static 0.95`` on
+        a GPU shared with other servers)."""
         self.model, self.log_dir, self.timeout_s, self.log = model, Path(log_dir), timeout_s, log
+        self.extra_args = list(extra_args or [])
         import torch
 
         self.device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -109,6 +112,7 @@ class Ctx:
 
         extra = ["--max-total-tokens", str(max_total)]
         extra += ["--attention-backend", "flashinfer"] if self.device == "cuda" else []
+        extra += self.extra_args
         spec = ServerSpec(python=sys.executable, model=self.model, device=self.device, port=free_port(), mode=mode,
                           sparse_config=json.dumps(cfg) if cfg else None, extra_args=["--enable-metrics", *extra])
         log_path = self.log_dir / f"faults_server_{key}.log"
@@ -574,6 +578,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", default=str(DEFAULT_MODEL))
     ap.add_argument("--request-timeout", type=float, default=120.0, help="seconds per request (a hang past it fails)")
     ap.add_argument("--log-dir", default=".", help="where the server logs go")
+    ap.add_argument("--server-arg", action="append", default=[],
+                    help="extra argument for every launched server (repeat; e.g. --server-arg=--mem-fraction-static=0.95)")
     ap.add_argument("--out", help="report JSON path (default: stdout)")
     a = ap.parse_args(argv)
     faults = list(FAULTS) if a.faults == "all" else [f.strip() for f in a.faults.split(",") if f.strip()]
@@ -582,7 +588,8 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--faults: unknown {sorted(set(faults) - set(FAULTS))}; known: {', '.join(FAULTS)}")
     if set(modes) - set(MODES):
         ap.error(f"--modes: unknown {sorted(set(modes) - set(MODES))}; known: {', '.join(MODES)}")
-    ctx = Ctx(a.model, Path(a.log_dir), a.request_timeout, log=lambda m: print(m, file=sys.stderr, flush=True))
+    ctx = Ctx(a.model, Path(a.log_dir), a.request_timeout, log=lambda m: print(m, file=sys.stderr, flush=True),
+              extra_args=a.server_arg)
     try:
         report = run(ctx, faults, modes)
     finally:

@@ -6,12 +6,14 @@
 #   bash scripts/gpu/testbed.sh long     # `long` preset: off + every mode at defaults, servers side by side
 #   bash scripts/gpu/testbed.sh samkv    # bench.samkv_rag: every variant vs the stock inline prompt, TTFT 8 x 3k
 #   bash scripts/gpu/testbed.sh e2e      # bench.load grid: 4k/16k/32k x concurrency 1/8/32, off + every mode
+#   bash scripts/gpu/testbed.sh reliability-start   # soak (every mode, KV pool 64k tokens) + faults, in the background
+#   bash scripts/gpu/testbed.sh reliability-wait    # wait for them (RELIABILITY_WAIT s at most), fold reliability.json
 #
 # Reports go to /tmp/testbed/<part>/ and come back packed as $OUT/<part>.tgz.
 set -uo pipefail
-part=${1:?usage: testbed.sh needle|long|samkv|e2e}
+part=${1:?usage: testbed.sh needle|long|samkv|e2e|reliability-start|reliability-wait}
 out=${OUT:-$PWD/gpu_out}
-R=/tmp/testbed/$part
+R=/tmp/testbed/${part%-*}
 mkdir -p "$out" "$R"
 # shellcheck disable=SC1091
 source /tmp/kit/env.sh
@@ -35,9 +37,12 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader > 
 # the GPU server tests (pytest -m gpu) use models/SmolLM2-135M-Instruct: the kit's converted model
 [ -e models/SmolLM2-135M-Instruct ] || { mkdir -p models && ln -sfn "$KIT_MODEL" models/SmolLM2-135M-Instruct; }
 for ctx in 32768 65536; do  # the testbed folders: the kit's converted model + YaRN config (no download)
-  python3 -m sglang_sparse.tools.build_model --context $ctx --base "$KIT_MODEL" \
-      --out /tmp/models/SmolLM2-135M-Instruct-$((ctx / 1024))k >> "$R/steps.txt" 2>&1
+  m=/tmp/models/SmolLM2-135M-Instruct-$((ctx / 1024))k
+  [ -f "$m/config.json" ] && continue  # built by an earlier part (servers of a background part may be reading it)
+  python3 -m sglang_sparse.tools.build_model --context $ctx --base "$KIT_MODEL" --out "$m" >> "$R/steps.txt" 2>&1
 done
+# servers started beside other parts' servers on the same GPU: small KV pools, a pool check that tolerates them
+SHARED="--mem-fraction-static=0.95"
 case $part in
   needle)
     step needle32k timeout "${NEEDLE_TIMEOUT:-420}" python3 -m bench.run_harness --preset needle_table --modes off \
@@ -66,6 +71,36 @@ case $part in
     step e2e timeout -k 20 "${E2E_TIMEOUT:-560}" python3 -m bench.load --device cuda --python python3 --model $M32 \
         --modes "$MODES" --input-lens 4096,16384,32000 --output-len 256 --concurrency 1,8,32 --parallel-servers auto \
         --port 30010 --time-budget "${E2E_TASK_BUDGET:-450}" --server-args "$SARGS" --out "$R/e2e" ${E2E_ARGS:-}
+    ;;
+  reliability-start)  # no timing figure comes from these: they may share the GPU with the `long` part
+    say "== reliability: soak + faults started in the background"
+    ( setsid bash -c "
+        timeout -k 20 ${SOAK_TIMEOUT:-900} python3 -m bench.soak --launch off,psa,loopserve,lastwindow,samkv \
+          --model $M32 --requests ${SOAK_REQUESTS:-400} --time-budget ${SOAK_MODE_BUDGET:-125} --concurrency 4 \
+          --turn-words ${SOAK_TURN_WORDS:-7000} --max-tokens 16 --sample-every 10 --log-dir $R \
+          --server-arg=$SHARED --server-arg=--max-total-tokens=65536 --out $R/soak.json > $R/soak.log 2>&1
+        echo \$? > $R/soak.rc" > /dev/null 2>&1 < /dev/null & )
+    ( setsid bash -c "
+        for m in psa loopserve samkv lastwindow,off; do
+          timeout -k 20 ${FAULTS_MODE_TIMEOUT:-420} python3 -m bench.faults --modes \$m --model $KIT_MODEL \
+            --server-arg=$SHARED --log-dir $R --out $R/faults_\${m%,*}.json >> $R/faults.log 2>&1
+          echo \"\$m \$?\" >> $R/faults.rc
+        done
+        echo done >> $R/faults.rc" > /dev/null 2>&1 < /dev/null & )
+    sleep 2
+    exit 0
+    ;;
+  reliability-wait)
+    t0=$(date +%s)
+    while { [ ! -f "$R/soak.rc" ] || ! grep -q done "$R/faults.rc" 2>/dev/null; } \
+        && [ $(( $(date +%s) - t0 )) -lt "${RELIABILITY_WAIT:-400}" ]; do sleep 5; done
+    say "== reliability-wait: soak rc $(cat "$R/soak.rc" 2>/dev/null || echo running), faults $(tr '\n' ' ' < "$R/faults.rc" 2>/dev/null)"
+    tail -n 30 "$R/soak.log" "$R/faults.log"
+    [ -f "$R/soak.json" ] && python3 -m bench.reliability --soak "$R/soak.json" --faults "$R"/faults_*.json \
+        --gpu "$(cut -d, -f1 "$R/gpu.txt")" --out "$R/reliability.json" --md "$R/reliability.md" \
+        --command "scripts/gpu/testbed.sh reliability-start (bench.soak --launch off,psa,loopserve,lastwindow,samkv --model 32k testbed, --max-total-tokens 65536; bench.faults per mode on the 8k model)"
+    rm -f "$R"/*.pt 2>/dev/null
+    part=reliability
     ;;
   *) echo "unknown part $part" >&2; exit 2 ;;
 esac

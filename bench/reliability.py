@@ -1,0 +1,94 @@
+"""Reliability headline: a soak run (``python -m bench.soak --launch ...``) and fault runs (``python -m bench.faults``)
+folded into ``reliability.json`` and a short Markdown report.
+
+    python -m bench.reliability --soak soak.json --faults faults_psa.json faults_samkv.json \\
+        --gpu "NVIDIA H100 80GB HBM3" --out bench/results/reliability.json --md bench/results/reliability.md
+
+``reliability.json`` = ``{"gpu", "modes": {MODE: {"sent", "completed", "aborted", "failed", "wrong_vs_off", "http_5xx",
+"rss_slope_mb_per_1k_requests", "idle_leak_check"}}, "faults_tried", "faults_survived"}`` plus the run's context
+(``soak_seconds`` per mode, the faults not survived, the commands). Every figure is read from the driver reports; a
+mode whose server did not start is listed under ``modes_not_started`` with its error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+HEADLINE_KEYS = ("sent", "completed", "aborted", "failed", "wrong_vs_off", "http_5xx")
+TARGETS = "failed 0, http_5xx 0, wrong_vs_off 0, faults_survived = faults_tried, idle check silent, RSS slope within noise"
+
+
+def fold(soak: dict, faults: list[dict], gpu: str, commands: list[str] | None = None) -> dict:
+    """The headline from one ``bench.soak --launch`` report and any number of ``bench.faults`` reports."""
+    modes, not_started, extra = {}, {}, {}
+    for mode, rep in (soak.get("modes") or {}).items():
+        if "error" in rep:
+            not_started[mode] = str(rep["error"])[-300:]
+            continue
+        row = {k: rep.get(k) for k in HEADLINE_KEYS}
+        row["rss_slope_mb_per_1k_requests"] = (rep.get("rss") or {}).get("slope_mb_per_1k_requests")
+        row["idle_leak_check"] = rep.get("idle_leak_check")
+        modes[mode] = row
+        samples = (rep.get("rss") or {}).get("samples") or []
+        extra[mode] = {"seconds": rep.get("elapsed_s"), "facts_checked": rep.get("facts_checked"),
+                       "wrong": rep.get("wrong"), "http_4xx": rep.get("http_4xx"),
+                       "rejected_as_expected": rep.get("rejected_as_expected"),
+                       "rss_mb_first_last": [samples[0].get("rss_mb"), samples[-1].get("rss_mb")] if samples else None,
+                       "gpu_mb_last": samples[-1].get("gpu_mb") if samples else None,
+                       "metrics_consistent": (rep.get("metrics") or {}).get("consistent")}
+    runs = [f for f in faults if f]
+    tried = sum(int(f.get("faults_tried", 0)) for f in runs)
+    survived = sum(int(f.get("faults_survived", 0)) for f in runs)
+    lost = [{"fault": r.get("fault"), "mode": r.get("mode"), "outcome": r.get("outcome"),
+             "checks": r.get("checks"), "details": r.get("details")}
+            for f in runs for r in f.get("faults", []) if not r.get("survived")]
+    return {"gpu": gpu, "modes": modes, "faults_tried": tried, "faults_survived": survived,
+            "faults_not_survived": lost, "modes_not_started": not_started, "soak_details": extra,
+            "fault_devices": sorted({str(f.get("device")) for f in runs}), "targets": TARGETS,
+            "commands": list(commands or [])}
+
+
+def markdown(rep: dict) -> str:
+    lines = ["# Reliability: soak and injected faults", "",
+             f"- GPU: {rep['gpu']}", f"- targets: {rep['targets']}", ""]
+    lines += ["| mode | sent | completed | aborted | failed | wrong vs off | 5xx | RSS slope MB / 1k req | idle leak check |",
+              "|---|---|---|---|---|---|---|---|---|"]
+    for mode, r in rep["modes"].items():
+        slope = r["rss_slope_mb_per_1k_requests"]
+        lines.append(f"| {mode} | {r['sent']} | {r['completed']} | {r['aborted']} | {r['failed']} | {r['wrong_vs_off']} "
+                     f"| {r['http_5xx']} | {'n/a' if slope is None else f'{slope:.1f}'} | {r['idle_leak_check']} |")
+    for mode, err in rep["modes_not_started"].items():
+        lines.append(f"| {mode} | server did not start: {err.splitlines()[-1] if err else ''} |||||||| ")
+    lines += ["", f"Faults: {rep['faults_survived']} of {rep['faults_tried']} survived "
+                  f"(devices: {', '.join(rep['fault_devices']) or 'none'})."]
+    for f in rep["faults_not_survived"]:
+        lines.append(f"- not survived: `{f['fault']}` / {f['mode']}: outcome {f['outcome']}, checks {f['checks']}")
+    if rep["commands"]:
+        lines += ["", "Commands:", ""] + [f"    {c}" for c in rep["commands"]]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench.reliability", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--soak", required=True, help="bench.soak --launch report (JSON)")
+    ap.add_argument("--faults", nargs="*", default=[], help="bench.faults reports (JSON); missing files are skipped")
+    ap.add_argument("--gpu", required=True, help="GPU name as reported by nvidia-smi")
+    ap.add_argument("--command", action="append", default=[], help="command that produced the reports (repeat)")
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--md", help="Markdown report path")
+    a = ap.parse_args(argv)
+    soak = json.loads(Path(a.soak).read_text())
+    faults = [json.loads(Path(p).read_text()) for p in a.faults if Path(p).is_file()]
+    rep = fold(soak, faults, a.gpu, a.command)
+    Path(a.out).write_text(json.dumps(rep, indent=1) + "\n")
+    if a.md:
+        Path(a.md).write_text(markdown(rep))
+    print(markdown(rep))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

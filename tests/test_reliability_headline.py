@@ -1,0 +1,40 @@
+"""Contract: ``bench.reliability`` folds a soak report and fault reports into the headline keys the reliability
+issue names, counting every fault tried and listing the ones not survived, and a mode whose server did not start
+is reported, not dropped."""
+
+import json
+
+from bench.reliability import fold, main, markdown
+
+
+def _mode(failed=0, slope=1.5):
+    return {"sent": 40, "completed": 38, "aborted": 2, "failed": failed, "wrong_vs_off": 0, "http_5xx": 0,
+            "http_4xx": 2, "elapsed_s": 120.0, "idle_leak_check": "silent",
+            "metrics": {"enabled": True, "consistent": True},
+            "rss": {"samples": [{"requests": 10, "rss_mb": 900.0, "gpu_mb": 3000.0},
+                                {"requests": 40, "rss_mb": 905.0, "gpu_mb": 3000.0}], "slope_mb_per_1k_requests": slope}}
+
+
+def test_headline_has_the_issue_keys_per_mode_and_sums_faults(tmp_path):
+    soak = {"device": "cuda", "modes": {"off": _mode(), "psa": _mode(failed=1, slope=None),
+                                        "samkv": {"mode": "samkv", "error": "server exited\nOOM"}}}
+    faults = [{"device": "cuda", "faults_tried": 3, "faults_survived": 3,
+               "faults": [{"fault": "a", "mode": "psa", "survived": True}] * 3},
+              {"device": "cuda", "faults_tried": 2, "faults_survived": 1,
+               "faults": [{"fault": "b", "mode": "samkv", "survived": True},
+                          {"fault": "c", "mode": "samkv", "survived": False, "outcome": "crash", "checks": {}}]}]
+    rep = fold(soak, faults, "GPU X")
+    assert set(rep["modes"]) == {"off", "psa"}
+    assert set(rep["modes"]["psa"]) == {"sent", "completed", "aborted", "failed", "wrong_vs_off", "http_5xx",
+                                       "rss_slope_mb_per_1k_requests", "idle_leak_check"}
+    assert rep["modes"]["psa"]["failed"] == 1 and rep["modes"]["psa"]["rss_slope_mb_per_1k_requests"] is None
+    assert rep["faults_tried"] == 5 and rep["faults_survived"] == 4
+    assert [f["fault"] for f in rep["faults_not_survived"]] == ["c"]
+    assert "OOM" in rep["modes_not_started"]["samkv"]
+    md = markdown(rep)
+    assert "4 of 5 survived" in md and "server did not start" in md and "| psa | 40 | 38 | 2 | 1 |" in md
+    (tmp_path / "soak.json").write_text(json.dumps(soak))
+    (tmp_path / "f.json").write_text(json.dumps(faults[0]))
+    assert main(["--soak", str(tmp_path / "soak.json"), "--faults", str(tmp_path / "f.json"),
+                 str(tmp_path / "missing.json"), "--gpu", "GPU X", "--out", str(tmp_path / "r.json")]) == 0
+    assert json.loads((tmp_path / "r.json").read_text())["faults_tried"] == 3
