@@ -101,6 +101,69 @@ def apply_server_args(args, ctx) -> None:
         args.radix_cache_backend = BACKEND_NAME
 
 
+def _model_kv_shape(args):
+    """``(layers, KV heads per rank, head_dim, bytes per element)`` of the served model's KV, read from its HF
+    config in the main process (None when the config cannot be read: the scheduler's own check then applies)."""
+    try:
+        from transformers import AutoConfig
+
+        hf = AutoConfig.from_pretrained(args.model_path, trust_remote_code=bool(getattr(args, "trust_remote_code",
+                                                                                        False)))
+        text = getattr(hf, "text_config", None) or hf
+        layers = int(text.num_hidden_layers)
+        heads = int(getattr(text, "num_key_value_heads", None) or text.num_attention_heads)
+        head_dim = int(getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads)
+    except Exception:  # noqa: BLE001 - no readable config here: leave the check to the scheduler
+        return None
+    heads = max(1, heads // max(1, int(getattr(args, "tp_size", 1) or 1)))
+    name = str(getattr(args, "kv_cache_dtype", "auto") or "auto")
+    if name == "auto":
+        name = str(getattr(args, "dtype", "auto") or "auto")
+    if name == "auto":
+        name = str(getattr(text, "torch_dtype", None) or getattr(text, "dtype", None) or "bfloat16")
+    size = 4 if "32" in name or name in ("float", "torch.float") else 1 if "fp8" in name or "8" in name else 2
+    return layers, heads, head_dim, size
+
+
+def check_tier_sizes(args, ctx) -> None:
+    """After SGLang resolved the page size: ``host_tier_gb`` and ``gpu_cache_mb`` must each hold one KV page of
+    all layers of the model, else the tier cannot be built; refused here with the smallest useful values
+    (:class:`~sglang_sparse.config.SparseConfigError`, exit 2) instead of failing in the scheduler."""
+    from sglang_sparse.config import SparseConfigError
+
+    if not host_tier_enabled(ctx.config):
+        return
+    shape = _model_kv_shape(args)
+    if shape is None:
+        return
+    layers, heads, head_dim, size = shape
+    page = max(1, int(getattr(args, "page_size", None) or 1))
+    unit = 2 * page * head_dim * size
+    block = layers * heads * unit
+    what = (f"{layers} layers x {heads} KV heads x page {page} x head_dim {head_dim} x 2 (K and V) x {size} "
+            "bytes")
+    gb = float(ctx.config.host_tier_gb)
+    if int(gb * (1 << 30)) < block:
+        raise SparseConfigError(
+            f"--sparse-config: field 'host_tier_gb' of mode '{ctx.mode}' = {gb:g} holds no KV block of this model "
+            f"({block} bytes: {what}); the smallest useful value is {_round_up(block / (1 << 30))} "
+            "(one block), or 0 for no host tier")
+    mb = float(ctx.config.gpu_cache_mb)
+    if int(mb * (1 << 20)) // unit < layers * heads:  # reloads gather one KV page of all layers at least
+        raise SparseConfigError(
+            f"--sparse-config: field 'gpu_cache_mb' of mode '{ctx.mode}' = {mb:g} holds less than one KV page of "
+            f"all layers of this model ({block} bytes: {what}); the smallest useful value is "
+            f"{_round_up(block / (1 << 20))}")
+
+
+def _round_up(x: float) -> str:
+    """``x`` with 3 significant digits, rounded up (so the printed value is itself enough)."""
+    import math
+
+    e = math.floor(math.log10(x)) - 2
+    return f"{math.ceil(x / 10 ** e) * 10 ** e:.3g}"
+
+
 def register_backend() -> None:
     """Register :func:`make_tree_cache` under :data:`BACKEND_NAME` (idempotent)."""
     from sglang.srt.mem_cache.registry import get_radix_cache_factory, register_radix_cache_backend

@@ -91,6 +91,9 @@ class SparseServerArgs(_BaseServerArgs):
         _apply_host_tier(self, ctx)
         _check_hooks_applied()
         super().__post_init__()
+        from sglang_sparse.host_tier import check_tier_sizes
+
+        check_tier_sizes(self, ctx)  # needs the page size SGLang just resolved
 
 
 def install_short_errors(parser: argparse.ArgumentParser) -> None:

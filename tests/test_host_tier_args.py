@@ -64,3 +64,28 @@ def test_samkv_without_radix_cache_is_refused_at_start(args, capsys):
         args("--sparse", "samkv", "--disable-radix-cache")
     assert exc.value.code == 2
     assert "--sparse samkv" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("mode", ["psa", "loopserve"])
+def test_a_host_tier_smaller_than_one_kv_block_is_refused_at_start_naming_the_smallest_value(args, capsys, mode):
+    """host_tier_gb just above 0 (inside the key's range) holds no KV block of the model: exit 2 with one line
+    naming the field and the smallest useful value, before the model loads, not a scheduler traceback.
+    SmolLM2-135M on CPU: 30 layers x 3 KV heads x page 1 x head_dim 64 x 2 x 2 bytes = 23040 bytes a block."""
+    with pytest.raises(SystemExit) as exc:
+        args("--sparse", mode, "--sparse-config", '{"host_tier_gb": 1e-6}')
+    assert exc.value.code == 2
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("sglang: error:")]
+    assert lines == [f"sglang: error: --sparse-config: field 'host_tier_gb' of mode '{mode}' = 1e-06 holds no KV "
+                     "block of this model (23040 bytes: 30 layers x 3 KV heads x page 1 x head_dim 64 x 2 (K and V) "
+                     "x 2 bytes); the smallest useful value is 2.15e-05 (one block), or 0 for no host tier"]
+    on = args("--sparse", mode, "--sparse-config", '{"host_tier_gb": 2.15e-05}')  # the value it names starts
+    assert on.radix_cache_backend == BACKEND_NAME
+
+
+def test_a_gpu_unit_cache_smaller_than_one_unit_is_refused_at_start(args, capsys):
+    with pytest.raises(SystemExit) as exc:
+        args("--sparse", "psa", "--sparse-config", '{"host_tier_gb": 0.5, "gpu_cache_mb": 1e-9}')
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "field 'gpu_cache_mb' of mode 'psa' = 1e-09 holds less than one KV page of all layers" in err
+    assert "the smallest useful value is 0.022" in err  # 23040 bytes = 0.02197 MiB

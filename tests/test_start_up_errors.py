@@ -122,3 +122,21 @@ def test_launch_server_process_exits_2_with_one_error_line_for_an_even_pool_kern
             if line.strip() and "warn" not in line.lower() and not line.startswith("  Example:")]
     assert ours == ["sglang: error: --sparse-config: field 'pool_kernel' of mode 'lastwindow' = 4 is not allowed; "
                     "allowed: an odd integer in [1, 63]"], proc.stderr[-3000:]
+
+
+def test_launch_server_process_exits_2_with_one_error_line_for_a_host_tier_below_one_block():
+    """``host_tier_gb`` 1e-6 is inside the key's range but holds no KV block: the real entry point exits 2 with
+    one line naming the field and the smallest useful value (it used to fail in the scheduler with a traceback)."""
+    import subprocess
+    import sys
+
+    from tests.serverproc import server_env
+
+    proc = subprocess.run([sys.executable, "-m", "sglang.launch_server", "--model-path", str(DEFAULT_MODEL),
+                           "--device", "cpu", "--sparse", "psa", "--sparse-config", '{"host_tier_gb": 1e-6}'],
+                          capture_output=True, text=True, timeout=300, env=server_env())
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    errors = [line for line in proc.stderr.splitlines() if "error" in line.lower() or "Traceback" in line]
+    assert len(errors) == 1 and errors[0].startswith("sglang: error: --sparse-config: field 'host_tier_gb'"), \
+        proc.stderr[-3000:]
+    assert "the smallest useful value is 2.15e-05" in errors[0]
