@@ -130,17 +130,31 @@ def wait_idle(url: str, timeout_s: float = 60.0) -> dict | None:
 
 
 def metrics_report(before: dict | None, after: dict | None, c: dict, mode: str) -> dict:
-    """``/metrics`` against the client's counts: every completed request is counted by the server, and (but
-    for samkv, whose front door adds one prefill request per new document) no more than were admitted."""
+    """``/metrics`` deltas against the client's counts. Checked (``checks``; ``consistent`` = all of them):
+
+    * ``finished_covers_completed``: ``sglang:num_requests_total`` grew by at least the requests completed;
+    * ``finished_within_admitted``: and by no more than the requests sent minus the 4xx (None under samkv, whose
+      front door adds one prefill request per new document);
+    * ``idle_after_run``: no request running or queued afterwards (client-aborted streams did not stay behind).
+
+    ``sglang:num_aborted_requests_total`` is reported (``aborted_counter``) beside the client's aborts
+    (``client_aborts``), not checked against them: SGLang 0.5.17 counts only the aborts its tokenizer manager
+    starts through ``abort_request`` (``/abort_request``, a non-streamed request whose client went away, a
+    pause with abort). A streamed request whose client disconnects is aborted in the scheduler when its
+    response generator closes, without that counter, and is not counted as finished either."""
     if before is None or after is None:
         return {"enabled": False}
     finished = after["sglang:num_requests_total"] - before["sglang:num_requests_total"]
     admitted = c["sent"] - c["http_4xx"]
     idle = after["sglang:num_running_reqs"] == 0 and after["sglang:num_queue_reqs"] == 0
-    ok = finished >= c["completed"] and (mode == "samkv" or finished <= admitted) and idle
-    return {"enabled": True, "requests_finished": finished, "requests_admitted_by_client_count": admitted,
-            "aborted": after["sglang:num_aborted_requests_total"] - before["sglang:num_aborted_requests_total"],
-            "idle_after_run": idle, "consistent": ok}
+    checks = {"finished_covers_completed": finished >= c["completed"],
+              "finished_within_admitted": None if mode == "samkv" else finished <= admitted,
+              "idle_after_run": idle}
+    return {"enabled": True, "requests_finished": finished, "requests_completed_by_client_count": c["completed"],
+            "requests_admitted_by_client_count": admitted,
+            "aborted_counter": after["sglang:num_aborted_requests_total"] - before["sglang:num_aborted_requests_total"],
+            "client_aborts": c["aborted"], "idle_after_run": idle, "checks": checks,
+            "consistent": all(v for v in checks.values() if v is not None)}
 
 
 def leak_check(log_path: str | None, offset: int = 0) -> str | None:

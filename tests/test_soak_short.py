@@ -60,7 +60,7 @@ def test_slope_and_metrics_and_reference_comparison():
     assert slope_per_1k([(5, 1.0)]) is None
     samples = [{"requests": r, "rss_mb": 100.0 + (r > 50) * 0.5 * (r - 50)} for r in range(0, 101, 10)]
     assert last_half_slope(samples) == 500.0  # flat first half ignored
-    counts = {"sent": 10, "completed": 8, "http_4xx": 1}
+    counts = {"sent": 10, "completed": 8, "http_4xx": 1, "aborted": 1}
     m = {"sglang:num_requests_total": 0.0, "sglang:num_aborted_requests_total": 0.0,
          "sglang:num_running_reqs": 0.0, "sglang:num_queue_reqs": 0.0}
     assert metrics_report(m, {**m, "sglang:num_requests_total": 9.0}, counts, "off")["consistent"]
@@ -68,6 +68,13 @@ def test_slope_and_metrics_and_reference_comparison():
     assert not metrics_report(m, {**m, "sglang:num_requests_total": 12.0}, counts, "off")["consistent"]
     assert metrics_report(m, {**m, "sglang:num_requests_total": 12.0}, counts, "samkv")["consistent"]
     assert metrics_report(None, m, counts, "off") == {"enabled": False}
+    # what is checked, by name; the abort counter is reported, not checked (client-aborted streams never reach it)
+    rep = metrics_report(m, {**m, "sglang:num_requests_total": 9.0}, counts, "samkv")
+    assert rep["checks"] == {"finished_covers_completed": True, "finished_within_admitted": None,
+                             "idle_after_run": True}
+    assert rep["aborted_counter"] == 0.0 and rep["client_aborts"] == 1 and rep["consistent"]
+    busy = {**m, "sglang:num_requests_total": 9.0, "sglang:num_running_reqs": 1.0}
+    assert not metrics_report(m, busy, counts, "off")["checks"]["idle_after_run"]
     assert soak.wrong_vs({"facts": {"1": True, "2": False, "3": True}}, {"1": False, "2": False, "3": True}) == 1
     assert soak.wrong_vs(None, {"1": False}) is None
 
