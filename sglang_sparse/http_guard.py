@@ -6,12 +6,14 @@ its body into ``GenerateReqInput``, which drops unknown keys, so a ``documents``
 would be ignored in silence (200, an answer without the documents). :class:`NativeFieldGuard`, an
 ASGI middleware added to SGLang's FastAPI app before it starts, answers such a request with HTTP
 400 naming the field and the routes that serve it, under every ``--sparse`` mode, streaming or not.
+It also answers 400 for a ``/generate`` body that breaks a client limit
+(:mod:`sglang_sparse.client_limits`: ``extra_key`` length, reserved ``custom_params`` keys).
 
 Installed by :func:`tokenizer_manager_init_hook` (AFTER ``TokenizerManager.__init__``, main process:
 the HTTP server creates its tokenizer manager before it starts serving); a process without the
 HTTP server module loaded (``sgl.Engine``) is left alone. Other bodies pass through unchanged (the
 middleware buffers a ``/generate`` body once and replays it; a body without the bytes
-``"documents"`` is not parsed). No sglang import at module level.
+``"documents"``, ``"extra_key"`` or ``"custom_params"`` is not parsed). No sglang import at module level.
 """
 
 from __future__ import annotations
@@ -28,15 +30,31 @@ MESSAGE = ("'documents' is not a field of /generate (it would be ignored): send 
            "/v1/chat/completions or /v1/completions (served by --sparse samkv), or put their text in the prompt")
 
 
+_TRIGGERS = (f'"{FIELD}"'.encode(), b'"extra_key"', b'"custom_params"')
+
+
 def refusal(body: bytes) -> str | None:
-    """The 400 message for a native request body carrying ``documents`` (a JSON object key), else None."""
-    if f'"{FIELD}"'.encode() not in body:
+    """The 400 message for a native request body carrying ``documents`` (a JSON object key) or breaking a
+    client limit (:func:`sglang_sparse.client_limits.body_error`), else None."""
+    got = refusal_field(body)
+    return None if got is None else got[0]
+
+
+def refusal_field(body: bytes) -> tuple[str, str] | None:
+    """``(message, field)`` of :func:`refusal`; bodies without the bytes of a checked key are not parsed."""
+    if not any(t in body for t in _TRIGGERS):
         return None
     try:
         obj = json.loads(body)
     except (ValueError, UnicodeDecodeError):
         return None  # SGLang answers bad JSON itself
-    return MESSAGE if isinstance(obj, dict) and FIELD in obj else None
+    if not isinstance(obj, dict):
+        return None
+    if FIELD in obj:
+        return MESSAGE, FIELD
+    from sglang_sparse.client_limits import body_error
+
+    return body_error(obj, native=True)
 
 
 class NativeFieldGuard:
@@ -57,10 +75,10 @@ class NativeFieldGuard:
             chunks.append(message.get("body", b""))
             more = message.get("more_body", False)
         body = b"".join(chunks)
-        error = refusal(body)
-        if error is None:
+        got = refusal_field(body)
+        if got is None:
             return await self.app(scope, _replay([body], None, receive), send)
-        payload = json.dumps({"object": "error", "message": error, "type": "BadRequest", "param": FIELD,
+        payload = json.dumps({"object": "error", "message": got[0], "type": "BadRequest", "param": got[1],
                               "code": 400}).encode()
         await send({"type": "http.response.start", "status": 400,
                     "headers": [(b"content-type", b"application/json"),

@@ -54,6 +54,7 @@ import logging
 import time
 from dataclasses import dataclass
 
+from sglang_sparse.client_limits import MAX_KEY_CHARS, body_error
 from sglang_sparse.documents import FIELD, parse_documents
 
 logger = logging.getLogger("sglang_sparse")
@@ -167,7 +168,7 @@ def _parse_extra(body: dict, cfg) -> tuple[tuple[str, ...], str, str]:
 
 
 LAYOUTS = ("in_user_turn", "before_prompt")
-MAX_SALT_CHARS = 256  # a salt is part of every document and composite cache key
+MAX_SALT_CHARS = MAX_KEY_CHARS  # a salt is part of every document and composite cache key
 
 
 def split_user_turn(prompt_ids: list[int], content_ids: list[int]) -> int | None:
@@ -376,7 +377,8 @@ async def _prefill_documents(serving, plan: DocumentPlan, filler: int, page_size
 
 async def handle_request_hook(original, serving, request, raw_request, *args, **kwargs):
     """AROUND ``OpenAIServingBase.handle_request``: requests with ``documents`` under ``--sparse samkv``
-    (under any other mode they are a 400, not silently dropped); every other request passes through."""
+    (under any other mode they are a 400, not silently dropped); every other request passes through once
+    its client limits hold (:func:`sglang_sparse.client_limits.body_error`, every mode)."""
     from sglang.srt.server_args import get_global_server_args
 
     from sglang_sparse.server_args import sparse_context_of
@@ -388,6 +390,10 @@ async def handle_request_hook(original, serving, request, raw_request, *args, **
             body = await raw_request.json()  # parsed once by FastAPI already (cached)
         except Exception:
             body = None
+    limit = body_error(body)  # every mode: cache_salt / extra_key length, reserved custom_params keys
+    if limit is not None:
+        return serving.create_error_response(message=limit[0], err_type="BadRequest", status_code=400,
+                                             param=limit[1])
     if not isinstance(body, dict) or FIELD not in body:
         return await original(serving, request, raw_request, *args, **kwargs)
     if ctx.mode != "samkv":  # never drop the documents in silence
