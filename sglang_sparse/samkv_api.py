@@ -52,6 +52,7 @@ import asyncio
 import hashlib
 import logging
 import time
+from array import array
 from dataclasses import dataclass
 
 from sglang_sparse.client_limits import MAX_KEY_CHARS, body_error
@@ -281,7 +282,9 @@ class DocumentTokenCache:
     """Token ids of the documents this front door has tokenised, so a document is tokenised once: an LRU map
     ``sha256(text) -> (ids, ids_digest(ids))`` holding at most ``max_entries`` documents and ``max_tokens``
     ids in all (the least recently used go first; a document longer than ``max_tokens`` is not kept).
-    Held, like :class:`KnownDocuments`, on the server's tokenizer manager (one per server, shared by the chat
+    The ids are kept as 4-byte ints (``array("i")``), so the cache holds at most about ``4 * max_tokens`` bytes
+    of ids (32 MB at the defaults; a tuple of Python ints would take ~36 bytes an id). Held, like
+    :class:`KnownDocuments`, on the server's tokenizer manager (one per server, shared by the chat
     and completion endpoints); the tokenizer is the server's, fixed for the cache's life."""
 
     def __init__(self, max_entries: int = 4096, max_tokens: int = 8_000_000):
@@ -290,7 +293,7 @@ class DocumentTokenCache:
         if max_entries < 1 or max_tokens < 1:
             raise ValueError(f"DocumentTokenCache: max_entries={max_entries}, max_tokens={max_tokens} must be >= 1")
         self.max_entries, self.max_tokens = int(max_entries), int(max_tokens)
-        self._map: "OrderedDict[str, tuple[tuple[int, ...], str]]" = OrderedDict()
+        self._map: "OrderedDict[str, tuple[array, str]]" = OrderedDict()
         self.tokens = 0
         self.hits = self.misses = 0
 
@@ -307,7 +310,7 @@ class DocumentTokenCache:
         if hit is not None:
             self._map.move_to_end(key)
             self.hits += 1
-            return hit
+            return tuple(hit[0]), hit[1]
         self.misses += 1
         ids = tuple(tokenizer.encode(text, add_special_tokens=False))
         val = (ids, ids_digest(ids))
@@ -323,12 +326,15 @@ class DocumentTokenCache:
             self._map.move_to_end(key)
             return
         if len(ids) <= self.max_tokens:
-            self._map[key] = val
+            self._map[key] = (array("i", ids), val[1])
             self.tokens += len(ids)
             while len(self._map) > self.max_entries or self.tokens > self.max_tokens:
                 _, (old, _) = self._map.popitem(last=False)
                 self.tokens -= len(old)
-        return val
+
+    def nbytes(self) -> int:
+        """Bytes of the ids held (4 per id)."""
+        return sum(a.itemsize * len(a) for a, _ in self._map.values())
 
     def __len__(self) -> int:
         return len(self._map)

@@ -63,6 +63,29 @@ def test_plan_identities_are_functions_of_the_token_ids():
         DocumentPlan(a.doc_ids, a.prompt_ids, "s", "samkv", doc_digests=("x",))
 
 
+def test_repeated_documents_requests_keep_the_front_door_token_cache_within_its_byte_bound():
+    """The token cache holds each id in 4 bytes (about 4 * max_tokens bytes at most: 32 MB at the defaults), not
+    as Python ints (~36 bytes an id: ~290 MB at 8M tokens), and its memory stops growing at the token bound
+    however many distinct documents come through."""
+    import tracemalloc
+
+    class WideTokenizer:  # ids above the small-int cache, as real vocabularies give
+        def encode(self, text, add_special_tokens=False):
+            return [40000 + (ord(c) * 7 + i) % 9000 for i, c in enumerate(text)]
+
+    tok, cache = WideTokenizer(), DocumentTokenCache(max_entries=4096, max_tokens=200_000)
+    tracemalloc.start()
+    try:
+        for i in range(100):                       # 100 documents of 4000 ids: twice the token bound
+            ids, _ = cache.encode(tok, f"document {i} " + "w" * 3988)
+        size, _ = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert cache.tokens <= 200_000 and len(cache) == 50 and cache.nbytes() == 4 * cache.tokens
+    assert size < 6 * 200_000 + 200_000, size      # ids at 4 B each plus keys and bookkeeping
+    assert isinstance(ids, tuple) and cache.encode(tok, f"document {99} " + "w" * 3988)[0] == ids
+
+
 def test_refused_documents_are_not_kept_in_the_token_cache():
     """A document tokenised for a request that is then refused (e.g. too long for the context) holds no memory:
     the front door encodes with ``store=False`` and keeps the ids only once the request is accepted."""
