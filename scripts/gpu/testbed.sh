@@ -78,9 +78,11 @@ case $part in
         timeout -k 20 ${SOAK_TIMEOUT:-900} python3 -m bench.soak --launch off,psa,loopserve,lastwindow,samkv \
           --model $M32 --requests ${SOAK_REQUESTS:-400} --time-budget ${SOAK_MODE_BUDGET:-125} --concurrency 4 \
           --turn-words ${SOAK_TURN_WORDS:-7000} --max-tokens 16 --sample-every 10 --log-dir $R \
-          --server-arg=$SHARED --server-arg=--max-total-tokens=65536 --out $R/soak.json > $R/soak.log 2>&1
+          --server-arg=$SHARED --server-arg=--max-total-tokens=65536 --server-arg=--attention-backend=flashinfer \
+          --out $R/soak.json > $R/soak.log 2>&1
         echo \$? > $R/soak.rc" > /dev/null 2>&1 < /dev/null & )
-    ( setsid bash -c "
+    [ "${RELIABILITY_FAULTS:-1}" = 1 ] || echo done > "$R/faults.rc"   # soak only
+    [ "${RELIABILITY_FAULTS:-1}" = 1 ] && ( setsid bash -c "
         for m in psa loopserve samkv lastwindow,off; do
           timeout -k 20 ${FAULTS_MODE_TIMEOUT:-420} python3 -m bench.faults --modes \$m --model $KIT_MODEL \
             --server-arg=$SHARED --log-dir $R --out $R/faults_\${m%,*}.json >> $R/faults.log 2>&1
