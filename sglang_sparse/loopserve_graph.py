@@ -86,7 +86,10 @@ class LoopServeGraphs:
             wv, ws = max(wv, st.lines[0].shape[2]), max(ws, st.lines[2].shape[2])
             wb = max(wb, 0 if st.topb is None else st.topb.shape[2])
             tail = max(tail, n - (st.since or st.prompt_len))
-        if max(wv, 1) + max(ws, 1) + max(wb, 1) + r.cfg.sink_tokens + tail > self.width:
+        # the planned lists are [L, bs, Hk, summed widths], deduplicated: no list is longer than its context, so
+        # the static buffer takes the first min(summed widths, longest context) entries (the rest is padding)
+        summed = max(wv, 1) + max(ws, 1) + max(wb, 1) + r.cfg.sink_tokens + tail
+        if min(summed, max(lens)) > self.width or not r.lists_all_fits(bs, summed):
             return False
         self._pending = (forward_batch, reqs, lens, "sparse")
         return True
@@ -158,8 +161,8 @@ class LoopServeGraphs:
         if e is None or "lists_all" not in e or e["sel"] is not None or len(e["rows"]) != raw:
             raise RuntimeError("sglang-sparse loopserve: a graph step planned as a non-steady step")
         lists, lens_all = e["lists_all"]
-        w = lists.shape[3]
-        self.lists_buf[:, :raw, :, :w].copy_(lists)
+        w = min(lists.shape[3], self.width, max(lens))  # entries past a list's length (<= its context) are padding
+        self.lists_buf[:, :raw, :, :w].copy_(lists[..., :w])
         self.lens_buf[:, :raw].copy_(lens_all)
         self.lens_buf[:, raw:bs].zero_()
         self.seq32_buf[:raw].copy_(e["seq32"])

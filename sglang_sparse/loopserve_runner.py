@@ -362,7 +362,7 @@ class LoopServeRunner:
             self.dec["split"] = split
             if split.num_splits > 1:
                 self.dec["split_bufs"] = alloc_split_buffers(n_s, sh.num_qo_heads, sh.head_dim, split.num_splits, dev)
-        if sh.num_layers * len(rows) * sh.num_kv_heads * width <= LISTS_ALL_MAX_ENTRIES:
+        if self.lists_all_fits(len(rows), width):
             # every layer's top-B-independent candidates at once, here; no row re-selects at this step: every
             # layer's sets too (else merged with each layer's new top-B in decode; over the cap: all per layer)
             self.dec["static_all"] = self._static_all_layers(self.dec)
@@ -378,6 +378,11 @@ class LoopServeRunner:
         host[rows_t, COL_RESEL] = torch.tensor(resel, dtype=torch.float32)
         if self.ws is not None and not self.planning_for_graph:  # a replayed step: loopserve_graph plans it
             self.ws.plan([getattr(reqs[i], "rid", None) for i in rows])
+
+    def lists_all_fits(self, n_rows: int, width: int) -> bool:
+        """Whether a decode step of ``n_rows`` sparse rows with lists ``width`` wide (before deduplication) plans
+        every layer's lists at once in :meth:`begin_batch` (else each layer builds its own)."""
+        return self.shape.num_layers * n_rows * self.shape.num_kv_heads * width <= LISTS_ALL_MAX_ENTRIES
 
     # ------------------------------------------------------------------ per layer
     @property

@@ -87,6 +87,40 @@ def test_replayed_steady_step_decodes_like_the_eager_step(lastwindow):
         assert torch.equal(getattr(r_e, STATE_ATTR).ring, getattr(r_g, STATE_ATTR).ring)
 
 
+def _widen_lines(reqs, extra):
+    """Pad every request's stored vertical and slash lines with ``extra`` empty (-1) slots: the summed list width
+    grows past the context while the sets stay the same."""
+    for req in reqs:
+        st = getattr(req, STATE_ATTR)
+        v_idx, v_cnt, s_idx, s_cnt = st.lines
+        pad = lambda t: torch.nn.functional.pad(t, (0, extra), value=-1)  # noqa: E731
+        st.lines = (pad(v_idx), v_cnt, pad(s_idx), s_cnt)
+
+
+def test_lists_wider_than_the_graph_but_within_the_context_replay_like_the_eager_step():
+    """The summed widths of lines, slashes and top-B bound a list before deduplication only; no list is longer than
+    its context. A graph as wide as the longest context replays such a step, with the eager step's outputs."""
+    eager_cfg, shape, backend, fb, reqs, q3, _ = _setup(False, *STEADY[False], all_topb=True)
+    _widen_lines(reqs, 400)
+    eager = LoopServeRunner(eager_cfg, shape, torch.device("cpu"), use_kernels=True)
+    eager.begin_batch(backend, fb)
+    o_eager = _decode_layers(eager, backend, q3)
+
+    longest = max(STEADY[False][0])
+    c = _captured(False, STEADY[False], width=longest)
+    _widen_lines(c.reqs, 400)
+    assert c.graphs.wants_graph(c.fb)  # summed width > 800 > the graph's width, the longest context
+    o_pad = _replay(c)
+    raw = c.fb.batch_size
+    assert c.graphs.replays == 1
+    torch.testing.assert_close(o_pad[:raw], o_eager, rtol=1e-5, atol=1e-5)
+    assert torch.equal(c.runner.step_rows, eager.step_rows)
+    # one entry narrower than the longest context: lists that may hold every position do not fit
+    c = _captured(False, STEADY[False], width=longest - 1)
+    _widen_lines(c.reqs, 400)
+    assert not c.graphs.wants_graph(c.fb)
+
+
 def test_steps_that_select_or_do_not_fit_are_not_replayed():
     # loopserve rows at generated tokens 5 and 15 (initial top-B) and 19: selecting rows -> eager
     c = _captured(False, LOOPSERVE, all_topb=False)
