@@ -1,8 +1,11 @@
 """Merge e2e_long.json documents of several ``bench.load`` invocations on the same machine.
 
     python -m bench.e2e_merge --base A/e2e_long.json --add B/e2e_long.json:lastwindow --out bench/results/e2e_long.json
+    python -m bench.e2e_merge --base A/e2e_long.json --add C/e2e_long.json:loopserve@32k_ --out ...   # cells only
 
-Each mode keeps the ratios of the invocation it was measured in (against that invocation's own ``off`` of the
+``MODE@PREFIX`` takes only that mode's cells whose key starts with ``PREFIX`` (e.g. ``32k_``) from the added
+document, the mode's other cells staying the base's. Each mode (or cell) keeps the ratios of the invocation it was
+measured in (against that invocation's own ``off`` of the
 same cell); nothing is recomputed across invocations. ``mode_sources`` records where each mode came from and
 ``off_spread`` how far the ``off`` baselines of the invocations differ per cell (max/min - 1 of throughput).
 """
@@ -21,11 +24,19 @@ def merge(base: dict, adds: list[tuple[dict, list[str], str]], base_name: str) -
     for doc, modes, name in adds:
         if doc.get("gpu") != base.get("gpu"):
             raise SystemExit(f"error: {name} ran on {doc.get('gpu')!r}, the base on {base.get('gpu')!r}")
-        for m in modes:
+        for spec in modes:
+            m, _, prefix = spec.partition("@")
             if m not in doc.get("modes", {}):
                 raise SystemExit(f"error: {name} has no mode {m!r} (has {sorted(doc.get('modes', {}))})")
-            out["modes"][m] = doc["modes"][m]
-            out["mode_sources"][m] = name
+            if not prefix:
+                out["modes"][m] = doc["modes"][m]
+                out["mode_sources"][m] = name
+                continue
+            cells = {k: v for k, v in doc["modes"][m].items() if k.startswith(prefix) and isinstance(v, dict)}
+            if not cells:
+                raise SystemExit(f"error: {name} has no {m!r} cell starting with {prefix!r}")
+            out["modes"].setdefault(m, {}).update(cells)
+            out.setdefault("cell_sources", {}).setdefault(m, {}).update({k: name for k in cells})
         b_off, a_off = base["modes"].get("off", {}), doc["modes"].get("off", {})
         for key, c in a_off.items():
             t0 = (b_off.get(key) or {}).get("output_throughput_tok_s") if isinstance(b_off.get(key), dict) else None

@@ -30,3 +30,15 @@ def test_merge_refuses_other_gpus_and_missing_modes():
         merge(a, [(_doc("H200", 600.0, {}), ["off"], "b.json")], "a.json")
     with pytest.raises(SystemExit, match="no mode 'psa'"):
         merge(a, [(_doc("H100", 600.0, {}), ["psa"], "b.json")], "a.json")
+
+
+def test_merge_of_cells_replaces_only_the_named_cells_of_a_mode():
+    a = _doc("H100", 600.0, {"loopserve": {"4k_c1": {"throughput_ratio_vs_off": 0.9},
+                                           "32k_c1": {"throughput_ratio_vs_off": 0.08}}})
+    c = _doc("H100", 610.0, {"loopserve": {"32k_c1": {"throughput_ratio_vs_off": 0.23}}})
+    out = merge(a, [(c, ["loopserve@32k_"], "c.json")], "a.json")
+    assert out["modes"]["loopserve"]["4k_c1"]["throughput_ratio_vs_off"] == 0.9
+    assert out["modes"]["loopserve"]["32k_c1"]["throughput_ratio_vs_off"] == 0.23
+    assert out["mode_sources"]["loopserve"] == "a.json" and out["cell_sources"] == {"loopserve": {"32k_c1": "c.json"}}
+    with pytest.raises(SystemExit, match="no 'loopserve' cell"):
+        merge(a, [(c, ["loopserve@64k_"], "c.json")], "a.json")
