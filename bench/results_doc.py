@@ -69,8 +69,12 @@ def e2e_section(e2e: dict | None) -> list[str]:
         return md + ["(missing: run `python -m bench.load` on the testbed)", ""]
     md += [f"GPU: {e2e.get('gpu')}; model: {e2e.get('model')}; output {e2e.get('output_len')} tokens; ratios are "
            "mode / stock `off` in the same cell, measured in the same `bench.load` invocation (throughput > 1 and "
-           "TTFT / TPOT < 1 are better)." + (f" Invocations per mode: {e2e['mode_sources']}." if e2e.get("mode_sources")
-                                             else ""), ""]
+           "TTFT / TPOT < 1 are better).", ""]
+    if e2e.get("mode_sources"):
+        md += ["Where each mode comes from (each invocation has its own `off`):", ""]
+        md += [f"- `{m}`: {src}" for m, src in e2e["mode_sources"].items()]
+        md += [f"- `{m}` cells {', '.join(sorted(cells))}: {sorted(set(cells.values()))[0]}"
+               for m, cells in (e2e.get("cell_sources") or {}).items()] + [""]
     rows = []
     for mode, cells in e2e.get("modes", {}).items():
         if mode == "off":
@@ -86,6 +90,22 @@ def e2e_section(e2e: dict | None) -> list[str]:
                          _f(c.get("tpot_ratio_vs_off")), _f(c.get("output_throughput_tok_s"), 0)])
     md += _table(["mode", "input_concurrency", "throughput", "TTFT", "TPOT", "mode tok/s"], rows)
     return md + ["", "Details: [bench/results/e2e_long.md](../bench/results/e2e_long.md).", ""]
+
+
+def reliability_section(r: dict | None) -> list[str]:
+    md = ["## Reliability (`reliability.json`)", ""]
+    if not r:
+        return md + ["(missing: run `python -m bench.soak` and `python -m bench.faults`, then `python -m bench.reliability`)",
+                     ""]
+    secs = sum((d or {}).get("seconds") or 0 for d in (r.get("soak_details") or {}).values())
+    md += [f"GPU: {r.get('gpu')}. Soak (`bench.soak`, every mode at its defaults, {secs:.0f} s of traffic in all); "
+           f"faults (`bench.faults`): {r.get('faults_survived')} of {r.get('faults_tried')} survived.", ""]
+    rows = [[m, *(str(x.get(k)) for k in ("sent", "completed", "aborted", "failed", "wrong_vs_off", "http_5xx")),
+             _f(x.get("rss_slope_mb_per_1k_requests"), 1), str(x.get("idle_leak_check"))]
+            for m, x in (r.get("modes") or {}).items()]
+    md += _table(["mode", "sent", "completed", "aborted", "failed", "wrong vs off", "5xx", "RSS slope MB / 1k requests",
+                  "idle leak check"], rows)
+    return md + ["", "Details: [bench/results/reliability.md](../bench/results/reliability.md).", ""]
 
 
 def needle_section(tab: dict | None, title: str) -> list[str]:
@@ -145,6 +165,7 @@ def build(results: Path) -> str:
     md += needle_section(_load(results, "needle_table_64k.json"),
                          "Dense needle retrieval, 64k profile (`needle_table_64k.json`)")
     md += samkv_section(_load(results, "samkv.json"))
+    md += reliability_section(_load(results, "reliability.json"))
     md += kernel_section(_load(results, "psa_decode.json"), _load(results, "loopserve_prefill.json"))
     return "\n".join(md) + "\n"
 
