@@ -24,6 +24,7 @@ TARGETS = "failed 0, http_5xx 0, wrong_vs_off 0, faults_survived = faults_tried,
 def fold(soak: dict, faults: list[dict], gpu: str, commands: list[str] | None = None) -> dict:
     """The headline from one ``bench.soak --launch`` report and any number of ``bench.faults`` reports."""
     modes, not_started, extra = {}, {}, {}
+    off_facts = ((soak.get("modes") or {}).get("off") or {}).get("facts") or {}
     for mode, rep in (soak.get("modes") or {}).items():
         if "error" in rep:
             not_started[mode] = str(rep["error"])[-300:]
@@ -38,7 +39,10 @@ def fold(soak: dict, faults: list[dict], gpu: str, commands: list[str] | None = 
                        "rejected_as_expected": rep.get("rejected_as_expected"),
                        "rss_mb_first_last": [samples[0].get("rss_mb"), samples[-1].get("rss_mb")] if samples else None,
                        "gpu_mb_last": samples[-1].get("gpu_mb") if samples else None,
-                       "metrics_consistent": (rep.get("metrics") or {}).get("consistent")}
+                       "metrics_consistent": (rep.get("metrics") or {}).get("consistent"),
+                       # the other direction of wrong_vs_off: how many flips batch nondeterminism alone could explain
+                       "right_where_off_wrong": sum(1 for k, ok in (rep.get("facts") or {}).items()
+                                                    if ok is True and off_facts.get(k) is False) if off_facts else None}
     runs = [f for f in faults if f]
     tried = sum(int(f.get("faults_tried", 0)) for f in runs)
     survived = sum(int(f.get("faults_survived", 0)) for f in runs)
@@ -64,6 +68,10 @@ def markdown(rep: dict) -> str:
         lines.append(f"| {mode} | server did not start: {err.splitlines()[-1] if err else ''} |||||||| ")
     lines += ["", f"Faults: {rep['faults_survived']} of {rep['faults_tried']} survived "
                   f"(devices: {', '.join(rep['fault_devices']) or 'none'})."]
+    flips = {m: d.get("right_where_off_wrong") for m, d in rep["soak_details"].items() if m != "off"}
+    if any(v is not None for v in flips.values()):
+        lines += ["", "Facts answered right here but wrong by `off` (the other direction of `wrong vs off`): "
+                  + ", ".join(f"{m} {v}" for m, v in flips.items()) + "."]
     for f in rep["faults_not_survived"]:
         lines.append(f"- not survived: `{f['fault']}` / {f['mode']}: outcome {f['outcome']}, checks {f['checks']}")
     if rep["commands"]:

@@ -23,7 +23,10 @@ def test_headline_has_the_issue_keys_per_mode_and_sums_faults(tmp_path):
               {"device": "cuda", "faults_tried": 2, "faults_survived": 1,
                "faults": [{"fault": "b", "mode": "samkv", "survived": True},
                           {"fault": "c", "mode": "samkv", "survived": False, "outcome": "crash", "checks": {}}]}]
+    soak["modes"]["off"]["facts"] = {"1": True, "2": False, "3": False}
+    soak["modes"]["psa"]["facts"] = {"1": False, "2": True, "3": True}
     rep = fold(soak, faults, "GPU X")
+    assert rep["soak_details"]["psa"]["right_where_off_wrong"] == 2
     assert set(rep["modes"]) == {"off", "psa"}
     assert set(rep["modes"]["psa"]) == {"sent", "completed", "aborted", "failed", "wrong_vs_off", "http_5xx",
                                        "rss_slope_mb_per_1k_requests", "idle_leak_check"}
