@@ -30,12 +30,15 @@ Cautions:
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
+
+from .vs_common import (_load_q, _rows_lse, _scores, check_heads, launch_meta,  # noqa: F401 (re-exported)
+                        target_programs_of)
+from .vs_lse_split import MIN_SPLIT_KEYS, lse_splits, split_lse
 
 __all__ = ["VSLineSums", "vs_estimate", "sample_query_rows"]
 
@@ -63,65 +66,6 @@ def sample_query_rows(extend_len: int, num_rows: int) -> torch.Tensor:
     rest = torch.linspace(0, extend_len - n_last - 1, r - n_last).round().long() if r > n_last else \
         torch.zeros(0, dtype=torch.long)
     return torch.unique(torch.cat([rest, torch.arange(extend_len - n_last, extend_len)]))
-
-
-@triton.jit
-def _load_q(q_ptr, stride_qr, stride_qh, h, r0, R, GROUP: tl.constexpr, G_PAD: tl.constexpr,
-            BLOCK_R: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr):
-    """Rows packed g-major: row ``i`` is query head ``h*GROUP + i // BLOCK_R`` of sample ``r0 + i % BLOCK_R``."""
-    i = tl.arange(0, G_PAD * BLOCK_R)
-    g = i // BLOCK_R
-    r = r0 + i % BLOCK_R
-    d = tl.arange(0, D_PAD)
-    rvalid = (g < GROUP) & (r < R)
-    q = tl.load(q_ptr + r.to(tl.int64)[:, None] * stride_qr + (h * GROUP + g)[:, None] * stride_qh + d[None, :],
-                mask=rvalid[:, None] & (d < HEAD_DIM)[None, :], other=0.0)
-    return q, g, r, rvalid
-
-
-@triton.jit
-def _scores(q, k_ptr, stride_ks, stride_kh, h, slot, kvalid, sm_scale_log2,
-            HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, DOT_FP32: tl.constexpr):
-    d = tl.arange(0, D_PAD)
-    k = tl.load(k_ptr + slot[:, None] * stride_ks + h * stride_kh + d[None, :],
-                mask=kvalid[:, None] & (d < HEAD_DIM)[None, :], other=0.0)
-    if DOT_FP32:  # the Triton CPU interpreter mis-computes bf16 tl.dot: emulate in fp32 there
-        s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)))
-    else:
-        s = tl.dot(q.to(k.dtype), tl.trans(k))
-    return s * sm_scale_log2
-
-
-@triton.jit
-def _rows_ml(q, pos, k_ptr, stride_ks, stride_kh, h, slots_ptr, sm_scale_log2, k_lo, k_hi, ROWS: tl.constexpr,
-             BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, DOT_FP32: tl.constexpr):
-    """Running base-2 max ``m`` and sum ``l`` (``[ROWS]`` each, flash-style) of packed query rows ``q`` at
-    positions ``pos`` (-1: padding row) over the causal keys in ``[k_lo, k_hi)`` of ``slots_ptr``; a row
-    with no key in the range gives ``(-inf, 0)``. ``k_lo`` must be a multiple of ``BLOCK_N``."""
-    hi = tl.minimum(tl.max(pos, axis=0) + 1, k_hi)
-    m_i = tl.full([ROWS], float("-inf"), tl.float32)
-    l_i = tl.zeros([ROWS], tl.float32)
-    for n0 in range(k_lo, hi, BLOCK_N):
-        kp = n0 + tl.arange(0, BLOCK_N)
-        kvalid = kp < hi
-        slot = tl.load(slots_ptr + kp, mask=kvalid, other=0).to(tl.int64)
-        s = _scores(q, k_ptr, stride_ks, stride_kh, h, slot, kvalid, sm_scale_log2, HEAD_DIM, D_PAD, DOT_FP32)
-        s = tl.where(kvalid[None, :] & (kp[None, :] <= pos[:, None]), s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        l_i = l_i * tl.exp2(m_i - m_safe) + tl.sum(tl.exp2(s - m_safe[:, None]), axis=1)
-        m_i = m_new
-    return m_i, l_i
-
-
-@triton.jit
-def _rows_lse(q, pos, k_ptr, stride_ks, stride_kh, h, slots_ptr, sm_scale_log2, ROWS: tl.constexpr,
-              BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, DOT_FP32: tl.constexpr):
-    """Base-2 log-sum-exp ``[ROWS]`` of packed query rows ``q`` at positions ``pos`` (-1: padding row,
-    gives ``+inf``) over the causal keys of ``slots_ptr`` (flash-style running max / sum)."""
-    m_i, l_i = _rows_ml(q, pos, k_ptr, stride_ks, stride_kh, h, slots_ptr, sm_scale_log2, 0, 1 << 62, ROWS,
-                        BLOCK_N, HEAD_DIM, D_PAD, DOT_FP32)
-    return tl.where(l_i > 0, m_i + tl.log2(tl.maximum(l_i, 1e-30)), float("inf"))
 
 
 @triton.jit
@@ -180,30 +124,6 @@ def _lines_kernel(q_ptr, stride_qr, stride_qh, pos_ptr, R, k_ptr, stride_ks, str
     tl.store(vmax_ptr + h * stride_oh + kp, v_mx, mask=kvalid)
 
 
-def check_heads(num_qo_heads: int, num_kv_heads: int, head_dim: int) -> int:
-    """Validate the head layout (GQA group, head_dim <= 256); returns the group size."""
-    if num_qo_heads % num_kv_heads:
-        raise ValueError(f"num_qo_heads={num_qo_heads} is not a multiple of num_kv_heads={num_kv_heads}")
-    if head_dim > 256:
-        raise ValueError(f"head_dim={head_dim} is out of range: expected <= 256")
-    return num_qo_heads // num_kv_heads
-
-
-def target_programs_of(device: torch.device) -> int:
-    """About two waves of programs on ``device``: 2 x its SM count on CUDA (host query, no sync), 8 elsewhere."""
-    device = torch.device(device)
-    return 2 * torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
-
-
-def launch_meta(group: int, head_dim: int, block_r: int, block_n: int) -> dict:
-    """Compile-time parameters shared by the estimation kernels (``BLOCK_R`` raised so that
-    ``G_PAD * BLOCK_R >= 16``, the smallest ``tl.dot`` tile; fp32 dots under the interpreter)."""
-    g_pad = triton.next_power_of_2(group)
-    return dict(GROUP=group, G_PAD=g_pad, BLOCK_R=max(block_r, 16 // g_pad), BLOCK_N=block_n, HEAD_DIM=head_dim,
-                D_PAD=max(16, triton.next_power_of_2(head_dim)),
-                DOT_FP32=os.environ.get("TRITON_INTERPRET", "0") == "1")
-
-
 def vs_estimate(q_rows: torch.Tensor, q_pos: torch.Tensor, k_buffer: torch.Tensor, token_slots: torch.Tensor,
                 seq_len: int, *, sm_scale: float, block_r: int = 16, block_n: int = 64,
                 target_programs: int | None = None, min_split_keys: int | None = None) -> VSLineSums:
@@ -239,8 +159,6 @@ def vs_estimate(q_rows: torch.Tensor, q_pos: torch.Tensor, k_buffer: torch.Tenso
     scale = float(sm_scale) / math.log(2.0)
     q_pos = q_pos.contiguous()
     row_blocks = triton.cdiv(r, meta["BLOCK_R"])
-    from .vs_estimate_batched import MIN_SPLIT_KEYS, lse_splits, split_lse
-
     num_splits = lse_splits(1, hk, row_blocks, seq_len, target_programs or target_programs_of(dev),
                             min_split_keys or MIN_SPLIT_KEYS)
     if num_splits > 1:  # long context: the keys in spans on separate programs (one more launch, the merge)

@@ -174,7 +174,7 @@ def register_backend() -> None:
 
 def make_tree_cache(build):
     """Radix-cache factory (``TreeCacheBuildContext`` -> :class:`HostTierRadixCache`)."""
-    from sglang_sparse.server_args import sparse_context_of
+    from sglang_sparse.modes import sparse_context_of
 
     ctx = sparse_context_of(build.server_args)
     if not host_tier_enabled(ctx.config):

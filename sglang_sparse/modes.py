@@ -9,6 +9,7 @@ No sglang import.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 from dataclasses import dataclass
@@ -153,6 +154,16 @@ def resolve_sparse(mode: Any, config: Any = None) -> SparseContext:
     """Validate ``--sparse`` then ``--sparse-config``; raise :class:`SparseConfigError` on any fault."""
     name = check_mode(mode)
     return SparseContext(name, MODES[name].config_cls.from_dict(load_config_arg(config)))
+
+
+@functools.lru_cache(maxsize=8)
+def _context_from(mode: str, config_json: Any) -> SparseContext:
+    return resolve_sparse(mode, config_json)
+
+
+def sparse_context_of(server_args) -> SparseContext:
+    """The :class:`SparseContext` of a (resolved) ServerArgs; dense if the plugin's fields are absent."""
+    return _context_from(getattr(server_args, "sparse", "off"), getattr(server_args, "sparse_config", None))
 
 
 def modes_help() -> str:

@@ -11,7 +11,7 @@ import importlib
 import logging
 import os
 
-from sglang_sparse.server_args import sparse_context_of
+from sglang_sparse.modes import sparse_context_of
 
 logger = logging.getLogger("sglang_sparse")
 

@@ -57,16 +57,12 @@ from dataclasses import dataclass
 
 from sglang_sparse.client_limits import MAX_KEY_CHARS, body_error
 from sglang_sparse.documents import FIELD, parse_documents
+# the custom_params contract read by samkv_assembly in the scheduler
+from sglang_sparse.samkv_keys import FILLER_KEY, NS_KEY, PREFIX_KEY, SPANS_KEY, VARIANT_KEY, doc_key_ids
 
 logger = logging.getLogger("sglang_sparse")
 
 SEPARATOR = "\n\n"
-# custom_params keys (read by samkv_assembly in the scheduler); values are flat JSON scalars / lists.
-SPANS_KEY = "samkv_spans"          # [start_0, len_0, start_1, len_1, ...] of the documents in input_ids
-NS_KEY = "samkv_doc_ns"            # the documents' radix namespace (extra_key of their prefill requests)
-FILLER_KEY = "samkv_filler"        # [filler token id, page size]
-VARIANT_KEY = "samkv_variant"
-PREFIX_KEY = "samkv_prefix_len"    # tokens of the shared template prefix P before the documents (0: none)
 
 
 @dataclass(frozen=True)
@@ -140,10 +136,6 @@ def ids_digest(ids: tuple[int, ...] | list[int]) -> str:
     return hashlib.sha256(repr(tuple(ids)).encode()).hexdigest()
 
 
-def doc_key_ids(ids: tuple[int, ...] | list[int], filler: int, page_size: int) -> list[int]:
-    """A document's prefill ids: its ids, then ``filler`` up to a multiple of ``page_size``."""
-    pad = (-len(ids)) % max(1, page_size)
-    return list(ids) + [filler] * pad
 
 
 def _parse_extra(body: dict, cfg) -> tuple[tuple[str, ...], str, str]:
@@ -387,7 +379,7 @@ async def handle_request_hook(original, serving, request, raw_request, *args, **
     its client limits hold (:func:`sglang_sparse.client_limits.body_error`, every mode)."""
     from sglang.srt.server_args import get_global_server_args
 
-    from sglang_sparse.server_args import sparse_context_of
+    from sglang_sparse.modes import sparse_context_of
 
     ctx = sparse_context_of(get_global_server_args())
     body = None

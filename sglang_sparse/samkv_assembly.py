@@ -5,7 +5,7 @@ Hook: AFTER ``Req.init_next_round_input`` (no-op unless the request carries the 
 :mod:`sglang_sparse.samkv_api` puts in ``custom_params``, which only happens under ``--sparse samkv``;
 runs once per request). Steps, all inside the scheduler thread:
 
-1. Each document's KV: ``match_prefix`` of its prefill ids (``samkv_api.doc_key_ids``) in the
+1. Each document's KV: ``match_prefix`` of its prefill ids (``samkv_keys.doc_key_ids``) in the
    document namespace; its radix node is locked while it is read. A document not (fully) cached
    -> the request is served densely (``fallback``; the prompt is unchanged, nothing is reused).
 2. Selection of the kept tokens of each document (``variant`` ``reuse`` / ``cacheblend``: all;
@@ -37,7 +37,7 @@ from array import array
 
 import torch
 
-from sglang_sparse.samkv_api import FILLER_KEY, NS_KEY, PREFIX_KEY, SPANS_KEY, VARIANT_KEY, doc_key_ids
+from sglang_sparse.samkv_keys import FILLER_KEY, NS_KEY, PREFIX_KEY, SPANS_KEY, VARIANT_KEY, doc_key_ids
 
 logger = logging.getLogger("sglang_sparse")
 
@@ -150,7 +150,7 @@ class SamKVRuntime:
 
 def scheduler_init_hook(result, scheduler, *args, **kwargs):
     """AFTER ``Scheduler.__init__``: attach a :class:`SamKVRuntime` to the tree cache under samkv."""
-    from sglang_sparse.server_args import sparse_context_of
+    from sglang_sparse.modes import sparse_context_of
 
     ctx = sparse_context_of(scheduler.server_args)
     if ctx.mode != "samkv":

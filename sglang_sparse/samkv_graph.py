@@ -5,7 +5,7 @@ every layer with the attention computed in torch. The GPU work is small (the wei
 each layer is ~30 kernel launches from Python: on the H100 the two side forwards took 25-45 ms per request on
 both SmolLM2-135M and a Llama-3.1-8B shape, more than SmolLM2's whole dense prefill of 8k tokens.
 
-Both kinds call :func:`side_rows_forward` with :func:`sglang_sparse.samkv_select.side_forward`'s one
+Both kinds call :func:`side_rows_forward` with :func:`sglang_sparse.samkv_side.side_forward`'s one
 formulation: every row's fresh K/V appended after the ``C`` context rows, a bool mask ``[R, C + R]`` saying which
 keys each row sees (the recompute hides a row's reused context entry and shows its fresh one).
 
@@ -27,7 +27,7 @@ head_dim`` in the model dtype, fresh K/V ``2 * layers * max_rows * ...``, and fp
 selection reads ``(layers - q_from) * max_rows * q_heads * head_dim``; for a Llama-3.1-8B shape with the
 defaults (512 rows, 4096 context, queries of 20 layers) ~0.75 GB, plus the graphs' shared pool.
 
-Cautions: Llama-style stacks only (as :func:`sglang_sparse.samkv_select.side_forward`); outputs are copied out
+Cautions: Llama-style stacks only (as :func:`sglang_sparse.samkv_side.side_forward`); outputs are copied out
 of the static buffers, so a later run never overwrites what an earlier caller holds.
 """
 
@@ -37,7 +37,7 @@ import logging
 
 import torch
 
-from sglang_sparse.samkv_select import side_forward
+from sglang_sparse.samkv_side import side_forward
 
 logger = logging.getLogger(__name__)
 

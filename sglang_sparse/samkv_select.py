@@ -3,8 +3,8 @@ composite context keeps (SamKV §3.1-3.2; maths in :mod:`flashinfer_ext.samkv_sc
 
 1. Anchor context: the tokens of every document's initial + local blocks, their cached KV gathered from
    the pool, keys re-rotated to consecutive positions ``0 .. C-1`` (all layers).
-2. Side forward (:func:`side_forward`: the model's own modules - embedding, norms, QKV / O projections,
-   RoPE, MLP - layer by layer, with the attention computed here in torch) of two kinds of rows over that
+2. Side forward (:func:`sglang_sparse.samkv_side.side_forward`: the model's own modules - embedding, norms,
+   QKV / O projections, RoPE, MLP - layer by layer, with the attention computed here in torch) of two kinds of rows over that
    context: the question tokens (the request's prompt after the documents; each sees the whole anchor
    context and the question up to itself) and every document's last ``local_query_tokens`` tokens (each
    sees its own document's anchor tokens up to itself). Kept: the pre-RoPE queries of the last ``stable_layers``
@@ -37,6 +37,7 @@ import torch
 from flashinfer_ext.samkv_score import (ScoreIndex, anchor_layouts, block_mass, document_scores, generic_query,
                                         middle_budget, personalized_queries, question_token_mass,
                                         select_mass_blocks, select_middle_blocks)
+from sglang_sparse.samkv_graph import side_rows_forward
 
 
 def _gather_context(rt, pool, spans, srcs, layouts, bs, ids, local_tokens, question_ids, cached_at: int = 0):
@@ -70,79 +71,12 @@ def _gather_context(rt, pool, spans, srcs, layouts, bs, ids, local_tokens, quest
 
 
 @torch.no_grad()
-def side_forward(rt, ids: torch.Tensor, pos: torch.Tensor, ctx_k, ctx_v, mask: torch.Tensor, *,
-                 first_layer: int | None = None, on_layer=None) -> list[torch.Tensor]:
-    """Run ``R`` rows (token ``ids`` ``[R]`` at positions ``pos`` ``[R]``) through the model's layers with the
-    attention computed here: per layer the keys/values are the context ``ctx_k[l]`` / ``ctx_v[l]``
-    ``[C, kv_heads, head_dim]`` (post-RoPE keys) followed by every row's own fresh K/V in row order; ``mask``
-    bool ``[R, C + R]`` says which keys each row sees (a recomputed row hides its reused context row and sees
-    its fresh one instead: keys carry RoPE, so where a key sits in the list does not matter).
-    ``on_layer(layer_id, k, v)`` gets the rows' fresh post-RoPE ``k``/``v`` ``[R, kv_heads, head_dim]``.
-    Returns the rows' pre-RoPE queries ``[R, q_heads, head_dim]`` fp32 of layers ``first_layer ..``. Shapes are
-    static for fixed ``R``/``C`` and nothing syncs the host: :mod:`sglang_sparse.samkv_graph` captures it."""
-    inner = rt.model.model
-    r = ids.shape[0]
-    h = inner.embed_tokens(ids)
-    # side_attention="model": q/k/v in the model's dtype on CUDA (the memory-efficient kernel: fp32 softmax
-    # and accumulation inside, as the serving kernels); fp32 otherwise (CPU's bf16 SDPA rounds the softmax
-    # itself: it moved a full recompute's first-token log-probs 0.2 from dense, tests/test_samkv_recompute.py)
-    model_dtype = getattr(getattr(rt, "config", None), "side_attention", "fp32") == "model" and h.is_cuda
-    residual, out = None, []
-    for layer_id, layer in enumerate(inner.layers):
-        if residual is None:
-            residual, h = h, layer.input_layernorm(h)
-        else:
-            h, residual = layer.input_layernorm(h, residual)
-        a = layer.self_attn
-        qkv, _ = a.qkv_proj(h)
-        q, k, v = qkv.split([a.q_size, a.kv_size, a.kv_size], dim=-1)
-        if first_layer is not None and layer_id >= first_layer:
-            out.append(q.reshape(r, a.num_heads, a.head_dim).float().clone())
-        q, k = a.rotary_emb(pos, q.contiguous(), k.contiguous())
-        k = k.reshape(r, a.num_kv_heads, a.head_dim)
-        v = v.reshape(r, a.num_kv_heads, a.head_dim)
-        kk, vv = torch.cat([ctx_k[layer_id].to(k.dtype), k]), torch.cat([ctx_v[layer_id].to(v.dtype), v])
-        if on_layer is not None:
-            on_layer(layer_id, k, v)
-        o = _attend(q.reshape(r, a.num_heads, a.head_dim), kk, vv, mask, a.scaling, model_dtype)
-        h, _ = a.o_proj(o.reshape(r, a.q_size).to(h.dtype))
-        h, residual = layer.post_attention_layernorm(h, residual)
-        h = layer.mlp(h)
-    return out
-
-
-def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
-            model_dtype: bool) -> torch.Tensor:
-    """Masked attention of ``q`` ``[R, q_heads, dim]`` over ``k`` / ``v`` ``[C, kv_heads, dim]`` (``mask`` bool
-    ``[R, C]``) -> ``[R, q_heads, dim]``. fp32 (SDPA, KV heads shared by their group through ``enable_gqa``),
-    or (``model_dtype``, CUDA) ``q``/``k``/``v`` kept in their dtype with the KV heads expanded, on SDPA's
-    memory-efficient kernel only (no silent fallback to a bf16 math path)."""
-    hq, hkv = q.shape[1], k.shape[1]
-    if model_dtype:
-        from torch.nn.attention import SDPBackend, sdpa_kernel
-
-        g = hq // hkv
-        kx = k.repeat_interleave(g, dim=1) if g > 1 else k
-        vx = v.repeat_interleave(g, dim=1) if g > 1 else v
-        with sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION]):
-            o = torch.nn.functional.scaled_dot_product_attention(
-                q.transpose(0, 1).unsqueeze(0), kx.transpose(0, 1).unsqueeze(0).to(q.dtype),
-                vx.transpose(0, 1).unsqueeze(0).to(q.dtype), attn_mask=mask, scale=scale)
-        return o[0].transpose(0, 1)
-    o = torch.nn.functional.scaled_dot_product_attention(
-        q.transpose(0, 1).unsqueeze(0).float(), k.transpose(0, 1).unsqueeze(0).float(),
-        v.transpose(0, 1).unsqueeze(0).float(), attn_mask=mask, scale=scale, enable_gqa=hq != hkv)
-    return o[0].transpose(0, 1)
-
-
 def _selection_queries(rt, q_ids, ctx_k, ctx_v, ctx_ids, ctx_doc, ctx_pos_in_doc, loc, first):
     """Q_que (question rows ``q_ids`` ``[T]`` over the whole anchor context) and each document's local queries
     (its local tokens, context rows ``loc`` ``[L]``, over its own anchor tokens up to themselves), per stable
     layer; no host sync. Rows: the question, then the local tokens; keys: the context, then the rows' own
     (the question rows see the whole context and the question up to themselves, a local row its own document's
     context rows up to itself)."""
-    from sglang_sparse.samkv_graph import side_rows_forward  # it imports side_forward from here
-
     dev = ctx_k[0].device
     c, t = ctx_k[0].shape[0], q_ids.shape[0]
     ids = torch.cat([q_ids, ctx_ids.index_select(0, loc)])

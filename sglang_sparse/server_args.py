@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import functools
 import sys
 from typing import Optional
 
@@ -179,16 +178,6 @@ def _device_type(device: Optional[str]) -> str:
     import torch
 
     return "cuda" if torch.cuda.is_available() else "cpu"
-
-
-@functools.lru_cache(maxsize=8)
-def _context_from(mode: str, config_json: Optional[str]) -> SparseContext:
-    return resolve_sparse(mode, config_json)
-
-
-def sparse_context_of(server_args) -> SparseContext:
-    """The :class:`SparseContext` of a (resolved) ServerArgs; dense if the plugin's fields are absent."""
-    return _context_from(getattr(server_args, "sparse", "off"), getattr(server_args, "sparse_config", None))
 
 
 def _check_hooks_applied() -> None:

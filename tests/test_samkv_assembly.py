@@ -21,7 +21,7 @@ from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool  # noqa: E402
 from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey  # noqa: E402
 
 from sglang_sparse.config import SamKVConfig  # noqa: E402
-from sglang_sparse.samkv_api import FILLER_KEY, NS_KEY, PREFIX_KEY, SPANS_KEY, VARIANT_KEY, doc_key_ids  # noqa: E402
+from sglang_sparse.samkv_keys import FILLER_KEY, NS_KEY, PREFIX_KEY, SPANS_KEY, VARIANT_KEY, doc_key_ids  # noqa: E402
 from sglang_sparse.samkv_assembly import SamKVRuntime, _assemble  # noqa: E402
 from tests.flashinfer_ext.test_rope_shift import _layer0_keys, _max_rel, _rope_theta, smollm2  # noqa: E402,F401
 
