@@ -190,6 +190,17 @@ class OffConfig(SparseConfig):
     mode: ClassVar[str] = "off"
 
 
+def _runner_knob():
+    return knob("auto", doc="compute path: 'auto' = the Triton/FlashInfer kernels on CUDA, the fp32 torch reference "
+                "elsewhere; 'kernel' = the kernels on any device (on CPU through Triton's interpreter: the "
+                "scheduler needs TRITON_INTERPRET=1; slow, for tests)", choices=("auto", "kernel"))
+
+
+def uses_kernels(config, device_type: str) -> bool:
+    """Whether a mode's ``runner`` knob puts its compute on the kernels on a ``device_type`` server."""
+    return device_type == "cuda" or getattr(config, "runner", "auto") == "kernel"
+
+
 def _stock_graphs_knob():
     return knob(True, doc="decode CUDA graphs: also record SGLang's stock decode graph per batch size, replayed by "
                 "batches without a sparse row (false: those batches decode eagerly)")
@@ -218,6 +229,7 @@ class PsaConfig(SparseConfig):
                           choices=("calibrated", "mean"))
     cuda_graph: bool = knob(True, doc="CUDA: replay decode graphs for batches with a sparse row (false: eager)")
     stock_graphs: bool = _stock_graphs_knob()
+    runner: str = _runner_knob()
     host_tier_gb: float = _host_tier_knobs()["host_tier_gb"]
     gpu_cache_mb: float = _host_tier_knobs()["gpu_cache_mb"]
     working_set_window: int = _host_tier_knobs()["working_set_window"]
@@ -237,6 +249,7 @@ def _graph_knobs(width: int, max_bs: int = 16):
         graph_max_bs=knob(max_bs, doc="decode CUDA graphs: largest batch replayed over the sparse path (larger batches "
                           "run eagerly)", range=Range(1, 4096)),
         stock_graphs=_stock_graphs_knob(),
+        runner=_runner_knob(),
     )
 
 
@@ -267,6 +280,7 @@ class LoopServeConfig(SparseConfig):
     graph_list_width: int = _graph_knobs(32768, 32)["graph_list_width"]
     graph_max_bs: int = _graph_knobs(32768, 32)["graph_max_bs"]
     stock_graphs: bool = _graph_knobs(32768, 32)["stock_graphs"]
+    runner: str = _graph_knobs(32768, 32)["runner"]
     host_tier_gb: float = _host_tier_knobs()["host_tier_gb"]
     gpu_cache_mb: float = _host_tier_knobs()["gpu_cache_mb"]
     working_set_window: int = _host_tier_knobs()["working_set_window"]
@@ -291,6 +305,7 @@ class LastWindowConfig(SparseConfig):
     graph_list_width: int = _graph_knobs(2048)["graph_list_width"]
     graph_max_bs: int = _graph_knobs(2048)["graph_max_bs"]
     stock_graphs: bool = _graph_knobs(2048)["stock_graphs"]
+    runner: str = _graph_knobs(2048)["runner"]
 
     def __post_init__(self):
         super().__post_init__()

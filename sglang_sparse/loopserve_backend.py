@@ -25,12 +25,12 @@ import logging
 import torch
 
 from sglang_sparse.config import LoopServeConfig
-from sglang_sparse.loopserve_runner import RUNNER_ENV, LoopServeRunner, use_kernels_for
+from sglang_sparse.loopserve_runner import LoopServeRunner, use_kernels_for
 from sglang_sparse.loopserve_stats import LoopServeMetrics, LoopServeStats, account_rows
 from sglang_sparse.psa_runner import AttnShape
 from sglang_sparse.psa_stats import StepRows
 
-__all__ = ["install", "LoopServeMixin", "RUNNER_ENV"]
+__all__ = ["install", "LoopServeMixin"]
 
 logger = logging.getLogger("sglang_sparse")
 
@@ -157,7 +157,7 @@ def install(backend, config: LoopServeConfig, page_size: int, enable_metrics: bo
     stats = LoopServeStats()
     metrics = LoopServeMetrics() if enable_metrics else None
     store = loopserve_radix.install_store(config, stats, metrics) if mode == "loopserve" else None
-    kernels = use_kernels_for(device)
+    kernels = use_kernels_for(device, config)
     backend._ls_cfg = config
     shape = AttnShape.of(model_runner)
     max_context = getattr(getattr(model_runner, "model_config", None), "context_len", None)

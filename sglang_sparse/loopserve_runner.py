@@ -1,7 +1,7 @@
 """The LoopServe prefill and decode paths (LoopServe Alg. 2 and 3) behind :mod:`sglang_sparse.loopserve_backend`.
 
 One runner per attention backend. Two compute paths with the same planning:
-  * kernels (CUDA, or a CPU server with ``SPARSE_LOOPSERVE_RUNNER=kernel`` + ``TRITON_INTERPRET=1``):
+  * kernels (CUDA, or a CPU server with config ``runner: "kernel"`` + ``TRITON_INTERPRET=1``):
     :func:`flashinfer_ext.vs_estimate.vs_estimate`, :func:`flashinfer_ext.vs_prefill.vs_prefill`,
     :func:`flashinfer_ext.vs_estimate_batched.vertical_sums_batched` and
     :func:`flashinfer_ext.sparse_decode.sparse_decode` (``block_size=1``, ``epsilon=1.0``);
@@ -68,7 +68,6 @@ its decode rows as 1-token extend rows.
 from __future__ import annotations
 
 import dataclasses
-import os
 
 import torch
 
@@ -598,10 +597,9 @@ class LoopServeRunner:
         return o
 
 
-def use_kernels_for(device: torch.device) -> bool:
-    return device.type == "cuda" or os.environ.get(RUNNER_ENV) == "kernel"
+def use_kernels_for(device: torch.device, config=None) -> bool:
+    """The kernel path on CUDA, or wherever the config's ``runner`` is ``"kernel"`` (CPU: Triton's interpreter)."""
+    from sglang_sparse.config import uses_kernels
 
+    return uses_kernels(config, device.type)
 
-RUNNER_ENV = "SPARSE_LOOPSERVE_RUNNER"
-"""``kernel`` runs the GPU code path (Triton kernels) on a CPU server through Triton's interpreter
-(the scheduler process needs ``TRITON_INTERPRET=1``): a test switch. Unset: the device decides."""

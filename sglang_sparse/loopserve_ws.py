@@ -15,7 +15,7 @@ Where the work goes:
     fixed buffers, the step counters advanced on the device;
   * per layer (:meth:`LoopServeWorkingSet.record`): one launch of
     :func:`flashinfer_ext.ws_record.ws_record_tokens` on the kernel path (CUDA, or a CPU server with
-    ``SPARSE_LOOPSERVE_RUNNER=kernel``), the tracker's torch path on the CPU reference path. No host sync, no
+    config ``runner: "kernel"``), the tracker's torch path on the CPU reference path. No host sync, no
     allocation on the kernel path: a graph-replayed step records through the graph's static lists into the
     tracker's fixed buffers (rows without a known request, capture and padding rows, write the trash row).
 

@@ -105,19 +105,15 @@ class PsaDecodeMixin:
 
 
 
-RUNNER_ENV = "SPARSE_PSA_RUNNER"
-"""``kernel`` runs the GPU runner's code (metadata pool + Triton kernels) on a CPU server too, through
-Triton's interpreter (the scheduler process must have ``TRITON_INTERPRET=1``): a test switch that lets
-CI drive the GPU path end to end, slowly. Unset: the device decides."""
-
 
 def make_runner(config: PsaConfig, page_size: int, model_runner):
-    """The device's runner: CUDA (metadata pool + Triton/FlashInfer kernels) or CPU (fp32 reference)."""
-    import os
+    """The device's runner: CUDA (metadata pool + Triton/FlashInfer kernels) or CPU (fp32 reference); config
+    ``runner: "kernel"`` takes the kernel runner on a CPU server too (Triton's interpreter)."""
+    from sglang_sparse.config import uses_kernels
 
     device = torch.device(model_runner.device) if isinstance(model_runner.device, str) else model_runner.device
     shape = AttnShape.of(model_runner)
-    if device.type == "cuda" or os.environ.get(RUNNER_ENV) == "kernel":
+    if uses_kernels(config, device.type):
         if page_size != config.block_size:
             raise RuntimeError(f"sglang-sparse psa on CUDA needs --page-size == block_size ({config.block_size}); "
                                f"got page size {page_size}")
@@ -138,8 +134,7 @@ def make_runner(config: PsaConfig, page_size: int, model_runner):
 def make_tracker(config: PsaConfig, block_size: int, shape: AttnShape, model_runner, device):
     """The working-set tracker of the host tier's admission (``host_tier_gb > 0`` and
     ``working_set_admission``), or None."""
-    import os
-
+    from sglang_sparse.config import uses_kernels
     from sglang_sparse.host_tier import host_tier_enabled
 
     if not (host_tier_enabled(config) and config.working_set_admission):
@@ -149,7 +144,7 @@ def make_tracker(config: PsaConfig, block_size: int, shape: AttnShape, model_run
     rtt = model_runner.req_to_token_pool
     max_bs = int(rtt.size)
     kernel = None
-    if torch.device(device).type == "cuda" or os.environ.get(RUNNER_ENV) == "kernel":
+    if uses_kernels(config, torch.device(device).type):
         from flashinfer_ext.ws_record import ws_record as kernel  # one fused launch per layer
     tracker = WorkingSetTracker(num_slots=min(int(config.working_set_slots), max_bs), num_layers=shape.num_layers,
                                 num_kv_heads=shape.num_kv_heads, max_blocks=-(-rtt.req_to_token.shape[1] // block_size),

@@ -30,9 +30,9 @@ if os.environ.get("SPARSE_HOST_TIER_KERNEL_TEST") == "1":
     # opt-in (about 20 minutes on 2 CPU cores): the GPU runner's code (page = block 16, block metadata
     # recomputed from the reloaded keys by rebuild_page_meta, Triton PSA kernels) under the interpreter,
     # over SGLang's paged allocator
-    CONFIGS["psa_kernel_page16"] = ("psa", '{"min_context": 256, "host_tier_gb": 0.1, "gpu_cache_mb": 8}',
-                                    ("--page-size", "16", "--max-running-requests", "4"),
-                                    {"SPARSE_PSA_RUNNER": "kernel", "TRITON_INTERPRET": "1"}, 16)
+    CONFIGS["psa_kernel_page16"] = ("psa", '{"min_context": 256, "host_tier_gb": 0.1, "gpu_cache_mb": 8, '
+                                    '"runner": "kernel"}', ("--page-size", "16", "--max-running-requests", "4"),
+                                    {"TRITON_INTERPRET": "1"}, 16)
 
 
 @pytest.fixture(scope="module", params=sorted(CONFIGS))

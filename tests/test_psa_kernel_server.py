@@ -2,7 +2,7 @@
 pool kept current on every KV write, page = block, criticality + ranking + progressive decode
 kernels — serves end to end through the stock server: below `min_context` the answer equals
 `--sparse off`, above it decode reads fewer blocks and the per-request report adds up.
-(`SPARSE_PSA_RUNNER=kernel` selects that runner on CPU; the interpreter makes it slow, so the
+(`--sparse-config '{"runner": "kernel"}'` selects that runner on CPU; the interpreter makes it slow, so the
 requests are short.)"""
 
 from __future__ import annotations
@@ -24,15 +24,14 @@ MIN_CONTEXT = 256
 @pytest.fixture(scope="module")
 def kernel_server(default_model, tmp_path_factory):
     log = tmp_path_factory.mktemp("psa_kernel") / "server.log"
-    saved = {k: os.environ.get(k) for k in ("SPARSE_PSA_RUNNER", "TRITON_INTERPRET")}
-    os.environ.update(SPARSE_PSA_RUNNER="kernel", TRITON_INTERPRET="1")
+    saved = os.environ.get("TRITON_INTERPRET")  # the scheduler runs the Triton kernels through the interpreter
+    os.environ["TRITON_INTERPRET"] = "1"
     try:
         handle = start_cpu_server(default_model, log, mode="psa",
-                                  sparse_config=f'{{"min_context": {MIN_CONTEXT}}}',
+                                  sparse_config=f'{{"min_context": {MIN_CONTEXT}, "runner": "kernel"}}',
                                   extra_args=("--page-size", "16", "--max-running-requests", "4"))
     finally:
-        for k, v in saved.items():
-            os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
+        os.environ.pop("TRITON_INTERPRET", None) if saved is None else os.environ.__setitem__("TRITON_INTERPRET", saved)
     try:
         yield handle, log
     finally:
