@@ -6,6 +6,8 @@
 #   bash scripts/gpu/testbed.sh long     # `long` preset: off + every mode at defaults, servers side by side
 #   bash scripts/gpu/testbed.sh samkv    # bench.samkv_rag: every variant vs the stock inline prompt, TTFT 8 x 3k
 #   bash scripts/gpu/testbed.sh e2e      # bench.load grid: 4k/16k/32k x concurrency 1/8/32, off + every mode
+#                                        # (a fresh machine compiles kernels at the first servers' start, ~2 min:
+#                                        #  TESTBED_MODES=off,psa,loopserve then off,lastwindow,samkv fit a call each)
 #   bash scripts/gpu/testbed.sh reliability-start   # soak (every mode, KV pool 64k tokens) + faults, in the background
 #   bash scripts/gpu/testbed.sh reliability-wait    # wait for them (RELIABILITY_WAIT s at most), fold reliability.json
 #
@@ -76,7 +78,7 @@ case $part in
     say "== reliability: soak + faults started in the background"
     ( setsid bash -c "
         timeout -k 20 ${SOAK_TIMEOUT:-900} python3 -m bench.soak --launch off,psa,loopserve,lastwindow,samkv \
-          --model $M32 --requests ${SOAK_REQUESTS:-400} --time-budget ${SOAK_MODE_BUDGET:-125} --concurrency 4 \
+          --model $M32 --requests ${SOAK_REQUESTS:-5000} --time-budget ${SOAK_MODE_BUDGET:-125} --concurrency 4 \
           --turn-words ${SOAK_TURN_WORDS:-7000} --max-tokens 16 --sample-every 10 --log-dir $R \
           --server-arg=$SHARED --server-arg=--max-total-tokens=65536 --server-arg=--attention-backend=flashinfer \
           --out $R/soak.json > $R/soak.log 2>&1
