@@ -31,7 +31,7 @@ def verify_hook(result, sampling_params, *args, **kwargs):
     """AFTER ``SamplingParams.verify``: check ``custom_params.sparse``; write back the clamped values."""
     from sglang.srt.server_args import get_global_server_args
 
-    from sglang_sparse.server_args import sparse_context_of
+    from sglang_sparse.modes import sparse_context_of
 
     custom = getattr(sampling_params, "custom_params", None)
     if not isinstance(custom, dict) or "sparse" not in custom:
