@@ -253,6 +253,10 @@ def _graph_knobs(width: int, max_bs: int = 16):
     )
 
 
+_LOOPSERVE_GRAPH = _graph_knobs(32768, 32)
+_LASTWINDOW_GRAPH = _graph_knobs(2048)
+
+
 @dataclass(frozen=True)
 class LoopServeConfig(SparseConfig):
     """LoopServe online prefill lines + progressive decode (LoopServe Alg. 1-3)."""
@@ -277,10 +281,10 @@ class LoopServeConfig(SparseConfig):
                               "from the last n_d queries (false: Alg. 3 exactly, stored lines only until token 16)")
     # lines of both kinds can reach the context length (at alpha 0.99 a 32k context's decode lists average
     # ~11k tokens per KV head): as wide as the context, up to 32k, unlike lastwindow's budget-bound lists
-    graph_list_width: int = _graph_knobs(32768, 32)["graph_list_width"]
-    graph_max_bs: int = _graph_knobs(32768, 32)["graph_max_bs"]
-    stock_graphs: bool = _graph_knobs(32768, 32)["stock_graphs"]
-    runner: str = _graph_knobs(32768, 32)["runner"]
+    graph_list_width: int = _LOOPSERVE_GRAPH["graph_list_width"]
+    graph_max_bs: int = _LOOPSERVE_GRAPH["graph_max_bs"]
+    stock_graphs: bool = _LOOPSERVE_GRAPH["stock_graphs"]
+    runner: str = _LOOPSERVE_GRAPH["runner"]
     host_tier_gb: float = _host_tier_knobs()["host_tier_gb"]
     gpu_cache_mb: float = _host_tier_knobs()["gpu_cache_mb"]
     working_set_window: int = _host_tier_knobs()["working_set_window"]
@@ -302,10 +306,10 @@ class LastWindowConfig(SparseConfig):
     sink_tokens: int = knob(4, doc="first key positions always attended", range=Range(0, 1 << 20))
     pool_kernel: int = knob(7, doc="SnapKV pooling: the window's attention is averaged over this many neighbouring "
                             "positions before the top-budget choice (odd; 1 = none)", range=Range(1, 63))
-    graph_list_width: int = _graph_knobs(2048)["graph_list_width"]
-    graph_max_bs: int = _graph_knobs(2048)["graph_max_bs"]
-    stock_graphs: bool = _graph_knobs(2048)["stock_graphs"]
-    runner: str = _graph_knobs(2048)["runner"]
+    graph_list_width: int = _LASTWINDOW_GRAPH["graph_list_width"]
+    graph_max_bs: int = _LASTWINDOW_GRAPH["graph_max_bs"]
+    stock_graphs: bool = _LASTWINDOW_GRAPH["stock_graphs"]
+    runner: str = _LASTWINDOW_GRAPH["runner"]
 
     def __post_init__(self):
         super().__post_init__()

@@ -25,7 +25,8 @@ import logging
 import torch
 
 from sglang_sparse.config import LoopServeConfig
-from sglang_sparse.loopserve_runner import LoopServeRunner, use_kernels_for
+from sglang_sparse.config import uses_kernels
+from sglang_sparse.loopserve_runner import LoopServeRunner
 from sglang_sparse.loopserve_stats import LoopServeMetrics, LoopServeStats, account_rows
 from sglang_sparse.psa_runner import AttnShape
 from sglang_sparse.psa_stats import StepRows
@@ -157,7 +158,7 @@ def install(backend, config: LoopServeConfig, page_size: int, enable_metrics: bo
     stats = LoopServeStats()
     metrics = LoopServeMetrics() if enable_metrics else None
     store = loopserve_radix.install_store(config, stats, metrics) if mode == "loopserve" else None
-    kernels = use_kernels_for(device, config)
+    kernels = uses_kernels(config, device.type)
     backend._ls_cfg = config
     shape = AttnShape.of(model_runner)
     max_context = getattr(getattr(model_runner, "model_config", None), "context_len", None)

@@ -597,9 +597,4 @@ class LoopServeRunner:
         return o
 
 
-def use_kernels_for(device: torch.device, config=None) -> bool:
-    """The kernel path on CUDA, or wherever the config's ``runner`` is ``"kernel"`` (CPU: Triton's interpreter)."""
-    from sglang_sparse.config import uses_kernels
-
-    return uses_kernels(config, device.type)
 

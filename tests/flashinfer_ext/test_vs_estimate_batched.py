@@ -168,7 +168,7 @@ def test_vertical_sums_batched_rejects_bad_splits_and_span_buffer():
 
 
 def test_lse_splits_fills_the_target_with_long_spans_only():
-    from flashinfer_ext.vs_estimate_batched import MAX_LSE_SPLITS, lse_splits
+    from flashinfer_ext.vs_lse_split import MAX_LSE_SPLITS, lse_splits
 
     # 8 requests x 8 KV heads x 1 row block at 32k keys, 264 target programs (H100: 2 x 132 SMs): 4 spans
     assert lse_splits(8, 8, 1, 32768, 264) == 4
@@ -179,7 +179,7 @@ def test_lse_splits_fills_the_target_with_long_spans_only():
     assert lse_splits(1, 3, 1, 2700, 264) == 1
     assert lse_splits(64, 8, 1, 32768, 264) == 1
     assert lse_splits(1, 1, 1, 300, 8, min_split_keys=64) == 4
-    from flashinfer_ext.vs_estimate import target_programs_of
+    from flashinfer_ext.vs_common import target_programs_of
 
     assert target_programs_of(torch.device("cpu")) == 8  # the kernels' default off CUDA (2 x SMs on CUDA)
 
