@@ -25,7 +25,13 @@ def fold(soak: dict, faults: list[dict], gpu: str, commands: list[str] | None = 
     """The headline from one ``bench.soak --launch`` report and any number of ``bench.faults`` reports."""
     modes, not_started, extra = {}, {}, {}
     off_facts = ((soak.get("modes") or {}).get("off") or {}).get("facts") or {}
+    noise = None
     for mode, rep in (soak.get("modes") or {}).items():
+        if mode == "off_repeat" and "error" not in rep:  # a second dense run: the fact checks' noise floor
+            noise = {"wrong_vs_off": rep.get("wrong_vs_off"), "facts_checked": rep.get("facts_checked"),
+                     "right_where_off_wrong": _flips(rep, off_facts), "failed": rep.get("failed"),
+                     "http_5xx": rep.get("http_5xx"), "seconds": rep.get("elapsed_s")}
+            continue
         if "error" in rep:
             not_started[mode] = str(rep["error"])[-300:]
             continue
@@ -41,18 +47,26 @@ def fold(soak: dict, faults: list[dict], gpu: str, commands: list[str] | None = 
                        "gpu_mb_last": samples[-1].get("gpu_mb") if samples else None,
                        "metrics_consistent": (rep.get("metrics") or {}).get("consistent"),
                        # the other direction of wrong_vs_off: how many flips batch nondeterminism alone could explain
-                       "right_where_off_wrong": sum(1 for k, ok in (rep.get("facts") or {}).items()
-                                                    if ok is True and off_facts.get(k) is False) if off_facts else None}
+                       "right_where_off_wrong": _flips(rep, off_facts)}
     runs = [f for f in faults if f]
     tried = sum(int(f.get("faults_tried", 0)) for f in runs)
     survived = sum(int(f.get("faults_survived", 0)) for f in runs)
     lost = [{"fault": r.get("fault"), "mode": r.get("mode"), "outcome": r.get("outcome"),
              "checks": r.get("checks"), "details": r.get("details")}
             for f in runs for r in f.get("faults", []) if not r.get("survived")]
+    total_s = sum(float(d.get("seconds") or 0) for d in extra.values()) + float((noise or {}).get("seconds") or 0)
     return {"gpu": gpu, "modes": modes, "faults_tried": tried, "faults_survived": survived,
             "faults_not_survived": lost, "modes_not_started": not_started, "soak_details": extra,
+            "soak_seconds_total": round(total_s, 1), "noise_floor_off_repeat": noise,
             "fault_devices": sorted({str(f.get("device")) for f in runs}), "targets": TARGETS,
             "commands": list(commands or [])}
+
+
+def _flips(rep: dict, off_facts: dict) -> int | None:
+    """Facts this run answered right where the ``off`` run answered wrong (None without an ``off`` run)."""
+    if not off_facts:
+        return None
+    return sum(1 for k, ok in (rep.get("facts") or {}).items() if ok is True and off_facts.get(k) is False)
 
 
 def markdown(rep: dict) -> str:
@@ -66,6 +80,14 @@ def markdown(rep: dict) -> str:
                      f"| {r['http_5xx']} | {'n/a' if slope is None else f'{slope:.1f}'} | {r['idle_leak_check']} |")
     for mode, err in rep["modes_not_started"].items():
         lines.append(f"| {mode} | server did not start: {err.splitlines()[-1] if err else ''} |||||||| ")
+    if rep.get("soak_seconds_total") is not None:
+        lines += ["", f"Soak traffic in all: {rep['soak_seconds_total']:.0f} s."]
+    noise = rep.get("noise_floor_off_repeat")
+    if noise:
+        lines += ["", f"Noise floor: a second `off` server on the same traffic answered {noise['wrong_vs_off']} facts "
+                  f"wrong that the first answered right, and {noise['right_where_off_wrong']} right that it answered "
+                  f"wrong ({noise['facts_checked']} checked): batch composition differs between runs under "
+                  "concurrency, so `wrong vs off` of a mode is read against this count."]
     lines += ["", f"Faults: {rep['faults_survived']} of {rep['faults_tried']} survived "
                   f"(devices: {', '.join(rep['fault_devices']) or 'none'})."]
     flips = {m: d.get("right_where_off_wrong") for m, d in rep["soak_details"].items() if m != "off"}

@@ -382,9 +382,11 @@ def wrong_vs(reference: dict | None, facts: dict[str, bool]) -> int | None:
 
 # --------------------------------------------------------------------------- launching
 def launch_and_run(modes: list[str], cfg: SoakConfig, model: str, log_dir: Path, reference: dict | None,
-                   extra_args: list[str], log=print) -> dict:
+                   extra_args: list[str], log=print, repeat_off: bool = False) -> dict:
     """Start a server per mode (``off`` first when listed, as the others' reference), soak it, stop it by
-    its process group."""
+    its process group. ``repeat_off``: soak a fresh ``off`` server once more at the end, reported as
+    ``off_repeat``: its ``wrong_vs_off`` is the noise floor, the facts that flip from right to wrong between two
+    runs of the same dense server (batch composition differs from run to run under concurrency)."""
     import socket
 
     from bench.server import Server, ServerError, ServerSpec
@@ -396,18 +398,19 @@ def launch_and_run(modes: list[str], cfg: SoakConfig, model: str, log_dir: Path,
     except ImportError:
         device = "cpu"
     modes = sorted(modes, key=lambda m: m != "off")
+    runs = [(m, m) for m in modes] + ([("off_repeat", "off")] if repeat_off else [])
     out = {"device": device, "modes": {}}
-    for mode in modes:
+    for key, mode in runs:
         with socket.socket() as sock:
             sock.bind(("127.0.0.1", 0))
             port = sock.getsockname()[1]
         spec = ServerSpec(python=sys.executable, model=model, device=device, port=port, mode=mode,
                           extra_args=["--enable-metrics", *extra_args])
-        log_path = log_dir / f"soak_server_{mode}.log"
+        log_path = log_dir / f"soak_server_{key}.log"
         try:
             server = Server(spec, log_path, timeout_s=900, log=log).start()
         except ServerError as e:  # a mode that cannot start is reported, the others still run
-            out["modes"][mode] = {"mode": mode, "error": str(e)[-2000:]}
+            out["modes"][key] = {"mode": mode, "error": str(e)[-2000:]}
             continue
         try:
             run_cfg = SoakConfig(**{**asdict(cfg), "url": server.url, "server_pid": server.pid,
@@ -415,8 +418,8 @@ def launch_and_run(modes: list[str], cfg: SoakConfig, model: str, log_dir: Path,
             rep = run_soak(run_cfg, reference=reference, log=log)
         finally:
             server.stop()
-        out["modes"][mode] = rep
-        if mode == "off" and reference is None:
+        out["modes"][key] = rep
+        if key == "off" and reference is None:
             reference = rep
             rep["wrong_vs_off"] = 0
     return out
@@ -448,6 +451,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="extra server argument for --launch (repeat; e.g. --server-arg=--max-total-tokens=4096)")
     ap.add_argument("--log-dir", default=".", help="where --launch writes the server logs")
     ap.add_argument("--reference-json", help="an off run's report: wrong_vs_off counts the items it got right")
+    ap.add_argument("--repeat-off", action="store_true",
+                    help="with --launch: soak a fresh off server again at the end ('off_repeat'); its wrong_vs_off is "
+                         "the noise floor of the fact checks (batch nondeterminism of the dense server)")
     ap.add_argument("--out", help="report JSON path (default: stdout)")
     a = ap.parse_args(argv)
     try:
@@ -464,7 +470,10 @@ def main(argv: list[str] | None = None) -> int:
         if sorted(set(modes) - set(implemented_modes())):
             ap.error(f"--launch: unknown mode(s) {sorted(set(modes) - set(implemented_modes()))}; "
                      f"implemented: {implemented_modes()}")
-        report = launch_and_run(modes, cfg, a.model, Path(a.log_dir), reference, a.server_arg, log=_log)
+        if a.repeat_off and "off" not in modes:
+            ap.error("--repeat-off needs off in --launch (the repeat is compared with the first off run)")
+        report = launch_and_run(modes, cfg, a.model, Path(a.log_dir), reference, a.server_arg, log=_log,
+                                repeat_off=a.repeat_off)
     else:
         report = run_soak(cfg, reference=reference, log=_log)
     text = json.dumps(report, indent=1)

@@ -41,3 +41,16 @@ def test_headline_has_the_issue_keys_per_mode_and_sums_faults(tmp_path):
     assert main(["--soak", str(tmp_path / "soak.json"), "--faults", str(tmp_path / "f.json"),
                  str(tmp_path / "missing.json"), "--gpu", "GPU X", "--out", str(tmp_path / "r.json")]) == 0
     assert json.loads((tmp_path / "r.json").read_text())["faults_tried"] == 3
+
+
+def test_a_repeated_off_run_is_the_noise_floor_not_a_mode():
+    soak = {"device": "cuda", "modes": {"off": _mode(), "psa": _mode(), "off_repeat": _mode()}}
+    soak["modes"]["off"]["facts"] = {"1": True, "2": True, "3": False}
+    soak["modes"]["off_repeat"]["facts"] = {"1": False, "2": True, "3": True}
+    soak["modes"]["off_repeat"]["wrong_vs_off"] = 1
+    rep = fold(soak, [], "GPU X")
+    assert set(rep["modes"]) == {"off", "psa"}
+    assert rep["noise_floor_off_repeat"]["wrong_vs_off"] == 1
+    assert rep["noise_floor_off_repeat"]["right_where_off_wrong"] == 1
+    assert rep["soak_seconds_total"] == 360.0
+    assert "Noise floor" in markdown(rep)

@@ -10,12 +10,18 @@
 #                                        #  TESTBED_MODES=off,psa,loopserve then off,lastwindow,samkv fit a call each)
 #   bash scripts/gpu/testbed.sh reliability-start   # soak (every mode, KV pool 64k tokens) + faults, in the background
 #   bash scripts/gpu/testbed.sh reliability-wait    # wait for them (RELIABILITY_WAIT s at most), fold reliability.json
+#   bash scripts/gpu/testbed.sh settings4k  # psa vs off at 4k under three server settings: which setting costs psa
+#                                           # its fall-back throughput (page 16, prefill CUDA graphs off)
+#
+# TESTBED_TAG=x puts a part's reports in /tmp/testbed/<part>_x (two runs of a part side by side);
+# LONG_EXTRA_ARGS adds server arguments to the `long` part's servers (e.g. --enable-deterministic-inference).
 #
 # Reports go to /tmp/testbed/<part>/ and come back packed as $OUT/<part>.tgz.
 set -uo pipefail
 part=${1:?usage: testbed.sh needle|long|samkv|e2e|reliability-start|reliability-wait}
 out=${OUT:-$PWD/gpu_out}
-R=/tmp/testbed/${part%-*}
+name=${part%-*}${TESTBED_TAG:+_$TESTBED_TAG}
+R=/tmp/testbed/$name
 mkdir -p "$out" "$R"
 # shellcheck disable=SC1091
 source /tmp/kit/env.sh
@@ -59,7 +65,7 @@ case $part in
   long)
     step long timeout "${LONG_TIMEOUT:-560}" python3 -m bench.run_harness --preset long --modes "$MODES" --parallel \
         --concurrency "${LONG_CONCURRENCY:-16}" --tasks-time-budget "${LONG_TASK_BUDGET:-330}" --device cuda \
-        --python python3 --model $M32 --port 30000 --out "$R/long" --server-args "$SARGS"
+        --python python3 --model $M32 --port ${LONG_PORT:-30000} --out "$R/long" --server-args "$SARGS ${LONG_EXTRA_ARGS:-}"
     step long_report python3 -m bench.report_long --run "$R/long" --json "$R/fidelity_long.json" \
         --psa-json "$R/psa_fidelity.json" --loopserve-json "$R/loopserve_fidelity.json"
     ;;
@@ -74,11 +80,36 @@ case $part in
         --modes "$MODES" --input-lens 4096,16384,32000 --output-len 256 --concurrency 1,8,32 --parallel-servers auto \
         --port 30010 --time-budget "${E2E_TASK_BUDGET:-450}" --server-args "$SARGS" --out "$R/e2e" ${E2E_ARGS:-}
     ;;
+  settings4k)  # timing: run alone on the GPU
+    for cfg in "default:" "page16:--page-size 16" "page16_noprefillgraph:--page-size 16 --disable-prefill-cuda-graph" \
+               "noprefillgraph:--disable-prefill-cuda-graph"; do
+      tag=${cfg%%:*}
+      step "ab_$tag" timeout -k 20 "${AB_TIMEOUT:-240}" python3 -m bench.load --device cuda --python python3 --model $M32 \
+          --modes psa --input-lens 4096 --output-len 256 --concurrency 1,8,32 --parallel-servers 1 --port 30030 \
+          --min-prompts 12 --prompts-per-concurrency 3 --time-budget "${AB_TASK_BUDGET:-200}" --server-args "$SARGS ${cfg#*:}" --out "$R/$tag"
+    done
+    python3 - "$R" <<'PY' | tee "$R/settings4k.md"
+import json, sys, pathlib
+root = pathlib.Path(sys.argv[1])
+print("| server args (off and psa) | cell | off tok/s | psa tok/s | psa/off throughput | TTFT ratio | TPOT ratio |")
+print("|---|---|---|---|---|---|---|")
+for d in sorted(p for p in root.iterdir() if (p / "e2e_long.json").is_file()):
+    e = json.loads((d / "e2e_long.json").read_text())
+    off = (e.get("modes") or {}).get("off") or {}
+    for cell, r in ((e.get("modes") or {}).get("psa") or {}).items():
+        if not isinstance(r, dict) or "input_len" not in r:
+            continue
+        f = lambda x: "-" if x is None else f"{x:.3g}"
+        print(f"| {d.name} | {cell} | {f((off.get(cell) or {}).get('output_throughput_tok_s'))} | "
+              f"{f(r.get('output_throughput_tok_s'))} | {f(r.get('throughput_ratio_vs_off'))} | "
+              f"{f(r.get('ttft_ratio_vs_off'))} | {f(r.get('tpot_ratio_vs_off'))} |")
+PY
+    ;;
   reliability-start)  # no timing figure comes from these: they may share the GPU with the `long` part
     say "== reliability: soak + faults started in the background"
     ( setsid bash -c "
-        timeout -k 20 ${SOAK_TIMEOUT:-900} python3 -m bench.soak --launch off,psa,loopserve,lastwindow,samkv \
-          --model $M32 --requests ${SOAK_REQUESTS:-5000} --time-budget ${SOAK_MODE_BUDGET:-125} --concurrency 4 \
+        timeout -k 20 ${SOAK_TIMEOUT:-1500} python3 -m bench.soak --launch off,psa,loopserve,lastwindow,samkv \
+          --model $M32 --requests ${SOAK_REQUESTS:-5000} --time-budget ${SOAK_MODE_BUDGET:-125} --concurrency 4 --repeat-off \
           --turn-words ${SOAK_TURN_WORDS:-7000} --max-tokens 16 --sample-every 10 --log-dir $R \
           --server-arg=$SHARED --server-arg=--max-total-tokens=65536 --server-arg=--attention-backend=flashinfer \
           --out $R/soak.json > $R/soak.log 2>&1
@@ -109,5 +140,5 @@ case $part in
   *) echo "unknown part $part" >&2; exit 2 ;;
 esac
 [ "${SAVE_CACHE:-0}" = 1 ] && bash /tmp/kit/device.sh save-cache >> "$R/steps.txt" 2>&1
-tar czf "$out/$part.tgz" -C /tmp/testbed "$part"
+tar czf "$out/$name.tgz" -C /tmp/testbed "$name"
 ls -la "$out"
