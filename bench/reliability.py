@@ -72,28 +72,27 @@ def _flips(rep: dict, off_facts: dict) -> int | None:
 def markdown(rep: dict) -> str:
     lines = ["# Reliability: soak and injected faults", "",
              f"- GPU: {rep['gpu']}", f"- targets: {rep['targets']}", ""]
-    lines += ["| mode | sent | completed | aborted | failed | wrong vs off | 5xx | RSS slope MB / 1k req | idle leak check |",
-              "|---|---|---|---|---|---|---|---|---|"]
+    lines += ["| mode | sent | completed | aborted | failed | wrong vs off | 5xx | RSS slope MB / 1k req | idle leak check "
+              "| facts checked | right where off wrong |",
+              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for mode, r in rep["modes"].items():
         slope = r["rss_slope_mb_per_1k_requests"]
+        d = rep["soak_details"].get(mode) or {}
         lines.append(f"| {mode} | {r['sent']} | {r['completed']} | {r['aborted']} | {r['failed']} | {r['wrong_vs_off']} "
-                     f"| {r['http_5xx']} | {'n/a' if slope is None else f'{slope:.1f}'} | {r['idle_leak_check']} |")
+                     f"| {r['http_5xx']} | {'n/a' if slope is None else f'{slope:.1f}'} | {r['idle_leak_check']} "
+                     f"| {d.get('facts_checked')} | {d.get('right_where_off_wrong')} |")
     for mode, err in rep["modes_not_started"].items():
         lines.append(f"| {mode} | server did not start: {err.splitlines()[-1] if err else ''} |||||||| ")
     if rep.get("soak_seconds_total") is not None:
         lines += ["", f"Soak traffic in all: {rep['soak_seconds_total']:.0f} s."]
     noise = rep.get("noise_floor_off_repeat")
     if noise:
-        lines += ["", f"Noise floor: a second `off` server on the same traffic answered {noise['wrong_vs_off']} facts "
+        lines += ["", f"Noise floor (`off_repeat`): a second `off` server on the same traffic answered {noise['wrong_vs_off']} facts "
                   f"wrong that the first answered right, and {noise['right_where_off_wrong']} right that it answered "
                   f"wrong ({noise['facts_checked']} checked): batch composition differs between runs under "
                   "concurrency, so `wrong vs off` of a mode is read against this count."]
     lines += ["", f"Faults: {rep['faults_survived']} of {rep['faults_tried']} survived "
                   f"(devices: {', '.join(rep['fault_devices']) or 'none'})."]
-    flips = {m: d.get("right_where_off_wrong") for m, d in rep["soak_details"].items() if m != "off"}
-    if any(v is not None for v in flips.values()):
-        lines += ["", "Facts answered right here but wrong by `off` (the other direction of `wrong vs off`): "
-                  + ", ".join(f"{m} {v}" for m, v in flips.items()) + "."]
     for f in rep["faults_not_survived"]:
         lines.append(f"- not survived: `{f['fault']}` / {f['mode']}: outcome {f['outcome']}, checks {f['checks']}")
     if rep["commands"]:

@@ -206,6 +206,12 @@ def _stock_graphs_knob():
                 "batches without a sparse row (false: those batches decode eagerly)")
 
 
+def _prefill_graphs_knob():
+    return knob(True, doc="CUDA: keep SGLang's prefill CUDA graphs (breakable backend: the captured segments run "
+                "around attention, which runs eagerly, so the sparse prefill and its host planning run as without "
+                "graphs); false, or another prefill graph backend: prefill graphs off for this mode")
+
+
 @dataclass(frozen=True)
 class PsaConfig(SparseConfig):
     """PSA progressive threshold decode (PSA Alg. 1)."""
@@ -229,6 +235,7 @@ class PsaConfig(SparseConfig):
                           choices=("calibrated", "mean"))
     cuda_graph: bool = knob(True, doc="CUDA: replay decode graphs for batches with a sparse row (false: eager)")
     stock_graphs: bool = _stock_graphs_knob()
+    prefill_graphs: bool = _prefill_graphs_knob()
     runner: str = _runner_knob()
     host_tier_gb: float = _host_tier_knobs()["host_tier_gb"]
     gpu_cache_mb: float = _host_tier_knobs()["gpu_cache_mb"]
@@ -249,6 +256,7 @@ def _graph_knobs(width: int, max_bs: int = 16):
         graph_max_bs=knob(max_bs, doc="decode CUDA graphs: largest batch replayed over the sparse path (larger batches "
                           "run eagerly)", range=Range(1, 4096)),
         stock_graphs=_stock_graphs_knob(),
+        prefill_graphs=_prefill_graphs_knob(),
         runner=_runner_knob(),
     )
 
@@ -284,6 +292,7 @@ class LoopServeConfig(SparseConfig):
     graph_list_width: int = _LOOPSERVE_GRAPH["graph_list_width"]
     graph_max_bs: int = _LOOPSERVE_GRAPH["graph_max_bs"]
     stock_graphs: bool = _LOOPSERVE_GRAPH["stock_graphs"]
+    prefill_graphs: bool = _LOOPSERVE_GRAPH["prefill_graphs"]
     runner: str = _LOOPSERVE_GRAPH["runner"]
     host_tier_gb: float = _host_tier_knobs()["host_tier_gb"]
     gpu_cache_mb: float = _host_tier_knobs()["gpu_cache_mb"]
@@ -309,6 +318,7 @@ class LastWindowConfig(SparseConfig):
     graph_list_width: int = _LASTWINDOW_GRAPH["graph_list_width"]
     graph_max_bs: int = _LASTWINDOW_GRAPH["graph_max_bs"]
     stock_graphs: bool = _LASTWINDOW_GRAPH["stock_graphs"]
+    prefill_graphs: bool = _LASTWINDOW_GRAPH["prefill_graphs"]
     runner: str = _LASTWINDOW_GRAPH["runner"]
 
     def __post_init__(self):

@@ -109,12 +109,14 @@ def install_short_errors(parser: argparse.ArgumentParser) -> None:
 def _apply_mode_requirements(args, ctx: SparseContext) -> None:
     """Server settings a mode needs, set before SGLang resolves them (logged, never silent).
 
-    loopserve / lastwindow on CUDA: prefill CUDA graphs off (the sparse prefill plans per request on the host);
-    decode graphs stay on (``--disable-cuda-graph`` turns them off): the steady decode steps replay them
-    (:mod:`sglang_sparse.loopserve_graph`), the others run eagerly.
-    psa on CUDA: the page is the PSA block, so ``--page-size`` defaults to ``block_size`` (another
-    explicit page size is refused); prefill CUDA graphs are off (the block-metadata update after an
-    extend takes a host bound); decode graphs stay on unless the config's ``cuda_graph`` is false.
+    loopserve / lastwindow / psa on CUDA: SGLang's prefill CUDA graphs stay on where attention runs outside the
+    captured segments (the default breakable backend, config ``prefill_graphs`` true): the sparse prefill, its host
+    planning and PSA's block-metadata update run eagerly there, as without graphs. Another prefill graph backend
+    (``--cuda-graph-backend-prefill full|tc_piecewise``) or ``prefill_graphs`` false: prefill graphs off (logged).
+    loopserve / lastwindow: decode graphs stay on (``--disable-cuda-graph`` turns them off): the steady decode
+    steps replay them (:mod:`sglang_sparse.loopserve_graph`), the others run eagerly.
+    psa: the page is the PSA block, so ``--page-size`` defaults to ``block_size`` (another explicit page size is
+    refused); decode graphs stay on unless the config's ``cuda_graph`` is false.
     samkv on CUDA: overlap scheduler and prefill CUDA graphs off (:func:`_samkv_requirements`).
     """
     if ctx.mode == "samkv" and getattr(args, "disable_radix_cache", False):
@@ -126,12 +128,7 @@ def _apply_mode_requirements(args, ctx: SparseContext) -> None:
         _samkv_requirements(args)
         return
     if ctx.mode in ("loopserve", "lastwindow"):
-        if not args.disable_prefill_cuda_graph:
-            import logging
-
-            logging.getLogger("sglang_sparse").info(
-                "sglang-sparse %s: prefill CUDA graphs disabled (per-request host planning of line sets)", ctx.mode)
-            args.disable_prefill_cuda_graph = True
+        _prefill_graph_requirements(args, ctx)
         return
     if ctx.mode != "psa":
         return
@@ -149,12 +146,30 @@ def _apply_mode_requirements(args, ctx: SparseContext) -> None:
     if block not in (16, 32, 64):
         raise SparseConfigError(f"--sparse-config: field 'block_size' of mode 'psa' = {block} on CUDA must be "
                                 "one of [16, 32, 64] (the KV page size)")
-    if not args.disable_prefill_cuda_graph:
-        log.info("sglang-sparse psa: prefill CUDA graphs disabled for this mode")
-        args.disable_prefill_cuda_graph = True
+    _prefill_graph_requirements(args, ctx)
     if not ctx.config.cuda_graph and not args.disable_cuda_graph:
         log.info("sglang-sparse psa: CUDA graphs disabled (--sparse-config cuda_graph=false)")
         args.disable_cuda_graph = True
+
+
+# prefill CUDA-graph backends under which attention runs eagerly between captured segments (None: SGLang's default)
+_EAGER_ATTENTION_PREFILL_GRAPHS = (None, "breakable")
+
+
+def _prefill_graph_requirements(args, ctx: SparseContext) -> None:
+    """Keep SGLang's prefill CUDA graphs only where the sparse prefill runs eagerly inside them (see
+    :func:`_apply_mode_requirements`); turn them off otherwise, logged."""
+    import logging
+
+    if args.disable_prefill_cuda_graph:
+        return
+    backend = getattr(args, "cuda_graph_backend_prefill", None)
+    if ctx.config.prefill_graphs and backend in _EAGER_ATTENTION_PREFILL_GRAPHS:
+        return
+    why = ("--sparse-config prefill_graphs=false" if not ctx.config.prefill_graphs else
+           f"--cuda-graph-backend-prefill {backend} captures attention (the sparse prefill plans on the host)")
+    logging.getLogger("sglang_sparse").info("sglang-sparse %s: prefill CUDA graphs disabled (%s)", ctx.mode, why)
+    args.disable_prefill_cuda_graph = True
 
 
 def _samkv_requirements(args) -> None:

@@ -136,21 +136,36 @@ def test_modes_on_cuda_set_the_server_settings_they_need():
 
     def args(device="cuda"):
         return SimpleNamespace(device=device, page_size=None, disable_cuda_graph=False,
-                               disable_prefill_cuda_graph=False)
+                               disable_prefill_cuda_graph=False, cuda_graph_backend_prefill=None)
 
-    a = args()
+    a = args()  # the default (breakable) prefill graphs run attention eagerly: they stay on
     _apply_mode_requirements(a, resolve_sparse("psa", '{"block_size": 32}'))
-    assert (a.page_size, a.disable_prefill_cuda_graph, a.disable_cuda_graph) == (32, True, False)
+    assert (a.page_size, a.disable_prefill_cuda_graph, a.disable_cuda_graph) == (32, False, False)
+    a = args()
+    _apply_mode_requirements(a, resolve_sparse("psa", '{"prefill_graphs": false}'))
+    assert a.disable_prefill_cuda_graph
+    a = args()
+    a.cuda_graph_backend_prefill = "full"  # captures attention: the sparse prefill cannot plan inside it
+    _apply_mode_requirements(a, resolve_sparse("psa", None))
+    assert a.disable_prefill_cuda_graph
     a = args()
     _apply_mode_requirements(a, resolve_sparse("psa", '{"cuda_graph": false}'))
     assert (a.page_size, a.disable_cuda_graph) == (16, True)
     cpu = args("cpu")
     _apply_mode_requirements(cpu, resolve_sparse("psa", None))
     assert (cpu.page_size, cpu.disable_cuda_graph, cpu.disable_prefill_cuda_graph) == (None, False, False)
-    for mode in ("loopserve", "lastwindow"):  # decode graphs stay on (steady steps replay them), prefill graphs off
+    for mode in ("loopserve", "lastwindow"):  # decode graphs stay on (steady steps replay them), breakable prefill too
         a = args()
         _apply_mode_requirements(a, resolve_sparse(mode, None))
-        assert (a.disable_cuda_graph, a.disable_prefill_cuda_graph, a.page_size) == (False, True, None)
+        assert (a.disable_cuda_graph, a.disable_prefill_cuda_graph, a.page_size) == (False, False, None)
+        for backend in ("full", "tc_piecewise"):
+            a = args()
+            a.cuda_graph_backend_prefill = backend
+            _apply_mode_requirements(a, resolve_sparse(mode, None))
+            assert a.disable_prefill_cuda_graph, (mode, backend)
+        a = args()
+        _apply_mode_requirements(a, resolve_sparse(mode, '{"prefill_graphs": false}'))
+        assert a.disable_prefill_cuda_graph
     a = args()
     a.disable_overlap_schedule = False
     _apply_mode_requirements(a, resolve_sparse("samkv", None))  # assembly between forwards, never beside one

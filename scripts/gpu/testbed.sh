@@ -133,7 +133,7 @@ PY
     tail -n 30 "$R/soak.log" "$R/faults.log"
     [ -f "$R/soak.json" ] && python3 -m bench.reliability --soak "$R/soak.json" --faults "$R"/faults_*.json \
         --gpu "$(cut -d, -f1 "$R/gpu.txt")" --out "$R/reliability.json" --md "$R/reliability.md" \
-        --command "scripts/gpu/testbed.sh reliability-start (bench.soak --launch off,psa,loopserve,lastwindow,samkv --model 32k testbed, --max-total-tokens 65536; bench.faults per mode on the 8k model)"
+        --command "scripts/gpu/testbed.sh reliability-start: bench.soak --launch off,psa,loopserve,lastwindow,samkv --repeat-off on the 32k testbed, --max-total-tokens 65536, --time-budget ${SOAK_MODE_BUDGET:-125} s per mode; bench.faults per mode on the 8k model"
     rm -f "$R"/*.pt 2>/dev/null
     part=reliability
     ;;
