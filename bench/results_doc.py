@@ -97,7 +97,7 @@ def reliability_section(r: dict | None) -> list[str]:
     if not r:
         return md + ["(missing: run `python -m bench.soak` and `python -m bench.faults`, then `python -m bench.reliability`)",
                      ""]
-    secs = sum((d or {}).get("seconds") or 0 for d in (r.get("soak_details") or {}).values())
+    secs = sum((d or {}).get("seconds") or 0 for d in (r.get("soak_details") or {}).values())  # modes, not the repeat
     md += [f"GPU: {r.get('gpu')}. Soak (`bench.soak`, every mode at its defaults, {secs:.0f} s of traffic in all); "
            f"faults (`bench.faults`): {r.get('faults_survived')} of {r.get('faults_tried')} survived.", ""]
     rows = [[m, *(str(x.get(k)) for k in ("sent", "completed", "aborted", "failed", "wrong_vs_off", "http_5xx")),
@@ -105,6 +105,11 @@ def reliability_section(r: dict | None) -> list[str]:
             for m, x in (r.get("modes") or {}).items()]
     md += _table(["mode", "sent", "completed", "aborted", "failed", "wrong vs off", "5xx", "RSS slope MB / 1k requests",
                   "idle leak check"], rows)
+    noise = r.get("noise_floor_off_repeat")
+    if noise:
+        md += ["", f"Noise floor: a second `off` run of the same traffic answered {noise.get('wrong_vs_off')} facts wrong "
+               f"that the first answered right ({noise.get('facts_checked')} checked); read `wrong vs off` against it "
+               "(facts checked per mode and the other direction are in the details)."]
     return md + ["", "Details: [bench/results/reliability.md](../bench/results/reliability.md).", ""]
 
 
