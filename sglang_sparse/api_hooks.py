@@ -7,7 +7,7 @@
 * ``DecodeCudaGraphRunner.can_run_graph`` (scheduler process): a sparse batch replays the mode's sparse
   graph, a batch without a sparse row the stock graph (:mod:`sglang_sparse.graph_variants`); others run eagerly.
 * ``ModelRunner.forward`` (scheduler process): hands the attention backend's step rows to
-  SGLang as ``logits_output.customized_info`` (see :mod:`sglang_sparse.psa_stats`); SGLang
+  SGLang as ``logits_output.customized_info`` (see :mod:`sglang_sparse.psa.stats`); SGLang
   carries them to the request's ``meta_info[STEP_KEY]`` (one row per output token).
 * ``OpenAIServingChat._build_chat_response`` / ``OpenAIServingCompletion._build_completion_response``
   (main process): add the per-request summary as ``metadata["sparse"]`` of the response (a list
@@ -16,7 +16,8 @@
 
 from __future__ import annotations
 
-from sglang_sparse import loopserve_stats, psa_stats
+from sglang_sparse.loopserve import stats as loopserve_stats
+from sglang_sparse.psa import stats as psa_stats
 from sglang_sparse.request_params import normalize_request_options
 
 # Per-step statistics of each mode: (backend method returning this forward's StepRows, the
@@ -57,7 +58,7 @@ def forward_batch_hook(result, *args, **kwargs):
 def graph_gate_hook(result, graph_runner, forward_batch, *args, **kwargs):
     """AFTER ``DecodeCudaGraphRunner.can_run_graph``: under psa, replay a decode graph only for
     batches with at least one sparse row (those graphs were captured over the PSA path); under
-    loopserve / lastwindow only for steady steps (``sglang_sparse.loopserve_graph``); other
+    loopserve / lastwindow only for steady steps (``sglang_sparse.loopserve.graph``); other
     batches run eagerly."""
     if not result:
         return result

@@ -165,7 +165,7 @@ _UNIT = Range(0.0, 1.0, lo_open=True)
 
 
 def _host_tier_knobs():
-    """Host-tier keys shared by the modes that serve it (``sglang_sparse.host_tier``)."""
+    """Host-tier keys shared by the modes that serve it (``sglang_sparse.host_tier.cache``)."""
     return dict(
         host_tier_gb=knob(0.0, doc="pinned host memory (GiB) keeping radix nodes evicted from the GPU, loaded back "
                           "on a prefix hit instead of recomputed (0 = host tier off)", range=Range(0, 4096)),
@@ -238,7 +238,7 @@ class PsaConfig(SparseConfig):
 
 
 def _graph_knobs(width: int, max_bs: int = 16):
-    """Decode-graph keys shared by loopserve and lastwindow (``sglang_sparse.loopserve_graph``)."""
+    """Decode-graph keys shared by loopserve and lastwindow (``sglang_sparse.loopserve.graph``)."""
     return dict(
         graph_list_width=knob(width, doc="decode CUDA graphs (a server without --disable-cuda-graph): the widest "
                               "per-(row, KV head) token list a graph-replayed step takes (steps with wider lists, "

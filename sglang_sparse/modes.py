@@ -58,13 +58,13 @@ def _registry(*specs: SparseModeSpec) -> Mapping[str, SparseModeSpec]:
 MODES: Mapping[str, SparseModeSpec] = _registry(
     SparseModeSpec("off", OffConfig, "dense attention and the stock radix cache", implemented=True),
     SparseModeSpec("psa", PsaConfig, "progressive threshold sparse decode (PSA)", implemented=True,
-                   devices=("cpu", "cuda"), backend_installer="sglang_sparse.psa_backend:install"),
+                   devices=("cpu", "cuda"), backend_installer="sglang_sparse.psa.backend:install"),
     SparseModeSpec("loopserve", LoopServeConfig, "online vertical/slash prefill + progressive decode (LoopServe)",
                    implemented=True, devices=("cpu", "cuda"),
-                   backend_installer="sglang_sparse.loopserve_backend:install"),
+                   backend_installer="sglang_sparse.loopserve.backend:install"),
     SparseModeSpec("lastwindow", LastWindowConfig, "last-window baseline: dense prefill, decode over a fixed "
                    "top-budget chosen from the prompt's last queries (SnapKV-like)", implemented=True,
-                   devices=("cpu", "cuda"), backend_installer="sglang_sparse.loopserve_backend:install"),
+                   devices=("cpu", "cuda"), backend_installer="sglang_sparse.loopserve.backend:install"),
     SparseModeSpec("samkv", SamKVConfig, "per-document KV reuse with SamKV block selection (documents field)",
                    implemented=True, devices=("cpu", "cuda")),
 )

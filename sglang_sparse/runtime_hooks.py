@@ -23,7 +23,7 @@ def scheduler_init_hook(result, scheduler, *args, **kwargs):
     check_hooks_applied()
     ctx = sparse_context_of(scheduler.server_args)
     scheduler.sparse_context = ctx
-    from sglang_sparse.working_set_admission import make_admission
+    from sglang_sparse.host_tier.admission import make_admission
 
     scheduler.sparse_ws_admission = make_admission(scheduler)
     backend = _attention_backend(scheduler)
