@@ -16,23 +16,30 @@
 
 from __future__ import annotations
 
-from sglang_sparse.loopserve import stats as loopserve_stats
-from sglang_sparse.psa import stats as psa_stats
+from sglang_sparse.mode_spec import resolve
+from sglang_sparse.modes import MODES, sparse_context_of
 from sglang_sparse.request_params import normalize_request_options
 
-# Per-step statistics of each mode: (backend method returning this forward's StepRows, the
-# customized_info / meta_info key they travel under, the per-request summary of those rows).
-STEP_SOURCES = (
-    ("psa_step_rows", psa_stats.STEP_KEY, psa_stats.summarize_steps),
-    ("loopserve_step_rows", loopserve_stats.STEP_KEY, loopserve_stats.summarize_steps),
-)
+
+def _step_sources() -> tuple:
+    """Per-step statistics of every mode, from the modes' specs (``step_report``), one entry per key: (backend
+    method returning this forward's StepRows, the customized_info / meta_info key they travel under, the
+    per-request summary of those rows)."""
+    seen, out = set(), []
+    for spec in MODES.values():
+        r = spec.step_report
+        if r is not None and r.key not in seen:
+            seen.add(r.key)
+            out.append((r.backend_method, r.key, resolve(r.summarize)))
+    return tuple(out)
+
+
+STEP_SOURCES = _step_sources()
 
 
 def verify_hook(result, sampling_params, *args, **kwargs):
     """AFTER ``SamplingParams.verify``: check ``custom_params.sparse``; write back the clamped values."""
     from sglang.srt.server_args import get_global_server_args
-
-    from sglang_sparse.modes import sparse_context_of
 
     custom = getattr(sampling_params, "custom_params", None)
     if not isinstance(custom, dict) or "sparse" not in custom:

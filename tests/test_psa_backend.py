@@ -10,7 +10,8 @@ import torch
 
 from sglang_sparse.config import PsaConfig
 from sglang_sparse.psa.runner import kernel_config
-from sglang_sparse.psa.stats import STEP_COLS, PsaStats, StepRows, account_rows, summarize_steps
+from sglang_sparse.psa.stats import STEP_COLS, PsaStats, account_rows, summarize_steps
+from sglang_sparse.stats import StepRows
 from sglang_sparse.request_params import RequestParamsError, normalize_request_options, request_epsilon
 
 

@@ -83,18 +83,17 @@ class AdmissionMetrics:
     """Prometheus metrics (``/metrics`` with ``--enable-metrics``)."""
 
     def __init__(self, registry=None):
-        from prometheus_client import REGISTRY, Counter, Gauge
+        from sglang_sparse.stats import MetricSet
 
-        reg = REGISTRY if registry is None else registry
-        self.limited = Counter("sglang_sparse:ws_admission_limited", "scheduler passes in which working-set "
-                               "admission held back waiting requests", registry=reg)
-        self.held = Counter("sglang_sparse:ws_admission_held_requests", "waiting requests held back by "
-                            "working-set admission (summed over passes)", registry=reg)
-        self.running_units = Gauge("sglang_sparse:ws_running_units", "summed working sets (units) of the running "
-                                   "requests at the last admission decision", registry=reg,
-                                   multiprocess_mode="mostrecent")
-        self.capacity_units = Gauge("sglang_sparse:ws_capacity_units", "GPU unit cache capacity (units) the "
-                                    "working sets must fit", registry=reg, multiprocess_mode="mostrecent")
+        m = MetricSet("ws", registry)
+        self.limited = m.counter("admission_limited", "scheduler passes in which working-set admission held back "
+                                 "waiting requests")
+        self.held = m.counter("admission_held_requests", "waiting requests held back by working-set admission "
+                              "(summed over passes)")
+        self.running_units = m.gauge("running_units", "summed working sets (units) of the running requests at "
+                                     "the last admission decision", multiprocess_mode="mostrecent")
+        self.capacity_units = m.gauge("capacity_units", "GPU unit cache capacity (units) the working sets must fit",
+                                      multiprocess_mode="mostrecent")
 
 
 class WorkingSetAdmission:

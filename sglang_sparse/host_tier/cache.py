@@ -222,12 +222,11 @@ class HostTierMetrics:
     """Prometheus metrics of the scheduler process (``/metrics`` with ``--enable-metrics``)."""
 
     def __init__(self, registry=None):
-        from prometheus_client import REGISTRY, Counter, Gauge
+        from sglang_sparse.stats import MetricSet
 
-        reg = REGISTRY if registry is None else registry
-        c = lambda name, doc: Counter(f"sglang_sparse:host_tier_{name}", doc, registry=reg)  # noqa: E731
-        g = lambda name, doc: Gauge(f"sglang_sparse:host_tier_{name}", doc, registry=reg,  # noqa: E731
-                                    multiprocess_mode="mostrecent")
+        m = MetricSet("host_tier", registry)
+        c = m.counter
+        g = lambda name, doc: m.gauge(name, doc, multiprocess_mode="mostrecent")  # noqa: E731
         self.saved_nodes = c("saved_nodes", "radix nodes evicted from the GPU whose KV was saved to the host")
         self.saved_tokens = c("saved_tokens", "tokens of those nodes")
         self.loads = c("loads", "prefix hits served (partly) from the host tier")

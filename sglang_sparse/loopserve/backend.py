@@ -29,7 +29,7 @@ from sglang_sparse.config import uses_kernels
 from sglang_sparse.loopserve.runner import LoopServeRunner
 from sglang_sparse.loopserve.stats import LoopServeMetrics, LoopServeStats, account_rows
 from sglang_sparse.psa.runner import AttnShape
-from sglang_sparse.psa.stats import StepRows
+from sglang_sparse.stats import StepRows
 
 __all__ = ["install", "LoopServeMixin"]
 

@@ -33,6 +33,7 @@ import logging
 import torch
 
 from sglang_sparse.loopserve.stats import STEP_COLS
+from sglang_sparse.request_params import batch_requests
 
 __all__ = ["LoopServeGraphs"]
 
@@ -69,7 +70,7 @@ class LoopServeGraphs:
         self._pending = None
         r = self.runner
         bs = int(forward_batch.batch_size)
-        reqs = getattr(getattr(forward_batch, "sampling_info", None), "sparse_reqs", None)
+        reqs = batch_requests(forward_batch)
         lens = forward_batch.seq_lens_cpu
         if not forward_batch.forward_mode.is_decode() or bs == 0 or bs > self.max_bs or reqs is None \
                 or len(reqs) != bs or lens is None:
@@ -111,7 +112,7 @@ class LoopServeGraphs:
         from sglang_sparse.loopserve.runner import STATE_ATTR
 
         bs = int(forward_batch.batch_size)
-        reqs = getattr(getattr(forward_batch, "sampling_info", None), "sparse_reqs", None)
+        reqs = batch_requests(forward_batch)
         lens = forward_batch.seq_lens_cpu
         if not forward_batch.forward_mode.is_decode() or bs == 0 or reqs is None or len(reqs) != bs \
                 or lens is None:

@@ -80,6 +80,7 @@ from sglang_sparse.loopserve.stats import (
     COL_ALPHA, COL_COV, COL_KIND, COL_LTOT, COL_READ, COL_RESEL, COL_REUSED, COL_S, COL_TTOT, COL_UNITS, COL_V,
     KIND_DECODE, KIND_DENSE, KIND_LASTWINDOW, KIND_PREFILL, STEP_COLS,
 )
+from sglang_sparse.request_params import batch_requests, request_values
 
 FIRST_RESELECT = 16  # Alg. 3: the first re-selection at the 16th generated token
 # the all-layer list build of a step without re-selection holds ~4 int32 tensors of L x rows x Hk x width
@@ -90,12 +91,11 @@ STATE_ATTR = "sparse_loopserve"
 
 
 def request_options(cfg: LoopServeConfig, req) -> tuple[float, int]:
-    """(alpha, budget) of a request: its validated ``custom_params.sparse`` values, else the server's
-    (``lastwindow`` has no alpha: its prefill is dense, reported as alpha 1.0)."""
-    custom = getattr(getattr(req, "sampling_params", None), "custom_params", None)
-    opts = custom.get("sparse") if isinstance(custom, dict) else None
-    opts = opts if isinstance(opts, dict) else {}
-    return float(opts.get("alpha", getattr(cfg, "alpha", 1.0))), int(opts.get("budget", cfg.budget))
+    """(alpha, budget) of a request (:func:`sglang_sparse.request_params.request_values`: its validated
+    ``custom_params.sparse`` values, else the server's). ``lastwindow`` takes no per-request options and has
+    no alpha: its prefill is dense, reported as alpha 1.0, and its budget is the server's."""
+    vals = request_values(cfg, req)
+    return float(vals.get("alpha", getattr(cfg, "alpha", 1.0))), int(vals.get("budget", cfg.budget))
 
 
 @dataclasses.dataclass
@@ -209,7 +209,7 @@ class LoopServeRunner:
         self.bs = bs
         self.is_decode = mode.is_decode()
         host = torch.zeros(bs, STEP_COLS, dtype=torch.float32)
-        reqs = getattr(getattr(forward_batch, "sampling_info", None), "sparse_reqs", None)
+        reqs = batch_requests(forward_batch)
         if bs == 0 or reqs is None or len(reqs) != bs:
             self.step_rows = host
             return

@@ -1,7 +1,7 @@
 """LoopServe statistics: per-step rows for each request, server counters, the per-request summary.
 
-Same flow as :mod:`sglang_sparse.psa.stats` (whose :class:`~sglang_sparse.psa.stats.StepRows`
-carrier is reused): the backend fills one fp32 row per batch row on the device; a hook after
+Same flow as :mod:`sglang_sparse.psa.stats` (through the shared :class:`~sglang_sparse.stats.StepRows`
+carrier): the backend fills one fp32 row per batch row on the device; a hook after
 ``ModelRunner.forward`` hands the rows to SGLang as ``logits_output.customized_info[STEP_KEY]``
 (one non-blocking copy); SGLang appends row ``i`` to the request's ``meta_info[STEP_KEY]`` (one
 entry per output token); the first host read also folds the rows into :class:`LoopServeStats`
@@ -24,6 +24,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any, Sequence
+
+from sglang_sparse.stats import MetricSet, ratio
 
 STEP_KEY = "sparse_loopserve_steps"
 STEP_COLS = 11
@@ -55,11 +57,9 @@ class LoopServeStats:
 
     def to_dict(self) -> dict:
         d = dict(self.__dict__)
-        d["covered_mass_mean"] = self.covered_sum / self.covered_units if self.covered_units else None
-        d["line_fraction"] = ((self.vertical_lines + self.slash_lines) / self.lines_total
-                              if self.lines_total else None)
-        d["decode_read_fraction"] = (self.decode_tokens_read / self.decode_tokens_total
-                                     if self.decode_tokens_total else None)
+        d["covered_mass_mean"] = ratio(self.covered_sum, self.covered_units)
+        d["line_fraction"] = ratio(self.vertical_lines + self.slash_lines, self.lines_total)
+        d["decode_read_fraction"] = ratio(self.decode_tokens_read, self.decode_tokens_total)
         return d
 
 
@@ -67,10 +67,8 @@ class LoopServeMetrics:
     """Prometheus metrics of the scheduler process (``/metrics`` with ``--enable-metrics``)."""
 
     def __init__(self, registry=None):
-        from prometheus_client import REGISTRY, Counter, Gauge, Histogram
-
-        reg = REGISTRY if registry is None else registry
-        mk = lambda name, doc: Counter(f"sglang_sparse:loopserve_{name}", doc, registry=reg)  # noqa: E731
+        m = MetricSet("loopserve", registry)
+        mk = m.counter
         self.sparse_prefills = mk("sparse_prefills", "requests whose prefill ran sparse (vertical/slash lines)")
         self.vertical_lines = mk("vertical_lines", "vertical lines selected (layers x KV heads x requests)")
         self.slash_lines = mk("slash_lines", "slash lines selected (layers x KV heads x requests)")
@@ -81,11 +79,10 @@ class LoopServeMetrics:
         self.tokens_total = mk("decode_tokens_dense", "tokens a dense decode would have attended for the same")
         self.reselections = mk("reselections", "progressive top-B re-selections (Alg. 3)")
         self.stored_turns = mk("stored_turns", "turns whose lines were attached to a radix node")
-        self.store_bytes = Gauge("sglang_sparse:loopserve_line_store_bytes", "bytes of stored turn lines",
-                                 registry=reg)
-        self.covered = Histogram(
-            "sglang_sparse:loopserve_covered_mass", "covered sampled attention mass per request prefill "
-            "(lower bound, mean over layers and KV heads)", registry=reg,
+        self.store_bytes = m.gauge("line_store_bytes", "bytes of stored turn lines")
+        self.covered = m.histogram(
+            "covered_mass", "covered sampled attention mass per request prefill "
+            "(lower bound, mean over layers and KV heads)",
             buckets=(0.5, 0.8, 0.9, 0.95, 0.97, 0.98, 0.99, 0.995, 0.999, 1.0))
 
 

@@ -20,7 +20,8 @@ import torch
 
 from sglang_sparse.config import PsaConfig
 from sglang_sparse.psa.runner import AttnShape, PsaCpuRunner, PsaCudaRunner, kernel_config
-from sglang_sparse.psa.stats import PsaMetrics, PsaStats, StepRows, account_rows
+from sglang_sparse.psa.stats import PsaMetrics, PsaStats, account_rows
+from sglang_sparse.stats import StepRows
 
 __all__ = ["install", "kernel_config", "PsaDecodeMixin"]
 

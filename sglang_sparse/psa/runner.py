@@ -35,7 +35,7 @@ import torch
 from flashinfer_ext.psa.config import PsaDecodeConfig
 from sglang_sparse.config import PsaConfig
 from sglang_sparse.psa.stats import COL_EPS, COL_KEPT, COL_READ, COL_SPARSE, COL_TOTAL, COL_UNITS, STEP_COLS
-from sglang_sparse.request_params import request_epsilon
+from sglang_sparse.request_params import ReplayRequests, batch_requests, request_values
 
 
 def kernel_config(cfg: PsaConfig) -> PsaDecodeConfig:
@@ -70,19 +70,26 @@ class AttnShape:
         return self.num_layers * self.num_kv_heads
 
 
+def _epsilons_of(cfg: PsaConfig, reqs, bs: int) -> list[float]:
+    """Each of ``bs`` rows' epsilon from its request (:func:`sglang_sparse.request_params.request_values`);
+    the server's ``epsilon`` for rows without one."""
+    reqs = reqs or ()
+    return [float(request_values(cfg, reqs[i] if i < len(reqs) else None)["epsilon"]) for i in range(bs)]
+
+
+def _rids_of(reqs, bs: int) -> list:
+    """The rows' request ids (``None`` where there is no ``Req``), for the working-set tracker."""
+    rids = [getattr(r, "rid", None) for r in list(reqs or ())[:bs]]
+    return rids + [None] * (bs - len(rids))
+
+
 def _row_epsilons(cfg: PsaConfig, forward_batch, bs: int) -> list[float]:
-    """Each row's epsilon from its request's ``custom_params`` (rows' ``Req`` objects: see
-    ``api_hooks.forward_batch_hook``); the server's ``epsilon`` where there is none."""
-    reqs = getattr(getattr(forward_batch, "sampling_info", None), "sparse_reqs", None) or ()
-    return [request_epsilon(cfg, getattr(reqs[i].sampling_params, "custom_params", None) if i < len(reqs) else None)
-            for i in range(bs)]
+    """Each row's epsilon from its request (rows' ``Req`` objects: :func:`~sglang_sparse.request_params.batch_requests`)."""
+    return _epsilons_of(cfg, batch_requests(forward_batch), bs)
 
 
 def _row_rids(forward_batch, bs: int) -> list:
-    """The rows' request ids (``None`` where the batch carries no ``Req``), for the working-set tracker."""
-    reqs = getattr(getattr(forward_batch, "sampling_info", None), "sparse_reqs", None) or ()
-    rids = [getattr(r, "rid", None) for r in list(reqs)[:bs]]
-    return rids + [None] * (bs - len(rids))
+    return _rids_of(batch_requests(forward_batch), bs)
 
 
 class _RunnerBase:
@@ -101,8 +108,7 @@ class _RunnerBase:
         self._eps_host: torch.Tensor | None = None
         self.step_rows: torch.Tensor | None = None  # [bs, STEP_COLS] fp32 on self.device
         self.graph_mode = False  # the current batch replays (or captures) a decode CUDA graph
-        self._graph_eps_stash: tuple[torch.Tensor, torch.Tensor] | None = None
-        self._graph_rids_stash: list | None = None
+        self._replay = ReplayRequests()  # the real batch's requests for a graph replay view (no sampling_info)
         self._graph_decided = (None, None)  # (forward batch, variant) of the last graph_variant answer
         self.ws = None  # WorkingSetTracker (host tier admission; set by psa.backend.make_runner) or None
         self._ws_step = False  # this decode step records its selections into ``ws``
@@ -110,16 +116,15 @@ class _RunnerBase:
     def wants_graph(self, forward_batch) -> bool:
         """Host test before a decode graph replay: graphs only for batches with a sparse row.
 
-        Also keeps this batch's per-row epsilons for :meth:`begin_graph_batch`: SGLang hands the
-        backend a replay view without ``sampling_info``; the view's lengths identify the batch.
+        Also keeps this batch's requests for :meth:`begin_graph_batch` (:class:`ReplayRequests`): SGLang hands
+        the backend a replay view without ``sampling_info``; the view's lengths identify the batch.
         """
         lens = forward_batch.seq_lens_cpu
         if lens is None:
             return False
         bs = int(forward_batch.batch_size)
         eps = torch.tensor(_row_epsilons(self.cfg, forward_batch, bs), dtype=torch.float32)
-        self._graph_eps_stash = (lens[:bs].to(torch.int64).clone(), eps)
-        self._graph_rids_stash = _row_rids(forward_batch, bs)
+        self._replay.keep(forward_batch)
         return bool(((lens[:bs].to(torch.int64) >= self.cfg.min_context) & (eps < 1.0)).any())
 
     def graph_variant(self, forward_batch, peek: bool = False) -> str | None:
@@ -151,24 +156,18 @@ class _RunnerBase:
             self.step_rows = None
 
     def _stashed_rids(self, forward_batch, bs: int) -> list | None:
-        """Request ids of a graph replay view's rows, from :meth:`wants_graph`'s stash (padding -> None)."""
-        if self._stashed_epsilons(forward_batch, bs) is None or self._graph_rids_stash is None:
-            return None
-        rids = list(self._graph_rids_stash)
-        return rids + [None] * (bs - len(rids))
+        """Request ids of a graph replay view's rows, from :meth:`wants_graph`'s kept batch (padding -> None)."""
+        got = self._replay.recover(forward_batch, bs)
+        return None if got is None else _rids_of(got[1][:got[0]], bs)
 
     def _stashed_epsilons(self, forward_batch, bs: int) -> torch.Tensor | None:
-        """Per-row epsilons kept by :meth:`wants_graph` for this (padded) replay view, if it matches."""
-        stash = getattr(self, "_graph_eps_stash", None)
-        lens = forward_batch.seq_lens_cpu
-        if stash is None or lens is None or getattr(forward_batch, "sampling_info", None) is not None:
+        """Per-row epsilons of the batch kept by :meth:`wants_graph` for this (padded) replay view, if it matches."""
+        got = self._replay.recover(forward_batch, bs)
+        if got is None:
             return None
-        raw_lens, raw_eps = stash
-        n = raw_lens.shape[0]
-        if n > bs or not torch.equal(lens[:n].to(torch.int64), raw_lens):
-            return None
+        n, reqs = got
         eps = torch.ones(bs, dtype=torch.float32)  # padding rows: dense (they are short fill rows)
-        eps[:n] = raw_eps
+        eps[:n] = torch.tensor(_epsilons_of(self.cfg, reqs, n), dtype=torch.float32)
         return eps
 
     def _plan_ws(self, rids: list, num_cols: int, pad_to: int | None = None) -> None:

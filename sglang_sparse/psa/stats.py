@@ -7,7 +7,7 @@ Flow, without a host sync on the hot path:
    estimate (summed over layers and KV heads) and the row's epsilon -> ``[bs, STEP_COLS]``.
 2. After ``ModelRunner.forward`` a hook starts one non-blocking device->host copy of that
    tensor and hands it to SGLang as ``logits_output.customized_info[STEP_KEY]`` wrapped in
-   :class:`StepRows`. SGLang reads ``rows[i]`` per request while it processes the batch
+   :class:`~sglang_sparse.stats.StepRows`. SGLang reads ``rows[i]`` per request while it processes the batch
    result, i.e. after its own sync on the sampled tokens, which follows the copy on the same
    stream. The first read also updates :class:`PsaStats` and the Prometheus counters.
 3. SGLang appends ``rows[i]`` to the request's ``meta_info[STEP_KEY]`` (one entry per output
@@ -22,9 +22,9 @@ heads; equals ``units`` when dense), ``units`` (layers x KV heads), ``epsilon``.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
-import torch
+from sglang_sparse.stats import MetricSet, StepRows, ratio  # noqa: F401 (StepRows: the carrier)
 
 STEP_KEY = "sparse_psa_steps"
 STEP_COLS = 6
@@ -46,8 +46,8 @@ class PsaStats:
 
     def to_dict(self) -> dict:
         d = dict(self.__dict__)
-        d["read_fraction"] = self.blocks_read / self.blocks_total if self.blocks_total else None
-        d["kept_mass_mean"] = self.kept_sum / self.kept_units if self.kept_units else None
+        d["read_fraction"] = ratio(self.blocks_read, self.blocks_total)
+        d["kept_mass_mean"] = ratio(self.kept_sum, self.kept_units)
         return d
 
 
@@ -55,21 +55,17 @@ class PsaMetrics:
     """Prometheus metrics of the scheduler process (``/metrics`` with ``--enable-metrics``)."""
 
     def __init__(self, registry=None):
-        from prometheus_client import REGISTRY, Counter, Histogram
-
-        reg = REGISTRY if registry is None else registry
-        mk = lambda name, doc: Counter(f"sglang_sparse:psa_{name}", doc, registry=reg)  # noqa: E731
+        m = MetricSet("psa", registry)
+        mk = m.counter
         self.sparse_steps = mk("sparse_decode_steps", "decode batches with at least one PSA-sparse request")
         self.dense_steps = mk("dense_decode_steps", "decode batches entirely below min_context (dense)")
         self.blocks_read = mk("blocks_read", "KV blocks read by PSA decode (layers x KV heads x requests)")
         self.blocks_total = mk("blocks_dense", "KV blocks a dense decode would have read for the same")
-        self.kept_mass = Histogram(
-            "sglang_sparse:psa_kept_mass", "kept-mass estimate per (request, decode step), mean over layers "
-            "and KV heads", registry=reg,
+        self.kept_mass = m.histogram(
+            "kept_mass", "kept-mass estimate per (request, decode step), mean over layers and KV heads",
             buckets=(0.5, 0.8, 0.9, 0.95, 0.97, 0.98, 0.99, 0.995, 0.999, 1.0))
-        self.read_fraction = Histogram(
-            "sglang_sparse:psa_read_fraction", "fraction of KV blocks read per (request, decode step)",
-            registry=reg, buckets=(0.01, 0.02, 0.05, 0.1, 0.2, 0.3, 0.5, 0.7, 0.9, 1.0))
+        self.read_fraction = m.histogram(
+            "read_fraction", "fraction of KV blocks read per (request, decode step)", buckets=(0.01, 0.02, 0.05, 0.1, 0.2, 0.3, 0.5, 0.7, 0.9, 1.0))
 
 
 def account_rows(rows: Sequence[Sequence[float]], stats: PsaStats, metrics: PsaMetrics | None) -> None:
@@ -90,32 +86,6 @@ def account_rows(rows: Sequence[Sequence[float]], stats: PsaStats, metrics: PsaM
                 metrics.kept_mass.observe(kept / units)
             if total:
                 metrics.read_fraction.observe(read / total)
-
-
-class StepRows:
-    """One forward's step rows as SGLang's ``customized_info`` value: ``rows[i]`` is row i (a tuple).
-
-    ``host`` is a CPU tensor ``[bs, STEP_COLS]`` that may still be filling from a non-blocking
-    copy; it is read on first access (see the module docstring for why that is after the copy).
-    """
-
-    def __init__(self, host: torch.Tensor, on_first_read: Callable[[list], None] | None = None):
-        self._host = host
-        self._rows: list | None = None
-        self._on_first_read = on_first_read
-
-    def _materialize(self) -> list:
-        if self._rows is None:
-            self._rows = [tuple(r) for r in self._host.tolist()]
-            if self._on_first_read is not None:
-                self._on_first_read(self._rows)
-        return self._rows
-
-    def __getitem__(self, i: int) -> tuple:
-        return self._materialize()[i]
-
-    def __len__(self) -> int:
-        return int(self._host.shape[0])
 
 
 def summarize_steps(steps: Any) -> dict | None:

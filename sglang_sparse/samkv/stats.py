@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from sglang_sparse.stats import MetricSet, ratio
+
 STATUSES = ("assembled", "fallback", "recompute", "too_short", "error")
 
 
@@ -36,7 +38,7 @@ class SamKVStats:
 
     def to_dict(self) -> dict:
         d = {k: (dict(v) if isinstance(v, dict) else v) for k, v in self.__dict__.items()}
-        d["kv_kept_ratio"] = self.kept_tokens / self.document_tokens if self.document_tokens else None
+        d["kv_kept_ratio"] = ratio(self.kept_tokens, self.document_tokens)
         return d
 
 
@@ -44,17 +46,11 @@ class SamKVMetrics:
     """Prometheus counters of the scheduler process (``--enable-metrics``)."""
 
     def __init__(self, registry=None):
-        from prometheus_client import REGISTRY, Counter
-
-        reg = REGISTRY if registry is None else registry
-        self.requests = Counter("sglang_sparse:samkv_requests", "documents requests by assembly status",
-                                ["status"], registry=reg)
-        self.document_tokens = Counter("sglang_sparse:samkv_document_tokens",
-                                       "document tokens of assembled requests", registry=reg)
-        self.kept_tokens = Counter("sglang_sparse:samkv_kept_tokens",
-                                   "document KV tokens kept in assembled composites", registry=reg)
-        self.recomputed_tokens = Counter("sglang_sparse:samkv_recomputed_tokens",
-                                         "tokens recomputed over assembled composites", registry=reg)
+        m = MetricSet("samkv", registry)
+        self.requests = m.counter("requests", "documents requests by assembly status", labels=("status",))
+        self.document_tokens = m.counter("document_tokens", "document tokens of assembled requests")
+        self.kept_tokens = m.counter("kept_tokens", "document KV tokens kept in assembled composites")
+        self.recomputed_tokens = m.counter("recomputed_tokens", "tokens recomputed over assembled composites")
 
     def record(self, result: dict) -> None:
         status = str(result.get("status"))
