@@ -55,9 +55,9 @@ from flashinfer_ext.loopserve.vs_estimate import sample_query_rows, vs_estimate 
 from flashinfer_ext.loopserve.vs_prefill import vs_prefill  # noqa: E402
 from flashinfer_ext.loopserve.vs_select import VSSelectConfig, vs_select  # noqa: E402
 
-ALPHA = 0.955
+ALPHA = VSSelectConfig.alpha  # the paper's alpha (the kernel default; the server's default is LoopServeConfig.alpha)
 SAMPLED_ROWS = 64
-SINK, LOCAL = 4, 64
+SINK, LOCAL = VSSelectConfig.sink_tokens, VSSelectConfig.local_window
 # planted structure (see plant()): logit scales in nats
 PLANT = dict(band_peak=4.0, slashes=2, slash_peak=6.0, verticals=48, vertical_logit=12.0)
 # weaker columns: ~10 % of the mass is the band/slashes' diffuse far field, which alpha-coverage must

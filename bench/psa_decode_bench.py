@@ -58,7 +58,7 @@ from flashinfer_ext.psa.decode import PsaDecodeWrapper  # noqa: E402
 # *logit*) left ~70 % of the mass in one group and a flat tail that made 95 % unreachable without
 # reading ~90 % of the blocks.
 PLANT = dict(alpha=2.0, group_tokens=16, top_logit=8.0, noise=0.5)
-EPS = 0.95
+EPS = PsaDecodeConfig.epsilon  # the kernel's default
 
 
 def plant_structure(q, k, req_to_token, req_pool_indices, seq_lens, *, sm_scale, generator, alpha=PLANT["alpha"],

@@ -17,6 +17,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Mapping
 
+from flashinfer_ext.psa.config import PsaDecodeConfig  # plain dataclass: the kernel-side PSA defaults
+
 
 class SparseConfigError(ValueError):
     """A bad ``--sparse`` / ``--sparse-config`` value (mode, JSON, key, type or range)."""
@@ -211,19 +213,19 @@ class PsaConfig(SparseConfig):
     """PSA progressive threshold decode (PSA Alg. 1)."""
 
     mode: ClassVar[str] = "psa"
-    epsilon: float = knob(0.95, doc="stop once the estimated kept attention mass >= epsilon", range=_UNIT)
-    micro_batch_blocks: int = knob(8, doc="KV blocks attended per progressive step (a power of two)",
+    epsilon: float = knob(PsaDecodeConfig.epsilon, doc="stop once the estimated kept attention mass >= epsilon", range=_UNIT)
+    micro_batch_blocks: int = knob(PsaDecodeConfig.micro_batch_blocks, doc="KV blocks attended per progressive step (a power of two)",
                                    choices=tuple(1 << i for i in range(13)))
     block_size: int = knob(16, doc="tokens per block when --page-size is 1 (else the page is the block)",
                            range=Range(1, 1024))
-    sink_pages: int = knob(1, doc="first pages always attended", range=Range(0, 1024))
-    local_pages: int = knob(2, doc="last pages always attended", range=Range(0, 1024))
+    sink_pages: int = knob(PsaDecodeConfig.sink_blocks, doc="first pages always attended", range=Range(0, 1024))
+    local_pages: int = knob(PsaDecodeConfig.local_blocks, doc="last pages always attended", range=Range(0, 1024))
     min_context: int = knob(8192, doc="contexts shorter than this (tokens) decode densely: at 4k tokens the ranking "
                             "and wave launches cost more than the attention they save", range=Range(0, 1 << 24))
-    max_blocks: int = knob(4096, doc="upper bound on blocks read per (request, KV head)", range=Range(1, 1 << 24))
+    max_blocks: int = knob(PsaDecodeConfig.max_blocks, doc="upper bound on blocks read per (request, KV head)", range=Range(1, 1 << 24))
     min_request_epsilon: float = knob(0.5, doc="floor for a request's own epsilon (custom_params.sparse.epsilon); "
                                       "lower requested values are clamped up to it", range=_UNIT)
-    estimator: str = knob("calibrated", doc="remaining-mass estimate of the stop test: 'calibrated' (cuboid bound "
+    estimator: str = knob(PsaDecodeConfig.estimator, doc="remaining-mass estimate of the stop test: 'calibrated' (cuboid bound "
                           "scaled by the tightness seen on blocks read; reads most blocks on real attention) or "
                           "'mean' (q . mean key raised by the largest gap seen: fewer reads, not a bound)",
                           choices=("calibrated", "mean"))
