@@ -8,7 +8,8 @@ Sub-packages, one per algorithm (one concept per module):
   loopserve/  LoopServe: vs_estimate / vs_estimate_batched / vs_lse_split / vs_common (vertical/slash line
               sums from sampled query rows), vs_select / vs_split_search (alpha-coverage line selection and
               decode top-B, no host sync), vs_prefill (sparse prefill over lines + sink + local window),
-              list_union (decode-list union), reference (pure-torch fp32 references).
+              list_union (decode-list union), decode (VerticalSlashDecode: plan() once per step, run()
+              per layer over the step's token lists), reference (pure-torch fp32 references).
   samkv/      SamKV: score (block scoring), rope_shift (re-rotate cached keys by a RoPE position delta).
   host_tier/  SparseServe host tier: host_transfer (fused UVA gather, FlashH2D; CPU-assisted save, FlashD2H),
               kv_units (KV pages <-> host units), ws_record (working-set records).

@@ -11,7 +11,8 @@ captured decode graph over static buffers owned here:
     layer's token lists (``W`` = the config's ``graph_list_width``); rows past the real batch have length 0;
   * ``q_buf [L, max_bs, num_qo_heads, head_dim]``: the step's queries (loopserve only), committed to the
     requests' rings at the next batch as in the eager path;
-  * ``seq32_buf``, ``lse_buf``, ``nread_buf`` and the split-decode partials (split plan fixed per captured
+  * the decode wrapper's fixed buffers (:class:`~flashinfer_ext.loopserve.decode.VerticalSlashDecode`: lengths,
+    side outputs and the split-decode partials; split plan fixed per captured
     batch size from ``W``, the same at capture and replay).
 
 Host flow: ``DecodeCudaGraphRunner.can_run_graph`` -> :meth:`LoopServeGraphs.wants_graph` (the real batch: is
@@ -28,10 +29,12 @@ stock decode in both variants. Memory: ``lists_buf`` + ``lens_buf`` take ``L * m
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import torch
 
+from flashinfer_ext.loopserve.decode import VerticalSlashDecode
 from sglang_sparse.loopserve.stats import STEP_COLS
 from sglang_sparse.request_params import batch_requests
 
@@ -166,12 +169,13 @@ class LoopServeGraphs:
         self.lists_buf[:, :raw, :, :w].copy_(lists[..., :w])
         self.lens_buf[:, :raw].copy_(lens_all)
         self.lens_buf[:, raw:bs].zero_()
-        self.seq32_buf[:raw].copy_(e["seq32"])
+        d["vs"].seq_lens[:raw].copy_(e["seq32"])
         if r._pending_ring is not None:  # this step's queries land in the static buffer: commit from there
             # (planning_for_graph left the eager plan without a query buffer of its own)
             r._pending_ring = (self.q_buf[:, :raw], r._pending_ring[1])
         # the eager plan's per-row facts (statistics, rows) with the static tensors the graph recorded
         r.dec = {**e, **{k: d[k] for k in _STATIC_KEYS}}
+        r.dec["vs"] = dataclasses.replace(d["vs"], max_len=e["max_len"])  # the reference path's mask width
         if r.ws is not None:  # the graph records into the tracker's fixed buffers: plan them (padding rows -> trash)
             r.ws.plan([getattr(q, "rid", None) for q in reqs], pad_to=bs)
         self.replays += 1
@@ -192,21 +196,15 @@ class LoopServeGraphs:
         if bs > self.max_bs:
             raise RuntimeError(f"sglang-sparse loopserve: decode graph of batch size {bs} captured after the "
                                f"buffers were sized for {self.max_bs}")
-        from flashinfer_ext.common.split_decode import plan_splits
-
-        split = plan_splits(self.width, bs * sh.num_kv_heads, block_size=1, target_programs=r.target_programs)
-        if split.num_splits > self.partial_o.shape[1]:
-            raise RuntimeError(f"sglang-sparse loopserve: split plan of batch size {bs} needs "
-                               f"{split.num_splits} partials, the buffer has {self.partial_o.shape[1]}")
         self.lens_buf[:, :bs].zero_()
-        self.seq32_buf[:bs].fill_(1)
+        # the graph's decode plan: fixed buffers (lengths 1 at capture), split as if self.width wide
+        vs = self.vsd.plan(view.req_pool_indices[:bs], self._ones[:bs], max_len=1, list_width=self.width,
+                           target_programs=r.target_programs)
         d = dict(rows=list(range(bs)), rows_dev=torch.arange(bs, device=r.device), states=[], fire=[False] * bs,
                  sel=None, all_rows=True,
                  lists_all=(self.lists_buf[:, :bs], self.lens_buf[:, :bs]),
-                 q_buf=None if r.lastwindow else self.q_buf[:, :bs], rpi=view.req_pool_indices[:bs],
-                 seq32=self.seq32_buf[:bs], lse_buf=self.lse_buf[:bs], nread_buf=self.nread_buf[:bs],
-                 n_forced=self.n_forced_buf[:bs], split=split,
-                 split_bufs=(self.partial_o[: bs * sh.num_qo_heads], self.partial_lse[: bs * sh.num_qo_heads]))
+                 q_buf=None if r.lastwindow else self.q_buf[:, :bs], rpi=vs.req_pool_indices,
+                 seq32=vs.seq_lens, vs=vs, split=vs.split)
         self._dicts[bs] = d
         r._commit_ring()
         r.ext_rows, r.dec, r.bs, r.is_decode = [], d, bs, True
@@ -215,30 +213,24 @@ class LoopServeGraphs:
         r.step_rows = torch.zeros(bs, STEP_COLS, dtype=torch.float32, device=r.device)
 
     def _allocate(self, backend, max_bs: int) -> None:
-        from flashinfer_ext.common.split_decode import plan_splits
-
         r, sh, dev = self.runner, self.runner.shape, self.runner.device
         self.max_bs = max_bs
         i32 = dict(dtype=torch.int32, device=dev)
         self.lists_buf = torch.zeros(sh.num_layers, max_bs, sh.num_kv_heads, self.width, **i32)
         self.lens_buf = torch.zeros(sh.num_layers, max_bs, sh.num_kv_heads, **i32)
-        self.seq32_buf = torch.ones(max_bs, **i32)
-        self.n_forced_buf = torch.zeros(max_bs, **i32)
+        self._ones = torch.ones(max_bs, **i32)
         kv_dtype = backend.token_to_kv_pool.get_key_buffer(0).dtype
         self.q_buf = None if r.lastwindow else torch.zeros(sh.num_layers, max_bs, sh.num_qo_heads, sh.head_dim,
                                                             dtype=kv_dtype, device=dev)
-        self.lse_buf = torch.zeros(max_bs, sh.num_qo_heads, dtype=torch.float32, device=dev)
-        self.nread_buf = torch.zeros(max_bs, sh.num_kv_heads, **i32)
-        splits = plan_splits(self.width, sh.num_kv_heads, block_size=1, target_programs=r.target_programs).num_splits
-        self.partial_o = torch.zeros(max_bs * sh.num_qo_heads, splits, sh.head_dim, dtype=torch.float32, device=dev)
-        self.partial_lse = torch.zeros(max_bs * sh.num_qo_heads, splits, dtype=torch.float32, device=dev)
-        nbytes = sum(t.numel() * t.element_size() for t in (self.lists_buf, self.lens_buf, self.partial_o,
-                                                             self.partial_lse) + ((self.q_buf,) if self.q_buf is not None
-                                                                                  else ()))
+        # the decode wrapper's fixed buffers (lengths, side outputs, split partials) for every captured size
+        self.vsd = VerticalSlashDecode(sh.num_qo_heads, sh.num_kv_heads, sh.head_dim, dev, use_kernels=r.use_kernels,
+                                       list_width=self.width, max_batch=max_bs, target_programs=r.target_programs)
+        nbytes = sum(t.numel() * t.element_size() for t in (self.lists_buf, self.lens_buf, self.vsd._partial_o_buf,
+                                                             self.vsd._partial_lse_buf)
+                     + ((self.q_buf,) if self.q_buf is not None else ()))
         logger.info("sglang-sparse %s: decode graph buffers for batch <= %d, list width %d: %.1f MiB",
                     r.cfg.mode, max_bs, self.width, nbytes / 2**20)
 
 
 # what a replayed step takes from the captured dict: the tensors (and the split plan) the graph recorded
-_STATIC_KEYS = ("lists_all", "q_buf", "rpi", "seq32", "lse_buf", "nread_buf", "n_forced", "split", "split_bufs",
-                "all_rows")
+_STATIC_KEYS = ("lists_all", "q_buf", "rpi", "seq32", "vs", "split", "all_rows")

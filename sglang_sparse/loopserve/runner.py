@@ -45,7 +45,8 @@ Where the host work goes (nothing per layer needs a sync; no ``.item()``):
     first, and of loopserve between re-selections) the merge too runs once for all layers in
     :meth:`begin_batch` (below ``LISTS_ALL_MAX_ENTRIES`` entries; larger steps build everything per layer). Then one
     split-list decode over all rows and KV heads (:func:`flashinfer_ext.common.split_decode.sparse_decode_split`: two
-    launches; :func:`~flashinfer_ext.common.sparse_decode.sparse_decode` when one span covers the lists). The lists
+    launches; :func:`~flashinfer_ext.common.sparse_decode.sparse_decode` when one span covers the lists), through
+    :class:`flashinfer_ext.loopserve.decode.VerticalSlashDecode` (planned once per step in :meth:`begin_batch`). The lists
     are cut as if ``graph_list_width`` wide, so eager and graph-replayed steps give the same outputs.
     Statistics are in-place adds into the device step rows. When every row of the batch is sparse (the
     usual case) the queries are read and the output written in place (no gather / scatter), the kernel's side
@@ -71,6 +72,7 @@ import dataclasses
 
 import torch
 
+from flashinfer_ext.loopserve.decode import VerticalSlashDecode
 from flashinfer_ext.loopserve.vs_estimate import sample_query_rows, target_programs_of
 from flashinfer_ext.loopserve.vs_estimate_batched import MIN_SPLIT_KEYS
 from flashinfer_ext.loopserve.vs_select import VSSelectConfig, _compact, vs_select
@@ -183,6 +185,9 @@ class LoopServeRunner:
         # split-list decode (flashinfer_ext.common.split_decode): aim at about two waves of programs per layer
         self.target_programs = target_programs_of(device)
         self.lse_min_split_keys = MIN_SPLIT_KEYS  # re-selection's LSE pass: shortest key span (lse_splits)
+        # the decode over the step's token lists: plan() once per step, run() per layer (kernels or reference)
+        self.vsd = VerticalSlashDecode(shape.num_qo_heads, shape.num_kv_heads, shape.head_dim, device,
+                                       use_kernels=use_kernels)
 
     # ------------------------------------------------------------------ planning (once per batch)
     def _commit_ring(self) -> None:
@@ -341,26 +346,18 @@ class LoopServeRunner:
             (q_buf, [(st, (lens[i] - 1) % cfg.n_d) for st, i in zip(states, rows)])
         all_rows = n_s == self.bs
         rpi = fb.req_pool_indices if all_rows else fb.req_pool_indices[rows_dev.to(fb.req_pool_indices.device)]
+        max_since = max(lens[i] - st.since for st, i in zip(states, rows))
+        width = v.shape[3] + s_.shape[3] + tb.shape[3] + cfg.sink_tokens + max_since
+        # the decode wrapper's plan: lengths into its buffers, split plan + partials shared by every layer (a step
+        # planned for a graph replay takes the captured plan instead)
+        vs = self.vsd.plan(rpi, seq_dev, max_len=max(seq_host), list_width=max(width, self.split_width),
+                           target_programs=self.target_programs, split=not self.planning_for_graph)
         self.dec = dict(rows=rows, rows_dev=rows_dev, states=states, fire=fire, v=v, s=s_, topb=tb,
                         q_buf=q_buf, seq=seq_dev, pos=seq_dev - 1, max_len=max(seq_host),
-                        since=since_dev, rpi=rpi,
-                        max_since=max(lens[i] - st.since for st, i in zip(states, rows)),
-                        n_forced=torch.zeros(len(rows), dtype=torch.int32, device=dev),
-                        all_rows=all_rows,
-                        # sparse_decode's side outputs, shared by every layer of the step (never read back)
-                        lse_buf=torch.empty(len(rows), sh.num_qo_heads, dtype=torch.float32, device=dev),
-                        nread_buf=torch.empty(len(rows), sh.num_kv_heads, dtype=torch.int32, device=dev),
-                        seq32=seq_dev.to(torch.int32),
+                        since=since_dev, rpi=rpi, max_since=max_since, all_rows=all_rows, vs=vs, seq32=vs.seq_lens,
                         sel=plan_selection(self, states, [lens[i] for i in rows], fire, rpi))
-        width = v.shape[3] + s_.shape[3] + tb.shape[3] + cfg.sink_tokens + self.dec["max_since"]
-        if self.use_kernels and not self.planning_for_graph:  # split plan + partial buffers, shared by every layer
-            from flashinfer_ext.common.split_decode import alloc_split_buffers, plan_splits
-
-            split = plan_splits(max(width, self.split_width), n_s * sh.num_kv_heads, block_size=1,
-                                target_programs=self.target_programs)
-            self.dec["split"] = split
-            if split.num_splits > 1:
-                self.dec["split_bufs"] = alloc_split_buffers(n_s, sh.num_qo_heads, sh.head_dim, split.num_splits, dev)
+        if vs.split is not None:
+            self.dec["split"] = vs.split
         if self.lists_all_fits(len(rows), width):
             # every layer's top-B-independent candidates at once, here; no row re-selects at this step: every
             # layer's sets too (else merged with each layer's new top-B in decode; over the cap: all per layer)
@@ -569,32 +566,6 @@ class LoopServeRunner:
 
     def _sparse_decode(self, q, k_buf, v_buf, rtt, d, lists, lens, scale, out=None):
         """Decode of rows ``q [nS, Hq, D]`` over the per-(row, KV head) token lists ``lists [nS, Hk, W]``
-        (first ``lens [nS, Hk]`` entries): one :func:`sparse_decode` launch over all rows and KV heads (no
-        host sync); the reference path attends the same sets as a mask in fp32."""
-        if self.use_kernels and d["split"].num_splits > 1:  # spans of the lists on separate programs, one merge
-            from flashinfer_ext.common.split_decode import sparse_decode_split
-
-            po, plse = d["split_bufs"]
-            o, _, _ = sparse_decode_split(q if q.stride(2) == 1 else q.contiguous(), k_buf, v_buf, rtt, d["rpi"],
-                                          d["seq32"], lists, lens, d["split"], block_size=1, sm_scale=scale,
-                                          partial_o_buf=po, partial_lse_buf=plse, out=out, lse_out=d["lse_buf"],
-                                          nread_out=d["nread_buf"])
-            return o
-        if self.use_kernels:  # lists short enough for one program per (row, KV head)
-            from flashinfer_ext.common.sparse_decode import sparse_decode
-
-            o, _, _ = sparse_decode(q if q.stride(2) == 1 else q.contiguous(), k_buf, v_buf, rtt, d["rpi"],
-                                    d["seq32"], lists, lens, d["n_forced"], block_size=1, sm_scale=scale,
-                                    epsilon=1.0, out=out, lse_out=d["lse_buf"], nread_out=d["nread_buf"])
-            return o
-        from flashinfer_ext.loopserve.reference import masked_decode_reference
-        from flashinfer_ext.common.sparse_decode import lists_to_mask
-
-        o = masked_decode_reference(q, k_buf, v_buf, rtt, d["rpi"], lists_to_mask(lists, lens, d["max_len"]), scale)
-        if out is not None:
-            out.copy_(o)
-            return out
-        return o
-
-
-
+        (first ``lens [nS, Hk]`` entries) through the step's plan (:class:`VerticalSlashDecode`: kernels, no host
+        sync; the reference path attends the same sets as a mask in fp32)."""
+        return self.vsd.run(d["vs"], q, k_buf, v_buf, rtt, lists, lens, scale, out=out)
