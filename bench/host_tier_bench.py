@@ -3,7 +3,7 @@
 Gather (host -> GPU cache), per page size 16/32/64 tokens, Llama-3.1-8B KV shapes (8 KV heads,
 head_dim 128, bf16; one unit = one (layer, block, KV head) of K and V = 2 x page x 128 x 2 bytes),
 2k/8k/16k units selected at random (without replacement) out of a ``--pool-gib`` pinned host pool:
-  (i)   the fused gather (``flashinfer_ext.host_transfer.HostGather``: one Triton launch through UVA;
+  (i)   the fused gather (``flashinfer_ext.host_tier.host_transfer.HostGather``: one Triton launch through UVA;
         the path that actually ran is reported),
   (ii)  per-block ``cudaMemcpyAsync`` (a python loop of ``dst[i].copy_(src[j], non_blocking=True)``,
         stopped after ``--per-block-cap-s`` seconds; its rate is over the copies it did),
@@ -45,7 +45,7 @@ if not torch.cuda.is_available():  # kernels run under the Triton interpreter on
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from flashinfer_ext.host_transfer import HostGather, HostSave  # noqa: E402
+from flashinfer_ext.host_tier.host_transfer import HostGather, HostSave  # noqa: E402
 
 KV_HEADS, HEAD_DIM, DTYPE = 8, 128, torch.bfloat16
 

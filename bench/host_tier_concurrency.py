@@ -194,7 +194,7 @@ def server_spec(cfg: BenchConfig, name: str) -> ServerSpec:
         mode = "psa"
         sparse_cfg = json.dumps({"min_context": cfg.psa_min_context, "host_tier_gb": host_tier_gb(cfg),
                                  "gpu_cache_mb": cfg.gpu_cache_mb, **block})
-    elif name == "loopserve_host_tier":  # LoopServe's defaults (alpha 0.955, budget 1024) above psa's min_context
+    elif name == "loopserve_host_tier":  # LoopServe's defaults (LoopServeConfig) above psa's min_context
         mode = "loopserve"
         sparse_cfg = json.dumps({"min_context": cfg.psa_min_context, "host_tier_gb": host_tier_gb(cfg),
                                  "gpu_cache_mb": cfg.gpu_cache_mb})

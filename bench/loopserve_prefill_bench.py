@@ -4,10 +4,10 @@ Per context (Llama-3.1-8B attention shapes: 32 qo / 8 kv heads, head_dim 128, bf
 one layer, the whole prompt as one extend segment, keys in SGLang's pool layout
 ``[slots, kv_heads, head_dim]`` with shuffled slots):
 
-* sparse = the server's per-layer work for a sparse extend row (``sglang_sparse.loopserve_runner``):
-  :func:`flashinfer_ext.vs_estimate.vs_estimate` over ``sampled_rows`` rows chosen by
-  :func:`~flashinfer_ext.vs_estimate.sample_query_rows`, :func:`flashinfer_ext.vs_select.vs_select`
-  (alpha), :func:`flashinfer_ext.vs_prefill.vs_prefill` over the selected lines: all timed together;
+* sparse = the server's per-layer work for a sparse extend row (``sglang_sparse.loopserve.runner``):
+  :func:`flashinfer_ext.loopserve.vs_estimate.vs_estimate` over ``sampled_rows`` rows chosen by
+  :func:`~flashinfer_ext.loopserve.vs_estimate.sample_query_rows`, :func:`flashinfer_ext.loopserve.vs_select.vs_select`
+  (alpha), :func:`flashinfer_ext.loopserve.vs_prefill.vs_prefill` over the selected lines: all timed together;
 * dense = ``flashinfer.prefill.single_prefill_with_kv_cache(causal=True)`` on contiguous K/V;
 * served = what the server runs at that context: dense below ``min_context`` (the config default
   unless ``--min-context``), else sparse. ``speedup_*`` in the JSON are dense / served.
@@ -51,13 +51,13 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.timing import timed  # noqa: E402
-from flashinfer_ext.vs_estimate import sample_query_rows, vs_estimate  # noqa: E402
-from flashinfer_ext.vs_prefill import vs_prefill  # noqa: E402
-from flashinfer_ext.vs_select import VSSelectConfig, vs_select  # noqa: E402
+from flashinfer_ext.loopserve.vs_estimate import sample_query_rows, vs_estimate  # noqa: E402
+from flashinfer_ext.loopserve.vs_prefill import vs_prefill  # noqa: E402
+from flashinfer_ext.loopserve.vs_select import VSSelectConfig, vs_select  # noqa: E402
 
-ALPHA = 0.955
+ALPHA = VSSelectConfig.alpha  # the paper's alpha (the kernel default; the server's default is LoopServeConfig.alpha)
 SAMPLED_ROWS = 64
-SINK, LOCAL = 4, 64
+SINK, LOCAL = VSSelectConfig.sink_tokens, VSSelectConfig.local_window
 # planted structure (see plant()): logit scales in nats
 PLANT = dict(band_peak=4.0, slashes=2, slash_peak=6.0, verticals=48, vertical_logit=12.0)
 # weaker columns: ~10 % of the mass is the band/slashes' diffuse far field, which alpha-coverage must

@@ -3,9 +3,9 @@ import sys, json, torch, dataclasses
 sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[1]))
 from transformers import AutoModelForCausalLM, AutoTokenizer, AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
-from flashinfer_ext.loopserve_reference import vs_estimate_reference, vs_prefill_reference, decode_topb_reference
-from flashinfer_ext.vs_estimate import VSLineSums, sample_query_rows
-from flashinfer_ext.vs_select import VSSelectConfig, vs_select
+from flashinfer_ext.loopserve.reference import vs_estimate_reference, vs_prefill_reference, decode_topb_reference
+from flashinfer_ext.loopserve.vs_estimate import VSLineSums, sample_query_rows
+from flashinfer_ext.loopserve.vs_select import VSSelectConfig, vs_select
 
 MODEL = str(__import__("pathlib").Path(__file__).resolve().parents[1] / "models" / "SmolLM2-135M-Instruct-32k")
 
@@ -64,7 +64,7 @@ def ls_attention(module, query, key, value, attention_mask, scaling, dropout=0.0
         sel = vs_select(VSLineSums(vsum, vmax, ssum, smax, g, len(sample)), prefix_len=n - t,
                         config=VSSelectConfig(alpha=sim.alpha, sink_tokens=sim.sink, local_window=sim.local))
         if sim.force_v is not None:
-            from flashinfer_ext.vs_select import _compact
+            from flashinfer_ext.loopserve.vs_select import _compact
             vm = torch.zeros(hk, n, dtype=torch.bool)
             for h in range(hk):
                 vm[h, sel.v_idx[h, : int(sel.v_cnt[h])].long()] = True
@@ -88,7 +88,7 @@ def ls_attention(module, query, key, value, attention_mask, scaling, dropout=0.0
             o, _ = vs_prefill_reference(qr, kb, vb, slots, prefix_len=n - t, seq_len=n, v_idx=sel.v_idx,
                                         v_cnt=sel.v_cnt, s_idx=sel.s_idx, s_cnt=sel.s_cnt, sm_scale=scaling)
             if sim.cov_rows is not None:
-                from flashinfer_ext.loopserve_reference import vs_mask_reference
+                from flashinfer_ext.loopserve.reference import vs_mask_reference
                 mfull = vs_mask_reference(n - t, n, sel.v_idx, sel.v_cnt, sel.s_idx, sel.s_cnt)  # [Hk,T,N]
                 pd = causal_probs(q, k, qpos, scaling).softmax(-1).view(hk, g, t, n)
                 cov = (pd * mfull[:, None]).sum(-1)  # [Hk,g,T]
@@ -104,7 +104,7 @@ def ls_attention(module, query, key, value, attention_mask, scaling, dropout=0.0
                 o[dr] = torch.einsum("htn,hnd->thd", sd, v.repeat_interleave(g, 0).float())
             # mass the sparse mask gives the probe for the last row
             if sim.probe is not None:
-                from flashinfer_ext.loopserve_reference import vs_mask_reference
+                from flashinfer_ext.loopserve.reference import vs_mask_reference
                 m = vs_mask_reference(n - 1, n, sel.v_idx, sel.v_cnt, sel.s_idx, sel.s_cnt)[:, 0]  # [Hk,N]
                 sl = causal_probs(q[:, -1:], k, qpos[-1:], scaling)[:, 0]
                 sl = sl.masked_fill(~m.repeat_interleave(g, 0), float("-inf")).softmax(-1)

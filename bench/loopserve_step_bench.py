@@ -1,6 +1,6 @@
 """Where an eager LoopServe decode step spends its time: the runner alone, on synthetic SGLang-shaped state.
 
-Runs :class:`sglang_sparse.loopserve_runner.LoopServeRunner` (the server's code, no server) for one decode step
+Runs :class:`sglang_sparse.loopserve.runner.LoopServeRunner` (the server's code, no server) for one decode step
 of ``batch`` requests over every layer: ``begin_batch`` (the per-step planning) then ``decode`` per layer (the
 attention the backend runs in place of the stock one), for two kinds of step:
 
@@ -66,8 +66,8 @@ class DecodeMode:
 def build(case, kind: str, dev: torch.device, seed: int = 0):
     """Runner + backend / forward-batch stand-ins with the attribute names the runner reads."""
     from sglang_sparse.config import LoopServeConfig
-    from sglang_sparse.loopserve_runner import STATE_ATTR, LoopServeRunner, ReqState
-    from sglang_sparse.loopserve_stats import STEP_COLS
+    from sglang_sparse.loopserve.runner import STATE_ATTR, LoopServeRunner, ReqState
+    from sglang_sparse.loopserve.stats import STEP_COLS
 
     _, n_l, hq, hk, d, batch, ctx, budget, n_lines = case
     g = torch.Generator(device=dev).manual_seed(seed)

@@ -45,10 +45,10 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.timing import timed  # noqa: E402
-from flashinfer_ext.block_meta import BlockMetaPool, paged_block_table  # noqa: E402
-from flashinfer_ext.config import PsaDecodeConfig  # noqa: E402
-from flashinfer_ext.dense_decode import FlashInferDenseDecode, paged_kv_table  # noqa: E402
-from flashinfer_ext.psa_decode import PsaDecodeWrapper  # noqa: E402
+from flashinfer_ext.psa.block_meta import BlockMetaPool, paged_block_table  # noqa: E402
+from flashinfer_ext.psa.config import PsaDecodeConfig  # noqa: E402
+from flashinfer_ext.common.dense_decode import FlashInferDenseDecode, paged_kv_table  # noqa: E402
+from flashinfer_ext.psa.decode import PsaDecodeWrapper  # noqa: E402
 
 # Planted structure: per (request, KV head) the 16-token groups get a random rank i (a random
 # permutation) and every query head of the group sees the logit offset top_logit - alpha*ln(1+i)
@@ -58,7 +58,7 @@ from flashinfer_ext.psa_decode import PsaDecodeWrapper  # noqa: E402
 # *logit*) left ~70 % of the mass in one group and a flat tail that made 95 % unreachable without
 # reading ~90 % of the blocks.
 PLANT = dict(alpha=2.0, group_tokens=16, top_logit=8.0, noise=0.5)
-EPS = 0.95
+EPS = PsaDecodeConfig.epsilon  # the kernel's default
 
 
 def plant_structure(q, k, req_to_token, req_pool_indices, seq_lens, *, sm_scale, generator, alpha=PLANT["alpha"],
@@ -262,7 +262,7 @@ def run_case(name, batch, ctx, page, planted=True, capture=None, hq=32, hk=8, d=
                    / (blocks_read * blk_bytes + meta_bytes), t_topk_us=t_q * 1e6)
         del wt, gt
     if eps >= 1.0 and dense is not None:
-        # The server's short-context path (sglang_sparse.psa_runner): below min_context a decode batch is
+        # The server's short-context path (sglang_sparse.psa.runner): below min_context a decode batch is
         # the stock FlashInfer decode alone (block metadata is kept only for contexts >= min_context), so
         # its time is a second, independent timing of the dense call; the metadata upkeep a long row adds
         # per layer is reported beside it for reference.

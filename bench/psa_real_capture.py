@@ -13,7 +13,7 @@ Steps (one prompt per ``--depth``):
      (prefill stays dense under ``--sparse psa``), then the first decode step with a probe attention
      that records every layer's post-RoPE query and the whole post-RoPE K/V (what SGLang stores).
      Saved as ``DIR/cap_<tokens>_d<depth>.pt`` (reused when present).
-  3. Per layer / KV head on that decode step, with :mod:`flashinfer_ext.reference`: the blocks PSA
+  3. Per layer / KV head on that decode step, with :mod:`flashinfer_ext.common.reference`: the blocks PSA
      reads at the given config, their true softmax mass vs PSA's estimate, the rank of the
      number's block(s) under PSA's criticality and whether they are read, the number's true mass.
   4. End to end: greedy decode of the answer with every layer's decode attention replaced by the
@@ -86,7 +86,7 @@ def _register():
         return out
 
     def psa(module, query, key, value, attention_mask, scaling, dropout=0.0, **kw):
-        from flashinfer_ext.reference import psa_decode_reference
+        from flashinfer_ext.common.reference import psa_decode_reference
 
         cfg = _PSA.get("cfg")
         if query.shape[2] != 1 or cfg is None:
@@ -184,7 +184,7 @@ def psa_generate(tokens: int, depth: float, cfg, block_size: int, n_new: int = 1
 
 def analyse(cap: dict, cfg, block_size: int) -> dict:
     """Per (layer, KV head) PSA vs dense on the captured decode step."""
-    from flashinfer_ext.reference import (block_meta_reference, criticality_reference, dense_decode_reference,
+    from flashinfer_ext.common.reference import (block_meta_reference, criticality_reference, dense_decode_reference,
                                           kept_mass_reference, psa_decode_reference)
 
     q_all, k_all, v_all = cap["q"], cap["k"].float(), cap["v"].float()
@@ -271,9 +271,9 @@ def print_table(res: dict, title: str) -> None:
 
 
 def main() -> None:
-    from flashinfer_ext.config import PsaDecodeConfig
+    from flashinfer_ext.psa.config import PsaDecodeConfig
     from sglang_sparse.config import PsaConfig
-    from sglang_sparse.psa_runner import kernel_config
+    from sglang_sparse.psa.runner import kernel_config
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokens", type=int, default=4500)

@@ -177,7 +177,7 @@ def fact_kept(tokenizer, task: SamKVTask, kept_ranges) -> bool | None:
     without a tokenizer (``--url`` runs) or ranges (no assembly)."""
     if tokenizer is None or not kept_ranges or task.needed_doc >= len(kept_ranges):
         return None
-    text = task.documents[task.needed_doc] + "\n\n"  # samkv_api.SEPARATOR
+    text = task.documents[task.needed_doc] + "\n\n"  # sglang_sparse.samkv.api.SEPARATOR
     fact = T._fact(task.name, task.answer)
     c0 = text.index(fact)
     enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)

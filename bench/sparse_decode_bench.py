@@ -1,11 +1,11 @@
 """Sparse decode kernels on per-(request, KV head) token lists: one program per pair vs split-list, vs dense FlashInfer.
 
 LoopServe's and lastwindow's decode attend a different token list per (request, KV head)
-(:func:`flashinfer_ext.sparse_decode.decode_union_lists`, ``block_size=1``). This measures, on the same lists:
+(:func:`flashinfer_ext.common.sparse_decode.decode_union_lists`, ``block_size=1``). This measures, on the same lists:
 
-* ``one_program``: :func:`flashinfer_ext.sparse_decode.sparse_decode` (``epsilon=1``; grid = pairs),
-* ``split``: :func:`flashinfer_ext.split_decode.sparse_decode_split` (spans on separate programs + a merge;
-  split count from :func:`~flashinfer_ext.split_decode.plan_splits` with 2 x the SM count as target),
+* ``one_program``: :func:`flashinfer_ext.common.sparse_decode.sparse_decode` (``epsilon=1``; grid = pairs),
+* ``split``: :func:`flashinfer_ext.common.split_decode.sparse_decode_split` (spans on separate programs + a merge;
+  split count from :func:`~flashinfer_ext.common.split_decode.plan_splits` with 2 x the SM count as target),
 * ``dense``: FlashInfer's paged decode over the whole context (page 16; the stock decode a layer replaces),
 
 each replayed from a CUDA graph (kernel time, no launch overhead), median of CUDA-event timings. Reported per
@@ -55,8 +55,8 @@ def random_lists(batch, hk, ctx, width, dev, seed=0):
 
 
 def run_case(shape, batch, ctx, width, dev, peak_bps, sm_count):
-    from flashinfer_ext.sparse_decode import sparse_decode
-    from flashinfer_ext.split_decode import alloc_split_buffers, plan_splits, sparse_decode_split
+    from flashinfer_ext.common.sparse_decode import sparse_decode
+    from flashinfer_ext.common.split_decode import alloc_split_buffers, plan_splits, sparse_decode_split
 
     hq, hk, d = SHAPES.get(shape, (4, 2, 64))
     page = 16
@@ -81,7 +81,7 @@ def run_case(shape, batch, ctx, width, dev, peak_bps, sm_count):
 
     fns = {"one_program": one, "split": split}
     if dev == "cuda":
-        from flashinfer_ext.dense_decode import FlashInferDenseDecode, paged_kv_table
+        from flashinfer_ext.common.dense_decode import FlashInferDenseDecode, paged_kv_table
 
         dense = FlashInferDenseDecode(hq, hk, d, page, device=dev)
         dense.plan(*paged_kv_table(rtt, rpi.tolist(), [ctx] * batch, page), dtype=q.dtype, sm_scale=sm)

@@ -43,7 +43,7 @@ def main() -> int:
 
     import sglang as sgl
 
-    from sglang_sparse.samkv_dsl import gen_with_documents
+    from sglang_sparse.samkv.dsl import gen_with_documents
 
     @sgl.function
     def qa(s, question):

@@ -18,7 +18,7 @@ whole contiguous units (one source segment per selected unit, no strided head ga
 and V of a unit travel together (a selected block always needs both), and ``host_units`` is a
 plain ``[num_units, unit_elems]`` view, so the fused gather indexes rows. SGLang's device pool is
 token-major ``[slots, kv_heads, head_dim]`` (N, H, D); the transpose happens on the GPU when a
-page is packed for saving (flashinfer_ext.host_transfer), not over PCIe.
+page is packed for saving (flashinfer_ext.host_tier.host_transfer), not over PCIe.
 
 GPU cache ``GpuBlockCache``: ONE device tensor ``cache_buf`` ``[capacity, unit_elems]`` (dtype of the
 KV) holding units of any layer (PSA's unified pool: layers whose selections are wide take more

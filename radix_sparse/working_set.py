@@ -9,7 +9,7 @@ exceeds the cache, so it runs thrashing rather than starving.
 
 The working sets themselves (units a decoding request read in its last ``w`` steps) are measured on
 the device by :class:`radix_sparse.working_set_tracker.WorkingSetTracker`; the scheduler side is
-``sglang_sparse.working_set_admission``.
+``sglang_sparse.host_tier.admission``.
 """
 
 from __future__ import annotations

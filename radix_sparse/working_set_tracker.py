@@ -21,11 +21,11 @@ every running request decodes in every decode batch, so an absent key finished o
 their step counters on the device. Per layer, :meth:`record` takes the selector's rank order and read
 counts (PSA: ``PsaDecodeWrapper.order`` / ``nread``) and scatters the step into the selected units:
 through an injected fused kernel (``record_kernel``; the PSA runner passes
-:func:`flashinfer_ext.ws_record.ws_record` on CUDA: one launch per layer) or through preallocated index
+:func:`flashinfer_ext.host_tier.ws_record.ws_record` on CUDA: one launch per layer) or through preallocated index
 buffers (a few torch ops); no allocation, no sync either way. :meth:`record_tokens` takes a selector that names
 tokens instead (LoopServe: per-(row, KV head) token lists) and marks each listed token's block (``token //
 block_size``), through an injected ``token_record_kernel`` (the LoopServe runner passes
-:func:`flashinfer_ext.ws_record.ws_record_tokens` on its kernel path, its torch reference on the CPU reference path).
+:func:`flashinfer_ext.host_tier.ws_record.ws_record_tokens` on its kernel path, its torch reference on the CPU reference path).
 
 Cautions: a request whose steps were not recorded (untracked: no free slot, or dense decode through
 the stock kernel) has size ``None`` from :meth:`sizes`; callers count its whole context.
@@ -71,11 +71,11 @@ class WorkingSetTracker:
         self.step_buf = torch.zeros(num_slots + 1, dtype=torch.int32, device=dev)
         self.slot_buf = torch.full((max_batch_size,), num_slots, dtype=torch.int64, device=dev)
         # record_kernel(stamp, order, nread, base, row_step, layer_off): a fused one-launch writer with the
-        # contract of flashinfer_ext.ws_record.ws_record (injected: this package stays pure torch); None = the
+        # contract of flashinfer_ext.host_tier.ws_record.ws_record (injected: this package stays pure torch); None = the
         # torch path below, whose index buffers are only allocated then
         self.record_kernel = record_kernel
         # token_record_kernel(stamp, lists, lens, base, row_step, layer_off, block_size=, max_blocks=): the contract
-        # of flashinfer_ext.ws_record.ws_record_tokens (or its torch reference); required by record_tokens
+        # of flashinfer_ext.host_tier.ws_record.ws_record_tokens (or its torch reference); required by record_tokens
         self.token_record_kernel = token_record_kernel
         n = 0 if record_kernel is not None or not order_buffers else max_batch_size * num_kv_heads * max_blocks
         self._rank_buf = torch.arange(max_blocks, dtype=torch.int32, device=dev)

@@ -7,7 +7,7 @@
 * ``DecodeCudaGraphRunner.can_run_graph`` (scheduler process): a sparse batch replays the mode's sparse
   graph, a batch without a sparse row the stock graph (:mod:`sglang_sparse.graph_variants`); others run eagerly.
 * ``ModelRunner.forward`` (scheduler process): hands the attention backend's step rows to
-  SGLang as ``logits_output.customized_info`` (see :mod:`sglang_sparse.psa_stats`); SGLang
+  SGLang as ``logits_output.customized_info`` (see :mod:`sglang_sparse.psa.stats`); SGLang
   carries them to the request's ``meta_info[STEP_KEY]`` (one row per output token).
 * ``OpenAIServingChat._build_chat_response`` / ``OpenAIServingCompletion._build_completion_response``
   (main process): add the per-request summary as ``metadata["sparse"]`` of the response (a list
@@ -16,22 +16,30 @@
 
 from __future__ import annotations
 
-from sglang_sparse import loopserve_stats, psa_stats
+from sglang_sparse.mode_spec import resolve
+from sglang_sparse.modes import MODES, sparse_context_of
 from sglang_sparse.request_params import normalize_request_options
 
-# Per-step statistics of each mode: (backend method returning this forward's StepRows, the
-# customized_info / meta_info key they travel under, the per-request summary of those rows).
-STEP_SOURCES = (
-    ("psa_step_rows", psa_stats.STEP_KEY, psa_stats.summarize_steps),
-    ("loopserve_step_rows", loopserve_stats.STEP_KEY, loopserve_stats.summarize_steps),
-)
+
+def _step_sources() -> tuple:
+    """Per-step statistics of every mode, from the modes' specs (``step_report``), one entry per key: (backend
+    method returning this forward's StepRows, the customized_info / meta_info key they travel under, the
+    per-request summary of those rows)."""
+    seen, out = set(), []
+    for spec in MODES.values():
+        r = spec.step_report
+        if r is not None and r.key not in seen:
+            seen.add(r.key)
+            out.append((r.backend_method, r.key, resolve(r.summarize)))
+    return tuple(out)
+
+
+STEP_SOURCES = _step_sources()
 
 
 def verify_hook(result, sampling_params, *args, **kwargs):
     """AFTER ``SamplingParams.verify``: check ``custom_params.sparse``; write back the clamped values."""
     from sglang.srt.server_args import get_global_server_args
-
-    from sglang_sparse.modes import sparse_context_of
 
     custom = getattr(sampling_params, "custom_params", None)
     if not isinstance(custom, dict) or "sparse" not in custom:
@@ -57,7 +65,7 @@ def forward_batch_hook(result, *args, **kwargs):
 def graph_gate_hook(result, graph_runner, forward_batch, *args, **kwargs):
     """AFTER ``DecodeCudaGraphRunner.can_run_graph``: under psa, replay a decode graph only for
     batches with at least one sparse row (those graphs were captured over the PSA path); under
-    loopserve / lastwindow only for steady steps (``sglang_sparse.loopserve_graph``); other
+    loopserve / lastwindow only for steady steps (``sglang_sparse.loopserve.graph``); other
     batches run eagerly."""
     if not result:
         return result

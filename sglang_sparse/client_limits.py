@@ -5,9 +5,9 @@ process before a request is tokenised (HTTP 400 naming the field; the server kee
   part of every radix-cache key of the request, so each is at most :data:`MAX_KEY_CHARS` characters (a string,
   or a list of strings for batch prompts).
 * ``custom_params`` keys starting with :data:`RESERVED_PREFIX` are the samkv front door's own instructions to
-  the scheduler (document spans, namespaces; :mod:`sglang_sparse.samkv_api`): a client may not send them.
+  the scheduler (document spans, namespaces; :mod:`sglang_sparse.samkv.api`): a client may not send them.
 
-Used by :func:`sglang_sparse.samkv_api.handle_request_hook` (``/v1/chat/completions``, ``/v1/completions``,
+Used by :func:`sglang_sparse.samkv.api.handle_request_hook` (``/v1/chat/completions``, ``/v1/completions``,
 every mode) and :mod:`sglang_sparse.http_guard` (``/generate``). The documents' own limits (count,
 characters) are the samkv config's (:func:`sglang_sparse.documents.parse_documents`). No sglang import.
 """

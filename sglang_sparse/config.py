@@ -17,6 +17,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Mapping
 
+from flashinfer_ext.psa.config import PsaDecodeConfig  # plain dataclass: the kernel-side PSA defaults
+
 
 class SparseConfigError(ValueError):
     """A bad ``--sparse`` / ``--sparse-config`` value (mode, JSON, key, type or range)."""
@@ -165,7 +167,7 @@ _UNIT = Range(0.0, 1.0, lo_open=True)
 
 
 def _host_tier_knobs():
-    """Host-tier keys shared by the modes that serve it (``sglang_sparse.host_tier``)."""
+    """Host-tier keys shared by the modes that serve it (``sglang_sparse.host_tier.cache``)."""
     return dict(
         host_tier_gb=knob(0.0, doc="pinned host memory (GiB) keeping radix nodes evicted from the GPU, loaded back "
                           "on a prefix hit instead of recomputed (0 = host tier off)", range=Range(0, 4096)),
@@ -217,19 +219,19 @@ class PsaConfig(SparseConfig):
     """PSA progressive threshold decode (PSA Alg. 1)."""
 
     mode: ClassVar[str] = "psa"
-    epsilon: float = knob(0.95, doc="stop once the estimated kept attention mass >= epsilon", range=_UNIT)
-    micro_batch_blocks: int = knob(8, doc="KV blocks attended per progressive step (a power of two)",
+    epsilon: float = knob(PsaDecodeConfig.epsilon, doc="stop once the estimated kept attention mass >= epsilon", range=_UNIT)
+    micro_batch_blocks: int = knob(PsaDecodeConfig.micro_batch_blocks, doc="KV blocks attended per progressive step (a power of two)",
                                    choices=tuple(1 << i for i in range(13)))
     block_size: int = knob(16, doc="tokens per block when --page-size is 1 (else the page is the block)",
                            range=Range(1, 1024))
-    sink_pages: int = knob(1, doc="first pages always attended", range=Range(0, 1024))
-    local_pages: int = knob(2, doc="last pages always attended", range=Range(0, 1024))
+    sink_pages: int = knob(PsaDecodeConfig.sink_blocks, doc="first pages always attended", range=Range(0, 1024))
+    local_pages: int = knob(PsaDecodeConfig.local_blocks, doc="last pages always attended", range=Range(0, 1024))
     min_context: int = knob(8192, doc="contexts shorter than this (tokens) decode densely: at 4k tokens the ranking "
                             "and wave launches cost more than the attention they save", range=Range(0, 1 << 24))
-    max_blocks: int = knob(4096, doc="upper bound on blocks read per (request, KV head)", range=Range(1, 1 << 24))
+    max_blocks: int = knob(PsaDecodeConfig.max_blocks, doc="upper bound on blocks read per (request, KV head)", range=Range(1, 1 << 24))
     min_request_epsilon: float = knob(0.5, doc="floor for a request's own epsilon (custom_params.sparse.epsilon); "
                                       "lower requested values are clamped up to it", range=_UNIT)
-    estimator: str = knob("calibrated", doc="remaining-mass estimate of the stop test: 'calibrated' (cuboid bound "
+    estimator: str = knob(PsaDecodeConfig.estimator, doc="remaining-mass estimate of the stop test: 'calibrated' (cuboid bound "
                           "scaled by the tightness seen on blocks read; reads most blocks on real attention) or "
                           "'mean' (q . mean key raised by the largest gap seen: fewer reads, not a bound)",
                           choices=("calibrated", "mean"))
@@ -245,7 +247,7 @@ class PsaConfig(SparseConfig):
 
 
 def _graph_knobs(width: int, max_bs: int = 16):
-    """Decode-graph keys shared by loopserve and lastwindow (``sglang_sparse.loopserve_graph``)."""
+    """Decode-graph keys shared by loopserve and lastwindow (``sglang_sparse.loopserve.graph``)."""
     return dict(
         graph_list_width=knob(width, doc="decode CUDA graphs (a server without --disable-cuda-graph): the widest "
                               "per-(row, KV head) token list a graph-replayed step takes (steps with wider lists, "

@@ -1,6 +1,6 @@
 """Refusals on SGLang's native HTTP routes for fields that only the OpenAI routes serve.
 
-``documents`` (the SamKV documents API, :mod:`sglang_sparse.samkv_api`) is read by the
+``documents`` (the SamKV documents API, :mod:`sglang_sparse.samkv.api`) is read by the
 ``/v1/chat/completions`` and ``/v1/completions`` front door. SGLang's native ``/generate`` decodes
 its body into ``GenerateReqInput``, which drops unknown keys, so a ``documents`` field sent there
 would be ignored in silence (200, an answer without the documents). :class:`NativeFieldGuard`, an

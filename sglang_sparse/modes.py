@@ -1,10 +1,10 @@
 """The ``--sparse`` mode registry and the resolved :class:`SparseContext`.
 
-A mode is an explicit :class:`SparseModeSpec` entry (name, config class, status, the
-attention backend it needs). :func:`resolve_sparse` turns the raw ``--sparse`` and
-``--sparse-config`` values into a :class:`SparseContext`, refusing a mode that is not
-implemented yet (listing the implemented ones) instead of falling back to dense.
-No sglang import.
+A mode is an explicit :class:`~sglang_sparse.mode_spec.SparseModeSpec` (the mode interface: config class,
+installer, per-request options, step statistics), defined by its sub-package (``sglang_sparse/<mode>/spec.py``)
+and registered here by name. :func:`resolve_sparse` turns the raw ``--sparse`` and ``--sparse-config`` values
+into a :class:`SparseContext`, refusing a mode that is not implemented yet (listing the implemented ones)
+instead of falling back to dense. No sglang import.
 """
 
 from __future__ import annotations
@@ -16,58 +16,23 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any, Mapping
 
-from sglang_sparse.config import (  # noqa: I001
-    _duplicate_key_hook,
-    LastWindowConfig,
-    LoopServeConfig,
-    OffConfig,
-    PsaConfig,
-    SamKVConfig,
-    SparseConfig,
-    SparseConfigError,
-)
+from sglang_sparse.config import OffConfig, SparseConfigError, _duplicate_key_hook
+from sglang_sparse.lastwindow.spec import SPEC as LASTWINDOW
+from sglang_sparse.loopserve.spec import SPEC as LOOPSERVE
+from sglang_sparse.mode_spec import SparseModeSpec
+from sglang_sparse.psa.spec import SPEC as PSA
+from sglang_sparse.samkv.spec import SPEC as SAMKV
 
-
-@dataclass(frozen=True)
-class SparseModeSpec:
-    """One ``--sparse`` mode.
-
-    ``implemented`` False means the name is reserved for a planned mode and is refused at
-    start-up; ``devices`` are the device types the mode runs on (others are refused).
-    ``backend_installer`` (``"module:function"``, called in the scheduler process as
-    ``fn(backend, config, page_size, enable_metrics, model_runner=...)``) turns the stock attention backend the server built
-    into the mode's variant; ``None`` keeps the stock backend.
-    """
-
-    name: str
-    config_cls: type[SparseConfig]
-    summary: str
-    implemented: bool
-    devices: tuple[str, ...] = ("cpu", "cuda")
-    backend_installer: str | None = None
-
-    def __post_init__(self) -> None:
-        if self.config_cls.mode != self.name:
-            raise ValueError(f"SparseModeSpec '{self.name}': config_cls.mode is '{self.config_cls.mode}'")
+__all__ = ["MODES", "SparseModeSpec", "SparseContext", "resolve_sparse", "sparse_context_of"]
 
 
 def _registry(*specs: SparseModeSpec) -> Mapping[str, SparseModeSpec]:
     return MappingProxyType({s.name: s for s in specs})
 
 
-MODES: Mapping[str, SparseModeSpec] = _registry(
-    SparseModeSpec("off", OffConfig, "dense attention and the stock radix cache", implemented=True),
-    SparseModeSpec("psa", PsaConfig, "progressive threshold sparse decode (PSA)", implemented=True,
-                   devices=("cpu", "cuda"), backend_installer="sglang_sparse.psa_backend:install"),
-    SparseModeSpec("loopserve", LoopServeConfig, "online vertical/slash prefill + progressive decode (LoopServe)",
-                   implemented=True, devices=("cpu", "cuda"),
-                   backend_installer="sglang_sparse.loopserve_backend:install"),
-    SparseModeSpec("lastwindow", LastWindowConfig, "last-window baseline: dense prefill, decode over a fixed "
-                   "top-budget chosen from the prompt's last queries (SnapKV-like)", implemented=True,
-                   devices=("cpu", "cuda"), backend_installer="sglang_sparse.loopserve_backend:install"),
-    SparseModeSpec("samkv", SamKVConfig, "per-document KV reuse with SamKV block selection (documents field)",
-                   implemented=True, devices=("cpu", "cuda")),
-)
+OFF = SparseModeSpec("off", OffConfig, "dense attention and the stock radix cache", implemented=True)
+
+MODES: Mapping[str, SparseModeSpec] = _registry(OFF, PSA, LOOPSERVE, LASTWINDOW, SAMKV)
 
 
 def implemented_modes() -> list[str]:

@@ -42,24 +42,24 @@ _HOOKS = (
      "sglang_sparse.http_guard:tokenizer_manager_init_hook"),
     # --sparse loopserve (no-ops under other modes)
     ("sglang.srt.mem_cache.radix_cache.RadixCache.cache_unfinished_req", "AFTER",
-     "sglang_sparse.loopserve_radix:cache_req_hook"),
+     "sglang_sparse.loopserve.radix:cache_req_hook"),
     ("sglang.srt.mem_cache.radix_cache.RadixCache.cache_finished_req", "AFTER",
-     "sglang_sparse.loopserve_radix:cache_req_hook"),
-    ("sglang.srt.mem_cache.radix_cache.RadixCache._split_node", "AFTER", "sglang_sparse.loopserve_radix:split_hook"),
+     "sglang_sparse.loopserve.radix:cache_req_hook"),
+    ("sglang.srt.mem_cache.radix_cache.RadixCache._split_node", "AFTER", "sglang_sparse.loopserve.radix:split_hook"),
     ("sglang.srt.mem_cache.radix_cache.RadixCache._delete_leaf", "AFTER",
-     "sglang_sparse.loopserve_radix:delete_leaf_hook"),
-    ("sglang.srt.mem_cache.radix_cache.RadixCache.reset", "AFTER", "sglang_sparse.loopserve_radix:reset_hook"),
+     "sglang_sparse.loopserve.radix:delete_leaf_hook"),
+    ("sglang.srt.mem_cache.radix_cache.RadixCache.reset", "AFTER", "sglang_sparse.loopserve.radix:reset_hook"),
     # --sparse samkv (no-ops under other modes / for requests without documents)
     ("sglang.srt.entrypoints.openai.serving_base.OpenAIServingBase.handle_request", "AROUND",
-     "sglang_sparse.samkv_api:handle_request_hook"),
+     "sglang_sparse.samkv.api:handle_request_hook"),
     ("sglang.srt.managers.schedule_batch.Req.init_next_round_input", "AFTER",
-     "sglang_sparse.samkv_assembly:init_round_hook"),
-    ("sglang.srt.managers.scheduler.Scheduler.__init__", "AFTER", "sglang_sparse.samkv_assembly:scheduler_init_hook"),
+     "sglang_sparse.samkv.assembly:init_round_hook"),
+    ("sglang.srt.managers.scheduler.Scheduler.__init__", "AFTER", "sglang_sparse.samkv.assembly:scheduler_init_hook"),
     # host tier: working-set-aware admission (a no-op unless psa | loopserve + host_tier_gb > 0 + working_set_admission)
     ("sglang.srt.managers.scheduler.Scheduler.get_new_batch_prefill", "AROUND",
-     "sglang_sparse.working_set_admission:new_batch_prefill_hook"),
+     "sglang_sparse.host_tier.admission:new_batch_prefill_hook"),
     ("sglang.srt.managers.scheduler.Scheduler.get_num_allocatable_reqs", "AFTER",
-     "sglang_sparse.working_set_admission:allocatable_hook"),
+     "sglang_sparse.host_tier.admission:allocatable_hook"),
 )
 
 
@@ -76,7 +76,7 @@ def register() -> None:
     for target, kind, ref in _HOOKS:
         module, attr = ref.split(":")
         HookRegistry.register(target, getattr(importlib.import_module(module), attr), HookType[kind])
-    from sglang_sparse.host_tier import register_backend
+    from sglang_sparse.host_tier.cache import register_backend
 
     register_backend()  # radix-cache backend of the host tier (selected only when host_tier_gb > 0)
     logger.info("sglang-sparse: registered %d hooks", len(_HOOKS))

@@ -14,38 +14,20 @@ value it can use as is. No sglang import here.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
-from sglang_sparse.config import PsaConfig, SparseConfig, json_type_name, num_text
+from sglang_sparse.config import SparseConfig, json_type_name, num_text
+from sglang_sparse.mode_spec import RequestOption
+from sglang_sparse.modes import MODES
 
 KEY = "sparse"
 
+__all__ = ["KEY", "REQUEST_OPTIONS", "RequestOption", "RequestParamsError", "ReplayRequests", "batch_requests",
+           "normalize_request_options", "request_epsilon", "request_values"]
 
-@dataclass(frozen=True)
-class RequestOption:
-    """One per-request knob: its open/closed range and the server config field that floors it."""
-
-    name: str
-    lo: float
-    hi: float
-    floor_field: str | None = None
-    doc: str = ""
-    ceil_field: str | None = None
-    integer: bool = False
-
-
-# mode -> the per-request knobs it accepts (registry, no if-chains)
-REQUEST_OPTIONS: Mapping[str, tuple[RequestOption, ...]] = {
-    "psa": (RequestOption("epsilon", 0.0, 1.0, "min_request_epsilon",
-                          "kept-mass threshold in (0, 1]; 1.0 = dense decode for this request"),),
-    "loopserve": (
-        RequestOption("alpha", 0.0, 1.0, "min_request_alpha",
-                      "covered fraction of the sampled attention mass in (0, 1]; 1.0 = dense for this request"),
-        RequestOption("budget", 0, 1 << 24, doc="top-B tokens per KV head in decode, an integer >= 1",
-                      ceil_field="max_request_budget", integer=True),
-    ),
-}
+# mode -> the per-request knobs it accepts (declared by each mode's spec: sglang_sparse/<mode>/spec.py)
+REQUEST_OPTIONS: Mapping[str, tuple[RequestOption, ...]] = {n: s.request_options for n, s in MODES.items()
+                                                            if s.request_options}
 
 
 class RequestParamsError(ValueError):
@@ -95,10 +77,73 @@ def normalize_request_options(mode: str, config: SparseConfig, custom_params: An
     return out
 
 
-def request_epsilon(config: PsaConfig, custom_params: Any) -> float:
-    """The epsilon a (validated) request decodes with: its own, else the server's ``epsilon``."""
-    if isinstance(custom_params, Mapping):
-        opts = custom_params.get(KEY)
-        if isinstance(opts, Mapping) and "epsilon" in opts:
-            return float(opts["epsilon"])
-    return float(config.epsilon)
+def _sparse_options(req_or_custom: Any) -> Mapping:
+    """The validated ``custom_params["sparse"]`` of a ``Req`` (or of a ``custom_params`` mapping); ``{}`` if none."""
+    custom = req_or_custom
+    if not isinstance(custom, Mapping):
+        custom = getattr(getattr(req_or_custom, "sampling_params", None), "custom_params", None)
+    opts = custom.get(KEY) if isinstance(custom, Mapping) else None
+    return opts if isinstance(opts, Mapping) else {}
+
+
+def request_values(config: SparseConfig, req_or_custom: Any) -> dict[str, float | int]:
+    """The per-request options a (validated) request runs with under ``config``'s mode: its own
+    ``custom_params.sparse`` value for each option the mode's spec declares, else the server's default
+    (the config field ``default_field``). The one reader of every mode, in the scheduler; ``req_or_custom`` is a
+    ``Req`` (its ``sampling_params.custom_params``), a ``custom_params`` mapping, or None."""
+    opts = _sparse_options(req_or_custom) if req_or_custom is not None else {}
+    out: dict[str, float | int] = {}
+    for o in REQUEST_OPTIONS.get(type(config).mode, ()):
+        cast = int if o.integer else float
+        if o.name in opts:
+            out[o.name] = cast(opts[o.name])
+        elif o.default_field is not None:
+            out[o.name] = cast(getattr(config, o.default_field))
+    return out
+
+
+def request_epsilon(config: SparseConfig, custom_params: Any) -> float:
+    """The epsilon a (validated) psa request decodes with: its own, else the server's ``epsilon``."""
+    return float(request_values(config, custom_params)["epsilon"])
+
+
+def batch_requests(forward_batch) -> Sequence | None:
+    """The ``Req`` objects of a forward batch's rows (set by :func:`sglang_sparse.api_hooks.forward_batch_hook` on
+    ``forward_batch.sampling_info.sparse_reqs``), or None (a batch without them: a CUDA-graph replay view, a
+    capture). The one carrier of the rows' requests for every mode, eager or graph-planned."""
+    return getattr(getattr(forward_batch, "sampling_info", None), "sparse_reqs", None)
+
+
+class ReplayRequests:
+    """The rows' ``Req`` objects across a decode CUDA-graph replay.
+
+    SGLang asks the backend whether a batch replays a graph (``can_run_graph``) on the real batch, then plans the
+    replay on a padded view without ``sampling_info``. :meth:`keep` stores the real batch's requests and host
+    lengths; :meth:`recover` gives them back for a view whose first rows have those lengths (the same batch),
+    else None. Modes read their per-request options from the recovered requests with :func:`request_values`.
+    """
+
+    def __init__(self) -> None:
+        self._lens: list[int] | None = None
+        self._reqs: tuple = ()
+
+    def keep(self, forward_batch) -> None:
+        """Store the rows' requests and ``seq_lens_cpu`` (``[bs]`` int) of a real batch (``can_run_graph``)."""
+        lens, bs = forward_batch.seq_lens_cpu, int(forward_batch.batch_size)
+        self._lens = None if lens is None else [int(x) for x in lens[:bs]]
+        self._reqs = tuple(batch_requests(forward_batch) or ())[:bs]
+
+    def matches(self, view, bs: int) -> bool:
+        """Whether the padded view ``view`` (``bs`` rows) starts with the kept batch's rows (same host lengths)."""
+        lens = view.seq_lens_cpu
+        if self._lens is None or lens is None:
+            return False
+        n = len(self._lens)
+        return n <= bs and [int(x) for x in lens[:n]] == self._lens
+
+    def recover(self, view, bs: int) -> tuple[int, tuple] | None:
+        """``(rows of the kept batch, their requests)`` for a replay view (no ``sampling_info``) of the kept batch,
+        else None. The requests tuple is shorter than the rows when the batch carried fewer."""
+        if getattr(view, "sampling_info", None) is not None or not self.matches(view, bs):
+            return None
+        return len(self._lens), self._reqs

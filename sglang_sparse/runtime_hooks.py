@@ -7,10 +7,10 @@ so a client can check which mode, config and backend the scheduler process reall
 
 from __future__ import annotations
 
-import importlib
 import logging
 import os
 
+from sglang_sparse.mode_spec import resolve
 from sglang_sparse.modes import sparse_context_of
 
 logger = logging.getLogger("sglang_sparse")
@@ -23,7 +23,7 @@ def scheduler_init_hook(result, scheduler, *args, **kwargs):
     check_hooks_applied()
     ctx = sparse_context_of(scheduler.server_args)
     scheduler.sparse_context = ctx
-    from sglang_sparse.working_set_admission import make_admission
+    from sglang_sparse.host_tier.admission import make_admission
 
     scheduler.sparse_ws_admission = make_admission(scheduler)
     backend = _attention_backend(scheduler)
@@ -39,8 +39,7 @@ def attention_backend_hook(result, model_runner, *args, **kwargs):
     ctx = sparse_context_of(model_runner.server_args)
     install = None
     if ctx.spec.backend_installer:
-        module, attr = ctx.spec.backend_installer.split(":")
-        install = getattr(importlib.import_module(module), attr)
+        install = resolve(ctx.spec.backend_installer)
     seen = set()
     for name in ("attn_backend", "decode_attn_backend"):
         backend = getattr(model_runner, name, None)

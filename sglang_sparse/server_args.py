@@ -85,12 +85,12 @@ class SparseServerArgs(_BaseServerArgs):
         check_device(ctx.mode, _device_type(self.device))
         self.sparse_config = ctx.config.to_json()
         _apply_mode_requirements(self, ctx)
-        from sglang_sparse.host_tier import apply_server_args as _apply_host_tier
+        from sglang_sparse.host_tier.cache import apply_server_args as _apply_host_tier
 
         _apply_host_tier(self, ctx)
         _check_hooks_applied()
         super().__post_init__()
-        from sglang_sparse.host_tier import check_tier_sizes
+        from sglang_sparse.host_tier.cache import check_tier_sizes
 
         check_tier_sizes(self, ctx)  # needs the page size SGLang just resolved
 
@@ -114,7 +114,7 @@ def _apply_mode_requirements(args, ctx: SparseContext) -> None:
     planning and PSA's block-metadata update run eagerly there, as without graphs. Another prefill graph backend
     (``--cuda-graph-backend-prefill full|tc_piecewise``) or ``prefill_graphs`` false: prefill graphs off (logged).
     loopserve / lastwindow: decode graphs stay on (``--disable-cuda-graph`` turns them off): the steady decode
-    steps replay them (:mod:`sglang_sparse.loopserve_graph`), the others run eagerly.
+    steps replay them (:mod:`sglang_sparse.loopserve.graph`), the others run eagerly.
     psa: the page is the PSA block, so ``--page-size`` defaults to ``block_size`` (another explicit page size is
     refused); decode graphs stay on unless the config's ``cuda_graph`` is false.
     samkv on CUDA: overlap scheduler and prefill CUDA graphs off (:func:`_samkv_requirements`).

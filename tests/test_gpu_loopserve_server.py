@@ -22,7 +22,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.server]
 
 MIN_CONTEXT = 512
 # the eager servers: CUDA graphs off (the dense side too, so that greedy outputs are compared like for like);
-# the graph server (loopserve_graph: steady decode steps replay graphs) captures batch sizes up to 4
+# the graph server (loopserve.graph: steady decode steps replay graphs) captures batch sizes up to 4
 ARGS = ["--attention-backend", "flashinfer", "--mem-fraction-static", "0.2", "--enable-metrics",
         "--disable-cuda-graph"]
 GRAPH_ARGS = ["--attention-backend", "flashinfer", "--mem-fraction-static", "0.2", "--cuda-graph-max-bs", "4"]

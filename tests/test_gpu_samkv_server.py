@@ -53,7 +53,7 @@ def test_gpu_samkv_documents_reused_and_selected(samkv_gpu_server):
     assert m2["documents_reused"] == 4 and m2["assembled"], m2
     assert 0 < m2["kv_kept_ratio"] < 0.6 and m2["recomputed_tokens"] > 0, m2
     assert m2["computed_tokens"] <= m2["question_tokens"] + 15
-    # the side forwards replayed as CUDA graphs (side_graphs=auto, sglang_sparse.samkv_graph)
+    # the side forwards replayed as CUDA graphs (side_graphs=auto, sglang_sparse.samkv.graph)
     assert m2["side_forward"] == {"selection": "graph", "recompute": "graph"}, m2["side_forward"]
     dense = ask(srv.url, task, "recompute", 12)
     assert dense["sparse"]["cached_tokens"] == 0

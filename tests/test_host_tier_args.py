@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from sglang_sparse.host_tier import BACKEND_NAME
+from sglang_sparse.host_tier.cache import BACKEND_NAME
 
 
 @pytest.fixture(scope="module")

@@ -20,7 +20,7 @@ from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool  # noqa: E402
 from sglang.srt.mem_cache.radix_cache import RadixKey  # noqa: E402
 
 from radix_sparse.host_pool import HostTierConfig  # noqa: E402
-from sglang_sparse.host_tier import HostTier, HostTierRadixCache  # noqa: E402
+from sglang_sparse.host_tier.cache import HostTier, HostTierRadixCache  # noqa: E402
 
 LAYERS, HEADS, DIM, SIZE = 3, 2, 8, 64
 
@@ -178,7 +178,7 @@ def _as_lists(entries) -> dict:
 
 @pytest.mark.parametrize("page", [1, 4])
 def test_loopserve_lines_move_to_host_and_back_with_their_nodes(page, monkeypatch):
-    from sglang_sparse import loopserve_radix
+    from sglang_sparse.loopserve import radix as loopserve_radix
 
     radix = loopserve_radix.RadixLines(SimpleNamespace(line_store_mb=1),
                                        SimpleNamespace(line_store_bytes=0, stored_turns=0), None)
@@ -240,7 +240,7 @@ def test_loopserve_lines_move_to_host_and_back_with_their_nodes(page, monkeypatc
 
 
 def test_lines_of_an_unsaved_node_are_dropped_and_counted(monkeypatch):
-    from sglang_sparse import loopserve_radix
+    from sglang_sparse.loopserve import radix as loopserve_radix
 
     radix = loopserve_radix.RadixLines(SimpleNamespace(line_store_mb=1),
                                        SimpleNamespace(line_store_bytes=0, stored_turns=0), None)

@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from flashinfer_ext.loopserve_reference import covered_mass_reference, vs_estimate_reference
-from flashinfer_ext.vs_estimate import VSLineSums
-from flashinfer_ext.vs_select import VSSelectConfig, vs_select
+from flashinfer_ext.loopserve.reference import covered_mass_reference, vs_estimate_reference
+from flashinfer_ext.loopserve.vs_estimate import VSLineSums
+from flashinfer_ext.loopserve.vs_select import VSSelectConfig, vs_select
 from sglang_sparse.config import LoopServeConfig
 
 DATA = Path(__file__).parent / "data" / "loopserve_fact_rows_l15.pt"

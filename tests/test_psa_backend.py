@@ -9,8 +9,9 @@ import pytest
 import torch
 
 from sglang_sparse.config import PsaConfig
-from sglang_sparse.psa_runner import kernel_config
-from sglang_sparse.psa_stats import STEP_COLS, PsaStats, StepRows, account_rows, summarize_steps
+from sglang_sparse.psa.runner import kernel_config
+from sglang_sparse.psa.stats import STEP_COLS, PsaStats, account_rows, summarize_steps
+from sglang_sparse.stats import StepRows
 from sglang_sparse.request_params import RequestParamsError, normalize_request_options, request_epsilon
 
 
@@ -76,7 +77,7 @@ def test_step_rows_fold_into_counters_once_and_summarise_per_request():
 def test_metrics_counters_register_under_the_sglang_sparse_prefix():
     from prometheus_client import CollectorRegistry, generate_latest
 
-    from sglang_sparse.psa_stats import PsaMetrics
+    from sglang_sparse.psa.stats import PsaMetrics
 
     reg = CollectorRegistry()
     m = PsaMetrics(reg)
@@ -92,7 +93,7 @@ def test_graph_replay_view_gets_the_batch_per_request_epsilons():
     (the real batch) are kept and matched to the padded view by its lengths."""
     from types import SimpleNamespace
 
-    from sglang_sparse.psa_runner import AttnShape, PsaCpuRunner
+    from sglang_sparse.psa.runner import AttnShape, PsaCpuRunner
 
     cfg = PsaConfig.from_dict({"min_context": 100, "epsilon": 0.95})
     runner = PsaCpuRunner(cfg, 16, AttnShape(2, 4, 2, 8), torch.device("cpu"))
@@ -109,7 +110,7 @@ def test_graph_replay_view_gets_the_batch_per_request_epsilons():
 
 
 def test_api_hooks_summarise_whichever_mode_left_step_rows():
-    from sglang_sparse import loopserve_stats
+    from sglang_sparse.loopserve import stats as loopserve_stats
     from sglang_sparse.api_hooks import STEP_SOURCES, request_summary
 
     assert {key for _, key, _ in STEP_SOURCES} == {"sparse_psa_steps", loopserve_stats.STEP_KEY}
@@ -124,7 +125,7 @@ def test_psa_backend_gate_is_the_one_the_graph_hook_asks():
     from types import SimpleNamespace
 
     from sglang_sparse.api_hooks import graph_gate_hook
-    from sglang_sparse.psa_backend import PsaDecodeMixin
+    from sglang_sparse.psa.backend import PsaDecodeMixin
 
     backend = type("PsaBackend", (), dict(vars(PsaDecodeMixin)))()
     backend._psa_runner = SimpleNamespace(wants_graph=lambda fb: fb == "sparse batch")

@@ -22,9 +22,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from flashinfer_ext.reference import kept_mass_reference, psa_decode_reference
+from flashinfer_ext.common.reference import kept_mass_reference, psa_decode_reference
 from sglang_sparse.config import PsaConfig
-from sglang_sparse.psa_runner import kernel_config
+from sglang_sparse.psa.runner import kernel_config
 
 DATA = Path(__file__).resolve().parent / "data" / "psa_real_l17h1.pt"
 

@@ -1,4 +1,4 @@
-"""The scheduler's SamKV assembly (``sglang_sparse.samkv_assembly._assemble``, the code the server runs in
+"""The scheduler's SamKV assembly (``sglang_sparse.samkv.assembly._assemble``, the code the server runs in
 ``Req.init_next_round_input``) on SGLang's real RadixCache / KV pool / allocator, with SmolLM2-135M's real
 layer-0 keys: two documents cached alone at positions [0, n) are placed one after the other; the
 composite's keys of the second document equal its keys computed at offset ``len(doc 1)`` (bf16, within
@@ -21,8 +21,8 @@ from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool  # noqa: E402
 from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey  # noqa: E402
 
 from sglang_sparse.config import SamKVConfig  # noqa: E402
-from sglang_sparse.samkv_keys import FILLER_KEY, NS_KEY, PREFIX_KEY, SPANS_KEY, VARIANT_KEY, doc_key_ids  # noqa: E402
-from sglang_sparse.samkv_assembly import SamKVRuntime, _assemble  # noqa: E402
+from sglang_sparse.samkv.keys import FILLER_KEY, NS_KEY, PREFIX_KEY, SPANS_KEY, VARIANT_KEY, doc_key_ids  # noqa: E402
+from sglang_sparse.samkv.assembly import SamKVRuntime, _assemble  # noqa: E402
 from tests.flashinfer_ext.test_rope_shift import _layer0_keys, _max_rel, _rope_theta, smollm2  # noqa: E402,F401
 
 SIZE = 512
@@ -135,7 +135,7 @@ def test_assembled_keys_equal_keys_at_offset(smollm2, page):
     ([0, 1, 2, 16, 17, 40], [0, 3, 16, 18, 40, 41]),
 ])
 def test_kept_ranges_are_flat_half_open_runs_of_the_kept_positions(positions, ranges):
-    from sglang_sparse.samkv_assembly import kept_ranges
+    from sglang_sparse.samkv.assembly import kept_ranges
 
     assert kept_ranges(positions) == ranges
 

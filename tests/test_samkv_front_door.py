@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from sglang_sparse.samkv_api import DocumentPlan, DocumentTokenCache, KnownDocuments, ids_digest
+from sglang_sparse.samkv.api import DocumentPlan, DocumentTokenCache, KnownDocuments, ids_digest
 
 
 class CountingTokenizer:
@@ -109,7 +109,7 @@ def test_document_namespaces_carry_the_server_secret_a_client_cannot_send():
 def test_documents_go_inside_the_last_user_turn_behind_the_template_prefix():
     """The user turn's text is found as a token run of the templated prompt (its last occurrence); the plan puts
     the documents between the template prefix P and that text, and every document's prefill is ``P + document``."""
-    from sglang_sparse.samkv_api import split_user_turn
+    from sglang_sparse.samkv.api import split_user_turn
 
     prompt = [1, 50, 2, 60, 61, 3, 1, 70, 2, 80, 81, 82, 3, 1, 90, 2]  # ... <user header> 80 81 82 <end> ...
     assert split_user_turn(prompt, [80, 81, 82]) == 9
@@ -128,7 +128,7 @@ def test_documents_go_inside_the_last_user_turn_behind_the_template_prefix():
 
 
 def test_last_user_text_reads_strings_and_text_parts():
-    from sglang_sparse.samkv_api import _last_user_text
+    from sglang_sparse.samkv.api import _last_user_text
 
     class Req:
         messages = [{"role": "system", "content": "sys"}, {"role": "user", "content": "first"},
@@ -142,7 +142,7 @@ def test_last_user_text_reads_strings_and_text_parts():
 
 def test_cache_salt_and_layout_are_bounded_with_clear_errors():
     from sglang_sparse.config import SamKVConfig
-    from sglang_sparse.samkv_api import MAX_SALT_CHARS, _parse_extra
+    from sglang_sparse.samkv.api import MAX_SALT_CHARS, _parse_extra
 
     cfg = SamKVConfig()
     docs, salt, variant, layout = _parse_extra({"documents": ["a"], "cache_salt": "t" * MAX_SALT_CHARS}, cfg)

@@ -1,4 +1,4 @@
-"""SamKV's padded / CUDA-graph side forwards (sglang_sparse.samkv_graph): buckets, and the padded path equal to
+"""SamKV's padded / CUDA-graph side forwards (sglang_sparse.samkv.graph): buckets, and the padded path equal to
 the eager one through the CPU server (fp32, so the comparison is not lost in bf16 rounding)."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import pytest
 
 from bench.samkv_bench import make_task
 from sglang_sparse.config import SamKVConfig, SparseConfigError
-from sglang_sparse.samkv_graph import context_bucket, rows_bucket
+from sglang_sparse.samkv.graph import context_bucket, rows_bucket
 from tests.serverproc import ask_documents_first_token, start_cpu_server
 
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from bench.samkv_bench import make_task
-from sglang_sparse.samkv_recompute import fuse_kv, recompute_set
+from sglang_sparse.samkv.recompute import fuse_kv, recompute_set
 from tests.serverproc import ask_documents_first_token, start_cpu_server
 
 
@@ -74,7 +74,7 @@ def test_full_recompute_through_the_server_equals_dense(default_model, tmp_path)
 
 @pytest.mark.parametrize("mode", ["fusion", "overwrite"])
 def test_fuse_kv_layers_is_fuse_kv_of_each_layer(mode):
-    from sglang_sparse.samkv_recompute import fuse_kv_layers
+    from sglang_sparse.samkv.recompute import fuse_kv_layers
 
     g = torch.Generator().manual_seed(5)
     old = torch.randn(4, 7, 3, 16, generator=g).to(torch.bfloat16)

@@ -1,4 +1,4 @@
-"""flashinfer_ext.samkv_score: SamKV Eq. 1-3 and the cross-document budget against loop references."""
+"""flashinfer_ext.samkv.score: SamKV Eq. 1-3 and the cross-document budget against loop references."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from flashinfer_ext.samkv_score import (anchor_layouts, anchor_top_p, block_layout, block_mean_keys, block_scores,
+from flashinfer_ext.samkv.score import (anchor_layouts, anchor_top_p, block_layout, block_mean_keys, block_scores,
                                         generic_query, personalized_queries, select_mass_blocks,
                                         select_middle_blocks)
 
@@ -130,7 +130,7 @@ def _per_document_reference(k0, q_hat, lengths, layouts, bs):
     ([40, 20], 16, True),               # no middle blocks anywhere
 ])
 def test_document_scores_equal_the_per_document_loop_and_select_the_same_blocks(lengths, bs, personal):
-    from flashinfer_ext.samkv_score import ScoreIndex, document_scores
+    from flashinfer_ext.samkv.score import ScoreIndex, document_scores
 
     g = torch.Generator().manual_seed(sum(lengths))
     k0 = torch.randn(sum(lengths), 3, 8, generator=g).to(torch.bfloat16)
@@ -161,7 +161,7 @@ def test_document_scores_equal_the_per_document_loop_and_select_the_same_blocks(
     ([40], 8, 8, 1, torch.float32),                    # one document, MQA
 ])
 def test_question_block_mass_equals_the_softmax_loop_over_all_documents(lengths, bs, hq, hkv, dtype):
-    from flashinfer_ext.samkv_score import ScoreIndex, question_block_mass, question_block_mass_reference
+    from flashinfer_ext.samkv.score import ScoreIndex, question_block_mass, question_block_mass_reference
 
     g = torch.Generator().manual_seed(len(lengths) * 7 + bs)
     k_docs = [torch.randn(n, hkv, 16, generator=g).to(dtype) for n in lengths]
@@ -185,7 +185,7 @@ def test_question_block_mass_equals_the_softmax_loop_over_all_documents(lengths,
     ([40], 8, 20, torch.float32),                      # window wider than the document
 ])
 def test_spread_block_mass_equals_the_loop_reference(lengths, bs, spread, dtype):
-    from flashinfer_ext.samkv_score import ScoreIndex, question_block_mass, question_block_mass_reference
+    from flashinfer_ext.samkv.score import ScoreIndex, question_block_mass, question_block_mass_reference
 
     g = torch.Generator().manual_seed(spread)
     k_docs = [torch.randn(n, 2, 16, generator=g).to(dtype) for n in lengths]
@@ -203,7 +203,7 @@ def test_spread_keeps_the_block_after_a_heavy_token_at_a_block_end():
     """The contract behind ``mass_spread``: a fact whose attended token is the last of its block and whose end
     (say a number's last digit) is in the next block. Plain block sums rank that next block below a block of
     diffuse mass; spread over 8 tokens, it is kept with the heavy block under a budget of two."""
-    from flashinfer_ext.samkv_score import ScoreIndex, block_mass
+    from flashinfer_ext.samkv.score import ScoreIndex, block_mass
 
     bs, n = 16, 96                                     # blocks 0 .. 5: 0 initial, 5 local, middle 1 .. 4
     layouts = [block_layout(n, bs, 1, 1)]
@@ -222,7 +222,7 @@ def test_spread_keeps_the_block_after_a_heavy_token_at_a_block_end():
 def test_question_block_mass_finds_the_block_a_planted_key_is_in():
     """A key equal to the question's query direction, in the middle of the third document, puts that block
     first in all documents' ranking (the rule compares documents on one scale)."""
-    from flashinfer_ext.samkv_score import ScoreIndex, question_block_mass
+    from flashinfer_ext.samkv.score import ScoreIndex, question_block_mass
 
     g = torch.Generator().manual_seed(3)
     lengths, bs = [64, 64, 96, 64], 16

@@ -3,7 +3,7 @@
 Documents are prefilled and cached alone (per salt), a request's composite context is assembled from
 their KV in the scheduler and reused as its prefix (only the question is extended: `cached_tokens`),
 the planted fact is retrieved, salts isolate, the `samkv` variant keeps at most `max_kept_ratio` of the
-document tokens (the token cap of `sglang_sparse.samkv_select`), `recompute` is the dense baseline, bad payloads are 400s naming the field and the
+document tokens (the token cap of `sglang_sparse.samkv.select`), `recompute` is the dense baseline, bad payloads are 400s naming the field and the
 server keeps serving, a streamed request streams the same reply (and shows in the server counters), and
 the DSL helper reaches the same path. The server log stays free of tracebacks and KV-leak reports."""
 
@@ -199,7 +199,7 @@ def test_streamed_documents_request_streams_the_same_reply(samkv_server, endpoin
 def test_dsl_helper_passes_documents(samkv_server):
     import sglang as sgl
 
-    from sglang_sparse.samkv_dsl import gen_with_documents
+    from sglang_sparse.samkv.dsl import gen_with_documents
 
     server, _ = samkv_server
     task = make_task(3, docs=2, words=100)

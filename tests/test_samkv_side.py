@@ -1,10 +1,10 @@
-"""Contract: the side forward's masked attention (``sglang_sparse.samkv_side._attend``, fp32 path) equals a plain
+"""Contract: the side forward's masked attention (``sglang_sparse.samkv.side._attend``, fp32 path) equals a plain
 softmax over the keys each row may see, with KV heads shared by their query-head group (GQA), for any mask."""
 
 import pytest
 import torch
 
-from sglang_sparse.samkv_side import _attend
+from sglang_sparse.samkv.side import _attend
 
 
 @pytest.mark.parametrize("hq,hkv", [(4, 1), (9, 3), (2, 2)])

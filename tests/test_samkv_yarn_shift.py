@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from flashinfer_ext.rope_shift import rope_shift_reference
+from flashinfer_ext.samkv.rope_shift import rope_shift_reference
 
 
 def _rotate(rope, pos: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
@@ -35,7 +35,7 @@ def _yarn_rope(factor: float, monkeypatch):
 @pytest.mark.parametrize("factor", [4.0, 8.0])
 @pytest.mark.parametrize("delta", [1, 777, 20000])
 def test_yarn_keys_shift_to_the_keys_at_the_new_position(factor, delta, monkeypatch):
-    from sglang_sparse.samkv_assembly import rope_inv_freq_of
+    from sglang_sparse.samkv.assembly import rope_inv_freq_of
 
     rope = _yarn_rope(factor, monkeypatch)
     g = torch.Generator().manual_seed(0)
@@ -58,7 +58,7 @@ def test_yarn_keys_shift_to_the_keys_at_the_new_position(factor, delta, monkeypa
 
 
 def test_unsupported_rope_is_refused_by_name():
-    from sglang_sparse.samkv_assembly import rope_inv_freq_of
+    from sglang_sparse.samkv.assembly import rope_inv_freq_of
 
     class LinearScalingRotaryEmbedding(torch.nn.Module):
         is_neox_style = True

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from flashinfer_ext.block_meta import (BlockMetaPool, blocks_touched, identity_block_table,
+from flashinfer_ext.psa.block_meta import (BlockMetaPool, blocks_touched, identity_block_table,
                                        paged_block_table)
-from flashinfer_ext.reference import block_meta_reference
+from flashinfer_ext.common.reference import block_meta_reference
 
 from .kv_pool import make_pool
 

@@ -9,8 +9,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from flashinfer_ext.block_meta import BlockMetaPool, paged_block_table
-from sglang_sparse.psa_runner import PsaCudaRunner
+from flashinfer_ext.psa.block_meta import BlockMetaPool, paged_block_table
+from sglang_sparse.psa.runner import PsaCudaRunner
 
 from .kv_pool import make_pool
 

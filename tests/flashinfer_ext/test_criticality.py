@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from flashinfer_ext.block_meta import BlockMetaPool, identity_block_table, paged_block_table
-from flashinfer_ext.criticality import block_criticality, rank_blocks
-from flashinfer_ext.reference import criticality_reference, gather_kv
+from flashinfer_ext.psa.block_meta import BlockMetaPool, identity_block_table, paged_block_table
+from flashinfer_ext.psa.criticality import block_criticality, rank_blocks
+from flashinfer_ext.common.reference import criticality_reference, gather_kv
 
 from .kv_pool import make_pool
 
@@ -86,7 +86,7 @@ def test_int16_sort_keys_preserve_score_order():
 @pytest.mark.parametrize("cols,prefix", [(100, 16), (3000, 256), (40, 64), (700, 64)])
 def test_rank_select_sorted_prefix_then_block_order(cols, prefix):
     """Exact top-prefix by key (ties at the threshold in block order), the rest in block order: a permutation."""
-    from flashinfer_ext.rank_select import rank_select
+    from flashinfer_ext.psa.rank_select import rank_select
 
     g = torch.Generator().manual_seed(cols)
     keys = torch.randint(-300, 300, (2, 3, cols), generator=g, dtype=torch.int16)  # many ties
@@ -105,7 +105,7 @@ def test_rank_select_sorted_prefix_then_block_order(cols, prefix):
 
 
 def test_rank_reference_prefix_semantics():
-    from flashinfer_ext.reference import rank_reference
+    from flashinfer_ext.common.reference import rank_reference
 
     s = torch.tensor([[[1.0, 5.0, 3.0, float("inf"), 2.0, 4.0, float("-inf")]]])
     assert rank_reference(s, 0)[0, 0].tolist() == [3, 1, 5, 2, 4, 0, 6]

@@ -15,8 +15,8 @@ pytestmark = [pytest.mark.gpu,
 
 
 def _wrapper(pool, cfg, block_size, max_batch_size=None, epsilon=None, **wkw):
-    from flashinfer_ext.block_meta import BlockMetaPool, paged_block_table
-    from flashinfer_ext.psa_decode import PsaDecodeWrapper
+    from flashinfer_ext.psa.block_meta import BlockMetaPool, paged_block_table
+    from flashinfer_ext.psa.decode import PsaDecodeWrapper
 
     hq, d = pool.q.shape[1], pool.q.shape[2]
     hk, batch = pool.k_buffer.shape[1], pool.q.shape[0]
@@ -34,7 +34,7 @@ def _wrapper(pool, cfg, block_size, max_batch_size=None, epsilon=None, **wkw):
 
 
 def _check_against_reference(w, pool, cfg, o, lse, nread, block_size, epsilon=None):
-    from flashinfer_ext.reference import progressive_decode_reference
+    from flashinfer_ext.common.reference import progressive_decode_reference
 
     batch = pool.q.shape[0]
     eps = [cfg.epsilon] * batch if epsilon is None else epsilon.cpu().tolist()
@@ -63,7 +63,7 @@ def _check_against_reference(w, pool, cfg, o, lse, nread, block_size, epsilon=No
 @pytest.mark.parametrize("epsilon,estimator", [(1.0, "calibrated"), (0.9, "paper"), (0.9, "calibrated"),
                                                (0.9, "bound"), (0.9, "mean")])
 def test_gpu_wrapper_matches_reference(hq, hk, d, dtype, page, epsilon, estimator):
-    from flashinfer_ext.config import PsaDecodeConfig
+    from flashinfer_ext.psa.config import PsaDecodeConfig
 
     cfg = PsaDecodeConfig(epsilon=epsilon, micro_batch_blocks=4, sink_blocks=1, local_blocks=2, estimator=estimator,
                           criticality="mean" if estimator == "mean" else "cuboid")
@@ -77,7 +77,7 @@ def test_gpu_wrapper_matches_reference(hq, hk, d, dtype, page, epsilon, estimato
 
 
 def test_gpu_per_request_epsilon_rows():
-    from flashinfer_ext.config import PsaDecodeConfig
+    from flashinfer_ext.psa.config import PsaDecodeConfig
 
     cfg = PsaDecodeConfig(epsilon=0.95, micro_batch_blocks=4, max_blocks=8)
     pool = make_pool([3000, 1200, 2500], 32, 8, 128, torch.bfloat16, 16, seed=25, device="cuda", planted=True)
@@ -92,10 +92,10 @@ def test_gpu_per_request_epsilon_rows():
 @pytest.mark.parametrize("page", [16, 1])
 def test_gpu_epsilon_one_equals_flashinfer_dense(page):
     pytest.importorskip("flashinfer")
-    from flashinfer_ext.block_meta import BlockMetaPool, identity_block_table
-    from flashinfer_ext.config import PsaDecodeConfig
-    from flashinfer_ext.dense_decode import FlashInferDenseDecode, paged_kv_table
-    from flashinfer_ext.psa_decode import PsaDecodeWrapper
+    from flashinfer_ext.psa.block_meta import BlockMetaPool, identity_block_table
+    from flashinfer_ext.psa.config import PsaDecodeConfig
+    from flashinfer_ext.common.dense_decode import FlashInferDenseDecode, paged_kv_table
+    from flashinfer_ext.psa.decode import PsaDecodeWrapper
 
     seq = [3000, 77, 1234]
     pool = make_pool(seq, 32, 8, 128, torch.bfloat16, page, seed=22, device="cuda")
@@ -119,8 +119,8 @@ def test_gpu_epsilon_one_equals_flashinfer_dense(page):
 
 def test_gpu_flashinfer_merge_state_is_base2_like_reference():
     pytest.importorskip("flashinfer")
-    from flashinfer_ext.merge import merge_state
-    from flashinfer_ext.reference import merge_states_reference
+    from flashinfer_ext.common.merge import merge_state
+    from flashinfer_ext.common.reference import merge_states_reference
 
     g = torch.Generator(device="cuda").manual_seed(0)
     va, vb = (torch.randn(5, 8, 128, device="cuda", generator=g).half() for _ in range(2))
@@ -134,7 +134,7 @@ def test_gpu_flashinfer_merge_state_is_base2_like_reference():
 def test_gpu_cuda_graph_capture_and_replay_matches_eager():
     """Capture update_meta_decode + run once; re-plan (device tensors: new lengths, new per-request
     epsilon) in place between replays; replay = eager, bit for bit, and = the reference."""
-    from flashinfer_ext.config import PsaDecodeConfig
+    from flashinfer_ext.psa.config import PsaDecodeConfig
 
     cfg = PsaDecodeConfig(epsilon=0.9, micro_batch_blocks=4)
     pool = make_pool([1500, 900, 2100, 64], 32, 8, 128, torch.bfloat16, 16, seed=23, device="cuda",
@@ -182,9 +182,9 @@ def test_gpu_kept_mass_on_benchmark_planted_structure_32k(estimator):
     pairs keep >= eps of the true mass, reading < 15 % of the blocks (CPU torch simulation of the
     same algorithm: calibrated 5 %, paper 6.6 % at 32k, batch 1)."""
     from bench.psa_decode_bench import build_pool, kept_mass
-    from flashinfer_ext.block_meta import BlockMetaPool, paged_block_table
-    from flashinfer_ext.config import PsaDecodeConfig
-    from flashinfer_ext.psa_decode import PsaDecodeWrapper
+    from flashinfer_ext.psa.block_meta import BlockMetaPool, paged_block_table
+    from flashinfer_ext.psa.config import PsaDecodeConfig
+    from flashinfer_ext.psa.decode import PsaDecodeWrapper
 
     eps, ctx, page = 0.95, 32768, 16
     q, k, v, rtt, rpi = build_pool(4, ctx, 32, 8, 128, page, True, seed=24)

@@ -12,7 +12,7 @@ import torch
 
 from sglang_sparse import graph_variants
 from sglang_sparse.api_hooks import graph_gate_hook
-from sglang_sparse.loopserve_runner import STATE_ATTR
+from sglang_sparse.loopserve.runner import STATE_ATTR
 
 from .test_loopserve_graph import _captured, plan_replay
 from .test_loopserve_reselect import STEADY
@@ -83,7 +83,7 @@ def test_gate_and_variant_hooks_pick_the_recorded_graph():
 
 def test_psa_variant_follows_min_context_and_epsilon():
     from sglang_sparse.config import PsaConfig
-    from sglang_sparse.psa_runner import AttnShape, PsaCpuRunner
+    from sglang_sparse.psa.runner import AttnShape, PsaCpuRunner
 
     cfg = PsaConfig.from_dict({"min_context": 100, "epsilon": 0.95})
     runner = PsaCpuRunner(cfg, 16, AttnShape(2, 4, 2, 8), torch.device("cpu"))

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from flashinfer_ext.host_transfer import (HostGather, HostSave, gather_units_reference, save_units_reference,
+from flashinfer_ext.host_tier.host_transfer import (HostGather, HostSave, gather_units_reference, save_units_reference,
                                           word_view)
 from radix_sparse.host_pool import HostBlockPool, HostTierConfig, KVShape
 
@@ -269,7 +269,7 @@ def _tier_steps(pool: HostBlockPool, io, steps: int, seed: int, device) -> int:
 
 @pytest.mark.parametrize("seed", [0, 1])
 def test_tier_io_end_to_end_interpreter(seed):
-    from flashinfer_ext.host_transfer import HostTierIO
+    from flashinfer_ext.host_tier.host_transfer import HostTierIO
 
     shape = KVShape(num_layers=2, num_kv_heads=2, head_dim=8, dtype=torch.bfloat16)
     cfg = HostTierConfig(host_tier_gb=6 * 2 * 2 * (2 * 4 * 8 * 2) / (1 << 30), gpu_cache_blocks=7, page_size=4)
@@ -287,7 +287,7 @@ def test_tier_io_end_to_end_interpreter(seed):
 @pytest.mark.gpu
 @pytest.mark.parametrize("page", [16, 64])
 def test_gpu_tier_io_end_to_end(page):
-    from flashinfer_ext.host_transfer import HostTierIO
+    from flashinfer_ext.host_tier.host_transfer import HostTierIO
 
     shape = KVShape(num_layers=4, num_kv_heads=8, head_dim=128, dtype=torch.bfloat16)
     unit_bytes = 2 * page * 128 * 2

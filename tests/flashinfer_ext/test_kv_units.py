@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from flashinfer_ext.host_transfer import HostGather, HostSave
-from flashinfer_ext.kv_units import pack_pages, pack_pages_reference, unpack_units
+from flashinfer_ext.host_tier.host_transfer import HostGather, HostSave
+from flashinfer_ext.host_tier.kv_units import pack_pages, pack_pages_reference, unpack_units
 from radix_sparse.host_pool import HostBlockPool, HostTierConfig, KVShape
 
 

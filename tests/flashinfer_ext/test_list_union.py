@@ -1,4 +1,4 @@
-"""Contract: flashinfer_ext.list_union.union_append gives exactly its pure-torch reference's lists and lengths (the
+"""Contract: flashinfer_ext.loopserve.list_union.union_append gives exactly its pure-torch reference's lists and lengths (the
 sorted part, then the extra entries that are valid, below the row's length and not already present, in their order;
 zeros after the length) over partial sorted lists, empty lists, lists of one entry, overlapping and -1 padded extras,
 several blocks per list; on the CPU under the Triton interpreter and on the GPU."""
@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from flashinfer_ext.list_union import union_append, union_append_reference
+from flashinfer_ext.loopserve.list_union import union_append, union_append_reference
 
 
 def _case(b, hk, ws, we, seed, device):

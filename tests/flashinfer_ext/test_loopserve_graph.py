@@ -1,4 +1,4 @@
-"""Contract: a LoopServe / lastwindow steady decode step planned for a CUDA-graph replay (sglang_sparse.loopserve_graph)
+"""Contract: a LoopServe / lastwindow steady decode step planned for a CUDA-graph replay (sglang_sparse.loopserve.graph)
 decodes exactly like the eager step: same outputs for the real rows, zeros for the padding rows, same statistics,
 the same queries committed to the rings; only steady steps that fit the captured buffers are replayed.
 
@@ -13,8 +13,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from sglang_sparse.loopserve_graph import LoopServeGraphs
-from sglang_sparse.loopserve_runner import STATE_ATTR, LoopServeRunner
+from sglang_sparse.loopserve.graph import LoopServeGraphs
+from sglang_sparse.loopserve.runner import STATE_ATTR, LoopServeRunner
 
 from .test_loopserve_reselect import D, HQ, LOOPSERVE, STEADY, L, _Mode, _setup
 
@@ -177,7 +177,7 @@ def test_batch_sizes_above_graph_max_bs_capture_the_stock_decode_and_never_repla
 
 
 def test_can_run_graph_gate_asks_the_modes_backend():
-    """``api_hooks.graph_gate_hook`` (AFTER SGLang's ``can_run_graph``, installed with ``sglang_sparse.loopserve_backend``
+    """``api_hooks.graph_gate_hook`` (AFTER SGLang's ``can_run_graph``, installed with ``sglang_sparse.loopserve.backend``
     and psa): a graph is replayed only when SGLang allows it and the backend's ``sparse_wants_graph`` says yes."""
     from sglang_sparse.api_hooks import graph_gate_hook
 

@@ -1,4 +1,4 @@
-"""Contract: LoopServe's batched decode re-selection (LoopServeRunner + sglang_sparse.loopserve_select, Alg. 3 /
+"""Contract: LoopServe's batched decode re-selection (LoopServeRunner + sglang_sparse.loopserve.select, Alg. 3 /
 Eq. 7) picks, for every
 re-selecting row and layer, the top-min(budget, length) set of the fp32 reference over that row's own
 observation queries (the ring's earlier ones + the current one; lastwindow: the prompt's last window over
@@ -16,10 +16,10 @@ import pytest
 import torch
 
 from bench.loopserve_step_bench import DecodeMode
-from flashinfer_ext.loopserve_reference import decode_topb_reference
+from flashinfer_ext.loopserve.reference import decode_topb_reference
 from sglang_sparse.config import LastWindowConfig, LoopServeConfig
-from sglang_sparse.loopserve_runner import STATE_ATTR, LoopServeRunner, ReqState
-from sglang_sparse.loopserve_stats import STEP_COLS
+from sglang_sparse.loopserve.runner import STATE_ATTR, LoopServeRunner, ReqState
+from sglang_sparse.loopserve.stats import STEP_COLS
 
 from .kv_pool import make_pool
 
@@ -183,8 +183,8 @@ def _check_steady_step(lastwindow, device="cpu", tol=1e-4, all_layers=True):
     each layer then attends exactly the union of lines, slash offsets, kept top-B, sink and tail (the
     definition, :func:`decode_union_mask`), on the reference and the kernel path alike (``tol``: the kernel's
     fp32 dots are tf32 on a GPU)."""
-    from flashinfer_ext.loopserve_reference import masked_decode_reference
-    from flashinfer_ext.sparse_decode import decode_union_mask
+    from flashinfer_ext.loopserve.reference import masked_decode_reference
+    from flashinfer_ext.common.sparse_decode import decode_union_mask
 
     seq_lens, prompt_lens, budgets = STEADY[lastwindow]
     outs = []
@@ -213,7 +213,7 @@ def _check_steady_step(lastwindow, device="cpu", tol=1e-4, all_layers=True):
                                            D ** -0.5)
             if lid == L - 1:  # o3 holds the last layer's output
                 torch.testing.assert_close(o3, want, rtol=tol, atol=tol)
-        from sglang_sparse.loopserve_stats import COL_READ
+        from sglang_sparse.loopserve.stats import COL_READ
 
         assert torch.equal(runner.step_rows[:, COL_READ].cpu(), read.cpu())
         outs.append(o3)
@@ -227,7 +227,7 @@ def test_step_without_reselection_builds_every_layers_sets_once_and_decodes_them
 
 @pytest.mark.parametrize("lastwindow", [False, True], ids=["loopserve", "lastwindow"])
 def test_step_without_reselection_over_the_size_cap_builds_sets_per_layer(lastwindow, monkeypatch):
-    import sglang_sparse.loopserve_runner as lr
+    import sglang_sparse.loopserve.runner as lr
 
     monkeypatch.setattr(lr, "LISTS_ALL_MAX_ENTRIES", 0)
     _check_steady_step(lastwindow, all_layers=False)

@@ -1,4 +1,4 @@
-"""Contract: a LoopServe decode step records its working set (sglang_sparse.loopserve_ws): after the step, each
+"""Contract: a LoopServe decode step records its working set (sglang_sparse.loopserve.ws): after the step, each
 sparse row's tracker slot holds, per layer and KV head, exactly the blocks (token // block_size) of the tokens
 that layer's split-list decode attended; the kernel path (Triton under the interpreter on the CPU) and the
 reference path record the same units; a graph-replayed steady step (capture over the trash row, replay planned
@@ -13,11 +13,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from flashinfer_ext.ws_record import ws_record_tokens, ws_record_tokens_reference
+from flashinfer_ext.host_tier.ws_record import ws_record_tokens, ws_record_tokens_reference
 from radix_sparse.working_set_tracker import WorkingSetTracker
-from sglang_sparse.loopserve_graph import LoopServeGraphs
-from sglang_sparse.loopserve_runner import LoopServeRunner
-from sglang_sparse.loopserve_ws import LoopServeWorkingSet
+from sglang_sparse.loopserve.graph import LoopServeGraphs
+from sglang_sparse.loopserve.runner import LoopServeRunner
+from sglang_sparse.loopserve.ws import LoopServeWorkingSet
 
 from .test_loopserve_graph import MAX_BS, _decode_layers, _replay
 from .test_loopserve_reselect import HK, HQ, LOOPSERVE, STEADY, D, L, _Mode, _setup

@@ -7,10 +7,10 @@ import math
 import pytest
 import torch
 
-from flashinfer_ext.config import PsaDecodeConfig
-from flashinfer_ext.criticality import bound_suffix
-from flashinfer_ext.psa_chunks import plan_waves
-from flashinfer_ext.reference import bound_suffix_reference
+from flashinfer_ext.psa.config import PsaDecodeConfig
+from flashinfer_ext.psa.criticality import bound_suffix
+from flashinfer_ext.psa.chunks import plan_waves
+from flashinfer_ext.common.reference import bound_suffix_reference
 
 
 @pytest.mark.parametrize("n_ranked,pairs,target,growth", [(8189, 64, 528, 2.0), (8189, 2048, 528, 2.0),

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from flashinfer_ext.block_meta import BlockMetaPool, identity_block_table, paged_block_table
-from flashinfer_ext.config import PsaDecodeConfig
-from flashinfer_ext.psa_decode import PsaDecodeWrapper
-from flashinfer_ext.reference import (criticality_reference, dense_decode_reference, kept_mass_reference,
+from flashinfer_ext.psa.block_meta import BlockMetaPool, identity_block_table, paged_block_table
+from flashinfer_ext.psa.config import PsaDecodeConfig
+from flashinfer_ext.psa.decode import PsaDecodeWrapper
+from flashinfer_ext.common.reference import (criticality_reference, dense_decode_reference, kept_mass_reference,
                                       progressive_decode_reference)
 
 from .kv_pool import make_pool
@@ -64,7 +64,7 @@ def _est(estimator: str) -> dict:
 ])
 def test_wrapper_matches_reference_pipeline(hq, hk, d, dtype, page_size, block_size, estimator):
     """Several waves (tiny first wave, growing chunks): same stops, outputs, lse and estimate as the reference
-    (the stop test of every estimator runs in flashinfer_ext.wave_merge)."""
+    (the stop test of every estimator runs in flashinfer_ext.psa.wave_merge)."""
     cfg = PsaDecodeConfig(epsilon=0.9, micro_batch_blocks=2, sink_blocks=1, local_blocks=1, max_blocks=64,
                           chunk_growth=2, **_est(estimator))
     seq_lens = [13 * block_size + 7, 2 * block_size, 9 * block_size + 1]
@@ -271,7 +271,7 @@ def test_plan_rejects_batch_above_capacity():
 def test_user_config_maps_the_mean_estimator_onto_mean_scores():
     """``{"estimator": "mean"}`` in --sparse-config: the kernel estimates unread blocks from q . mean key."""
     from sglang_sparse.config import PsaConfig
-    from sglang_sparse.psa_runner import kernel_config
+    from sglang_sparse.psa.runner import kernel_config
 
     k = kernel_config(PsaConfig.from_dict({"estimator": "mean"}))
     assert (k.estimator, k.criticality, k.group_reduce, k.rank_by) == ("mean", "mean", "max", "mean")

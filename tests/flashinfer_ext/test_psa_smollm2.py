@@ -26,10 +26,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from flashinfer_ext.block_meta import BlockMetaPool, identity_block_table
-from flashinfer_ext.config import PsaDecodeConfig
-from flashinfer_ext.psa_decode import PsaDecodeWrapper
-from flashinfer_ext.reference import kept_mass_reference, progressive_decode_reference
+from flashinfer_ext.psa.block_meta import BlockMetaPool, identity_block_table
+from flashinfer_ext.psa.config import PsaDecodeConfig
+from flashinfer_ext.psa.decode import PsaDecodeWrapper
+from flashinfer_ext.common.reference import kept_mass_reference, progressive_decode_reference
 
 ROOT = Path(__file__).resolve().parents[2]
 MODEL = ROOT / "models" / "SmolLM2-135M-Instruct"

@@ -13,7 +13,7 @@ import os
 import pytest
 import torch
 
-from flashinfer_ext.rope_shift import rope_inv_freq, rope_shift, rope_shift_reference
+from flashinfer_ext.samkv.rope_shift import rope_inv_freq, rope_shift, rope_shift_reference
 
 MODEL_DIR = os.path.join(os.path.dirname(__file__), "..", "..", "models", "SmolLM2-135M-Instruct")
 

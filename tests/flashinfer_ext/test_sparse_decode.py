@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from flashinfer_ext.reference import dense_decode_reference, progressive_decode_reference
-from flashinfer_ext.sparse_decode import sparse_decode
+from flashinfer_ext.common.reference import dense_decode_reference, progressive_decode_reference
+from flashinfer_ext.common.sparse_decode import sparse_decode
 
 from .kv_pool import make_pool
 

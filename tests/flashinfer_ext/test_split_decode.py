@@ -1,15 +1,15 @@
 """Contract: the split-list sparse decode equals the fp32 reference and the one-program sparse decode on the same
 lists, for any split count (empty spans included), and its plan covers every list entry. (Both kernels run the
-shared tile helpers of ``flashinfer_ext.tile_attention``.)"""
+shared tile helpers of ``flashinfer_ext.common.tile_attention``.)"""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from flashinfer_ext.reference import progressive_decode_reference
-from flashinfer_ext.sparse_decode import sparse_decode
-from flashinfer_ext.split_decode import SplitPlan, alloc_split_buffers, plan_splits, sparse_decode_split
+from flashinfer_ext.common.reference import progressive_decode_reference
+from flashinfer_ext.common.sparse_decode import sparse_decode
+from flashinfer_ext.common.split_decode import SplitPlan, alloc_split_buffers, plan_splits, sparse_decode_split
 
 from .kv_pool import make_pool
 

@@ -1,10 +1,10 @@
 """Contract: LoopServe's batched decode (Alg. 3) — the union mask of stored vertical lines, slash offsets
 relative to the current position, top-B, sink and tokens since the last selection
-(:func:`flashinfer_ext.sparse_decode.decode_union_mask`), compacted by prefix sums
-(:func:`~flashinfer_ext.sparse_decode.mask_to_lists`) and attended in one :func:`sparse_decode` launch
+(:func:`flashinfer_ext.common.sparse_decode.decode_union_mask`), compacted by prefix sums
+(:func:`~flashinfer_ext.common.sparse_decode.mask_to_lists`) and attended in one :func:`sparse_decode` launch
 over all rows and KV heads — equals the fp32 masked decode over the same sets, for GQA 4/1, 3/1 and 4/1 at
 Llama shapes, bf16 and fp16, page sizes 1/16 (partial last pages), rows of different lengths; and the
-context-independent list construction the server uses (:func:`~flashinfer_ext.sparse_decode.decode_union_lists`:
+context-independent list construction the server uses (:func:`~flashinfer_ext.common.sparse_decode.decode_union_lists`:
 concat + sort + dedupe, O(width) per row) gives exactly the mask's compacted lists."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from flashinfer_ext.loopserve_reference import masked_decode_reference
-from flashinfer_ext.sparse_decode import (decode_union_lists, decode_union_mask, lists_to_mask, mask_to_lists,
+from flashinfer_ext.loopserve.reference import masked_decode_reference
+from flashinfer_ext.common.sparse_decode import (decode_union_lists, decode_union_mask, lists_to_mask, mask_to_lists,
                                           sparse_decode)
 
 from .kv_pool import make_pool

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from flashinfer_ext.loopserve_reference import vs_estimate_reference
-from flashinfer_ext.vs_estimate import vs_estimate
+from flashinfer_ext.loopserve.reference import vs_estimate_reference
+from flashinfer_ext.loopserve.vs_estimate import vs_estimate
 
 from .kv_pool import make_pool
 

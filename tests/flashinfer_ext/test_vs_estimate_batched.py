@@ -8,10 +8,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from flashinfer_ext.vs_estimate import VSLineSums, vs_estimate
-from flashinfer_ext.vs_estimate_batched import (decode_topb_batched, qo_indptr_of, vertical_sums_batched,
+from flashinfer_ext.loopserve.vs_estimate import VSLineSums, vs_estimate
+from flashinfer_ext.loopserve.vs_estimate_batched import (decode_topb_batched, qo_indptr_of, vertical_sums_batched,
                                                 vertical_sums_batched_reference)
-from flashinfer_ext.vs_select import decode_topb
+from flashinfer_ext.loopserve.vs_select import decode_topb
 
 from .kv_pool import make_pool
 
@@ -168,7 +168,7 @@ def test_vertical_sums_batched_rejects_bad_splits_and_span_buffer():
 
 
 def test_lse_splits_fills_the_target_with_long_spans_only():
-    from flashinfer_ext.vs_lse_split import MAX_LSE_SPLITS, lse_splits
+    from flashinfer_ext.loopserve.vs_lse_split import MAX_LSE_SPLITS, lse_splits
 
     # 8 requests x 8 KV heads x 1 row block at 32k keys, 264 target programs (H100: 2 x 132 SMs): 4 spans
     assert lse_splits(8, 8, 1, 32768, 264) == 4
@@ -179,7 +179,7 @@ def test_lse_splits_fills_the_target_with_long_spans_only():
     assert lse_splits(1, 3, 1, 2700, 264) == 1
     assert lse_splits(64, 8, 1, 32768, 264) == 1
     assert lse_splits(1, 1, 1, 300, 8, min_split_keys=64) == 4
-    from flashinfer_ext.vs_common import target_programs_of
+    from flashinfer_ext.loopserve.vs_common import target_programs_of
 
     assert target_programs_of(torch.device("cpu")) == 8  # the kernels' default off CUDA (2 x SMs on CUDA)
 
@@ -206,7 +206,7 @@ def test_vertical_sums_batched_with_several_key_blocks_per_program_equals_one_bl
 
 
 def test_vsum_key_blocks_groups_blocks_only_for_large_grids():
-    from flashinfer_ext.vs_estimate_batched import vsum_key_blocks
+    from flashinfer_ext.loopserve.vs_estimate_batched import vsum_key_blocks
 
     assert vsum_key_blocks(8 * 8 * 512, 264) == 16     # 8 requests x 32k keys, Llama-8B heads, H100
     assert vsum_key_blocks(1 * 8 * 512, 264) == 2      # one request x 32k keys

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from flashinfer_ext.loopserve_reference import vs_prefill_reference
-from flashinfer_ext.vs_prefill import vs_prefill
+from flashinfer_ext.loopserve.reference import vs_prefill_reference
+from flashinfer_ext.loopserve.vs_prefill import vs_prefill
 
 from .kv_pool import make_pool
 

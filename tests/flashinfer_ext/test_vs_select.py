@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from flashinfer_ext.loopserve_reference import (covered_mass_reference, vs_estimate_reference,
+from flashinfer_ext.loopserve.reference import (covered_mass_reference, vs_estimate_reference,
                                                 vs_select_alg2_reference)
-from flashinfer_ext.vs_estimate import VSLineSums
-from flashinfer_ext.vs_select import VSSelectConfig, vs_select
+from flashinfer_ext.loopserve.vs_estimate import VSLineSums
+from flashinfer_ext.loopserve.vs_select import VSSelectConfig, vs_select
 
 from .kv_pool import make_pool
 
@@ -106,10 +106,10 @@ def test_gpu_select_32k_same_as_cpu():
 
 def test_decode_topb_matches_eq7_reference_and_drives_sparse_decode():
     """Alg. 3: top-B per KV head from the last n_d queries; the lists feed sparse_decode (block_size 1)."""
-    from flashinfer_ext.loopserve_reference import decode_topb_reference
-    from flashinfer_ext.sparse_decode import sparse_decode
-    from flashinfer_ext.vs_estimate import vs_estimate
-    from flashinfer_ext.vs_select import decode_topb
+    from flashinfer_ext.loopserve.reference import decode_topb_reference
+    from flashinfer_ext.common.sparse_decode import sparse_decode
+    from flashinfer_ext.loopserve.vs_estimate import vs_estimate
+    from flashinfer_ext.loopserve.vs_select import decode_topb
 
     seq_len, n_d, hq, hk, d, budget = 120, 16, 9, 3, 64, 24
     pool = make_pool([seq_len], hq, hk, d, torch.bfloat16, 1, seed=13)

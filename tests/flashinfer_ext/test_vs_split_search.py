@@ -8,9 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from flashinfer_ext.vs_estimate import VSLineSums
-from flashinfer_ext.vs_select import VSSelectConfig, vs_select
-from flashinfer_ext.vs_split_search import split_candidates, split_search, split_search_reference
+from flashinfer_ext.loopserve.vs_estimate import VSLineSums
+from flashinfer_ext.loopserve.vs_select import VSSelectConfig, vs_select
+from flashinfer_ext.loopserve.vs_split_search import split_candidates, split_search, split_search_reference
 
 
 def _lists(hk, n, seed, device="cpu"):

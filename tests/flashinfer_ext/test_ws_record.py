@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from flashinfer_ext.ws_record import ws_record, ws_record_reference
+from flashinfer_ext.host_tier.ws_record import ws_record, ws_record_reference
 
 SHAPES = [  # (bs, kv heads, cols, layers): a partial last block of the grid, GQA-like head counts, one column
     (1, 1, 1, 1), (3, 2, 37, 2), (4, 8, 130, 3), (2, 3, 600, 2),

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from flashinfer_ext.ws_record import ws_record_tokens, ws_record_tokens_reference
+from flashinfer_ext.host_tier.ws_record import ws_record_tokens, ws_record_tokens_reference
 
 # (rows, kv heads, width, layers, block size, max blocks): one entry; several kv head counts (GQA 1..8 heads);
 # a width over one program (partial last program); page 1 (a block per token); a partial last page (context

@@ -1,0 +1,226 @@
+"""Split-list sparse decode: the plain sparse-page decode over per-(request, KV head) lists, with each list
+cut into spans that separate programs attend, then one merge.
+
+Supports: what :func:`flashinfer_ext.common.sparse_decode.sparse_decode` supports with ``epsilon >= 1`` (one
+decode query per request, GQA with the query-head group of a KV head in one program, SGLang's KV layout
+``[num_slots, num_kv_heads, head_dim]`` through ``req_to_token``, block sizes 1..128, bf16/fp16 KV, a
+partial last block masked by ``seq_len``), and the same outputs (``o``, a BASE-2 ``lse``, entries read per
+pair). Two launches, both without host sync or allocation once the buffers are given, so a caller can plan
+them once per step and share them across layers (CUDA-graph capturable at a fixed ``num_splits``):
+
+  1. grid ``[batch * num_kv_heads, num_splits]``: program ``(pair, s)`` attends list entries
+     ``[s * chunk, min((s + 1) * chunk, list_len))`` and writes a normalised fp32 partial ``o`` and its
+     base-2 ``lse`` (``-inf`` for an empty span) into ``partial_o_buf`` / ``partial_lse_buf``;
+  2. grid ``[batch * num_kv_heads]``: the partials of a pair merged in split order (the base-2 online
+     softmax of ``flashinfer.merge_state``), written in the output dtype.
+
+Why: :func:`~flashinfer_ext.common.sparse_decode.sparse_decode` runs one program per (request, KV head); at
+SmolLM2's 3 KV heads and one request that is 3 programs walking ~1k list entries each, latency-bound
+(on an H100 49 us a layer against FlashInfer's 6 us for the whole context).
+:func:`plan_splits` picks the split count from the host-known list width and the SM count.
+
+Cautions: the partial buffers hold ``batch * num_kv_heads * num_splits * group * head_dim`` fp32 values;
+entries must be distinct and ``< ceil(seq_len / block_size)`` (as for ``sparse_decode``); no PSA stop test
+here (use :mod:`flashinfer_ext.psa.decode` for that).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from flashinfer_ext.common.sparse_decode import decode_outputs, decode_shapes
+from flashinfer_ext.common.tile_attention import attend_slots, group_query_state, list_tile_slots
+
+__all__ = ["SplitPlan", "plan_splits", "sparse_decode_split", "alloc_split_buffers"]
+
+
+@dataclass(frozen=True)
+class SplitPlan:
+    """How lists of width ``list_width`` are cut: ``num_splits`` spans of ``chunk`` entries (a multiple of
+    the tile's ``sub`` entries); ``num_splits * chunk >= list_width``."""
+
+    num_splits: int
+    chunk: int
+    sub: int
+
+    def __post_init__(self):
+        if self.num_splits < 1:
+            raise ValueError(f"num_splits={self.num_splits} must be >= 1")
+        if self.sub < 1 or self.chunk < self.sub or self.chunk % self.sub:
+            raise ValueError(f"chunk={self.chunk} must be a positive multiple of sub={self.sub}")
+
+
+def _sub_entries(block_size: int, tile_tokens: int) -> int:
+    return max(1, triton.next_power_of_2(max(tile_tokens, 16)) // block_size)
+
+
+def plan_splits(list_width: int, num_pairs: int, *, block_size: int, target_programs: int,
+                tile_tokens: int = 64, min_chunk_tiles: int = 1) -> SplitPlan:
+    """Split count for lists of ``list_width`` entries over ``num_pairs`` (request, KV head) pairs: enough
+    spans that ``num_pairs * num_splits`` reaches ``target_programs`` (about two waves of SMs), never a span
+    shorter than ``min_chunk_tiles`` tiles. Host ints only (the width is a tensor shape: no sync)."""
+    if list_width < 0 or num_pairs < 0 or target_programs < 1:
+        raise ValueError(f"list_width={list_width}, num_pairs={num_pairs} must be >= 0 and "
+                         f"target_programs={target_programs} >= 1")
+    sub = _sub_entries(block_size, tile_tokens)
+    tiles = max(1, -(-list_width // sub))
+    want = max(1, -(-target_programs // max(num_pairs, 1)))
+    splits = max(1, min(want, tiles // max(min_chunk_tiles, 1)))
+    chunk = -(-tiles // splits) * sub
+    return SplitPlan(num_splits=max(1, -(-max(list_width, 1) // chunk)), chunk=chunk, sub=sub)
+
+
+def alloc_split_buffers(batch: int, num_qo_heads: int, head_dim: int, num_splits: int,
+                        device) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(partial_o_buf [batch * num_qo_heads, num_splits, head_dim] fp32, partial_lse_buf
+    [batch * num_qo_heads, num_splits] fp32)``: allocate once per step, share across layers."""
+    return (torch.empty(batch * num_qo_heads, num_splits, head_dim, dtype=torch.float32, device=device),
+            torch.empty(batch * num_qo_heads, num_splits, dtype=torch.float32, device=device))
+
+
+@triton.jit
+def _split_kernel(
+    q_ptr, stride_qb, stride_qh,
+    k_ptr, stride_k_slot, stride_k_head, v_ptr, stride_v_slot, stride_v_head,
+    rtt_ptr, stride_rtt, rpi_ptr, seq_lens_ptr,
+    lists_ptr, stride_lb, stride_lh, list_lens_ptr, stride_llb,
+    po_ptr, stride_po_row, stride_po_s, plse_ptr, stride_plse_row,
+    chunk, sm_scale_log2,
+    NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, G_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    SUB: tl.constexpr, DOT_FP32: tl.constexpr,
+):
+    pair = tl.program_id(0)
+    s = tl.program_id(1)
+    r = pair // NUM_KV_HEADS
+    h = pair % NUM_KV_HEADS
+    r64 = r.to(tl.int64)
+    seq_len = tl.load(seq_lens_ptr + r)
+    list_len = tl.load(list_lens_ptr + r64 * stride_llb + h)
+    t_lo = s * chunk
+    t_hi = tl.minimum(t_lo + chunk, list_len)
+    rtt_row_ptr = rtt_ptr + tl.load(rpi_ptr + r).to(tl.int64) * stride_rtt
+    lists_row_ptr = lists_ptr + r64 * stride_lb + h * stride_lh
+
+    q, g, d, gmask, dmask, m_i, l_i, acc = group_query_state(q_ptr, stride_qb, stride_qh, r64, h, k_ptr,
+                                                             GROUP, G_PAD, HEAD_DIM, D_PAD)
+    TOK: tl.constexpr = SUB * BLOCK_SIZE
+    tok = tl.arange(0, TOK)
+    for t0 in range(t_lo, t_hi, SUB):
+        slot, tvalid = list_tile_slots(lists_row_ptr, rtt_row_ptr, t0, t_hi, seq_len, tok, BLOCK_SIZE)
+        m_i, _, l_i, acc, _ = attend_slots(q, k_ptr, v_ptr, stride_k_slot, stride_k_head, stride_v_slot,
+                                           stride_v_head, h, slot, tvalid, tvalid[None, :], d, dmask, m_i, l_i, acc,
+                                           sm_scale_log2, DOT_FP32)
+    has = l_i > 0.0
+    l_safe = tl.where(has, l_i, 1.0)
+    row = (r64 * NUM_KV_HEADS + h) * GROUP + g  # = r * num_qo_heads + qo head
+    tl.store(po_ptr + row[:, None] * stride_po_row + s * stride_po_s + d[None, :], acc / l_safe[:, None],
+             mask=gmask[:, None] & dmask[None, :])
+    tl.store(plse_ptr + row * stride_plse_row + s, tl.where(has, m_i + tl.log2(l_safe), float("-inf")), mask=gmask)
+
+
+@triton.jit
+def _merge_kernel(
+    po_ptr, stride_po_row, stride_po_s, plse_ptr, stride_plse_row, list_lens_ptr, stride_llb,
+    o_ptr, stride_ob, stride_oh, lse_ptr, stride_lseb, nread_ptr, stride_nb,
+    num_splits,
+    NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, G_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
+):
+    pair = tl.program_id(0)
+    r = pair // NUM_KV_HEADS
+    h = pair % NUM_KV_HEADS
+    r64 = r.to(tl.int64)
+    g = tl.arange(0, G_PAD)
+    d = tl.arange(0, D_PAD)
+    gmask = g < GROUP
+    gd_mask = gmask[:, None] & (d < HEAD_DIM)[None, :]
+    row = (r64 * NUM_KV_HEADS + h) * GROUP + g
+    m = tl.full([G_PAD], float("-inf"), tl.float32)
+    l = tl.zeros([G_PAD], tl.float32)
+    acc = tl.zeros([G_PAD, D_PAD], tl.float32)
+    for s in range(0, num_splits):
+        ls = tl.load(plse_ptr + row * stride_plse_row + s, mask=gmask, other=float("-inf"))
+        m_new = tl.maximum(m, ls)
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        w_old = tl.exp2(m - m_safe)
+        w_s = tl.exp2(ls - m_safe)
+        os_ = tl.load(po_ptr + row[:, None] * stride_po_row + s * stride_po_s + d[None, :], mask=gd_mask, other=0.0)
+        acc = acc * w_old[:, None] + os_ * w_s[:, None]
+        l = l * w_old + w_s
+        m = m_new
+    has = l > 0.0
+    l_safe = tl.where(has, l, 1.0)
+    qo = h * GROUP + g
+    tl.store(o_ptr + r64 * stride_ob + qo[:, None] * stride_oh + d[None, :],
+             (acc / l_safe[:, None]).to(o_ptr.dtype.element_ty), mask=gd_mask)
+    tl.store(lse_ptr + r64 * stride_lseb + qo, tl.where(has, m + tl.log2(l_safe), float("-inf")), mask=gmask)
+    tl.store(nread_ptr + r64 * stride_nb + h, tl.load(list_lens_ptr + r64 * stride_llb + h))
+
+
+def sparse_decode_split(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor,
+                        req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor,
+                        block_lists: torch.Tensor, list_lens: torch.Tensor, plan: SplitPlan, *,
+                        block_size: int, sm_scale: float,
+                        partial_o_buf: torch.Tensor | None = None, partial_lse_buf: torch.Tensor | None = None,
+                        out: torch.Tensor | None = None, lse_out: torch.Tensor | None = None,
+                        nread_out: torch.Tensor | None = None):
+    """Decode attention over every listed entry of per-(request, KV head) lists, split by ``plan``.
+
+    Args:
+      q: ``[batch, num_qo_heads, head_dim]`` (post-RoPE), cast to the KV dtype.
+      k_buffer, v_buffer: ``[num_slots, num_kv_heads, head_dim]`` bf16/fp16 (one layer).
+      req_to_token: ``[max_reqs, max_context_len]`` int32; req_pool_indices: ``[batch]``; seq_lens ``[batch]`` int32.
+      block_lists: ``[batch, num_kv_heads, W]`` logical block ids (any order, distinct, ``< ceil(seq_len /
+        block_size)``); list_lens: ``[batch, num_kv_heads]`` int32 entries to read (``<= W``,
+        ``<= plan.num_splits * plan.chunk``).
+      plan: from :func:`plan_splits` with the same ``block_size`` (its ``sub`` is the tile).
+      partial_o_buf / partial_lse_buf: from :func:`alloc_split_buffers` (``batch * num_qo_heads`` rows, at least
+        ``plan.num_splits`` splits); allocated if None.
+      out ``[batch, num_qo_heads, head_dim]`` (default q's dtype), lse_out ``[batch, num_qo_heads]`` fp32 base 2,
+      nread_out ``[batch, num_kv_heads]`` int32 (= list_lens); allocated if None.
+
+    Returns ``(out, lse_out, nread_out)``. Two launches; allocation-free when every buffer is given.
+    """
+    batch, num_qo_heads, head_dim, num_kv_heads = decode_shapes(q, k_buffer, block_size)
+    if plan.sub * block_size < 16 or plan.sub & (plan.sub - 1):
+        raise ValueError(f"plan.sub={plan.sub} does not tile block_size={block_size} (use plan_splits)")
+    out, lse_out, nread_out = decode_outputs(q, num_kv_heads, out, lse_out, nread_out)
+    if partial_o_buf is None or partial_lse_buf is None:
+        partial_o_buf, partial_lse_buf = alloc_split_buffers(batch, num_qo_heads, head_dim, plan.num_splits, q.device)
+    if batch == 0:
+        return out, lse_out, nread_out
+    if partial_o_buf.shape[0] < batch * num_qo_heads or partial_o_buf.shape[1] < plan.num_splits:
+        raise ValueError(f"partial_o_buf {tuple(partial_o_buf.shape)} is smaller than "
+                         f"[{batch * num_qo_heads}, {plan.num_splits}, {head_dim}]")
+    assert k_buffer.stride(2) == 1 and v_buffer.stride(2) == 1 and q.stride(2) == 1 and out.stride(2) == 1
+    assert block_lists.stride(2) == 1 and list_lens.stride(1) == 1
+    assert partial_o_buf.stride(2) == 1
+    group = num_qo_heads // num_kv_heads
+    g_pad = max(16, triton.next_power_of_2(group))
+    d_pad = max(16, triton.next_power_of_2(head_dim))
+    pairs = batch * num_kv_heads
+    _split_kernel[(pairs, plan.num_splits)](
+        q, q.stride(0), q.stride(1),
+        k_buffer, k_buffer.stride(0), k_buffer.stride(1), v_buffer, v_buffer.stride(0), v_buffer.stride(1),
+        req_to_token, req_to_token.stride(0), req_pool_indices, seq_lens,
+        block_lists, block_lists.stride(0), block_lists.stride(1), list_lens, list_lens.stride(0),
+        partial_o_buf, partial_o_buf.stride(0), partial_o_buf.stride(1), partial_lse_buf, partial_lse_buf.stride(0),
+        plan.chunk, float(sm_scale) / math.log(2.0),
+        NUM_KV_HEADS=num_kv_heads, GROUP=group, G_PAD=g_pad, HEAD_DIM=head_dim, D_PAD=d_pad,
+        BLOCK_SIZE=block_size, SUB=plan.sub, DOT_FP32=os.environ.get("TRITON_INTERPRET", "0") == "1",
+    )
+    _merge_kernel[(pairs,)](
+        partial_o_buf, partial_o_buf.stride(0), partial_o_buf.stride(1), partial_lse_buf, partial_lse_buf.stride(0),
+        list_lens, list_lens.stride(0),
+        out, out.stride(0), out.stride(1), lse_out, lse_out.stride(0), nread_out, nread_out.stride(0),
+        plan.num_splits,
+        NUM_KV_HEADS=num_kv_heads, GROUP=group, G_PAD=g_pad, HEAD_DIM=head_dim, D_PAD=d_pad,
+    )
+    return out, lse_out, nread_out

@@ -1,0 +1,276 @@
+"""PSA progressive threshold decode (PSA Alg. 1) as a FlashInfer-style plan()/run() wrapper.
+
+Supports: a batch of decode requests over SGLang's KV pool (``[num_slots, num_kv_heads,
+head_dim]`` per layer, ``req_to_token``), block metadata from
+:mod:`flashinfer_ext.psa.block_meta` (page size > 1: blocks = pages; page size 1: logical
+blocks of ``block_size`` positions), GQA with the query-head group taken into the
+criticality bound explicitly, bf16/fp16, a per-request epsilon (a row with
+``epsilon >= 1`` attends every block of its context: the dense result).
+
+Per layer, :meth:`PsaDecodeWrapper.run` launches a fixed sequence of device ops:
+criticality (Triton; fp32 scores + int16 sort keys) -> ranking (:mod:`flashinfer_ext.psa.rank_select`:
+exact top-``sorted_prefix_blocks`` then block order; or a full device sort) ->
+remaining-mass bound suffix (Triton;
+'bound'/'calibrated' estimators only) -> for each *wave* of the host plan: chunk
+attention (:mod:`flashinfer_ext.psa.chunks`, one program per (request, KV head, chunk),
+pairs already done exit at once) + merge with the stop test chunk by chunk
+(:mod:`flashinfer_ext.psa.wave_merge`). The result equals sequential PSA with the chunk
+schedule of :meth:`PsaDecodeConfig.ranked_chunk_ends` (reference:
+:func:`flashinfer_ext.common.reference.progressive_decode_reference`), whatever the wave layout.
+No ``.item()``, no host sync, no allocation of its own, launch count fixed by
+``(batch, num_cols)``: capture it in a CUDA graph and replay after :meth:`plan` refreshed
+the preallocated ``_buf`` tensors in place.
+
+Cautions:
+  * :meth:`plan` once per batch (may run at graph replay time: device tensors only, no host
+    reads); it derives forced counts / read caps / epsilon rows on the device.
+  * For graph capture plan with ``max_seq_len=None`` (full ``max_blocks_per_req`` columns):
+    the sort width and the wave plan must not change between capture and replay.
+  * The new decode token's K/V must be in the pool and its block metadata updated
+    (:meth:`update_meta_decode`) before :meth:`run`.
+  * ``nread`` counts the blocks whose attention is in the result; the kernels read up to
+    ``wave_growth`` times more in the last wave they run, and the first wave is sized to fill the
+    GPU (``wave_programs``), so at batch 1 it can read far past the stop point (bandwidth, not
+    latency; ``bench/psa_decode_bench.py`` reports both fractions).
+  * Measured on an H100 (triton 3.6, one layer, CUDA graph, 128k context, batch 8, 32/8 heads,
+    d 128, page 16, planted structure of the benchmark, eps 0.95, 'calibrated'): 256-260 us, of
+    which criticality 104 us (kmin+kmax of every block, ~2.6 TB/s), ranking 42 us, bound suffix
+    14 us, chunk waves ~70 us, merges ~25 us.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .block_meta import update_block_meta
+from .config import PsaDecodeConfig
+from .criticality import block_criticality, bound_suffix, rank_blocks
+from .chunks import plan_waves, psa_chunk_attention
+from .rank_select import rank_select
+from .wave_merge import wave_merge
+
+__all__ = ["PsaDecodeWrapper"]
+
+
+class PsaDecodeWrapper:
+    """Progressive threshold decode for up to ``max_batch_size`` requests.
+
+    Args:
+      config: :class:`PsaDecodeConfig`.
+      num_qo_heads, num_kv_heads, head_dim: attention shape (``num_qo_heads % num_kv_heads == 0``).
+      block_size: tokens per block (the page size for page size > 1).
+      max_batch_size: largest batch :meth:`plan` accepts.
+      max_blocks_per_req: ``ceil(max_context_len / block_size)``; the sort width.
+      sm_scale: softmax scale (default ``head_dim ** -0.5``).
+      out_dtype: dtype of the attention output buffer.
+      wave_programs: programs the first wave should launch (default 4 x SM count on CUDA).
+      wave_growth: each next wave covers about this many times the ranks read so far.
+    """
+
+    def __init__(self, config: PsaDecodeConfig, *, num_qo_heads: int, num_kv_heads: int, head_dim: int,
+                 block_size: int, max_batch_size: int, max_blocks_per_req: int,
+                 device: str | torch.device = "cuda", sm_scale: float | None = None,
+                 out_dtype: torch.dtype = torch.bfloat16, tile_tokens: int = 64,
+                 wave_programs: int | None = None, wave_growth: float = 2.0, max_waves: int = 12):
+        if not isinstance(config, PsaDecodeConfig):
+            raise TypeError(f"config must be a PsaDecodeConfig, got {type(config).__name__}")
+        if num_qo_heads % num_kv_heads:
+            raise ValueError(f"num_qo_heads={num_qo_heads} is not a multiple of num_kv_heads={num_kv_heads}")
+        if not 1 <= block_size <= 128 or block_size & (block_size - 1):
+            raise ValueError(f"block_size={block_size} must be a power of two in [1, 128]")
+        self.config = config
+        self.num_qo_heads, self.num_kv_heads, self.head_dim = num_qo_heads, num_kv_heads, head_dim
+        self.group = num_qo_heads // num_kv_heads
+        self.block_size = block_size
+        self.max_batch_size = max_batch_size
+        self.max_blocks_per_req = max_blocks_per_req
+        self.sm_scale = float(head_dim ** -0.5 if sm_scale is None else sm_scale)
+        self.tile_tokens = tile_tokens
+        dev = torch.device(device)
+        if wave_programs is None:
+            wave_programs = (4 * torch.cuda.get_device_properties(dev).multi_processor_count
+                             if dev.type == "cuda" else 16)
+        self.wave_programs, self.wave_growth, self.max_waves = int(wave_programs), float(wave_growth), int(max_waves)
+        i32 = dict(dtype=torch.int32, device=dev)
+        f32 = dict(dtype=torch.float32, device=dev)
+        hk, g, d, mb, cols = num_kv_heads, self.group, head_dim, max_batch_size, max_blocks_per_req
+        n = mb * hk * cols
+        self._req_pool_indices_buf = torch.zeros(mb, **i32)
+        self._seq_lens_buf = torch.zeros(mb, **i32)
+        self._start_buf = torch.zeros(mb, **i32)
+        self._n_forced_buf = torch.zeros(mb, **i32)
+        self._eps_buf = torch.ones(mb, **f32)
+        self._list_lens_buf = torch.zeros(mb, hk, **i32)
+        self._block_table_buf = torch.zeros(mb, cols, **i32)
+        self._scores_buf = torch.empty(n, **f32)
+        self._keys_buf = torch.empty(n, dtype=torch.int16, device=dev)
+        self._sorted_keys_buf = torch.empty(n, dtype=torch.int16, device=dev)
+        self._order_buf = torch.empty(n, dtype=torch.int64, device=dev)
+        self._prefix = config.ranking_prefix() if cols <= 65536 else 0
+        self._select_scratch_buf = torch.empty(max(1, mb * hk * self._prefix), dtype=torch.int64, device=dev)
+        self._suffix_buf = torch.empty(mb * hk * (cols + 1), **f32)
+        ends = config.ranked_chunk_ends(cols)
+        self._chunk_ends_buf = torch.tensor([0] + ends, **i32)
+        # partial slots: the largest (pairs x widest wave) over every batch size at full width
+        slots = max(b * hk * max(nc for _, nc in self._waves(b, cols)) for b in range(1, mb + 1))
+        self._partial_slots = slots
+        self._po_buf = torch.empty(slots * g * d, **f32)
+        self._plse_buf = torch.empty(slots * g, **f32)
+        self._pmin_buf = torch.empty(slots * g, **f32)
+        self._pdmax_buf = torch.empty(slots * g, **f32)
+        self._st_acc_buf = torch.empty(mb * hk * g * d, **f32)
+        self._st_lse_buf = torch.empty(mb * hk * g, **f32)
+        self._st_min_buf = torch.empty(mb * hk * g, **f32)
+        self._st_dmax_buf = torch.empty(mb * hk * g, **f32)
+        self._done_buf = torch.zeros(mb * hk, **i32)
+        self._o_buf = torch.empty(mb, num_qo_heads, head_dim, dtype=out_dtype, device=dev)
+        self._lse_buf = torch.empty(mb, num_qo_heads, **f32)
+        self._nread_buf = torch.zeros(mb, hk, **i32)
+        self._kept_buf = torch.ones(mb, hk, **f32)
+        self._req_to_token = None
+        self._bs = 0
+        self._num_cols = cols
+        self._wave_plan: list[tuple[int, int]] = []
+
+    def _waves(self, bs: int, cols: int) -> list[tuple[int, int]]:
+        return plan_waves(self.config.ranked_chunk_ends(cols), bs * self.num_kv_heads,
+                          target_programs=self.wave_programs, growth=self.wave_growth, max_waves=self.max_waves)
+
+    def plan(self, req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor,
+             block_table: torch.Tensor, max_seq_len: int | None = None,
+             epsilon: torch.Tensor | None = None) -> None:
+        """Prepare one decode batch (copies into the ``_buf`` tensors; no host reads of device data).
+
+        Args:
+          req_to_token: ``[max_reqs, max_context_len]`` int32 on the device (kept by reference).
+          req_pool_indices: ``[batch]``; seq_lens: ``[batch]`` tokens incl. the one being decoded.
+          block_table: ``[batch, >= n_blocks]`` int32 logical block -> meta row (see
+            :func:`flashinfer_ext.psa.block_meta.paged_block_table` / ``identity_block_table``).
+          max_seq_len: optional host bound to narrow the sort width (eager mode only).
+          epsilon: ``None`` (``config.epsilon`` for every row) or a ``[batch]`` fp32 device tensor of
+            per-request thresholds; a row with ``epsilon >= 1`` attends all of its blocks (no cap).
+        """
+        bs = int(req_pool_indices.shape[0])
+        if bs > self.max_batch_size:
+            raise ValueError(f"batch {bs} exceeds max_batch_size={self.max_batch_size}")
+        cfg, bsz = self.config, self.block_size
+        self._req_to_token = req_to_token
+        self._bs = bs
+        cols = self.max_blocks_per_req
+        if max_seq_len is not None:
+            cols = max(1, min(cols, -(-int(max_seq_len) // bsz)))
+        self._num_cols = cols
+        self._wave_plan = self._waves(bs, cols) if bs else []
+        need = bs * self.num_kv_heads * max((nc for _, nc in self._wave_plan), default=0)
+        if need > self._partial_slots:
+            raise ValueError(f"wave plan needs {need} partial slots > {self._partial_slots} allocated")
+        self._req_pool_indices_buf[:bs].copy_(req_pool_indices, non_blocking=True)
+        self._seq_lens_buf[:bs].copy_(seq_lens, non_blocking=True)
+        eps = self._eps_buf[:bs]
+        if epsilon is None:
+            eps.fill_(cfg.epsilon)
+        else:
+            if epsilon.shape != (bs,):
+                raise ValueError(f"epsilon must be a [{bs}] tensor, got shape {tuple(epsilon.shape)}")
+            eps.copy_(epsilon, non_blocking=True)
+        w = min(block_table.shape[1], self.max_blocks_per_req)
+        self._block_table_buf[:bs, :w].copy_(block_table[:, :w], non_blocking=True)
+        sl = self._seq_lens_buf[:bs]
+        torch.sub(sl, 1, out=self._start_buf[:bs])
+        n_blocks = torch.div(sl + (bsz - 1), bsz, rounding_mode="floor")
+        self._n_forced_buf[:bs].copy_(torch.clamp(n_blocks, max=cfg.sink_blocks + cfg.local_blocks))
+        limit = torch.where(eps >= 1.0, n_blocks, torch.minimum(n_blocks, self._n_forced_buf[:bs] + cfg.max_blocks))
+        self._list_lens_buf[:bs].copy_(limit.clamp(max=cols)[:, None].expand(bs, self.num_kv_heads))
+
+    def update_meta_decode(self, k_buffer: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor,
+                           kmean: torch.Tensor) -> None:
+        """Fold each request's newest key (position ``seq_len - 1``) into its block's metadata.
+
+        ``k_buffer`` ``[num_slots, num_kv_heads, head_dim]`` and ``kmin/kmax/kmean``
+        ``[num_rows, num_kv_heads, head_dim]`` of one layer. Graph-capturable.
+        """
+        bs = self._bs
+        update_block_meta(k_buffer, kmin, kmax, kmean, self._req_to_token, self._req_pool_indices_buf[:bs],
+                          self._block_table_buf[:bs], self._start_buf[:bs], self._seq_lens_buf[:bs],
+                          block_size=self.block_size, max_new_blocks=1)
+
+    def _views(self):
+        bs, h, c = self._bs, self.num_kv_heads, self._num_cols
+        n = bs * h * c
+        return (self._scores_buf[:n].view(bs, h, c), self._keys_buf[:n].view(bs, h, c),
+                self._sorted_keys_buf[:n].view(bs, h, c), self._order_buf[:n].view(bs, h, c))
+
+    def run(self, q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor, kmin: torch.Tensor,
+            kmax: torch.Tensor, kmean: torch.Tensor):
+        """One layer of PSA decode.
+
+        Args:
+          q: ``[batch, num_qo_heads, head_dim]`` post-RoPE queries.
+          k_buffer, v_buffer: ``[num_slots, num_kv_heads, head_dim]`` bf16/fp16.
+          kmin, kmax, kmean: ``[num_rows, num_kv_heads, head_dim]`` this layer's block metadata.
+
+        Returns views into the wrapper's buffers (valid until the next run):
+          ``o`` ``[batch, num_qo_heads, head_dim]``, ``lse`` ``[batch, num_qo_heads]`` fp32 base 2,
+          ``nread`` ``[batch, num_kv_heads]`` int32 blocks in the result (incl. sink/local).
+        """
+        bs, cfg, hk, g, d = self._bs, self.config, self.num_kv_heads, self.group, self.head_dim
+        o, lse, nread, kept = self._o_buf[:bs], self._lse_buf[:bs], self._nread_buf[:bs], self._kept_buf[:bs]
+        if bs == 0:
+            return o, lse, nread
+        scores, keys, sorted_keys, order = self._views()
+        seq_lens, n_forced, list_lens = self._seq_lens_buf[:bs], self._n_forced_buf[:bs], self._list_lens_buf[:bs]
+        block_criticality(q, kmin, kmax, kmean, self._block_table_buf[:bs], seq_lens, scores,
+                          block_size=self.block_size, sink_blocks=cfg.sink_blocks,
+                          local_blocks=cfg.local_blocks, criticality=cfg.criticality,
+                          group_reduce=cfg.group_reduce, keys_out=keys, rank_by=cfg.rank_by)
+        c = self._num_cols
+        if self._prefix:  # exact top-K prefix + block-order tail (one Triton launch)
+            rank_select(keys, order, self._select_scratch_buf,
+                        prefix=max(16, min(self._prefix, 1 << (c - 1).bit_length())))
+        else:
+            rank_blocks(keys, sorted_keys, order)
+        suffix = self._suffix_buf[: bs * hk * (c + 1)].view(bs, hk, c + 1)
+        if cfg.estimator != "paper":
+            bound_suffix(scores, suffix, sm_scale=self.sm_scale, block_size=self.block_size, order=order)
+        pairs = bs * hk
+        wmax = max(nc for _, nc in self._wave_plan)
+        partials = (self._po_buf[: pairs * wmax * g * d].view(pairs, wmax, g, d),
+                    self._plse_buf[: pairs * wmax * g].view(pairs, wmax, g),
+                    self._pmin_buf[: pairs * wmax * g].view(pairs, wmax, g),
+                    self._pdmax_buf[: pairs * wmax * g].view(pairs, wmax, g))
+        done = self._done_buf[:pairs]
+        state = (self._st_acc_buf[: pairs * g * d].view(pairs, g, d), self._st_lse_buf[: pairs * g].view(pairs, g),
+                 self._st_min_buf[: pairs * g].view(pairs, g), self._st_dmax_buf[: pairs * g].view(pairs, g), done)
+        rpi = self._req_pool_indices_buf[:bs]
+        for k, (chunk0, n_chunks) in enumerate(self._wave_plan):
+            psa_chunk_attention(q, k_buffer, v_buffer, self._req_to_token, rpi, seq_lens, order, scores,
+                                list_lens, n_forced, self._chunk_ends_buf, done, partials, chunk0=chunk0,
+                                n_chunks=n_chunks, block_size=self.block_size, sm_scale=self.sm_scale,
+                                check_done=k > 0, tile_tokens=self.tile_tokens)
+            wave_merge(partials, state, o, lse, nread, kept, seq_lens, list_lens, n_forced, self._chunk_ends_buf,
+                       self._eps_buf[:bs], suffix, chunk0=chunk0, n_chunks=n_chunks, first=k == 0,
+                       block_size=self.block_size, estimator=cfg.estimator, calib_slack=cfg.calib_slack)
+        return o, lse, nread
+
+    @property
+    def order(self) -> torch.Tensor:
+        """``[batch, num_kv_heads, num_cols]`` int64 rank order of the last :meth:`run` (a view)."""
+        return self._views()[3]
+
+    @property
+    def sorted_scores(self) -> torch.Tensor:
+        """``[batch, num_kv_heads, num_cols]`` fp32 criticality scores in the rank order of the last :meth:`run`
+        (a new tensor: for tests and tools, not for the hot path)."""
+        scores, _, _, order = self._views()
+        return torch.gather(scores, 2, order)
+
+    @property
+    def kept_est(self) -> torch.Tensor:
+        """``[batch, num_kv_heads]`` fp32: the estimator's kept mass at the stop point of the last :meth:`run`
+        (smallest over the group's query heads; 1.0 for rows read fully)."""
+        return self._kept_buf[: self._bs]
+
+    @property
+    def waves(self) -> list[tuple[int, int]]:
+        """Host wave plan ``[(first chunk, chunks), ...]`` of the current :meth:`plan`."""
+        return list(self._wave_plan)

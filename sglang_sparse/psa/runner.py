@@ -1,0 +1,449 @@
+"""The PSA decode path per device, behind one small interface used by :mod:`sglang_sparse.psa.backend`.
+
+* :class:`PsaCudaRunner` (GPU): block metadata (min/max/mean per page and KV head, one
+  :class:`flashinfer_ext.psa.block_meta.BlockMetaPool` beside the KV pool; the page is the block)
+  kept current on every KV write (extend and decode), and decode through
+  :class:`flashinfer_ext.psa.decode.PsaDecodeWrapper` (Triton criticality, device ranking,
+  progressive decode with the stop test on the GPU).
+* :class:`PsaCpuRunner` (CPU): the fp32 torch reference of :mod:`flashinfer_ext.common.reference`
+  (metadata from scratch each step). A correctness path for tests; no speed claim.
+
+Where the host work goes (nothing per layer, no sync inside a step):
+  * :meth:`begin_batch` (once per batch, SGLang's ``init_forward_metadata``): reads the host
+    ``seq_lens_cpu`` / extend lengths and each request's epsilon (``custom_params``), builds the
+    page table on the device and plans the wrapper (a few small host->device copies).
+  * per layer: one metadata-update launch, then (sparse batches) criticality + sort + progressive
+    decode, and two in-place adds into the step-statistics buffer. No ``.item()``.
+Rows of a decode batch below ``min_context`` (or with epsilon 1.0) attend their whole context:
+if every row is such a row, the stock FlashInfer decode runs; in a mixed batch those rows run the
+sparse kernel with epsilon 1.0 (all blocks), which is exact but not FlashInfer-fast.
+
+CUDA graphs (decode): a batch with at least one sparse row replays a graph captured over the PSA
+path (:meth:`PsaCudaRunner.begin_graph_batch` plans into the wrapper's fixed ``_buf`` tensors with
+the full ranking width before each replay; short rows get epsilon 1.0 there); a batch with no
+sparse row runs eagerly through the stock FlashInfer decode (``api_hooks.graph_gate_hook``), so
+short contexts keep the stock numerics. Prefill graphs are off for this mode (the metadata update
+after an extend takes a host bound on the blocks touched).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from flashinfer_ext.psa.config import PsaDecodeConfig
+from sglang_sparse.config import PsaConfig
+from sglang_sparse.psa.stats import COL_EPS, COL_KEPT, COL_READ, COL_SPARSE, COL_TOTAL, COL_UNITS, STEP_COLS
+from sglang_sparse.request_params import ReplayRequests, batch_requests, request_values
+
+
+def kernel_config(cfg: PsaConfig) -> PsaDecodeConfig:
+    """Map the user-facing :class:`PsaConfig` onto the kernel's :class:`PsaDecodeConfig`."""
+    mean = cfg.estimator == "mean"  # estimates unread blocks from q . mean key: scores are the mean scores
+    return PsaDecodeConfig(epsilon=cfg.epsilon, micro_batch_blocks=cfg.micro_batch_blocks,
+                           sink_blocks=cfg.sink_pages, local_blocks=cfg.local_pages, max_blocks=cfg.max_blocks,
+                           estimator=cfg.estimator, criticality="mean" if mean else "cuboid")
+
+
+@dataclasses.dataclass(frozen=True)
+class AttnShape:
+    """Attention shape of the model served (per TP rank)."""
+
+    num_layers: int
+    num_qo_heads: int
+    num_kv_heads: int
+    head_dim: int
+
+    @classmethod
+    def of(cls, model_runner) -> "AttnShape":
+        """The shape SGLang's ``ModelRunner`` serves (this TP rank's heads, the KV pool's layers)."""
+        mc = model_runner.model_config
+        tp = int(getattr(model_runner, "tp_size", 1) or 1)
+        return cls(num_layers=int(model_runner.token_to_kv_pool.layer_num),
+                   num_qo_heads=int(mc.num_attention_heads) // tp, num_kv_heads=int(mc.get_num_kv_heads(tp)),
+                   head_dim=int(mc.head_dim))
+
+    @property
+    def units(self) -> int:
+        """(layer, KV head) pairs: the unit of blocks-read accounting."""
+        return self.num_layers * self.num_kv_heads
+
+
+def _epsilons_of(cfg: PsaConfig, reqs, bs: int) -> list[float]:
+    """Each of ``bs`` rows' epsilon from its request (:func:`sglang_sparse.request_params.request_values`);
+    the server's ``epsilon`` for rows without one."""
+    reqs = reqs or ()
+    return [float(request_values(cfg, reqs[i] if i < len(reqs) else None)["epsilon"]) for i in range(bs)]
+
+
+def _rids_of(reqs, bs: int) -> list:
+    """The rows' request ids (``None`` where there is no ``Req``), for the working-set tracker."""
+    rids = [getattr(r, "rid", None) for r in list(reqs or ())[:bs]]
+    return rids + [None] * (bs - len(rids))
+
+
+def _row_epsilons(cfg: PsaConfig, forward_batch, bs: int) -> list[float]:
+    """Each row's epsilon from its request (rows' ``Req`` objects: :func:`~sglang_sparse.request_params.batch_requests`)."""
+    return _epsilons_of(cfg, batch_requests(forward_batch), bs)
+
+
+def _row_rids(forward_batch, bs: int) -> list:
+    return _rids_of(batch_requests(forward_batch), bs)
+
+
+class _RunnerBase:
+    """Shared batch bookkeeping: which rows decode sparsely, their epsilons, the step rows."""
+
+    def __init__(self, cfg: PsaConfig, block_size: int, shape: AttnShape, device: torch.device):
+        self.cfg = cfg
+        self.kernel_cfg = kernel_config(cfg)
+        self.block_size = block_size
+        self.shape = shape
+        self.device = device
+        self.bs = 0
+        self.is_decode = False
+        self.sparse_batch = False
+        self._sparse_host: torch.Tensor | None = None
+        self._eps_host: torch.Tensor | None = None
+        self.step_rows: torch.Tensor | None = None  # [bs, STEP_COLS] fp32 on self.device
+        self.graph_mode = False  # the current batch replays (or captures) a decode CUDA graph
+        self._replay = ReplayRequests()  # the real batch's requests for a graph replay view (no sampling_info)
+        self._graph_decided = (None, None)  # (forward batch, variant) of the last graph_variant answer
+        self.ws = None  # WorkingSetTracker (host tier admission; set by psa.backend.make_runner) or None
+        self._ws_step = False  # this decode step records its selections into ``ws``
+
+    def wants_graph(self, forward_batch) -> bool:
+        """Host test before a decode graph replay: graphs only for batches with a sparse row.
+
+        Also keeps this batch's requests for :meth:`begin_graph_batch` (:class:`ReplayRequests`): SGLang hands
+        the backend a replay view without ``sampling_info``; the view's lengths identify the batch.
+        """
+        lens = forward_batch.seq_lens_cpu
+        if lens is None:
+            return False
+        bs = int(forward_batch.batch_size)
+        eps = torch.tensor(_row_epsilons(self.cfg, forward_batch, bs), dtype=torch.float32)
+        self._replay.keep(forward_batch)
+        return bool(((lens[:bs].to(torch.int64) >= self.cfg.min_context) & (eps < 1.0)).any())
+
+    def graph_variant(self, forward_batch, peek: bool = False) -> str | None:
+        """Which decode graph this batch replays (:mod:`sglang_sparse.graph_variants`): ``"sparse"`` when a row
+        is sparse (:meth:`wants_graph`), ``"dense"`` when every row is shorter than ``min_context`` (SGLang's
+        stock graph; no metadata to fold), None (eager: long rows that all decode densely fold metadata).
+        ``peek``: the answer already given for this batch, nothing new kept."""
+        if peek:
+            fb, variant = self._graph_decided
+            return variant if fb is forward_batch else None
+        lens = forward_batch.seq_lens_cpu
+        if lens is None:
+            v = None
+        elif self.wants_graph(forward_batch):
+            v = "sparse"
+        else:
+            bs = int(forward_batch.batch_size)
+            v = "dense" if bool((lens[:bs].to(torch.int64) < self.cfg.min_context).all()) else None
+        self._graph_decided = (forward_batch, v)
+        return v
+
+    def begin_dense_graph_batch(self, forward_batch, in_capture: bool) -> None:
+        """Plan a decode batch that captures or replays the stock graph: no sparse row, no metadata fold; the
+        rows' statistics as an eager dense step writes them."""
+        bs = int(forward_batch.batch_size)
+        self._plan_rows(forward_batch, True, eps=None if in_capture else self._stashed_epsilons(forward_batch, bs))
+        self.graph_mode, self.sparse_batch, self._meta_rows, self._ws_step = False, False, False, False
+        if in_capture:
+            self.step_rows = None
+
+    def _stashed_rids(self, forward_batch, bs: int) -> list | None:
+        """Request ids of a graph replay view's rows, from :meth:`wants_graph`'s kept batch (padding -> None)."""
+        got = self._replay.recover(forward_batch, bs)
+        return None if got is None else _rids_of(got[1][:got[0]], bs)
+
+    def _stashed_epsilons(self, forward_batch, bs: int) -> torch.Tensor | None:
+        """Per-row epsilons of the batch kept by :meth:`wants_graph` for this (padded) replay view, if it matches."""
+        got = self._replay.recover(forward_batch, bs)
+        if got is None:
+            return None
+        n, reqs = got
+        eps = torch.ones(bs, dtype=torch.float32)  # padding rows: dense (they are short fill rows)
+        eps[:n] = torch.tensor(_epsilons_of(self.cfg, reqs, n), dtype=torch.float32)
+        return eps
+
+    def _plan_ws(self, rids: list, num_cols: int, pad_to: int | None = None) -> None:
+        """Host plan of the working-set tracker for a decode step that records (once per batch): slots of
+        the rows' requests (absent ones released), then the step's device-side bases."""
+        self._ws_step = self.ws is not None
+        if not self._ws_step:
+            return
+        keyed = any(r is not None for r in rids)  # a replay view without its requests keeps every slot
+        self.ws.plan_rows(self.ws.assign(rids, release_absent=keyed), num_cols, pad_to=pad_to)
+        self.ws.begin_step()
+
+    def _plan_rows(self, forward_batch, decode: bool, eps: torch.Tensor | None = None) -> None:
+        bs = int(forward_batch.batch_size)
+        self.bs, self.is_decode, self.graph_mode = bs, decode, False
+        if eps is None:
+            eps = torch.tensor(_row_epsilons(self.cfg, forward_batch, bs), dtype=torch.float32)
+        lens = forward_batch.seq_lens_cpu
+        if decode and lens is not None:
+            sparse = (lens.to(torch.int64) >= self.cfg.min_context) & (eps < 1.0)
+        else:
+            sparse = torch.zeros(bs, dtype=torch.bool)
+        self.sparse_batch = bool(sparse.any())
+        self._sparse_host, self._eps_host = sparse, eps
+        self._ws_step = False
+        host = torch.zeros(bs, STEP_COLS, dtype=torch.float32)
+        host[:, COL_EPS] = eps
+        if self.sparse_batch:
+            n_blocks = (lens.to(torch.int64) + self.block_size - 1) // self.block_size
+            units = self.shape.units
+            host[:, COL_SPARSE] = sparse.float()
+            host[:, COL_UNITS] = torch.where(sparse, float(units), 0.0)
+            host[:, COL_TOTAL] = torch.where(sparse, (n_blocks * units).float(), 0.0)
+        self.step_rows = host.to(self.device, non_blocking=True) if self.device.type != "cpu" else host
+
+
+class PsaCpuRunner(_RunnerBase):
+    """CPU: the fp32 reference (metadata from scratch, stable rank, PSA Alg. 1) for the sparse rows."""
+
+    def begin_batch(self, backend, forward_batch) -> None:
+        self._plan_rows(forward_batch, forward_batch.forward_mode.is_decode())
+        if self.sparse_batch and self.ws is not None:
+            max_len = int(forward_batch.seq_lens_cpu[: self.bs].max())
+            self._plan_ws(_row_rids(forward_batch, self.bs), -(-max_len // self.block_size))
+
+    def after_extend(self, backend, layer, forward_batch) -> None:
+        return None  # metadata is rebuilt from the KV pool at each decode step
+
+    def decode(self, backend, q, k, v, layer, forward_batch, save_kv_cache):
+        # stock path first: writes the new K/V and gives dense outputs for every row
+        o = backend._psa_base.forward_decode(backend, q, k, v, layer, forward_batch, save_kv_cache)
+        if not self.sparse_batch:
+            return o
+        from flashinfer_ext.common.reference import kept_mass_reference, psa_decode_reference
+
+        num_qo, d = layer.tp_q_head_num, layer.head_dim
+        q3 = q.reshape(-1, num_qo, d)
+        k_buf = backend.token_to_kv_pool.get_key_buffer(layer.layer_id)
+        v_buf = backend.token_to_kv_pool.get_value_buffer(layer.layer_id)
+        rtt = backend.req_to_token_pool.req_to_token
+        rows_all = torch.nonzero(self._sparse_host).flatten()
+        for eps in torch.unique(self._eps_host[rows_all]).tolist():
+            rows = rows_all[self._eps_host[rows_all] == eps]
+            cfg = dataclasses.replace(self.kernel_cfg, epsilon=float(eps))
+            rpi, lens = forward_batch.req_pool_indices[rows], forward_batch.seq_lens[rows]
+            o_s, _, nread, order = psa_decode_reference(q3[rows], k_buf, v_buf, rtt, rpi, lens, cfg,
+                                                        block_size=self.block_size, sm_scale=layer.scaling)
+            o.view(-1, num_qo, d)[rows] = o_s.to(o.dtype)
+            if self._ws_step:
+                self.ws.record_rows(layer.layer_id, rows, order[:, :, : self.ws._ncols], nread)
+            kept = kept_mass_reference(q3[rows], k_buf, rtt, rpi, lens, order, nread,
+                                       block_size=self.block_size, sm_scale=layer.scaling)
+            group = num_qo // k_buf.shape[1]
+            self.step_rows[rows, COL_READ] += nread.sum(1).float()
+            self.step_rows[rows, COL_KEPT] += kept.view(len(rows), -1, group).amin(-1).sum(1)
+        return o
+
+
+class PsaCudaRunner(_RunnerBase):
+    """GPU: block metadata beside the KV pool + :class:`PsaDecodeWrapper`; the page is the block.
+
+    Metadata is kept only where it can be read: for requests whose context reached ``min_context``
+    (the invariant: after any step at which a request is that long, its blocks' metadata covers its
+    whole context). Short requests cost nothing: an all-short decode batch is the stock decode alone.
+    A request that first reaches ``min_context`` (an extend ending past it, or the decode step at
+    which it crosses it) has its metadata rebuilt from position 0, at plan time for decode (all
+    layers, outside any CUDA graph) and after each layer's write for extend. Pages shared through
+    the radix cache carry the metadata their first owner built (a prefix of ``min_context`` tokens or
+    more was long when it was written).
+    """
+
+    def __init__(self, cfg: PsaConfig, block_size: int, shape: AttnShape, device: torch.device, *,
+                 token_to_kv_pool, req_to_token: torch.Tensor, max_batch_size: int, sm_scale: float,
+                 out_dtype: torch.dtype):
+        super().__init__(cfg, block_size, shape, device)
+        from flashinfer_ext.psa.block_meta import BlockMetaPool
+        from flashinfer_ext.psa.decode import PsaDecodeWrapper
+
+        k0 = token_to_kv_pool.get_key_buffer(0)
+        num_rows = -(-k0.shape[0] // block_size) + 1
+        self.meta = BlockMetaPool(shape.num_layers, num_rows, shape.num_kv_heads, shape.head_dim, block_size,
+                                  dtype=k0.dtype, device=device)
+        self.pool = token_to_kv_pool
+        self._req_to_token = req_to_token  # SGLang's ReqToTokenPool.req_to_token: one tensor for the server's life
+        self.max_blocks_per_req = -(-req_to_token.shape[1] // block_size)
+        self.wrapper = PsaDecodeWrapper(
+            self.kernel_cfg, num_qo_heads=shape.num_qo_heads, num_kv_heads=shape.num_kv_heads,
+            head_dim=shape.head_dim, block_size=block_size, max_batch_size=max_batch_size,
+            max_blocks_per_req=self.max_blocks_per_req, device=device, sm_scale=sm_scale, out_dtype=out_dtype)
+        i32 = dict(dtype=torch.int32, device=device)
+        self._step_buf = torch.zeros(max_batch_size, STEP_COLS, dtype=torch.float32, device=device)
+        self._rpi_buf = torch.zeros(max_batch_size, **i32)          # fixed: read inside decode graphs
+        self._table_buf = torch.zeros(max_batch_size, self.max_blocks_per_req, **i32)
+        self._meta_start_buf = torch.zeros(max_batch_size, **i32)   # decode: per-row fold range
+        self._meta_end_buf = torch.zeros(max_batch_size, **i32)
+        self._nread_sum_buf = torch.zeros(max_batch_size, dtype=torch.float32, device=device)
+        self._kept_sum_buf = torch.zeros(max_batch_size, dtype=torch.float32, device=device)
+        self._meta_rows = False       # this decode batch folds its new tokens into metadata
+        self._ext = None              # extend: (rpi, table, start, end, max_new_blocks)
+
+    def meta_bytes(self) -> int:
+        return 3 * self.meta.kmin.numel() * self.meta.kmin.element_size()
+
+    def rebuild_page_meta(self, pages: torch.Tensor) -> None:
+        """Host tier load listener: recompute (min, max, mean) of whole pages ``pages`` (int64 ``[n]`` on the
+        device, full pages of reloaded radix nodes) for every layer from the keys now in them (the metadata
+        is recomputed from the reloaded KV, not carried through the host). The mean is taken in fp32 over
+        the page, which may differ in the last bit from the kernel's incremental mean."""
+        p = self.block_size
+        for lid in range(self.shape.num_layers):
+            k = self.pool.get_key_buffer(lid)
+            n = k.shape[0] // p
+            kp = k[: n * p].view(n, p, k.shape[1], k.shape[2]).index_select(0, pages)  # [n_pages, P, H, D]
+            kmin, kmax, kmean = self.meta.layer(lid)
+            kmin.index_copy_(0, pages, kp.amin(1).to(kmin.dtype))
+            kmax.index_copy_(0, pages, kp.amax(1).to(kmax.dtype))
+            kmean.index_copy_(0, pages, kp.float().mean(1).to(kmean.dtype))
+
+    def _block_table(self, backend, forward_batch, max_len: int) -> torch.Tensor:
+        from flashinfer_ext.psa.block_meta import paged_block_table
+
+        width = max(1, -(-int(max_len) // self.block_size))
+        return paged_block_table(self._req_to_token, forward_batch.req_pool_indices,
+                                 self.block_size, width)
+
+    def _plan_decode_meta(self, backend, forward_batch, table: torch.Tensor) -> None:
+        """Host plan of the metadata for a decode batch; rebuilds crossing rows for every layer now."""
+        bs = self.bs
+        lens = forward_batch.seq_lens_cpu
+        lens = (forward_batch.seq_lens.cpu() if lens is None else lens)[:bs].to(torch.int64)  # None: capture
+        mc = self.cfg.min_context
+        long_rows = lens >= mc
+        cross = long_rows & (lens - 1 < mc)
+        self._meta_rows = bool(long_rows.any())
+        start = torch.where(long_rows, lens - 1, lens).to(torch.int32)
+        self._meta_start_buf[:bs].copy_(start, non_blocking=True)
+        self._meta_end_buf[:bs].copy_(lens.to(torch.int32), non_blocking=True)
+        self._rpi_buf[:bs].copy_(forward_batch.req_pool_indices, non_blocking=True)
+        self._table_buf[:bs, : table.shape[1]].copy_(table, non_blocking=True)
+        if bool(cross.any()):  # first time long: positions [0, len - 1) already written -> rebuild them
+            from flashinfer_ext.psa.block_meta import blocks_touched
+
+            ends = torch.where(cross, lens - 1, 0)
+            n_new = blocks_touched([0] * bs, ends.tolist(), self.block_size)
+            if n_new:
+                zero = torch.zeros(bs, dtype=torch.int32, device=self.device)
+                end_dev = ends.to(torch.int32).to(self.device, non_blocking=True)
+                for lid in range(self.shape.num_layers):
+                    self.meta.update(lid, self.pool.get_key_buffer(lid), self._req_to_token, self._rpi_buf[:bs],
+                                     self._table_buf[:bs], zero, end_dev, n_new)
+
+    def _fold_decode_meta(self, layer_id: int) -> None:
+        """Fold this step's new key into its block's metadata, for rows that keep metadata (graph-safe)."""
+        from flashinfer_ext.psa.block_meta import update_block_meta
+
+        bs = self.bs
+        kmin, kmax, kmean = self.meta.layer(layer_id)
+        update_block_meta(self.pool.get_key_buffer(layer_id), kmin, kmax, kmean,
+                          self._req_to_token, self._rpi_buf[:bs], self._table_buf[:bs],
+                          self._meta_start_buf[:bs], self._meta_end_buf[:bs], block_size=self.block_size,
+                          max_new_blocks=1)
+
+    def _plan_wrapper(self, forward_batch, table: torch.Tensor, max_len: int | None) -> None:
+        """Plan the PSA wrapper: rows that are not sparse read everything (epsilon 1.0).
+        ``max_len`` None: the full ranking width (graphs)."""
+        eps_dev = torch.where(self._sparse_host, self._eps_host, 1.0).to(self.device, non_blocking=True)
+        self.wrapper.plan(self._req_to_token, forward_batch.req_pool_indices, forward_batch.seq_lens.to(torch.int32),
+                          table, max_seq_len=max_len, epsilon=eps_dev)
+
+    def begin_batch(self, backend, forward_batch) -> None:
+        mode = forward_batch.forward_mode
+        self._ext = None
+        if mode.is_idle() or int(forward_batch.batch_size) == 0:
+            self.bs, self.sparse_batch, self.is_decode, self.graph_mode = 0, False, False, False
+            self._meta_rows = False
+            return
+        decode = mode.is_decode()
+        self._plan_rows(forward_batch, decode)
+        max_len = int(forward_batch.seq_lens_cpu[: self.bs].max())
+        table = self._block_table(backend, forward_batch, max_len)
+        if decode:
+            self._plan_decode_meta(backend, forward_batch, table)
+            if self.sparse_batch:
+                self._plan_wrapper(forward_batch, table, max_len)
+                self._plan_ws(_row_rids(forward_batch, self.bs), self.wrapper._num_cols)
+            return
+        # extend / mixed: rows already long fold [prefix, end); rows that become long rebuild [0, end)
+        prefix = forward_batch.extend_prefix_lens_cpu
+        prefix = [int(p) for p in prefix] if prefix is not None else [0] * self.bs
+        ends = [p + int(e) for p, e in zip(prefix, forward_batch.extend_seq_lens_cpu)]
+        mc = self.cfg.min_context
+        starts = [p if p >= mc else (0 if e >= mc else e) for p, e in zip(prefix, ends)]
+        from flashinfer_ext.psa.block_meta import blocks_touched
+
+        n_new = blocks_touched(starts, ends, self.block_size)
+        if n_new:
+            self._ext = (forward_batch.req_pool_indices, table,
+                         torch.tensor(starts, dtype=torch.int32).to(self.device, non_blocking=True),
+                         torch.tensor(ends, dtype=torch.int32).to(self.device, non_blocking=True), n_new)
+
+    def begin_graph_batch(self, backend, forward_batch, in_capture: bool) -> None:
+        """Plan a decode batch that captures or replays a CUDA graph (host side, before the graph).
+
+        Fixed shapes and buffers: the full ranking width (``max_blocks_per_req``), ``_step_buf``,
+        ``_rpi_buf``, ``_table_buf`` and the fold ranges; every row takes the PSA path inside the
+        graph, rows that are not sparse with epsilon 1.0.
+        """
+        bs = int(forward_batch.batch_size)
+        self._plan_rows(forward_batch, True, eps=None if in_capture else self._stashed_epsilons(forward_batch, bs))
+        self.graph_mode, self.sparse_batch = True, True
+        self._step_buf[:bs].copy_(self.step_rows, non_blocking=True)
+        self.step_rows = self._step_buf[:bs]
+        table = self._block_table(backend, forward_batch, self.max_blocks_per_req * self.block_size)
+        self._plan_decode_meta(backend, forward_batch, table)
+        self._plan_wrapper(forward_batch, table, None)
+        # the graph records into the tracker at every replay (fixed shapes): rows without a known request
+        # (capture, padding, a replay view that does not match the stash) write the tracker's trash row
+        rids = None if in_capture else self._stashed_rids(forward_batch, bs)
+        self._plan_ws(rids if rids is not None else [None] * bs, self.wrapper._num_cols, pad_to=bs)
+
+    def after_extend(self, backend, layer, forward_batch) -> None:
+        if self.bs == 0 or self.is_decode or self._ext is None:
+            return
+        rpi, table, start, end, n_new = self._ext
+        self.meta.update(layer.layer_id, self.pool.get_key_buffer(layer.layer_id),
+                         self._req_to_token, rpi, table, start, end, n_new)
+
+    def decode(self, backend, q, k, v, layer, forward_batch, save_kv_cache):
+        pool = backend.token_to_kv_pool
+        lid = layer.layer_id
+        if not self.sparse_batch and not self.graph_mode:
+            o = backend._psa_base.forward_decode(backend, q, k, v, layer, forward_batch, save_kv_cache)
+            if self._meta_rows:  # long rows decoding densely (their own epsilon 1.0) keep metadata too
+                self._fold_decode_meta(lid)
+            return o
+        if k is not None and save_kv_cache:
+            _write_kv(backend, pool, layer, forward_batch, k, v)
+        k_buf, v_buf = pool.get_key_buffer(lid), pool.get_value_buffer(lid)
+        self._fold_decode_meta(lid)
+        kmin, kmax, kmean = self.meta.layer(lid)
+        num_qo, d = layer.tp_q_head_num, layer.head_dim
+        o, _, nread = self.wrapper.run(q.reshape(-1, num_qo, d), k_buf, v_buf, kmin, kmax, kmean)
+        rows, bs = self.step_rows, self.bs  # statistics: in-place, into preallocated buffers
+        torch.sum(nread, 1, dtype=torch.float32, out=self._nread_sum_buf[:bs])
+        torch.sum(self.wrapper.kept_est, 1, out=self._kept_sum_buf[:bs])
+        rows[:, COL_READ].add_(self._nread_sum_buf[:bs])
+        rows[:, COL_KEPT].add_(self._kept_sum_buf[:bs])
+        if self._ws_step:  # working set: one index_put into the tracker (graph-safe, no sync)
+            self.ws.record(lid, self.wrapper.order, nread)
+        return o.reshape(-1, num_qo * d)
+
+
+def _write_kv(backend, pool, layer, forward_batch, k, v) -> None:
+    """Write the decode token's K/V exactly as the stock FlashInfer backend does."""
+    from sglang.srt.mem_cache.memory_pool import KVWriteLoc
+
+    swa = getattr(getattr(backend, "forward_metadata", None), "swa_out_cache_loc", None)
+    scales = backend._kv_write_scales(layer) if hasattr(backend, "_kv_write_scales") else (layer.k_scale, layer.v_scale)
+    pool.set_kv_buffer(layer, KVWriteLoc(forward_batch.out_cache_loc, swa), k, v, *scales)
