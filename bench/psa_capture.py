@@ -25,20 +25,38 @@ def real_text(num_chars: int = 60000) -> str:
     return text[:num_chars]
 
 
-@torch.no_grad()
-def capture_qkv(model_dir: str | os.PathLike = DEFAULT_MODEL, num_tokens: int = 1536,
-                layers: tuple[int, ...] = (2, 10, 20, 28), text_offset: int = 0, device: str = "cpu"):
-    """Run the model once; return ``{layer: (q [L, num_qo_heads, d], k [L, num_kv_heads, d], v [...])}`` fp32.
-
-    ``q``/``k`` are after RoPE, exactly what SGLang writes to ``k_buffer`` / passes to decode.
-    """
+def load_model(model_dir: str | os.PathLike = DEFAULT_MODEL, device: str = "cpu"):
+    """``(tokenizer, model)``: the HF model in fp32, eval mode, SDPA attention (no ``[L, L]`` weights)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
     tok = AutoTokenizer.from_pretrained(str(model_dir))
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
-    model.eval().to(device)
-    ids = tok(real_text()[text_offset:], return_tensors="pt").input_ids[:, :num_tokens].to(device)
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32, attn_implementation="sdpa")
+    return tok, model.eval().to(device)
+
+
+@torch.no_grad()
+def capture_qkv(model_dir: str | os.PathLike = DEFAULT_MODEL, num_tokens: int = 1536,
+                layers: tuple[int, ...] = (2, 10, 20, 28), text_offset: int = 0, device: str = "cpu",
+                ids: torch.Tensor | None = None, model=None):
+    """Run the model once; return ``{layer: (q [L, num_qo_heads, d], k [L, num_kv_heads, d], v [...])}`` fp32.
+
+    ``q``/``k`` are after RoPE (with a YaRN config: its scaled rotary tables and attention factor, as
+    the model applies them), exactly what SGLang writes to ``k_buffer`` / passes to decode.
+    ``ids`` (``[L]`` int64) replaces the default text (``real_text()[text_offset:]`` cut to
+    ``num_tokens``); ``model`` a ``load_model(...)[1]`` already loaded. The forward stops after the
+    last captured layer. Attention is SDPA with ``is_causal`` (no mask tensor); on CUDA the math
+    backend (which would materialise ``[heads, L, L]`` fp32) is excluded, so memory stays linear in L.
+    """
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    if model is None:
+        model = load_model(model_dir, device)[1]
+    if ids is None:
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(str(model_dir))
+        ids = tok(real_text()[text_offset:], return_tensors="pt").input_ids[0, :num_tokens]
+    ids = ids.reshape(1, -1).to(device)
     cfg = model.config
     hq, hk, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
     out: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
@@ -67,7 +85,14 @@ def capture_qkv(model_dir: str | os.PathLike = DEFAULT_MODEL, num_tokens: int = 
         attn = model.model.layers[i].self_attn
         hooks.append(attn.register_forward_pre_hook(make_hook(i, attn), with_kwargs=True))
     try:
-        model.model(ids)
+        if ids.is_cuda:
+            from torch.nn.attention import SDPBackend, sdpa_kernel
+
+            with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
+                              SDPBackend.CUDNN_ATTENTION]):
+                model.model(ids)
+        else:
+            model.model(ids)
     except _Done:
         pass
     finally:
