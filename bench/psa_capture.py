@@ -25,12 +25,38 @@ def real_text(num_chars: int = 60000) -> str:
     return text[:num_chars]
 
 
-def load_model(model_dir: str | os.PathLike = DEFAULT_MODEL, device: str = "cpu"):
-    """``(tokenizer, model)``: the HF model in fp32, eval mode, SDPA attention (no ``[L, L]`` weights)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+CAPTURE_ATTN = "capture_causal_sdpa"
+
+
+def _causal_sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+    """HF attention function: K/V heads repeated to the query heads, then ``F.scaled_dot_product_attention``
+    with ``is_causal`` (no mask tensor). ``query [B, Hq, L, d]``, ``key``/``value`` ``[B, Hk, S, d]``;
+    returns ``([B, L, Hq, d], None)`` as HF's own functions do.
+
+    HF's "sdpa" passes ``enable_gqa=True`` for grouped heads; on CUDA only the flash (fp16/bf16) and
+    cuDNN backends accept that, so in fp32 it falls to the math backend, which materialises
+    ``[Hq, L, L]`` fp32 scores (37 GiB per layer at 32k). With equal head counts fp32 runs on the
+    memory-efficient backend (memory linear in L)."""
+    rep = query.shape[1] // key.shape[1]
+    if rep > 1:
+        key, value = key.repeat_interleave(rep, dim=1), value.repeat_interleave(rep, dim=1)
+    causal = attention_mask is None and query.shape[2] > 1
+    out = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask,
+                                                           is_causal=causal, scale=scaling)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def load_model(model_dir: str | os.PathLike = DEFAULT_MODEL, device: str = "cpu", attn: str = CAPTURE_ATTN):
+    """``(tokenizer, model)``: the HF model in fp32, eval mode, with attention ``attn`` (default
+    :func:`_causal_sdpa`, registered under ``CAPTURE_ATTN``: no ``[L, L]`` tensor on CPU or CUDA; an
+    implementation HF has no mask function for gets no mask, so ``is_causal`` applies)."""
+    from transformers import AttentionInterface, AutoModelForCausalLM, AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(model_dir))
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32, attn_implementation="sdpa")
+    if attn != "sdpa":
+        AttentionInterface.register(CAPTURE_ATTN, _causal_sdpa)
+        model.set_attn_implementation(attn)
     return tok, model.eval().to(device)
 
 
@@ -44,8 +70,9 @@ def capture_qkv(model_dir: str | os.PathLike = DEFAULT_MODEL, num_tokens: int = 
     the model applies them), exactly what SGLang writes to ``k_buffer`` / passes to decode.
     ``ids`` (``[L]`` int64) replaces the default text (``real_text()[text_offset:]`` cut to
     ``num_tokens``); ``model`` a ``load_model(...)[1]`` already loaded. The forward stops after the
-    last captured layer. Attention is SDPA with ``is_causal`` (no mask tensor); on CUDA the math
-    backend (which would materialise ``[heads, L, L]`` fp32) is excluded, so memory stays linear in L.
+    last captured layer. Attention is :func:`_causal_sdpa` (``load_model``'s default); on CUDA the math
+    backend is excluded too, so a capture that would materialise ``[heads, L, L]`` fails instead of
+    running out of memory.
     """
     from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 

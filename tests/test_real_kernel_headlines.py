@@ -153,3 +153,24 @@ def test_merge_replaces_a_rerun_slot_instead_of_duplicating_it(tmp_path):
     assert meta == {"command": "full", "real_run": {"command": "real", "gpu": "H200"}}
     assert rows == [{"case": "planted", "ctx": 4096}, {"case": "testbed real", "slot": "real_16k", "v": 1},
                     {"case": "testbed real", "slot": "real_32k", "layer": 3, "v": 2}]
+
+
+def test_capture_attention_is_hf_attention_without_a_mask_tensor(testbed_model):
+    """The capture's attention (:func:`bench.psa_capture._causal_sdpa`: K/V heads repeated, ``is_causal``, the
+    form that keeps fp32 SDPA off CUDA's math backend at 32k) gives the q/k/v of HF's own "sdpa" path, and
+    no mask tensor reaches it."""
+    from bench.psa_capture import CAPTURE_ATTN, capture_qkv, load_model
+
+    tok, ours = load_model(testbed_model)
+    _, ref = load_model(testbed_model, attn="sdpa")
+    assert ours.config._attn_implementation == CAPTURE_ATTN
+    masks = []
+    ours.model.layers[2].self_attn.register_forward_pre_hook(
+        lambda _m, _a, kw: masks.append(kw.get("attention_mask")), with_kwargs=True)
+    ids = real_capture.testbed_ids(tok, 256)
+    a, b = capture_qkv(ids=ids, layers=(2, 9), model=ours), capture_qkv(ids=ids, layers=(2, 9), model=ref)
+    assert masks == [None]
+    for layer in (2, 9):
+        assert a[layer][0].shape == (ids.numel(), 9, 64) and a[layer][1].shape == (ids.numel(), 3, 64)
+        for x, y in zip(a[layer], b[layer]):
+            assert torch.allclose(x, y, atol=1e-4, rtol=1e-4), float((x - y).abs().max())
