@@ -10,10 +10,13 @@
 #                                        #  TESTBED_MODES=off,psa,loopserve then off,lastwindow,samkv fit a call each)
 #   bash scripts/gpu/testbed.sh reliability-start   # soak (every mode, KV pool 64k tokens) + faults, in the background
 #   bash scripts/gpu/testbed.sh reliability-wait    # wait for them (RELIABILITY_WAIT s at most), fold reliability.json
+#   bash scripts/gpu/testbed.sh realkern # kernel benches on attention captured from the 32k testbed model (issues
+#                                        # 23/24): psa_decode.json real_16k/real_32k, loopserve_prefill.json
+#                                        # real_32k, merged into copies of bench/results' headlines (~2-4 min)
 #
 # Reports go to /tmp/testbed/<part>/ and come back packed as $OUT/<part>.tgz.
 set -uo pipefail
-part=${1:?usage: testbed.sh needle|long|samkv|e2e|reliability-start|reliability-wait}
+part=${1:?usage: testbed.sh needle|long|samkv|e2e|reliability-start|reliability-wait|realkern}
 out=${OUT:-$PWD/gpu_out}
 R=/tmp/testbed/${part%-*}
 mkdir -p "$out" "$R"
@@ -73,6 +76,14 @@ case $part in
     step e2e timeout -k 20 "${E2E_TIMEOUT:-560}" python3 -m bench.load --device cuda --python python3 --model $M32 \
         --modes "$MODES" --input-lens 4096,16384,32000 --output-len 256 --concurrency 1,8,32 --parallel-servers auto \
         --port 30010 --time-budget "${E2E_TASK_BUDGET:-450}" --server-args "$SARGS" --out "$R/e2e" ${E2E_ARGS:-}
+    ;;
+  realkern)  # --real-only: only the testbed-real rows run; they are merged into the seeded headline copies
+    cp bench/results/psa_decode.json bench/results/loopserve_prefill.json "$R/"
+    export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1   # local model folder only (the device reaches nothing)
+    step psa_real timeout -k 20 "${REALKERN_TIMEOUT:-240}" python3 bench/psa_decode_bench.py --real-only \
+        --testbed-model $M32 --out "$R"
+    step loopserve_real timeout -k 20 "${REALKERN_TIMEOUT:-240}" python3 bench/loopserve_prefill_bench.py --real-only \
+        --testbed-model $M32 --out "$R"
     ;;
   reliability-start)  # no timing figure comes from these: they may share the GPU with the `long` part
     say "== reliability: soak + faults started in the background"
