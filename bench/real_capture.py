@@ -61,19 +61,26 @@ def testbed_ids(tok, tokens: int, seed: int = 0) -> torch.Tensor:
 def testbed_captures(model_dir, slot_tokens: dict[str, int], layers: tuple[int, ...], device: str, seed: int = 0):
     """Yield ``(slot, cap, info)`` per slot: one forward of the testbed prompt of ``slot_tokens[slot]``
     tokens; ``cap = {layer: (q [L, Hq, d], k [L, Hk, d], v [L, Hk, d])}`` fp32 on ``device``;
-    ``info`` = prompt length, model path, layers, capture seconds. The model is loaded once."""
+    ``info`` = prompt length, model path, layers, capture seconds, the rope type applied (checked against
+    config.json: a YaRN folder read as plain RoPE raises) and its attention scaling. The model is loaded once."""
     import time
 
     from bench.psa_capture import capture_qkv, load_model
 
     tok, model = load_model(model_dir, device)
+    want = (json.loads((Path(model_dir) / "config.json").read_text()).get("rope_parameters") or {}).get("rope_type")
+    rope = getattr(model.model.rotary_emb, "rope_type", None)
+    if want and rope != want:  # e.g. a transformers that does not read ``rope_parameters``: plain RoPE, silently
+        raise RuntimeError(f"{model_dir}: config.json asks rope_type {want!r}, the loaded model applies {rope!r}")
+    scaling = float(getattr(model.model.rotary_emb, "attention_scaling", 1.0))
     try:
         for slot, tokens in slot_tokens.items():
             ids = testbed_ids(tok, tokens, seed)
             t0 = time.time()
             cap = capture_qkv(model_dir, ids=ids, layers=tuple(layers), device=device, model=model)
             info = dict(prompt_tokens_target=tokens, prompt_len=int(ids.numel()), model=str(model_dir),
-                        layers=list(layers), capture_s=round(time.time() - t0, 2),
+                        layers=list(layers), capture_s=round(time.time() - t0, 2), rope_type=rope,
+                        rope_attention_scaling=round(scaling, 6),
                         prompt="bench.tasks_long needle_depth (middle), chat template, question last")
             yield slot, cap, info
             del cap

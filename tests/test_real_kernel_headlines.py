@@ -67,6 +67,7 @@ def test_psa_real_only_run_merges_real_32k_into_the_existing_headline(tmp_path, 
     assert [r["slot"] for r in real] == ["real_16k", "real_32k"]
     assert all(r["case"] == "testbed real" and "error" not in r for r in real), real
     assert all(r["batch"] == 2 * 3 and r["heads"] == "9/3" and r["layers"] == [3, 21] for r in real)
+    assert all(r["rope_type"] == "yarn" and r["rope_attention_scaling"] > 1 for r in real)  # the testbed's YaRN
     assert real[0]["ctx"] < real[1]["ctx"] and real[1]["ctx"] == real[1]["prompt_len"] > 1024
     for slot in ("real_16k", "real_32k"):
         e = new[slot]
