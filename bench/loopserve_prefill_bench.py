@@ -18,7 +18,12 @@ covered-mass bound, and the output error of the sparse path against dense.
 
 Workloads: (a) planted structure (:func:`plant`: a rope-like local band + strong vertical columns +
 per-KV-head slash offsets, small noise), (b) the same with weaker columns (``planted-diffuse``, 32k and 128k), (c) SmolLM2-135M q/k/v captured on
-real text (``--smollm``; its own shapes 9/3 heads, d=64; needs transformers + the model).
+real text (``--smollm``; its own shapes 9/3 heads, d=64; needs transformers + the model), (d) ``testbed
+real``: q/k/v of layers 3/15/27 of the 32k testbed model (SmolLM2-135M + YaRN) captured on its own
+~32k needle prompt (:mod:`bench.real_capture`), plus the true covered mass of the selected lines on
+256 uniform query rows; summary key ``real_32k`` = {line_fraction, speedup_vs_dense, covered_mass,
+...} (run when ``--testbed-model`` exists; ``--real-only`` runs it alone and merges it into the
+``loopserve_prefill.json`` already in ``--out``).
 
 CUDA events, warmup, median of ``iters`` (fewer at 64k/128k). Writes ``loopserve_prefill.md``,
 ``loopserve_prefill.json`` (``gpu``, ``speedup_128k``, ``speedup_32k``, ``speedup_4k`` computed from
@@ -28,6 +33,9 @@ meaningless) to check the script end to end.
 
     python bench/loopserve_prefill_bench.py --out bench/results          # ~3 min on an H100
     python bench/loopserve_prefill_bench.py --out /tmp/b --smoke         # CPU, ~1 min
+    python bench/loopserve_prefill_bench.py --out bench/results --real-only \
+        --testbed-model /tmp/models/SmolLM2-135M-Instruct-32k
+    python bench/loopserve_prefill_bench.py --out /tmp/b --real-only --real-tokens 1024 --real-layers 3,15   # CPU
 """
 
 from __future__ import annotations
@@ -50,6 +58,7 @@ if not torch.cuda.is_available():  # the kernels run under the Triton interprete
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench import real_capture  # noqa: E402
 from bench.timing import timed  # noqa: E402
 from flashinfer_ext.loopserve.vs_estimate import sample_query_rows, vs_estimate  # noqa: E402
 from flashinfer_ext.loopserve.vs_prefill import vs_prefill  # noqa: E402
@@ -212,7 +221,10 @@ def dense_fn(q, k, v, sm_scale):
     return ref
 
 
-def run_case(name, ctx, q, k, v, min_context, dev, iters):
+def run_case(name, ctx, q, k, v, min_context, dev, iters, timing=True, return_sel=False):
+    """One sparse vs dense prefill measurement on ``q [T, Hq, d]``, ``k``/``v`` ``[T, Hk, d]`` (bf16).
+    ``timing=False`` runs each side once and leaves the times NaN (CPU runs of captured cases);
+    ``return_sel`` also returns the :class:`~flashinfer_ext.loopserve.vs_select.VSSelection`."""
     t, hq, d = q.shape
     hk = k.shape[1]
     sm_scale = d ** -0.5
@@ -222,14 +234,16 @@ def run_case(name, ctx, q, k, v, min_context, dev, iters):
     o_sp, sel = sparse_prefill(q, k_buf, v_buf, slots, sm_scale, out=out)
     o_dn = dense()
     err = (o_sp.float() - o_dn.float()).abs()
-    t_sparse = timed(lambda: sparse_prefill(q, k_buf, v_buf, slots, sm_scale, out=out), iters=iters, warmup=2)
-    t_dense = timed(dense, iters=iters, warmup=2)
+    nan = float("nan")
+    t_sparse = timed(lambda: sparse_prefill(q, k_buf, v_buf, slots, sm_scale, out=out), iters=iters, warmup=2) \
+        if timing else nan
+    t_dense = timed(dense, iters=iters, warmup=2) if timing else nan
     served_sparse = ctx >= min_context
-    t_served = t_sparse if served_sparse else timed(dense, iters=iters, warmup=2)  # a second timing of the same call
+    t_served = t_sparse if served_sparse or not timing else timed(dense, iters=iters, warmup=2)  # 2nd timing of it
     flops = 4.0 * t * (t + 1) / 2 * hq * d
     n_lines = float((sel.v_cnt.sum() + sel.s_cnt.sum()).item())
-    phases = phase_times(q, k_buf, v_buf, slots, sm_scale, iters, out=out)
-    return dict(case=name, ctx=t, heads=f"{hq}/{hk}", head_dim=d, t_sparse_ms=t_sparse * 1e3, **phases,
+    phases = phase_times(q, k_buf, v_buf, slots, sm_scale, iters, out=out) if timing else {}
+    res = dict(case=name, ctx=t, heads=f"{hq}/{hk}", head_dim=d, t_sparse_ms=t_sparse * 1e3, **phases,
                 t_dense_ms=t_dense * 1e3, t_served_ms=t_served * 1e3, served="sparse" if served_sparse else "dense",
                 sparse_speedup=t_dense / t_sparse, served_speedup=t_dense / t_served,
                 dense_tflops=flops / t_dense / 1e12, line_fraction=n_lines / (2.0 * t * hk),
@@ -237,6 +251,7 @@ def run_case(name, ctx, q, k, v, min_context, dev, iters):
                 slash_lines_per_head=float(sel.s_cnt.float().mean().item()),
                 covered_lb_mean=float(sel.covered_lb.mean().item()),
                 out_err_mean=float(err.mean().item()), out_err_max=float(err.max().item()))
+    return (res, sel) if return_sel else res
 
 
 def capture_smollm(num_tokens, layer, dev):
@@ -245,6 +260,81 @@ def capture_smollm(num_tokens, layer, dev):
 
     q, k, v = capture_qkv(num_tokens=num_tokens, layers=(layer,), device=dev)[layer]
     return q.bfloat16().to(dev).contiguous(), k.bfloat16().to(dev).contiguous(), v.bfloat16().to(dev).contiguous()
+
+
+REAL_SLOTS = {"real_32k": 32000}  # prompt tokens of the testbed capture
+REAL_LAYERS = (3, 15, 27)
+EVAL_ROWS = 256  # query rows (uniform over the prompt) whose true covered mass is measured
+
+
+def run_real(model_dir, slot_tokens: dict, layers, dev: str, min_context: int, iters: int = 10,
+             eval_rows: int = EVAL_ROWS) -> list:
+    """The ``testbed real`` rows: one capture of the 32k testbed model on its ~32k needle prompt
+    (:mod:`bench.real_capture`; 9/3 heads, d=64, bf16), then per layer of ``layers`` the whole prompt
+    as one extend segment through :func:`run_case` (timed on CUDA only), plus the true covered mass of
+    the selected lines (:func:`bench.real_capture.covered_mass`) on ``eval_rows`` query rows drawn
+    uniformly (seeded) over the prompt, and on its last 64 rows (the question; partly rows the estimate
+    sampled)."""
+    rows = []
+    try:
+        for slot, cap, info in real_capture.testbed_captures(model_dir, slot_tokens, tuple(layers), dev):
+            for layer in layers:
+                name = real_capture.REAL_CASE
+                try:
+                    q, k, v = (x.bfloat16().to(dev).contiguous() for x in cap[layer])
+                    T = q.shape[0]
+                    r, sel = run_case(name, T, q, k, v, min_context, dev, iters, timing=dev == "cuda",
+                                      return_sel=True)
+                    g = torch.Generator().manual_seed(layer)
+                    uni = torch.randperm(T, generator=g)[:eval_rows].sort().values
+                    tail = torch.arange(max(0, T - 64), T)
+                    cm = real_capture.covered_mass(q, k, sel, uni, q.shape[-1] ** -0.5)
+                    cm_tail = real_capture.covered_mass(q, k, sel, tail, q.shape[-1] ** -0.5)
+                    r.update(slot=slot, layer=layer, covered_mass=float(cm.mean()),
+                             covered_mass_per_kv_head=[round(float(x), 4) for x in cm],
+                             covered_mass_tail64=float(cm_tail.mean()), covered_eval_rows=int(uni.numel()), **info)
+                    print(json.dumps(r), flush=True)
+                except Exception as e:
+                    traceback.print_exc()
+                    r = dict(case=name, slot=slot, layer=layer, ctx=info["prompt_len"], **info,
+                             error=f"{type(e).__name__}: {e}")
+                rows.append(r)
+                q = k = v = None
+                if dev == "cuda":
+                    torch.cuda.empty_cache()
+    except Exception as e:  # model load / capture failed
+        traceback.print_exc()
+        done = {r["slot"] for r in rows}
+        rows += [dict(case=real_capture.REAL_CASE, slot=s, model=str(model_dir), error=f"{type(e).__name__}: {e}")
+                 for s in slot_tokens if s not in done]
+    return rows
+
+
+def real_summary(results, gpu) -> dict:
+    """``{"real_32k": {...}}`` from the ``testbed real`` rows, over the captured layers: mean line fraction
+    (selected vertical + slash lines / (2 T Hk)), FlashInfer dense time / sparse time (sums over the layers;
+    null without a GPU timing), mean true covered mass on uniform rows; per layer beside them."""
+    out = {}
+    f = real_capture.finite
+    for slot in REAL_SLOTS:
+        rs = [r for r in results if r.get("case") == real_capture.REAL_CASE and r.get("slot") == slot]
+        if not rs:
+            continue
+        ok = [r for r in rs if "error" not in r]
+        if not ok:
+            out[slot] = dict(line_fraction=None, speedup_vs_dense=None, covered_mass=None, error=rs[0]["error"],
+                             gpu=gpu)
+            continue
+        mean = lambda key: f(sum(r[key] for r in ok) / len(ok))  # noqa: E731
+        out[slot] = dict(line_fraction=mean("line_fraction"),
+                         speedup_vs_dense=f(sum(r["t_dense_ms"] for r in ok) / sum(r["t_sparse_ms"] for r in ok)),
+                         covered_mass=mean("covered_mass"), covered_mass_tail64=mean("covered_mass_tail64"),
+                         covered_lb=mean("covered_lb_mean"), ctx=ok[0]["ctx"], layers=[r["layer"] for r in ok],
+                         failed_layers=[r["layer"] for r in rs if "error" in r],
+                         per_layer=[dict(layer=r["layer"], line_fraction=f(r["line_fraction"]),
+                                         speedup_vs_dense=f(r["sparse_speedup"]), covered_mass=f(r["covered_mass"]))
+                                    for r in ok], alpha=ALPHA, gpu=gpu)
+    return out
 
 
 def summary(meta, results):
@@ -264,12 +354,14 @@ def summary(meta, results):
             "dense_tflops_128k": next((r["dense_tflops"] for r in results if r.get("case") == "planted"
                                        and r.get("ctx") == 131072 and "error" not in r), None),
             "smollm2_sparse_speedup": next((r["sparse_speedup"] for r in results
-                                            if r.get("case", "").startswith("smollm2") and "error" not in r), None)}
+                                            if r.get("case", "").startswith("smollm2") and "error" not in r), None),
+            **real_summary(results, meta["gpu"])}
 
 
-def write_report(out: Path, meta, results):
+def write_report(out: Path, meta, results, top=None):
+    """Write ``loopserve_prefill.{json,md,png}``; ``top`` (a merged ``--real-only`` run) replaces the summary."""
     out.mkdir(parents=True, exist_ok=True)
-    top = summary(meta, results)
+    top = summary(meta, results) if top is None else top
     (out / "loopserve_prefill.json").write_text(json.dumps(dict(**top, meta=meta, results=results), indent=1))
     lines = ["# LoopServe sparse prefill vs FlashInfer dense causal prefill", "",
              f"- command: `{meta['command']}`", f"- device: {meta['gpu']}; bf16 matmul peak "
@@ -300,6 +392,18 @@ def write_report(out: Path, meta, results):
             tot = r["t_estimate_ms"] + r["t_select_ms"] + r["t_attention_ms"]
             lines.append(f"| {r['case']} | {r['ctx']} | {r['t_estimate_ms']:.3f} | {r['t_select_ms']:.3f} | "
                          f"{r['t_select_host_ms']:.3f} | {r['t_attention_ms']:.3f} | {tot:.3f} | {r['t_sparse_ms']:.3f} |")
+    real = [r for r in results if r.get("case") == real_capture.REAL_CASE and "error" not in r]
+    if real:
+        rm = meta.get("real_run") or meta
+        lines += ["", f"Testbed real attention (bench/real_capture.py: the 32k testbed model on its needle prompt, "
+                      f"q/k/v of layers {rm.get('real_layers')}; `{rm.get('command')}` on {rm.get('gpu')}). Covered "
+                      "mass = true causal attention mass on the selected lines, over uniform query rows / the last 64 "
+                      "rows; covered lb = the selection's own bound on its sampled rows:", "",
+                  "| layer | ctx | line frac | covered mass | covered (last 64) | covered lb | dense/sparse |",
+                  "|---|---|---|---|---|---|---|"]
+        for r in real:
+            lines.append(f"| {r['layer']} | {r['ctx']} | {r['line_fraction']:.4f} | {r['covered_mass']:.4f} | "
+                         f"{r['covered_mass_tail64']:.4f} | {r['covered_lb_mean']:.4f} | {r['sparse_speedup']:.2f} |")
     for r in results:
         if r.get("select_top_gpu_us"):
             lines += ["", f"vs_select kernels by GPU time, {r['case']} {r['ctx']} (us, one call): " +
@@ -315,7 +419,7 @@ def write_report(out: Path, meta, results):
             fh.write("\n(no PNG: matplotlib is not importable here)\n")
         return
     fig, ax = plt.subplots(figsize=(7, 4))
-    for case in sorted({r["case"] for r in results if "error" not in r}):
+    for case in sorted({r["case"] for r in results if "error" not in r and r["case"] != real_capture.REAL_CASE}):
         pts = sorted((r["ctx"], r["sparse_speedup"]) for r in results if r["case"] == case and "error" not in r)
         ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=f"{case}: dense / sparse")
     pts = sorted((r["ctx"], r["served_speedup"]) for r in results if r["case"] == "planted" and "error" not in r)
@@ -346,7 +450,19 @@ def main():
     ap.add_argument("--time-budget", type=float, default=1e9,
                     help="seconds after the first case: extra cases not started by then are recorded as skipped "
                          "(the 128k/32k/4k planted cases and --smollm always run)")
+    ap.add_argument("--real-only", action="store_true",
+                    help="only the testbed real case (real_32k), merged into an existing loopserve_prefill.json in "
+                         "--out (its rows and summary keys kept; the real ones replaced); runs on a CPU too")
+    ap.add_argument("--no-real", action="store_true", help="skip the testbed real case in a full run")
+    ap.add_argument("--testbed-model", type=Path, default=real_capture.TESTBED_MODEL,
+                    help="the 32k testbed model folder (default: the repo's models/SmolLM2-135M-Instruct-32k)")
+    ap.add_argument("--real-tokens", default=None, help="prompt tokens of real_32k (default 32000; e.g. 1024 on a CPU)")
+    ap.add_argument("--real-layers", default=",".join(map(str, REAL_LAYERS)), help="captured layers")
+    ap.add_argument("--real-eval-rows", type=int, default=EVAL_ROWS,
+                    help="uniform query rows of the true covered mass")
     args = ap.parse_args()
+    slot_tokens = real_capture.parse_tokens(args.real_tokens, REAL_SLOTS)
+    real_layers = tuple(int(x) for x in args.real_layers.split(","))
     t0 = time.time()
     import triton
 
@@ -365,7 +481,18 @@ def main():
                 shapes="Llama-3.1-8B attention: 32 qo / 8 kv heads, head_dim 128, bf16, one request, one layer",
                 plant=PLANT, plant_diffuse=DIFFUSE, min_context=min_context, alpha=ALPHA,
                 dense_impl=DENSE_IMPL[0] if dev == "cuda" else "torch sdpa (CPU smoke)")
+    meta.update(real_tokens=slot_tokens, real_layers=list(real_layers), testbed_model=str(args.testbed_model))
     meta["peak_tflops"] = matmul_peak_tflops(dev)
+    if args.real_only:
+        rows = run_real(args.testbed_model, slot_tokens, real_layers, dev, min_context, eval_rows=args.real_eval_rows)
+        meta["wall_s"] = time.time() - t0
+        top, merged_meta, merged = real_capture.merge_real_rows(args.out / "loopserve_prefill.json", rows,
+                                                                real_summary(rows, meta["gpu"]), meta)
+        write_report(args.out, merged_meta, merged, top)
+        print(json.dumps(real_summary(rows, meta["gpu"])))
+        print(f"wrote {args.out}/loopserve_prefill.json (testbed real rows{' merged' if top else ''}) "
+              f"in {meta['wall_s']:.0f}s")
+        return
     if args.smoke:
         cases = [("planted", c, dict(hq=4, hk=2, d=64)) for c in (96, 160)]
         meta["min_context"] = min_context = 128
@@ -415,6 +542,13 @@ def main():
             if dev == "cuda":
                 torch.cuda.empty_cache()
         write_report(args.out, meta, results)
+    if not (args.no_real or args.smoke or args.contexts):
+        if (args.testbed_model / "config.json").is_file():
+            results += run_real(args.testbed_model, slot_tokens, real_layers, dev, min_context,
+                                eval_rows=args.real_eval_rows)
+        else:  # a device without the testbed folder: no error rows that would hide an earlier --real-only run
+            meta["real_skipped"] = f"no testbed model at {args.testbed_model} (--testbed-model)"
+            print(meta["real_skipped"])
     meta["wall_s"] = time.time() - t0
     write_report(args.out, meta, results)
     print(json.dumps(summary(meta, results)))

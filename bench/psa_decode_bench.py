@@ -12,8 +12,12 @@ ratio and a time (same wave kernels, list capped at k); and the server's short-c
 path (dense FlashInfer + the block-metadata update it keeps doing below ``min_context``).
 
 Workloads: (a) planted structure (:func:`plant_structure`, parameters in ``PLANT``),
-(b) Q/K/V captured from SmolLM2-135M on real text (its own shapes: 9/3 heads, d=64).
-The same pools feed PSA, dense and top-k.
+(b) Q/K/V captured from SmolLM2-135M on real text (its own shapes: 9/3 heads, d=64),
+(c) ``testbed real``: Q/K/V captured from the 32k testbed model (SmolLM2-135M + YaRN) on its own
+~16k and ~32k needle prompts (:mod:`bench.real_capture`), decode at 3 positions near the end x 5
+layers (run when ``--testbed-model`` exists); they give the summary keys ``real_16k`` /
+``real_32k`` = {read_fraction, speedup_vs_dense, bytes_ratio_topk_over_psa, ...}. The same pools
+feed PSA, dense and top-k.
 
 Writes ``psa_decode.md``, ``psa_decode.json`` (top-level summary keys + every row) and
 ``psa_decode.png`` into ``--out``. Every case runs under try/except: a failure is recorded
@@ -22,6 +26,10 @@ FlashInfer, timings meaningless) to check the script end to end.
 
     python bench/psa_decode_bench.py --out bench/results            # full, ~4 min on an H100
     python bench/psa_decode_bench.py --out /tmp/b --quick           # subset
+    python bench/psa_decode_bench.py --out bench/results --real-only \
+        --testbed-model /tmp/models/SmolLM2-135M-Instruct-32k
+        # only (c), merged into the psa_decode.json already in --out (~1 min on an H100)
+    python bench/psa_decode_bench.py --out /tmp/b --real-only --real-tokens 1024,2048   # (c) tiny, on a CPU
 """
 
 from __future__ import annotations
@@ -44,6 +52,7 @@ if not torch.cuda.is_available():  # the kernels run under the Triton interprete
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench import real_capture  # noqa: E402
 from bench.timing import timed  # noqa: E402
 from flashinfer_ext.psa.block_meta import BlockMetaPool, paged_block_table  # noqa: E402
 from flashinfer_ext.psa.config import PsaDecodeConfig  # noqa: E402
@@ -184,7 +193,9 @@ def blocks_actually_read(w, nread, list_lens, n_forced):
 
 
 def run_case(name, batch, ctx, page, planted=True, capture=None, hq=32, hk=8, d=128, eps=EPS, seed=0,
-             with_topk=True, estimator="calibrated", dev="cuda"):
+             with_topk=True, estimator="calibrated", dev="cuda", timing=True):
+    """One PSA vs dense (vs top-k) measurement; ``timing=False`` runs every kernel once and leaves the
+    times NaN (CPU runs of captured cases: the interpreter's timings mean nothing and cost minutes)."""
     if dev == "cuda":
         torch.cuda.empty_cache()
     if capture is not None:
@@ -213,8 +224,9 @@ def run_case(name, batch, ctx, page, planted=True, capture=None, hq=32, hk=8, d=
                          max_batch_size=batch, max_blocks_per_req=nb, device=dev, sm_scale=sm_scale)
     w.plan(req_to_token, rpi, seq_lens, table)
     ml = meta.layer(0)
-    t_eager = timed(lambda: w.run(q, k, v, *ml), iters=5, warmup=1)
-    g = graph_of(lambda: w.run(q, k, v, *ml))
+    nan = float("nan")
+    t_eager = timed(lambda: w.run(q, k, v, *ml), iters=5, warmup=1) if timing else nan
+    g = graph_of(lambda: w.run(q, k, v, *ml)) if timing else None
     t_psa = timed(g.replay) if g is not None else t_eager
     o, lse, nread = w.run(q, k, v, *ml)
     kept_est = w.kept_est.clone()
@@ -223,7 +235,7 @@ def run_case(name, batch, ctx, page, planted=True, capture=None, hq=32, hk=8, d=
     try:
         dense = FlashInferDenseDecode(hq, hk, d, page, device=dev)
         dense.plan(*paged_kv_table(req_to_token, rpi.tolist(), seq_host, page), sm_scale=sm_scale)
-        t_dense = timed(lambda: dense.run(q, k, v))
+        t_dense = timed(lambda: dense.run(q, k, v)) if timing else nan
         do, _ = dense.run(q, k, v)
     except ImportError:  # no flashinfer: PSA numbers only, dense columns NaN
         dense, t_dense, do = None, float("nan"), torch.full_like(o, float("nan"))
@@ -253,8 +265,8 @@ def run_case(name, batch, ctx, page, planted=True, capture=None, hq=32, hk=8, d=
         wt = PsaDecodeWrapper(tcfg, num_qo_heads=hq, num_kv_heads=hk, head_dim=d, block_size=page,
                               max_batch_size=batch, max_blocks_per_req=nb, device=dev, sm_scale=sm_scale)
         wt.plan(req_to_token, rpi, seq_lens, table)
-        gt = graph_of(lambda: wt.run(q, k, v, *ml))
-        t_q = timed(gt.replay if gt is not None else (lambda: wt.run(q, k, v, *ml)))
+        gt = graph_of(lambda: wt.run(q, k, v, *ml)) if timing else None
+        t_q = timed(gt.replay if gt is not None else (lambda: wt.run(q, k, v, *ml))) if timing else nan
         topk_blocks = sum(min(-(-L // page), kq) for L in seq_host) * hk
         res.update(topk_k=kq, topk_blocks=topk_blocks,
                    topk_over_psa_bytes=(topk_blocks * blk_bytes + meta_bytes) / psa_bytes,
@@ -292,6 +304,65 @@ def capture_smollm(num_tokens, layers, positions, dev="cuda"):
     return q, k, v, rows, torch.arange(len(reqs), dtype=torch.int32, device=dev), [t + 1 for _, t in reqs]
 
 
+REAL_SLOTS = {"real_16k": 16000, "real_32k": 32000}  # prompt tokens of the testbed captures
+REAL_LAYERS = (3, 9, 15, 21, 27)
+
+
+def run_real(model_dir, slot_tokens: dict, layers, dev: str) -> list:
+    """The ``testbed real`` rows: per slot one capture of the 32k testbed model on its needle prompt
+    (:mod:`bench.real_capture`), decode requests at 3 positions near the end of the prompt
+    (:func:`~bench.real_capture.decode_positions`) x ``layers`` (9/3 heads, d=64, page 16, bf16 pool),
+    through :func:`run_case` with the calibrated estimator (the kernel's default). Timed on CUDA only."""
+    rows = []
+    try:
+        caps = real_capture.testbed_captures(model_dir, slot_tokens, tuple(layers), dev)
+        for slot, cap, info in caps:
+            try:
+                pos = real_capture.decode_positions(info["prompt_len"])
+                pool = real_capture.decode_pool(cap, tuple(layers), pos, dev)
+                del cap
+                r = run_case(real_capture.REAL_CASE, 0, 0, 16, planted=False, capture=pool,
+                             estimator=PsaDecodeConfig.estimator,
+                             dev=dev, timing=dev == "cuda")
+                r.update(slot=slot, positions=pos, **info)
+                print(json.dumps(r), flush=True)
+            except Exception as e:
+                traceback.print_exc()
+                r = dict(case=real_capture.REAL_CASE, slot=slot, page=16, **info, error=f"{type(e).__name__}: {e}")
+            rows.append(r)
+            if dev == "cuda":
+                torch.cuda.empty_cache()
+    except Exception as e:  # model load / capture failed: every slot not done yet records it
+        traceback.print_exc()
+        done = {r["slot"] for r in rows}
+        rows += [dict(case=real_capture.REAL_CASE, slot=s, page=16, model=str(model_dir),
+                      error=f"{type(e).__name__}: {e}") for s in slot_tokens if s not in done]
+    return rows
+
+
+def real_summary(results: list, gpu: str) -> dict:
+    """``{"real_16k": {...}, "real_32k": {...}}`` from the ``testbed real`` rows: read fraction (blocks in
+    the result / all blocks), FlashInfer dense time / PSA time (CUDA-graph replay; null without a GPU
+    timing), top-k bytes / PSA bytes at equal mean kept mass; plus context, kept mass and the device."""
+    out = {}
+    for slot in REAL_SLOTS:
+        r = next((r for r in results if r.get("case") == real_capture.REAL_CASE and r.get("slot") == slot), None)
+        if r is None:
+            continue
+        f = real_capture.finite
+        if "error" in r:
+            out[slot] = dict(read_fraction=None, speedup_vs_dense=None, bytes_ratio_topk_over_psa=None,
+                             error=r["error"], gpu=gpu)
+            continue
+        out[slot] = dict(read_fraction=f(r["read_frac"]), speedup_vs_dense=f(r["speedup"]),
+                         bytes_ratio_topk_over_psa=f(r.get("topk_over_psa_bytes")),
+                         kernel_read_fraction=f(r["kernel_read_frac"]), kept_mean=f(r["kept_mean"]),
+                         kept_est_mean=f(r["kept_est_mean"]), topk_k=r.get("topk_k"), ctx=r["ctx"],
+                         prompt_len=r.get("prompt_len"), requests=r["batch"], layers=r.get("layers"),
+                         estimator=r["estimator"], eps=r["eps"], gpu=gpu)
+    return out
+
+
 def summary(meta: dict, results: list) -> dict:
     def find(**kw):
         for r in results:
@@ -310,12 +381,14 @@ def summary(meta: dict, results: list) -> dict:
             "fraction_of_bytes_limit": num(main["psa_tbps"] * 1e12 / meta["peak_bps"])
             if main and meta.get("peak_bps") else None,
             "bytes_ratio_topk_over_psa": num(smol.get("topk_over_psa_bytes")) if smol else None,
-            "dense_over_psa_time_4k": num(short.get("dense_over_server_short")) if short else None}
+            "dense_over_psa_time_4k": num(short.get("dense_over_server_short")) if short else None,
+            **real_summary(results, meta["gpu"])}
 
 
-def write_report(out: Path, meta: dict, results: list):
+def write_report(out: Path, meta: dict, results: list, top: dict | None = None):
+    """Write ``psa_decode.{json,md,png}``; ``top`` (a merged ``--real-only`` run) replaces the summary."""
     out.mkdir(parents=True, exist_ok=True)
-    top = summary(meta, results)
+    top = summary(meta, results) if top is None else top
     (out / "psa_decode.json").write_text(json.dumps(dict(**top, meta=meta, results=results), indent=1))
     lines = ["# PSA progressive decode vs FlashInfer dense decode", "",
              f"- command: `{meta['command']}`", f"- device: {meta['gpu']}; peak copy bandwidth "
@@ -325,7 +398,12 @@ def write_report(out: Path, meta: dict, results: list):
              "local 2 blocks, cuboid criticality, group max, metadata bf16; t PSA = median of 20 CUDA-graph "
              "replays of one layer (eager in its own column)",
              "- bytes: PSA = K+V of the blocks the kernels read (incl. last-wave over-read) + kmin/kmax of all "
-             "blocks; dense = all K+V; top-k at equal mean kept mass (same ranking, same wave kernels)", "",
+             "blocks; dense = all K+V; top-k at equal mean kept mass (same ranking, same wave kernels)",
+             "- testbed real rows: q/k/v captured from the 32k testbed model (YaRN) on its needle prompt "
+             "(bench/real_capture.py), decode at 3 positions near the prompt's end x layers "
+             f"{(meta.get('real_run') or meta).get('real_layers')}"
+             + (f"; measured by `{meta['real_run']['command']}` on {meta['real_run']['gpu']}"
+                if meta.get("real_run") else ""), "",
              "## Summary", "", "```", json.dumps(top, indent=1), "```", "",
              "| case | est | batch | ctx | page | heads | waves | t PSA us | t eager us | t dense us | dense/PSA |"
              " result frac | kernel frac | kept mean | kept min | kept>=eps | PSA TB/s | dense TB/s | top-k k |"
@@ -382,7 +460,18 @@ def main():
     ap.add_argument("--quick", action="store_true", help="a subset of cases (~1.5 minutes)")
     ap.add_argument("--smoke", action="store_true", help="two tiny cases on the CPU (Triton interpreter)")
     ap.add_argument("--no-smollm", action="store_true")
+    ap.add_argument("--real-only", action="store_true",
+                    help="only the testbed real cases (real_16k, real_32k), merged into an existing psa_decode.json "
+                         "in --out (its rows and summary keys kept; the real ones replaced); runs on a CPU too")
+    ap.add_argument("--no-real", action="store_true", help="skip the testbed real cases in a full run")
+    ap.add_argument("--testbed-model", type=Path, default=real_capture.TESTBED_MODEL,
+                    help="the 32k testbed model folder (default: the repo's models/SmolLM2-135M-Instruct-32k)")
+    ap.add_argument("--real-tokens", default=None,
+                    help="prompt tokens of real_16k,real_32k (default 16000,32000; e.g. 1024,2048 on a CPU)")
+    ap.add_argument("--real-layers", default=",".join(map(str, REAL_LAYERS)), help="captured layers")
     args = ap.parse_args()
+    slot_tokens = real_capture.parse_tokens(args.real_tokens, REAL_SLOTS)
+    real_layers = tuple(int(x) for x in args.real_layers.split(","))
     t0 = time.time()
     import triton
 
@@ -398,6 +487,7 @@ def main():
                 versions=f"torch {torch.__version__}, triton {triton.__version__}, flashinfer "
                          f"{getattr(flashinfer, '__version__', '?')}, python {platform.python_version()}",
                 plant=PLANT, shapes="Llama-3.1-8B attention: 32 qo / 8 kv heads, head_dim 128, bf16")
+    meta.update(real_tokens=slot_tokens, real_layers=list(real_layers), testbed_model=str(args.testbed_model))
     results = []
     meta["peak_bps"] = float("nan")
     if dev == "cuda":
@@ -405,6 +495,16 @@ def main():
             meta["peak_bps"] = measure_peak_bw()
         except Exception as e:
             print("peak measurement failed:", e)
+    if args.real_only:
+        rows = run_real(args.testbed_model, slot_tokens, real_layers, dev)
+        meta["wall_s"] = time.time() - t0
+        top, merged_meta, merged = real_capture.merge_real_rows(args.out / "psa_decode.json", rows,
+                                                                real_summary(rows, meta["gpu"]), meta)
+        write_report(args.out, merged_meta, merged, top)
+        print(json.dumps(real_summary(rows, meta["gpu"])))
+        print(f"wrote {args.out}/psa_decode.json (testbed real rows{' merged' if top else ''}) "
+              f"in {meta['wall_s']:.0f}s")
+        return
     if args.smoke:
         cases = [("planted", dict(batch=2, ctx=300, page=16, hq=8, hk=2, d=64)),
                  ("server short path (4k)", dict(batch=1, ctx=100, page=16, hq=4, hk=1, d=64, eps=1.0,
@@ -442,6 +542,13 @@ def main():
             except Exception as e:
                 traceback.print_exc()
                 results.append(dict(case="smollm2 real text", estimator=est, page=16, error=f"{type(e).__name__}: {e}"))
+    if not args.no_real and not args.smoke:
+        write_report(args.out, meta, results)
+        if (args.testbed_model / "config.json").is_file():
+            results += run_real(args.testbed_model, slot_tokens, real_layers, dev)
+        else:  # a device without the testbed folder: no error rows that would hide an earlier --real-only run
+            meta["real_skipped"] = f"no testbed model at {args.testbed_model} (--testbed-model)"
+            print(meta["real_skipped"])
     meta["wall_s"] = time.time() - t0
     write_report(args.out, meta, results)
     print(json.dumps(summary(meta, results)))

@@ -10,6 +10,9 @@
 #                                        #  TESTBED_MODES=off,psa,loopserve then off,lastwindow,samkv fit a call each)
 #   bash scripts/gpu/testbed.sh reliability-start   # soak (every mode, KV pool 64k tokens) + faults, in the background
 #   bash scripts/gpu/testbed.sh reliability-wait    # wait for them (RELIABILITY_WAIT s at most), fold reliability.json
+#   bash scripts/gpu/testbed.sh realkern # kernel benches on attention captured from the 32k testbed model (issues
+#                                        # 23/24): psa_decode.json real_16k/real_32k, loopserve_prefill.json
+#                                        # real_32k, merged into copies of bench/results' headlines (~2-4 min)
 #   bash scripts/gpu/testbed.sh settings4k  # psa vs off at 4k under three server settings: which setting costs psa
 #                                           # its fall-back throughput (page 16, prefill CUDA graphs off)
 #
@@ -18,7 +21,7 @@
 #
 # Reports go to /tmp/testbed/<part>/ and come back packed as $OUT/<part>.tgz.
 set -uo pipefail
-part=${1:?usage: testbed.sh needle|long|samkv|e2e|reliability-start|reliability-wait}
+part=${1:?usage: testbed.sh needle|long|samkv|e2e|settings4k|realkern|reliability-start|reliability-wait}
 out=${OUT:-$PWD/gpu_out}
 name=${part%-*}${TESTBED_TAG:+_$TESTBED_TAG}
 R=/tmp/testbed/$name
@@ -104,6 +107,14 @@ for d in sorted(p for p in root.iterdir() if (p / "e2e_long.json").is_file()):
               f"{f(r.get('output_throughput_tok_s'))} | {f(r.get('throughput_ratio_vs_off'))} | "
               f"{f(r.get('ttft_ratio_vs_off'))} | {f(r.get('tpot_ratio_vs_off'))} |")
 PY
+    ;;
+  realkern)  # --real-only: only the testbed-real rows run; they are merged into the seeded headline copies
+    cp bench/results/psa_decode.json bench/results/loopserve_prefill.json "$R/"
+    export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1   # local model folder only (the device reaches nothing)
+    step psa_real timeout -k 20 "${REALKERN_TIMEOUT:-240}" python3 bench/psa_decode_bench.py --real-only \
+        --testbed-model $M32 --out "$R"
+    step loopserve_real timeout -k 20 "${REALKERN_TIMEOUT:-240}" python3 bench/loopserve_prefill_bench.py --real-only \
+        --testbed-model $M32 --out "$R"
     ;;
   reliability-start)  # no timing figure comes from these: they may share the GPU with the `long` part
     say "== reliability: soak + faults started in the background"
