@@ -63,8 +63,10 @@ from bench.timing import timed  # noqa: E402
 from flashinfer_ext.loopserve.vs_estimate import sample_query_rows, vs_estimate  # noqa: E402
 from flashinfer_ext.loopserve.vs_prefill import vs_prefill  # noqa: E402
 from flashinfer_ext.loopserve.vs_select import VSSelectConfig, vs_select  # noqa: E402
+from sglang_sparse.config import LoopServeConfig  # noqa: E402  (plain dataclasses, no sglang import)
 
 ALPHA = VSSelectConfig.alpha  # the paper's alpha (the kernel default; the server's default is LoopServeConfig.alpha)
+SERVED_ALPHA = LoopServeConfig.alpha  # the testbed real rows: what a server at defaults selects
 SAMPLED_ROWS = 64
 SINK, LOCAL = VSSelectConfig.sink_tokens, VSSelectConfig.local_window
 # planted structure (see plant()): logit scales in nats
@@ -221,7 +223,7 @@ def dense_fn(q, k, v, sm_scale):
     return ref
 
 
-def run_case(name, ctx, q, k, v, min_context, dev, iters, timing=True, return_sel=False):
+def run_case(name, ctx, q, k, v, min_context, dev, iters, timing=True, return_sel=False, alpha=ALPHA):
     """One sparse vs dense prefill measurement on ``q [T, Hq, d]``, ``k``/``v`` ``[T, Hk, d]`` (bf16).
     ``timing=False`` runs each side once and leaves the times NaN (CPU runs of captured cases);
     ``return_sel`` also returns the :class:`~flashinfer_ext.loopserve.vs_select.VSSelection`."""
@@ -231,19 +233,20 @@ def run_case(name, ctx, q, k, v, min_context, dev, iters, timing=True, return_se
     k_buf, v_buf, slots = pool_of(k, v, dev)
     out = torch.empty_like(q)
     dense = dense_fn(q, k, v, sm_scale)
-    o_sp, sel = sparse_prefill(q, k_buf, v_buf, slots, sm_scale, out=out)
+    o_sp, sel = sparse_prefill(q, k_buf, v_buf, slots, sm_scale, alpha=alpha, out=out)
     o_dn = dense()
     err = (o_sp.float() - o_dn.float()).abs()
     nan = float("nan")
-    t_sparse = timed(lambda: sparse_prefill(q, k_buf, v_buf, slots, sm_scale, out=out), iters=iters, warmup=2) \
+    t_sparse = timed(lambda: sparse_prefill(q, k_buf, v_buf, slots, sm_scale, alpha=alpha, out=out), iters=iters,
+                     warmup=2) \
         if timing else nan
     t_dense = timed(dense, iters=iters, warmup=2) if timing else nan
     served_sparse = ctx >= min_context
     t_served = t_sparse if served_sparse or not timing else timed(dense, iters=iters, warmup=2)  # 2nd timing of it
     flops = 4.0 * t * (t + 1) / 2 * hq * d
     n_lines = float((sel.v_cnt.sum() + sel.s_cnt.sum()).item())
-    phases = phase_times(q, k_buf, v_buf, slots, sm_scale, iters, out=out) if timing else {}
-    res = dict(case=name, ctx=t, heads=f"{hq}/{hk}", head_dim=d, t_sparse_ms=t_sparse * 1e3, **phases,
+    phases = phase_times(q, k_buf, v_buf, slots, sm_scale, iters, alpha=alpha, out=out) if timing else {}
+    res = dict(case=name, alpha=alpha, ctx=t, heads=f"{hq}/{hk}", head_dim=d, t_sparse_ms=t_sparse * 1e3, **phases,
                 t_dense_ms=t_dense * 1e3, t_served_ms=t_served * 1e3, served="sparse" if served_sparse else "dense",
                 sparse_speedup=t_dense / t_sparse, served_speedup=t_dense / t_served,
                 dense_tflops=flops / t_dense / 1e12, line_fraction=n_lines / (2.0 * t * hk),
@@ -284,7 +287,7 @@ def run_real(model_dir, slot_tokens: dict, layers, dev: str, min_context: int, i
                     q, k, v = (x.bfloat16().to(dev).contiguous() for x in cap[layer])
                     T = q.shape[0]
                     r, sel = run_case(name, T, q, k, v, min_context, dev, iters, timing=dev == "cuda",
-                                      return_sel=True)
+                                      return_sel=True, alpha=SERVED_ALPHA)
                     g = torch.Generator().manual_seed(layer)
                     uni = torch.randperm(T, generator=g)[:eval_rows].sort().values
                     tail = torch.arange(max(0, T - 64), T)
@@ -333,7 +336,7 @@ def real_summary(results, gpu) -> dict:
                          failed_layers=[r["layer"] for r in rs if "error" in r],
                          per_layer=[dict(layer=r["layer"], line_fraction=f(r["line_fraction"]),
                                          speedup_vs_dense=f(r["sparse_speedup"]), covered_mass=f(r["covered_mass"]))
-                                    for r in ok], alpha=ALPHA, gpu=gpu)
+                                    for r in ok], alpha=SERVED_ALPHA, gpu=gpu)
     return out
 
 

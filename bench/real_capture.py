@@ -96,16 +96,25 @@ def decode_positions(L: int) -> list[int]:
     return sorted({L - 1, L - 1 - L // 16, L - 1 - L // 8})
 
 
+POOL_ALIGN = 64  # K/V pool slots per layer are padded to this (the dense paged decode views the pool as pages)
+
+
 def decode_pool(cap: dict, layers, positions, dev):
     """The PSA bench's capture tuple ``(q, k, v, req_to_token, req_pool_indices, seq_lens)``: one decode
     request per (layer, position) with context ``[0, position]``; ``q [R, Hq, d]``, K/V pool
-    ``[len(layers) * L, Hk, d]`` bf16 (layer ``li`` at slots ``li * L ..``), one req_to_token row per request."""
+    ``[len(layers) * S, Hk, d]`` bf16 with ``S = L`` rounded up to ``POOL_ALIGN`` (layer ``li`` at slots
+    ``li * S ..``, zeros after ``L``, so the pool is whole pages), one req_to_token row per request."""
     L = max(positions) + 1
-    k = torch.cat([cap[i][1][:L] for i in layers]).bfloat16().to(dev)
-    v = torch.cat([cap[i][2][:L] for i in layers]).bfloat16().to(dev)
+    stride = -(-L // POOL_ALIGN) * POOL_ALIGN  # each layer's slots start on a page for every page size <= 64
+
+    def padded(t):  # [L, Hk, d] -> [stride, Hk, d], zeros after L (slots no request reads)
+        return torch.cat([t[:L], t.new_zeros((stride - L, *t.shape[1:]))])
+
+    k = torch.cat([padded(cap[i][1]) for i in layers]).bfloat16().to(dev)
+    v = torch.cat([padded(cap[i][2]) for i in layers]).bfloat16().to(dev)
     reqs = [(li, t) for li in range(len(layers)) for t in positions]
     q = torch.stack([cap[layers[li]][0][t] for li, t in reqs]).bfloat16().to(dev)
-    rtt = torch.stack([li * L + torch.arange(L) for li in range(len(layers))]).to(torch.int32).to(dev)
+    rtt = torch.stack([li * stride + torch.arange(L) for li in range(len(layers))]).to(torch.int32).to(dev)
     rpi = torch.tensor([li for li, _ in reqs], dtype=torch.int32, device=dev)
     rows = rtt[rpi.long()].contiguous()
     return q, k, v, rows, torch.arange(len(reqs), dtype=torch.int32, device=dev), [t + 1 for _, t in reqs]
