@@ -80,6 +80,29 @@ def graph_gate_hook(result, graph_runner, forward_batch, *args, **kwargs):
     return result if wants is None else bool(wants(forward_batch))
 
 
+def prefill_graph_gate_hook(result, graph_runner, forward_batch, *args, **kwargs):
+    """AFTER ``PrefillCudaGraphRunner.can_run_graph``: under psa / loopserve / lastwindow an extend batch replays
+    SGLang's prefill graph only when no row reaches the mode's ``min_context`` (the whole batch runs the stock
+    prefill, as under ``off``); a batch with a long row (sparse prefill, line reuse, PSA's block metadata) runs
+    eagerly, exactly as with prefill graphs off. Other modes: SGLang's answer."""
+    if not result:
+        return result
+    backend = getattr(getattr(graph_runner, "model_runner", None), "attn_backend", None)
+    min_context = getattr(backend, "sparse_prefill_graph_below", None)
+    if min_context is None:
+        return result
+    return not prefill_reaches(forward_batch, int(min_context))
+
+
+def prefill_reaches(forward_batch, min_context: int) -> bool:
+    """Whether a row of this extend batch ends at ``min_context`` tokens or beyond (host ints, no sync)."""
+    lens = getattr(forward_batch, "seq_lens_cpu", None)
+    if lens is None:  # no host copy: ask for the eager path rather than read the device
+        return True
+    bs = int(getattr(forward_batch, "batch_size", len(lens)) or len(lens))
+    return bool(len(lens)) and int(max(int(x) for x in lens[:bs])) >= min_context
+
+
 def model_forward_hook(result, model_runner, *args, **kwargs):
     """AFTER ``ModelRunner.forward``: attach the sparse mode's step rows of this forward to the logits output."""
     backend = getattr(model_runner, "attn_backend", None)

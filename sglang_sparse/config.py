@@ -209,9 +209,10 @@ def _stock_graphs_knob():
 
 
 def _prefill_graphs_knob():
-    return knob(True, doc="CUDA: keep SGLang's prefill CUDA graphs (breakable backend: the captured segments run "
-                "around attention, which runs eagerly, so the sparse prefill and its host planning run as without "
-                "graphs); false, or another prefill graph backend: prefill graphs off for this mode")
+    return knob(True, doc="CUDA: keep SGLang's prefill CUDA graphs for extend batches whose rows all end below "
+                "min_context (they run the stock prefill, as under off); a batch with a longer row runs eagerly, as "
+                "with graphs off. False, or a prefill graph backend other than SGLang's default breakable one: "
+                "prefill graphs off for this mode")
 
 
 @dataclass(frozen=True)

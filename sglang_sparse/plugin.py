@@ -27,6 +27,8 @@ _HOOKS = (
      "sglang_sparse.api_hooks:forward_batch_hook"),
     ("sglang.srt.model_executor.runner.decode_cuda_graph_runner.DecodeCudaGraphRunner.can_run_graph", "AFTER",
      "sglang_sparse.api_hooks:graph_gate_hook"),
+    ("sglang.srt.model_executor.runner.prefill_cuda_graph_runner.PrefillCudaGraphRunner.can_run_graph", "AFTER",
+     "sglang_sparse.api_hooks:prefill_graph_gate_hook"),
     ("sglang.srt.model_executor.runner.decode_cuda_graph_runner.DecodeCudaGraphRunner.capture", "AROUND",
      "sglang_sparse.graph_variants:capture_hook"),
     ("sglang.srt.model_executor.runner.decode_cuda_graph_runner.DecodeCudaGraphRunner._resolve_lora_variant", "AROUND",

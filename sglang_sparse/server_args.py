@@ -109,9 +109,10 @@ def install_short_errors(parser: argparse.ArgumentParser) -> None:
 def _apply_mode_requirements(args, ctx: SparseContext) -> None:
     """Server settings a mode needs, set before SGLang resolves them (logged, never silent).
 
-    loopserve / lastwindow / psa on CUDA: SGLang's prefill CUDA graphs stay on where attention runs outside the
-    captured segments (the default breakable backend, config ``prefill_graphs`` true): the sparse prefill, its host
-    planning and PSA's block-metadata update run eagerly there, as without graphs. Another prefill graph backend
+    loopserve / lastwindow / psa on CUDA: SGLang's prefill CUDA graphs stay on (the default breakable backend,
+    config ``prefill_graphs`` true) for extend batches whose rows all end below ``min_context``: those run the stock
+    prefill, as under ``off``; a batch with a longer row (sparse prefill, line reuse, PSA's block metadata) runs
+    eagerly (``api_hooks.prefill_graph_gate_hook``). Another prefill graph backend
     (``--cuda-graph-backend-prefill full|tc_piecewise``) or ``prefill_graphs`` false: prefill graphs off (logged).
     loopserve / lastwindow: decode graphs stay on (``--disable-cuda-graph`` turns them off): the steady decode
     steps replay them (:mod:`sglang_sparse.loopserve.graph`), the others run eagerly.

@@ -36,7 +36,7 @@ def test_lastwindow_short_prompt_equals_dense(lw_server, cpu_server):
     assert state["mode"] == "lastwindow" and state["attention_backend"] == "LastWindowTorchNativeAttnBackend"
     assert state["config"] == {"budget": BUDGET, "window": 32, "min_context": MIN_CONTEXT, "sink_tokens": 4,
                                "pool_kernel": 7, "graph_list_width": 2048,
-                               "graph_max_bs": 16, "stock_graphs": True, "runner": "auto"}
+                               "graph_max_bs": 16, "stock_graphs": True, "prefill_graphs": True, "runner": "auto"}
     short = chat(server, PROMPT[0]["content"], 24)
     assert short["usage"]["prompt_tokens"] < MIN_CONTEXT
     assert short["choices"][0]["message"]["content"] == chat(cpu_server, PROMPT[0]["content"], 24)[

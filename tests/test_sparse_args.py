@@ -237,3 +237,25 @@ def test_samkv_mass_spread_is_a_token_count_of_at_least_zero():
     assert SamKVConfig(mass_spread=0).mass_spread == 0
     with pytest.raises(SparseConfigError, match="'mass_spread' of mode 'samkv' = -1 is out of range"):
         SamKVConfig(mass_spread=-1)
+
+
+def test_prefill_graphs_replay_only_extend_batches_below_min_context():
+    """The prefill-graph gate: a batch replays SGLang's prefill graph only when every row ends below the mode's
+    min_context (stock prefill); a long row, or no host copy of the lengths, sends the batch down the eager path."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from sglang_sparse.api_hooks import prefill_graph_gate_hook
+
+    runner = SimpleNamespace(model_runner=SimpleNamespace(attn_backend=SimpleNamespace(sparse_prefill_graph_below=8192)))
+
+    def batch(*lens):
+        return SimpleNamespace(seq_lens_cpu=torch.tensor(lens), batch_size=len(lens))
+
+    assert prefill_graph_gate_hook(True, runner, batch(100, 8191)) is True
+    assert prefill_graph_gate_hook(True, runner, batch(100, 8192)) is False
+    assert prefill_graph_gate_hook(False, runner, batch(100)) is False  # SGLang said no: stays no
+    assert prefill_graph_gate_hook(True, runner, SimpleNamespace(seq_lens_cpu=None, batch_size=1)) is False
+    off = SimpleNamespace(model_runner=SimpleNamespace(attn_backend=SimpleNamespace()))
+    assert prefill_graph_gate_hook(True, off, batch(100000)) is True  # modes without the gate: SGLang's answer

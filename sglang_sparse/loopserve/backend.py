@@ -182,6 +182,8 @@ def install(backend, config: LoopServeConfig, page_size: int, enable_metrics: bo
     backend.sparse_stats = stats
     backend.sparse_stock_graphs = bool(config.stock_graphs)  # sglang_sparse.graph_variants
     backend.sparse_installed_mode = mode
+    # prefill CUDA graphs replay only extend batches below min_context (api_hooks.prefill_graph_gate_hook)
+    backend.sparse_prefill_graph_below = int(config.min_context)
     logger.info("sglang-sparse %s: %s path (%s), line store %d MiB, decode CUDA graphs %s", mode,
                 "kernel" if kernels else "reference", device.type, getattr(config, "line_store_mb", 0),
                 f"for steady steps (lists <= {backend._ls_runner.split_width}, batch <= {config.graph_max_bs})"
