@@ -488,13 +488,7 @@ def main():
     meta["peak_tflops"] = matmul_peak_tflops(dev)
     if args.real_only:
         rows = run_real(args.testbed_model, slot_tokens, real_layers, dev, min_context, eval_rows=args.real_eval_rows)
-        meta["wall_s"] = time.time() - t0
-        top, merged_meta, merged = real_capture.merge_real_rows(args.out / "loopserve_prefill.json", rows,
-                                                                real_summary(rows, meta["gpu"]), meta)
-        write_report(args.out, merged_meta, merged, top)
-        print(json.dumps(real_summary(rows, meta["gpu"])))
-        print(f"wrote {args.out}/loopserve_prefill.json (testbed real rows{' merged' if top else ''}) "
-              f"in {meta['wall_s']:.0f}s")
+        real_capture.finish_real_only(args.out / "loopserve_prefill.json", rows, real_summary(rows, meta["gpu"]), meta, write_report, t0)
         return
     if args.smoke:
         cases = [("planted", c, dict(hq=4, hk=2, d=64)) for c in (96, 160)]

@@ -497,13 +497,7 @@ def main():
             print("peak measurement failed:", e)
     if args.real_only:
         rows = run_real(args.testbed_model, slot_tokens, real_layers, dev)
-        meta["wall_s"] = time.time() - t0
-        top, merged_meta, merged = real_capture.merge_real_rows(args.out / "psa_decode.json", rows,
-                                                                real_summary(rows, meta["gpu"]), meta)
-        write_report(args.out, merged_meta, merged, top)
-        print(json.dumps(real_summary(rows, meta["gpu"])))
-        print(f"wrote {args.out}/psa_decode.json (testbed real rows{' merged' if top else ''}) "
-              f"in {meta['wall_s']:.0f}s")
+        real_capture.finish_real_only(args.out / "psa_decode.json", rows, real_summary(rows, meta["gpu"]), meta, write_report, t0)
         return
     if args.smoke:
         cases = [("planted", dict(batch=2, ctx=300, page=16, hq=8, hk=2, d=64)),

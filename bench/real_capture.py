@@ -182,3 +182,15 @@ def merge_real_rows(path: Path, real_rows: list, real_keys: dict, run_meta: dict
     meta["real_run"] = run_meta
     old.update(real_keys)
     return old, meta, results
+
+
+def finish_real_only(json_path, rows: list, summary: dict, meta: dict, write_report, t0: float) -> None:
+    """``--real-only`` end of a kernel bench: merge ``rows`` and ``summary`` into the headline at ``json_path``
+    (:func:`merge_real_rows`), rewrite its report with ``write_report(out_dir, meta, rows, top)``, print the summary."""
+    import time
+
+    meta["wall_s"] = time.time() - t0
+    top, merged_meta, merged = merge_real_rows(json_path, rows, summary, meta)
+    write_report(json_path.parent, merged_meta, merged, top)
+    print(json.dumps(summary))
+    print(f"wrote {json_path} (testbed real rows{' merged' if top else ''}) in {meta['wall_s']:.0f}s")
