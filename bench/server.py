@@ -56,7 +56,9 @@ class ServerSpec:
         if self.sparse_config:
             a += ["--sparse-config", self.sparse_config]
         if self.device == "cpu":
-            a += ["--device", "cpu", "--max-total-tokens", "16384"]
+            # --sleep-on-idle: an idle CPU scheduler otherwise busy-polls its sockets and takes a core from the
+            # client and from any other server on the machine; it wakes as soon as a request arrives
+            a += ["--device", "cpu", "--max-total-tokens", "16384", "--sleep-on-idle"]
         elif self.device != "cuda":
             raise ValueError(f"device must be 'cpu' or 'cuda', got '{self.device}'")
         return a + list(self.extra_args)

@@ -10,6 +10,12 @@ from tests.serverproc import DEFAULT_MODEL, start_cpu_server
 
 SERVER_READY_TIMEOUT_S = float(os.environ.get("SPARSE_TEST_SERVER_TIMEOUT", "240"))
 
+# Every server the tests start (fixtures, and the bench drivers the tests run) inherits this environment.
+# Stopping a server by its process group ends its scheduler first; SGLang reads that as a crashed child and sleeps
+# 5 s "before crash diagnostics" (py-spy and CUDA core dumps), a wait with nothing to diagnose on a test stop.
+os.environ.setdefault("SGLANG_PYSPY_DUMP_BEFORE_CRASH", "0")
+os.environ.setdefault("SGLANG_CUDA_COREDUMP_BEFORE_CRASH", "0")
+
 
 def _has_cuda() -> bool:
     try:

@@ -53,6 +53,24 @@ def start_cpu_server(model: Path, log_path: Path, *, mode: str = "off", sparse_c
     return Server(spec, log_path, timeout_s=timeout_s, log=print).start()
 
 
+def start_cpu_servers(model: Path, *specs: dict) -> list[Server]:
+    """Start several CPU servers at once (each ``specs`` item: keyword arguments of :func:`start_cpu_server`, with
+    ``log_path``); a server start is mostly single-threaded imports, so two overlap on two cores. Returns the
+    handles in order; if any start fails, the ones that started are stopped and the first error is raised."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(len(specs)) as pool:
+        futs = [pool.submit(start_cpu_server, model, **spec) for spec in specs]
+        done = [(f.result() if f.exception() is None else f.exception()) for f in futs]
+    errors = [d for d in done if isinstance(d, BaseException)]
+    if errors:
+        for d in done:
+            if not isinstance(d, BaseException):
+                d.stop()
+        raise errors[0]
+    return done
+
+
 def sparse_metrics(server, prefix: str) -> dict[str, float]:
     """The server's ``/metrics`` samples whose names start with ``prefix`` (labels dropped)."""
     import requests

@@ -11,9 +11,9 @@ import os
 
 import pytest
 import requests
+from pydoc_data.topics import topics
 
 from tests.serverproc import chat, start_cpu_server
-from tests.test_psa_server import _long_prompt
 from tests.test_server_e2e import PROMPT
 
 pytestmark = pytest.mark.server
@@ -48,12 +48,20 @@ def test_kernel_runner_below_min_context_equals_dense(kernel_server, cpu_server)
     assert a["metadata"]["sparse"]["sparse_decode_steps"] == 0
 
 
+def _kernel_prompt() -> str:
+    """About 360 tokens (23 blocks of 16): above MIN_CONTEXT, and short, since the interpreted kernels' time grows
+    with the context."""
+    text = topics["assignment"][:1300]
+    return (f"Read this text.\n\n{text[:650]}\n\nThe secret number is 4817.\n\n{text[650:]}\n\n"
+            "What is the secret number? Answer with the number only.")
+
+
 def test_kernel_runner_above_min_context_decodes_sparsely(kernel_server):
     server, _ = kernel_server
-    r = chat(server, _long_prompt(), 4, custom_params={"sparse": {"epsilon": 0.9}})
+    r = chat(server, _kernel_prompt(), 4, custom_params={"sparse": {"epsilon": 0.9}})
     rep = r["metadata"]["sparse"]
     assert r["usage"]["prompt_tokens"] > MIN_CONTEXT
     assert rep["epsilon"] == 0.9 and rep["sparse_decode_steps"] == r["usage"]["completion_tokens"] - 1 > 0
     assert 0 < rep["blocks_read"] < rep["blocks_total"] and 0.5 < rep["kept_mass"] <= 1.0 + 1e-6
-    d = chat(server, _long_prompt(), 4, custom_params={"sparse": {"epsilon": 1.0}})
+    d = chat(server, _kernel_prompt(), 4, custom_params={"sparse": {"epsilon": 1.0}})
     assert d["metadata"]["sparse"]["sparse_decode_steps"] == 0

@@ -8,7 +8,7 @@ import pytest
 from bench.samkv_bench import make_task
 from sglang_sparse.config import SamKVConfig, SparseConfigError
 from sglang_sparse.samkv.graph import context_bucket, rows_bucket
-from tests.serverproc import ask_documents_first_token, start_cpu_server
+from tests.serverproc import ask_documents_first_token, start_cpu_servers
 
 
 @pytest.mark.parametrize("r,want", [(1, 64), (64, 64), (65, 128), (512, 512), (513, 768), (1000, 1024)])
@@ -37,18 +37,21 @@ def test_padded_side_forwards_equal_the_eager_ones_through_the_server(default_mo
     fp32 (bf16 alone moves them ~0.03: other GEMM shapes)."""
     task = make_task(4, docs=3, words=90)
     out = {}
-    for mode in ("off", "pad"):
-        server = start_cpu_server(default_model, tmp_path / f"{mode}.log", mode="samkv", extra_args=("--dtype", "float32"),
-                                  sparse_config='{"block_size": 16, "recompute_ratio": 0.5, "side_graphs": "%s", '
-                                                '"side_graph_max_rows": 1024}' % mode)
-        try:
+    modes = ("off", "pad")
+    servers = start_cpu_servers(default_model, *(dict(
+        log_path=tmp_path / f"{mode}.log", mode="samkv", extra_args=("--dtype", "float32"),
+        sparse_config='{"block_size": 16, "recompute_ratio": 0.5, "side_graphs": "%s", '
+                      '"side_graph_max_rows": 1024}' % mode) for mode in modes))
+    try:
+        for mode, server in zip(modes, servers):
             def ask(variant):
                 _, lp, meta = ask_documents_first_token(server.url, task, variant, max_tokens=4)
                 return lp, meta
 
             ask("reuse")  # documents cached
             out[mode] = {v: ask(v) for v in ("samkv", "cacheblend")}
-        finally:
+    finally:
+        for server in servers:
             server.stop()
     for variant in ("samkv", "cacheblend"):
         (eager, meta_e), (padded, meta_p) = out["off"][variant], out["pad"][variant]

@@ -12,7 +12,7 @@ import json
 
 import pytest
 
-from tests.serverproc import start_cpu_server
+from tests.serverproc import start_cpu_servers
 from tests.test_working_set_admission_server import MAX_NEW, _concurrent, _state, check_admission_under_pressure
 
 pytestmark = pytest.mark.server
@@ -23,17 +23,33 @@ CONFIG = {"min_context": 256, "alpha": 0.9, "budget": 32, "host_tier_gb": 0.1, "
           "working_set_slots": 8}
 
 
-def serve_loopserve(default_model, tmp_path_factory, name: str, gpu_cache_mb: float):
-    log = tmp_path_factory.mktemp(f"ws_ls_{name}") / "server.log"
-    cfg = dict(CONFIG, gpu_cache_mb=gpu_cache_mb)
-    return start_cpu_server(default_model, log, mode="loopserve", sparse_config=json.dumps(cfg),
-                            extra_args=("--enable-metrics", "--max-total-tokens", "6000")), log
+def serve_loopserve(default_model, tmp_path_factory, *servers: tuple[str, float]) -> dict:
+    """Fresh loopserve + host-tier servers started at once, one per ``(name, gpu_cache_mb)``: {name: (server, log)}."""
+    specs, logs = [], []
+    for name, gpu_cache_mb in servers:
+        logs.append(tmp_path_factory.mktemp(f"ws_ls_{name}") / "server.log")
+        cfg = dict(CONFIG, gpu_cache_mb=gpu_cache_mb)
+        specs.append(dict(log_path=logs[-1], mode="loopserve", sparse_config=json.dumps(cfg),
+                          extra_args=("--enable-metrics", "--max-total-tokens", "6000")))
+    handles = start_cpu_servers(default_model, *specs)
+    return {name: (h, log) for (name, _), h, log in zip(servers, handles, logs)}
 
 
-def test_loopserve_requests_wait_while_measured_working_sets_fill_the_gpu_cache(default_model, tmp_path_factory):
+@pytest.fixture(scope="module")
+def tight_and_ample(default_model, tmp_path_factory):
+    """The servers of the two tests below, started together; each test stops its own when done."""
+    servers = serve_loopserve(default_model, tmp_path_factory, ("tight", 12.0), ("ample", 512.0))
+    try:
+        yield servers
+    finally:
+        for server, _ in servers.values():
+            server.stop()
+
+
+def test_loopserve_requests_wait_while_measured_working_sets_fill_the_gpu_cache(tight_and_ample):
     # 12 MiB = 49152 units: one prompt's whole context (~480 tokens x 30 layers x 3 KV heads = ~43k units) fits,
     # a second only once the first's measured working set (what LoopServe attended in its last 4 steps) leaves room
-    server, log = serve_loopserve(default_model, tmp_path_factory, "tight", 12.0)
+    server, log = tight_and_ample["tight"]
     try:
         ws = check_admission_under_pressure(server, log)
         stats = _state(server)["stats"]
@@ -46,8 +62,8 @@ def test_loopserve_requests_wait_while_measured_working_sets_fill_the_gpu_cache(
     assert stats["sparse_decode_rows"] > 0, stats  # the working sets came from LoopServe's sparse decode
 
 
-def test_loopserve_nothing_waits_when_the_gpu_cache_holds_every_working_set(default_model, tmp_path_factory):
-    server, log = serve_loopserve(default_model, tmp_path_factory, "ample", 512.0)
+def test_loopserve_nothing_waits_when_the_gpu_cache_holds_every_working_set(tight_and_ample):
+    server, log = tight_and_ample["ample"]
     try:
         replies = _concurrent(server)
         ws = _state(server)["working_set"]

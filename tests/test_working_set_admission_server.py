@@ -16,7 +16,7 @@ import pytest
 import requests
 from pydoc_data.topics import topics
 
-from tests.serverproc import sparse_metrics_when, start_cpu_server
+from tests.serverproc import sparse_metrics_when, start_cpu_servers
 
 pytestmark = pytest.mark.server
 
@@ -40,23 +40,24 @@ def _state(server) -> dict:
     return server.server_info()["internal_states"][0]["sparse"]
 
 
-def _serve(default_model, tmp_path_factory, name: str, gpu_cache_mb: float, admission: bool = True):
-    cfg = {"min_context": 256, "host_tier_gb": 0.1, "gpu_cache_mb": gpu_cache_mb, "working_set_window": 4,
-           "working_set_admission": admission}
-    log = tmp_path_factory.mktemp(f"ws_{name}") / "server.log"
-    return start_cpu_server(default_model, log, mode="psa", sparse_config=json.dumps(cfg),
-                            extra_args=("--enable-metrics", "--max-total-tokens", "6000")), log
+def _serve(default_model, tmp_path_factory, *servers: tuple[str, float, bool]) -> dict:
+    """Fresh psa + host-tier servers started at once, one per ``(name, gpu_cache_mb, working_set_admission)``:
+    {name: (server, log)}."""
+    specs, logs = [], []
+    for name, gpu_cache_mb, admission in servers:
+        cfg = {"min_context": 256, "host_tier_gb": 0.1, "gpu_cache_mb": gpu_cache_mb, "working_set_window": 4,
+               "working_set_admission": admission}
+        logs.append(tmp_path_factory.mktemp(f"ws_{name}") / "server.log")
+        specs.append(dict(log_path=logs[-1], mode="psa", sparse_config=json.dumps(cfg),
+                          extra_args=("--enable-metrics", "--max-total-tokens", "6000")))
+    handles = start_cpu_servers(default_model, *specs)
+    return {name: (h, log) for (name, _, _), h, log in zip(servers, handles, logs)}
 
 
-@pytest.fixture(scope="module")
-def alone_replies(default_model, tmp_path_factory):
+def _alone_replies(server) -> dict[str, tuple[str, int]]:
     """Each prompt's greedy reply when it runs alone (admission off, one request at a time)."""
-    server, _ = _serve(default_model, tmp_path_factory, "alone", 64.0, admission=False)
-    try:
-        assert _state(server)["working_set"] is None  # admission off: no policy object
-        return {t: _generate(server, _prompt(t)) for t in TOPICS}
-    finally:
-        server.stop()
+    assert _state(server)["working_set"] is None  # admission off: no policy object
+    return {t: _generate(server, _prompt(t)) for t in TOPICS}
 
 
 def _concurrent(server) -> dict[str, str]:
@@ -65,28 +66,39 @@ def _concurrent(server) -> dict[str, str]:
         return {t: f.result() for t, f in futs.items()}
 
 
-def _serve_concurrent(default_model, tmp_path_factory, name: str, gpu_cache_mb: float):
-    """(replies, working-set report, log) of the prompts sent at once to a fresh psa + host-tier server."""
-    server, log = _serve(default_model, tmp_path_factory, name, gpu_cache_mb)
+@pytest.fixture(scope="module")
+def tight_and_ample(default_model, tmp_path_factory):
+    """The two admission-on servers of the tests below, started together; each test stops its own when done."""
+    servers = _serve(default_model, tmp_path_factory, ("tight", 16.0, True), ("ample", 512.0, True))
     try:
-        return _concurrent(server), _state(server)["working_set"], log
+        yield servers
     finally:
+        for server, _ in servers.values():
+            server.stop()
+
+
+def test_a_cache_smaller_than_one_working_set_serialises_requests_with_solo_replies(default_model, tmp_path_factory):
+    # 6 MiB of unit cache = 1536 units (30 layers x 3 KV heads x 16-token blocks): less than one prompt's context;
+    # the solo replies come from a second server (admission off), played one at a time while this one runs
+    servers = _serve(default_model, tmp_path_factory, ("alone", 64.0, False), ("serial", 6.0, True))
+    (alone, _), (server, log) = servers["alone"], servers["serial"]
+    try:
+        with cf.ThreadPoolExecutor(1) as pool:
+            alone_replies = pool.submit(_alone_replies, alone)
+            replies, ws = _concurrent(server), _state(server)["working_set"]
+            alone_replies = alone_replies.result()
+    finally:
+        alone.stop()
         server.stop()
-
-
-def test_a_cache_smaller_than_one_working_set_serialises_requests_with_solo_replies(
-        default_model, tmp_path_factory, alone_replies):
-    # 6 MiB of unit cache = 1536 units (30 layers x 3 KV heads x 16-token blocks): less than one prompt's context
-    replies, ws, log = _serve_concurrent(default_model, tmp_path_factory, "serial", 6.0)
     assert replies == alone_replies  # one at a time: exactly the solo greedy replies, none dropped
     assert ws["oversize_admissions"] >= len(TOPICS) - 1 and ws["held_requests"] > 0, ws
     assert "leak" not in log.read_text().lower()
 
 
-def test_requests_wait_while_measured_working_sets_fill_the_gpu_cache(default_model, tmp_path_factory):
+def test_requests_wait_while_measured_working_sets_fill_the_gpu_cache(tight_and_ample):
     # 16 MiB = 4096 units: one prompt's whole context (~2600 units) fits, a second only once the first's
     # measured working set (what PSA read in its last 4 steps) is known to leave room for it
-    server, log = _serve(default_model, tmp_path_factory, "tight", 16.0)
+    server, log = tight_and_ample["tight"]
     try:
         check_admission_under_pressure(server, log)
     finally:
@@ -114,8 +126,12 @@ def check_admission_under_pressure(server, log) -> dict:
     return ws
 
 
-def test_nothing_waits_when_the_gpu_cache_holds_every_working_set(default_model, tmp_path_factory):
-    replies, ws, _ = _serve_concurrent(default_model, tmp_path_factory, "ample", 512.0)
+def test_nothing_waits_when_the_gpu_cache_holds_every_working_set(tight_and_ample):
+    server, _ = tight_and_ample["ample"]
+    try:
+        replies, ws = _concurrent(server), _state(server)["working_set"]
+    finally:
+        server.stop()
     print("working set admission (ample):", ws)
     assert all(n == MAX_NEW for _, n in replies.values()), replies
     assert ws["decisions"] > 0 and ws["limited"] == 0 and ws["held_requests"] == 0, ws
