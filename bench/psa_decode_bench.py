@@ -288,20 +288,12 @@ def run_case(name, batch, ctx, page, planted=True, capture=None, hq=32, hk=8, d=
 
 
 def capture_smollm(num_tokens, layers, positions, dev="cuda"):
+    """The 8k model's real-text capture as the bench's pool tuple (:func:`bench.real_capture.decode_pool`)."""
     sys.path.insert(0, str(ROOT / "bench"))
     from psa_capture import capture_qkv  # noqa: E402
 
     cap = capture_qkv(num_tokens=num_tokens, layers=layers, device=dev)
-    L = num_tokens
-    k = torch.cat([cap[i][1] for i in layers]).bfloat16().to(dev)
-    v = torch.cat([cap[i][2] for i in layers]).bfloat16().to(dev)
-    reqs = [(li, t) for li in range(len(layers)) for t in positions]
-    q = torch.stack([cap[layers[li]][0][t] for li, t in reqs]).bfloat16().to(dev)
-    rtt = torch.stack([li * L + torch.arange(L) for li in range(len(layers))]).to(torch.int32).to(dev)
-    rpi = torch.tensor([li for li, _ in reqs], dtype=torch.int32, device=dev)
-    # one req_to_token row per request (rows of one layer share slots but need their own metadata rows)
-    rows = rtt[rpi.long()].contiguous()
-    return q, k, v, rows, torch.arange(len(reqs), dtype=torch.int32, device=dev), [t + 1 for _, t in reqs]
+    return real_capture.decode_pool(cap, tuple(layers), positions, dev)
 
 
 REAL_SLOTS = {"real_16k": 16000, "real_32k": 32000}  # prompt tokens of the testbed captures
