@@ -462,8 +462,8 @@ def knobs_at_limits(ctx: Ctx, mode: str) -> dict:
 # mode -> (a config at range edges that must start and answer, configs one step beyond an edge: exit 2)
 EDGES = {
     "psa": ({"epsilon": 1.0, "min_context": 0, "micro_batch_blocks": 1, "max_blocks": 1, "sink_pages": 0,
-             "local_pages": 0, "min_request_epsilon": 1.0},
-            [{"epsilon": 1.0000001}, {"micro_batch_blocks": 8192}, {"max_blocks": 0}]),
+             "local_pages": 0, "min_request_epsilon": 1.0, "dense_above": 1.0, "probe_steps": 1},
+            [{"epsilon": 1.0000001}, {"micro_batch_blocks": 8192}, {"max_blocks": 0}, {"probe_steps": 0}]),
     "loopserve": ({"alpha": 1.0, "budget": 1, "n_d": 1, "min_context": 0, "sink_tokens": 0, "local_window": 1,
                    "sampled_rows": 1, "line_store_mb": 0},
                   [{"alpha": 1.01}, {"budget": 0}, {"line_store_mb": -1}]),

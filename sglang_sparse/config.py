@@ -232,6 +232,12 @@ class PsaConfig(SparseConfig):
     max_blocks: int = knob(PsaDecodeConfig.max_blocks, doc="upper bound on blocks read per (request, KV head)", range=Range(1, 1 << 24))
     min_request_epsilon: float = knob(0.5, doc="floor for a request's own epsilon (custom_params.sparse.epsilon); "
                                       "lower requested values are clamped up to it", range=_UNIT)
+    dense_above: float = knob(0.5, doc="adaptive switch: a request whose first probe_steps sparse decode steps read "
+                              "more than this fraction of its blocks decodes densely from then on (stock decode, "
+                              "stock CUDA graph): on diffuse attention PSA reads most blocks and its ranking costs "
+                              "more than it saves; 1.0 = never switch", range=_UNIT)
+    probe_steps: int = knob(4, doc="sparse decode steps a long request runs before the dense_above test",
+                            range=Range(1, 4096))
     estimator: str = knob(PsaDecodeConfig.estimator, doc="remaining-mass estimate of the stop test: 'calibrated' (cuboid bound "
                           "scaled by the tightness seen on blocks read; reads most blocks on real attention) or "
                           "'mean' (q . mean key raised by the largest gap seen: fewer reads, not a bound)",
@@ -277,9 +283,11 @@ class LoopServeConfig(SparseConfig):
     n_d: int = knob(16, doc="decode re-selection interval (tokens)", range=Range(1, 4096))
     budget: int = knob(1024, doc="top-B tokens kept per KV head in decode", range=Range(1, 1 << 24))
     sampled_rows: int = knob(64, doc="query rows sampled for line estimation", range=Range(1, 8192))
-    min_context: int = knob(24576, doc="segments over contexts shorter than this run dense: below it the sparse "
-                            "prefill's fixed costs (estimation, selection, launches) exceed the attention it saves "
-                            "(bench/results/loopserve_prefill.md)", range=Range(0, 1 << 24))
+    min_context: int = knob(65536, doc="segments over contexts shorter than this run dense (prefill and decode). "
+                            "End to end on the 32k testbed (SmolLM2, YaRN) no length engaged pays: at 32k the "
+                            "engaged mode ran at 0.17-0.26x stock throughput, so the default engages only past "
+                            "that context; lower it for models whose dense attention costs more per token "
+                            "(docs/loopserve.md)", range=Range(0, 1 << 24))
     sink_tokens: int = knob(4, doc="first key positions always attended (vertical lines)", range=Range(0, 1 << 20))
     local_window: int = knob(64, doc="slash offsets 0..local_window-1 always attended", range=Range(1, 1 << 20))
     min_request_alpha: float = knob(0.5, doc="floor for a request's own alpha (custom_params.sparse.alpha); "

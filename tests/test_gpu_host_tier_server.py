@@ -29,7 +29,7 @@ def gpu_tier_server(tmp_path_factory):
         pytest.skip("needs CUDA")
     log = tmp_path_factory.mktemp("gpu_host_tier") / "server.log"
     spec = ServerSpec(python=sys.executable, model=str(DEFAULT_MODEL), device="cuda", port=free_port(), mode="psa",
-                      sparse_config='{"min_context": 512, "host_tier_gb": 0.5, "gpu_cache_mb": 16}',
+                      sparse_config='{"min_context": 512, "host_tier_gb": 0.5, "gpu_cache_mb": 16, "dense_above": 1.0}',
                       extra_args=["--attention-backend", "flashinfer", "--page-size", "16", "--enable-metrics",
                                   "--mem-fraction-static", "0.2", "--max-total-tokens", str(MAX_TOTAL),
                                   "--cuda-graph-max-bs", "4"])
@@ -67,7 +67,7 @@ def test_gpu_working_set_admission_holds_requests_on_measured_working_sets(tmp_p
 
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    cfg = {"min_context": 256, "host_tier_gb": 0.5, "gpu_cache_mb": 16, "working_set_window": 4}
+    cfg = {"min_context": 256, "host_tier_gb": 0.5, "gpu_cache_mb": 16, "working_set_window": 4, "dense_above": 1.0}
     server, log = _admission_server(tmp_path_factory, "gpu_ws_admission", "psa", cfg)
     try:
         ws = check_admission_under_pressure(server, log)

@@ -36,10 +36,10 @@ def gpu_servers(tmp_path_factory):
     dense = _server("off", d / "off.log", extra=("--page-size", "16"))
     started = [dense]
     try:
-        sparse = _server("psa", d / "psa.log", sparse_config=f'{{"min_context": {MIN_CONTEXT}}}')
+        sparse = _server("psa", d / "psa.log", sparse_config=f'{{"min_context": {MIN_CONTEXT}, "dense_above": 1.0}}')
         started.append(sparse)
         eager = _server("psa", d / "psa_eager.log",
-                        sparse_config=f'{{"min_context": {MIN_CONTEXT}, "cuda_graph": false}}')
+                        sparse_config=f'{{"min_context": {MIN_CONTEXT}, "cuda_graph": false, "dense_above": 1.0}}')
         started.append(eager)
         yield dense, sparse, d, eager
     finally:
@@ -161,3 +161,44 @@ def test_gpu_psa_short_requests_replay_the_stock_graph(gpu_servers):
     # 31 decode steps after the prefill's token; the overlap scheduler may launch one more before it sees the end
     assert after["dense_graph_steps"] - before["dense_graph_steps"] in (31, 32)
     assert after["sparse_decode_steps"] == before["sparse_decode_steps"]
+
+
+@pytest.fixture(scope="module")
+def switch_server(tmp_path_factory):
+    """psa at the default adaptive switch (``dense_above``, ``probe_steps``), same min_context as the others."""
+    server = _server("psa", tmp_path_factory.mktemp("gpu_psa_switch") / "psa.log",
+                     sparse_config=f'{{"min_context": {MIN_CONTEXT}}}')
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+def test_gpu_psa_switched_requests_finish_on_the_stock_graph_and_keep_the_answer(gpu_servers, switch_server):
+    """A request whose probe steps read more than dense_above of its blocks decodes densely from then on,
+    replaying SGLang's stock decode graph; a later turn over its cached pages rebuilds their metadata."""
+    dense = gpu_servers[0]
+    stats = lambda: switch_server.server_info()["internal_states"][0]["sparse"]["stats"]  # noqa: E731
+    before = stats()
+    r = chat(switch_server, _long_prompt(), 48, ignore_eos=True)
+    d = chat(dense, _long_prompt(), 48, ignore_eos=True)
+    rep = r["metadata"]["sparse"]
+    after = stats()
+    print("switch report:", rep, after)
+    assert rep["sparse_decode_steps"] + rep["switched_dense_steps"] == 47
+    if rep["read_fraction"] > 0.5:  # the default dense_above
+        assert 4 <= rep["sparse_decode_steps"] <= 6 and rep["switched_dense_steps"] > 0
+        assert after["dense_graph_steps"] - before["dense_graph_steps"] >= rep["switched_dense_steps"] - 1
+    else:
+        assert rep["switched_dense_steps"] == 0
+    if "4817" in d["choices"][0]["message"]["content"].split("\n")[0]:
+        assert "4817" in r["choices"][0]["message"]["content"].split("\n")[0]
+    # a second turn over the first one's cached pages (written partly by dense steps, without metadata)
+    msgs = [{"role": "user", "content": _long_prompt()},
+            {"role": "assistant", "content": r["choices"][0]["message"]["content"]},
+            {"role": "user", "content": "Repeat the secret number."}]
+    r2 = chat(switch_server, msgs, 16)
+    d2 = chat(dense, msgs, 16)
+    if "4817" in d2["choices"][0]["message"]["content"]:
+        assert "4817" in r2["choices"][0]["message"]["content"]
+    assert r2["metadata"]["sparse"]["sparse_decode_steps"] >= 1

@@ -22,7 +22,7 @@ MAX_TOTAL = 1600  # KV pool: room for two ~700-token prompts, so the third evict
 # name: (mode, --sparse-config, extra server args, environment, page size)
 CONFIGS = {
     # psa decodes the prompt sparsely (above min_context) with its CPU reference runner
-    "psa": ("psa", '{"min_context": 256, "host_tier_gb": 0.1, "gpu_cache_mb": 8}', (), {}, 1),
+    "psa": ("psa", '{"min_context": 256, "host_tier_gb": 0.1, "gpu_cache_mb": 8, "dense_above": 1.0}', (), {}, 1),
     # loopserve's radix hooks (line sets on nodes) run beside the tier
     "loopserve": ("loopserve", '{"host_tier_gb": 0.1, "gpu_cache_mb": 8}', (), {}, 1),
 }
@@ -31,7 +31,7 @@ if os.environ.get("SPARSE_HOST_TIER_KERNEL_TEST") == "1":
     # recomputed from the reloaded keys by rebuild_page_meta, Triton PSA kernels) under the interpreter,
     # over SGLang's paged allocator
     CONFIGS["psa_kernel_page16"] = ("psa", '{"min_context": 256, "host_tier_gb": 0.1, "gpu_cache_mb": 8, '
-                                    '"runner": "kernel"}', ("--page-size", "16", "--max-running-requests", "4"),
+                                    '"runner": "kernel", "dense_above": 1.0}', ("--page-size", "16", "--max-running-requests", "4"),
                                     {"TRITON_INTERPRET": "1"}, 16)
 
 

@@ -102,11 +102,78 @@ def test_graph_replay_view_gets_the_batch_per_request_epsilons():
                            sampling_info=SimpleNamespace(sparse_reqs=reqs))
     assert runner.wants_graph(real)
     view = SimpleNamespace(batch_size=4, seq_lens_cpu=torch.tensor([150, 40, 1, 1]))
-    assert runner._stashed_epsilons(view, 4).tolist() == pytest.approx([0.7, 0.95, 1.0, 1.0])
+    eps, off = runner._stashed_state(view, 4)
+    assert eps.tolist() == pytest.approx([0.7, 0.95, 1.0, 1.0]) and not off.any()
     other = SimpleNamespace(batch_size=4, seq_lens_cpu=torch.tensor([151, 41, 1, 1]))
-    assert runner._stashed_epsilons(other, 4) is None  # a different batch: no stale epsilons
+    assert runner._stashed_state(other, 4) is None  # a different batch: no stale epsilons
     short = SimpleNamespace(batch_size=1, seq_lens_cpu=torch.tensor([40]), sampling_info=None)
     assert not runner.wants_graph(short)
+
+
+def _req(rows=None, eps=None):
+    from types import SimpleNamespace
+
+    custom = {"sparse": {"epsilon": eps}} if eps is not None else None
+    info = {"sparse_psa_steps": list(rows)} if rows is not None else None
+    return SimpleNamespace(sampling_params=SimpleNamespace(custom_params=custom), customized_info=info)
+
+
+def test_adaptive_switch_sends_a_request_dense_after_its_probe_steps_read_too_much():
+    """``dense_above`` / ``probe_steps``: the first probe_steps sparse rows of a request decide, once, whether it
+    keeps decoding through PSA; prefill and dense rows do not count; the decision does not change afterwards."""
+    from sglang_sparse.psa.runner import adaptive_dense
+
+    cfg = PsaConfig.from_dict({"min_context": 100, "dense_above": 0.5, "probe_steps": 2})
+    diffuse = _req([_row(0, 0, 0, 0, 0, 0.95), _row(1, 9, 10, 1.9, 2, 0.95)])
+    assert not adaptive_dense(cfg, diffuse)  # one sparse row seen: still probing
+    diffuse.customized_info["sparse_psa_steps"].append(_row(1, 8, 10, 1.9, 2, 0.95))
+    assert adaptive_dense(cfg, diffuse)  # 17 / 20 blocks read > 0.5
+    diffuse.customized_info["sparse_psa_steps"].append(_row(1, 1, 10, 1.9, 2, 0.95))
+    assert adaptive_dense(cfg, diffuse)  # decided for good
+    focused = _req([_row(1, 3, 10, 1.9, 2, 0.95), _row(1, 4, 10, 1.9, 2, 0.95), _row(1, 10, 10, 2, 2, 0.95)])
+    assert not adaptive_dense(cfg, focused)  # 7 / 20 over the probe; later rows do not reopen it
+    focused.customized_info["sparse_psa_steps"].append(_row(1, 10, 10, 2, 2, 0.95))
+    assert not adaptive_dense(cfg, focused)
+    never = PsaConfig.from_dict({"min_context": 100, "dense_above": 1.0, "probe_steps": 1})
+    assert not adaptive_dense(never, _req([_row(1, 10, 10, 2, 2, 0.95)]))
+    assert not adaptive_dense(cfg, None) and not adaptive_dense(cfg, _req())
+
+
+def test_a_batch_of_switched_rows_replays_the_stock_graph_and_reports_them():
+    """Rows the switch sent dense are not sparse: no metadata, the stock decode graph, sparse column 2."""
+    from types import SimpleNamespace
+
+    from sglang_sparse.psa.runner import AttnShape, PsaCpuRunner
+    from sglang_sparse.psa.stats import COL_SPARSE, ROW_ADAPTIVE_DENSE, ROW_SPARSE
+
+    cfg = PsaConfig.from_dict({"min_context": 100, "dense_above": 0.5, "probe_steps": 1})
+    runner = PsaCpuRunner(cfg, 16, AttnShape(2, 4, 2, 8), torch.device("cpu"))
+    switched, fresh = _req([_row(1, 9, 10, 1.9, 2, 0.95)]), _req()
+
+    def batch(*reqs):
+        return SimpleNamespace(batch_size=len(reqs), seq_lens_cpu=torch.tensor([150] * len(reqs)),
+                               sampling_info=SimpleNamespace(sparse_reqs=list(reqs)),
+                               forward_mode=SimpleNamespace(is_decode=lambda: True))
+
+    assert runner.graph_variant(batch(switched)) == "dense"
+    assert runner.graph_variant(batch(switched, fresh)) == "sparse"
+    runner.begin_batch(None, batch(switched, fresh))
+    assert runner._sparse_host.tolist() == [False, True]
+    assert runner.step_rows[:, COL_SPARSE].tolist() == [ROW_ADAPTIVE_DENSE, ROW_SPARSE]
+    runner.begin_batch(None, batch(switched))
+    assert not runner.sparse_batch and runner.step_rows[0, COL_SPARSE] == ROW_ADAPTIVE_DENSE
+
+
+def test_switched_rows_are_counted_and_reported_per_request():
+    from sglang_sparse.psa.stats import PsaStats, account_rows, summarize_steps
+
+    rows = [_row(0, 0, 0, 0, 0, 0.95), _row(1, 9, 10, 1.9, 2, 0.95), _row(2, 0, 0, 0, 0, 0.95),
+            _row(2, 0, 0, 0, 0, 0.95)]
+    stats = PsaStats()
+    account_rows(rows, stats, None)
+    assert stats.sparse_rows == 1 and stats.switched_dense_rows == 2 and stats.blocks_read == 9
+    rep = summarize_steps(rows)
+    assert rep["sparse_decode_steps"] == 1 and rep["switched_dense_steps"] == 2 and rep["read_fraction"] == 0.9
 
 
 def test_api_hooks_summarise_whichever_mode_left_step_rows():
@@ -133,3 +200,25 @@ def test_psa_backend_gate_is_the_one_the_graph_hook_asks():
     assert graph_gate_hook(True, runner, "sparse batch") is True
     assert graph_gate_hook(True, runner, "dense batch") is False
     assert graph_gate_hook(False, runner, "sparse batch") is False
+
+
+def test_an_extend_past_min_context_rebuilds_metadata_from_position_0_even_over_a_cached_prefix():
+    """A radix-cached prefix may hold pages a dense-decoding request wrote without metadata (epsilon 1.0, the
+    adaptive switch), so an extend that ends at or past min_context rebuilds [0, end), never [prefix, end)."""
+    from types import SimpleNamespace
+
+    from sglang_sparse.psa.runner import AttnShape, PsaCudaRunner
+
+    cfg = PsaConfig.from_dict({"min_context": 64, "block_size": 16})
+    k = torch.zeros(512, 2, 8, dtype=torch.bfloat16)
+    pool = SimpleNamespace(get_key_buffer=lambda lid: k)
+    rtt = torch.arange(2 * 256, dtype=torch.int32).view(2, 256)
+    runner = PsaCudaRunner(cfg, 16, AttnShape(2, 4, 2, 8), torch.device("cpu"), token_to_kv_pool=pool,
+                           req_to_token=rtt, max_batch_size=2, sm_scale=0.35, out_dtype=torch.bfloat16)
+    mode = SimpleNamespace(is_idle=lambda: False, is_decode=lambda: False)
+    fb = SimpleNamespace(forward_mode=mode, batch_size=2, seq_lens_cpu=torch.tensor([200, 40]),
+                         extend_prefix_lens_cpu=[150, 0], extend_seq_lens_cpu=[50, 40],
+                         req_pool_indices=torch.tensor([0, 1]), sampling_info=None)
+    runner.begin_batch(None, fb)
+    _, _, start, end, n_new = runner._ext
+    assert start.tolist() == [0, 40] and end.tolist() == [200, 40] and n_new == 13  # row 2 short: nothing

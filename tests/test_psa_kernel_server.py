@@ -28,7 +28,7 @@ def kernel_server(default_model, tmp_path_factory):
     os.environ["TRITON_INTERPRET"] = "1"
     try:
         handle = start_cpu_server(default_model, log, mode="psa",
-                                  sparse_config=f'{{"min_context": {MIN_CONTEXT}, "runner": "kernel"}}',
+                                  sparse_config=f'{{"min_context": {MIN_CONTEXT}, "runner": "kernel", "dense_above": 1.0}}',
                                   extra_args=("--page-size", "16", "--max-running-requests", "4"))
     finally:
         os.environ.pop("TRITON_INTERPRET", None) if saved is None else os.environ.__setitem__("TRITON_INTERPRET", saved)

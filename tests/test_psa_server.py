@@ -1,6 +1,7 @@
 """Contract (CPU): `--sparse psa` serves through the stock server — below `min_context` its greedy
 output equals `--sparse off`; above it decode is sparse (blocks read < blocks a dense decode reads,
-counted by the scheduler process) and the answer still retrieves a fact planted in real text."""
+counted by the scheduler process) and the answer still retrieves a fact planted in real text; a request
+whose probe steps read more than `dense_above` of its blocks finishes densely (the adaptive switch)."""
 
 from __future__ import annotations
 
@@ -14,13 +15,15 @@ from tests.test_server_e2e import PROMPT
 pytestmark = pytest.mark.server
 
 MIN_CONTEXT = 256
+DENSE_ABOVE = 0.9  # on this prompt epsilon 0.95 reads ~96 % of the blocks (switches), epsilon 0.5 ~80 % (stays)
 
 
 @pytest.fixture(scope="module")
 def psa_server(default_model, tmp_path_factory):
     log = tmp_path_factory.mktemp("psa") / "server.log"
     handle = start_cpu_server(default_model, log, mode="psa",
-                              sparse_config=f'{{"min_context": {MIN_CONTEXT}, "epsilon": 0.95}}',
+                              sparse_config=f'{{"min_context": {MIN_CONTEXT}, "epsilon": 0.95, '
+                                            f'"dense_above": {DENSE_ABOVE}, "probe_steps": 2}}',
                               extra_args=("--enable-metrics",))
     try:
         yield handle
@@ -61,7 +64,13 @@ def test_psa_above_min_context_reads_fewer_blocks_and_still_retrieves_the_fact(p
     steps = after["sparse_decode_steps"] - before["sparse_decode_steps"]
     read = after["blocks_read"] - before["blocks_read"]
     total = after["blocks_total"] - before["blocks_total"]
-    assert steps >= r["usage"]["completion_tokens"] - 1 > 0
+    rep = r["metadata"]["sparse"]
+    # the adaptive switch: two probe steps (plus one under the overlap scheduler), then dense
+    assert 2 <= rep["sparse_decode_steps"] <= 3 and rep["switched_dense_steps"] > 0, rep
+    assert rep["sparse_decode_steps"] + rep["switched_dense_steps"] == r["usage"]["completion_tokens"] - 1
+    assert rep["read_fraction"] > DENSE_ABOVE
+    assert after["switched_dense_rows"] - before["switched_dense_rows"] >= rep["switched_dense_steps"]
+    assert steps >= rep["sparse_decode_steps"]
     assert 0 < read < total, (read, total)
     metrics = requests.get(psa_server.url + "/metrics", timeout=30).text
     exported = {line.split()[0]: float(line.split()[1]) for line in metrics.splitlines()
@@ -69,12 +78,10 @@ def test_psa_above_min_context_reads_fewer_blocks_and_still_retrieves_the_fact(p
     assert exported["sglang_sparse:psa_blocks_read_total"] == after["blocks_read"]
     assert exported["sglang_sparse:psa_blocks_dense_total"] == after["blocks_total"]
     # the per-request report: response metadata, consistent with the server counters
-    rep = r["metadata"]["sparse"]
     assert rep["mode"] == "psa" and rep["epsilon"] == 0.95
     # one report row per output token; the first token comes from prefill. The server counters may
     # hold one more step (the overlap scheduler decodes once past a request's last token).
     assert rep["steps"] == r["usage"]["completion_tokens"]
-    assert rep["sparse_decode_steps"] == r["usage"]["completion_tokens"] - 1
     assert 0 < rep["blocks_read"] <= read and rep["blocks_total"] <= total
     assert 0 < rep["read_fraction"] < 1 and 0.5 < rep["kept_mass"] <= 1.0
     assert "sglang_sparse:psa_kept_mass_count" in metrics
@@ -86,14 +93,16 @@ def test_per_request_epsilon_is_clamped_reported_and_reads_more_when_higher(psa_
     high = chat(psa_server, content, 6, custom_params={"sparse": {"epsilon": 0.999}})["metadata"]["sparse"]
     dense = chat(psa_server, content, 6, custom_params={"sparse": {"epsilon": 1.0}})["metadata"]["sparse"]
     assert low["epsilon"] == 0.5  # clamped to the server's min_request_epsilon
-    assert high["epsilon"] == 0.999 and high["blocks_read"] >= low["blocks_read"] > 0
+    assert high["epsilon"] == 0.999 and high["read_fraction"] >= low["read_fraction"] > 0
+    assert low["switched_dense_steps"] == 0 and low["read_fraction"] <= DENSE_ABOVE  # focused enough: stays sparse
+    assert high["switched_dense_steps"] > 0  # reads nearly every block: switched after its probe
     assert dense["epsilon"] == 1.0 and dense["sparse_decode_steps"] == 0  # epsilon 1: dense decode
     # the same request options through the native /generate door: per-token step rows in meta_info
     g = requests.post(psa_server.url + "/generate", timeout=300, json={
         "text": content, "sampling_params": {"max_new_tokens": 4, "temperature": 0,
                                              "custom_params": {"sparse": {"epsilon": 0.9}}}}).json()
     rows = g["meta_info"]["sparse_psa_steps"]
-    assert len(rows) == g["meta_info"]["completion_tokens"] and rows[-1][0] == 1
+    assert len(rows) == g["meta_info"]["completion_tokens"] and rows[0][0] == 0 and rows[1][0] == 1
     assert rows[-1][5] == pytest.approx(0.9)  # fp32 step rows
 
 

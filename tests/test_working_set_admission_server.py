@@ -46,7 +46,7 @@ def _serve(default_model, tmp_path_factory, *servers: tuple[str, float, bool]) -
     specs, logs = [], []
     for name, gpu_cache_mb, admission in servers:
         cfg = {"min_context": 256, "host_tier_gb": 0.1, "gpu_cache_mb": gpu_cache_mb, "working_set_window": 4,
-               "working_set_admission": admission}
+               "working_set_admission": admission, "dense_above": 1.0}
         logs.append(tmp_path_factory.mktemp(f"ws_{name}") / "server.log")
         specs.append(dict(log_path=logs[-1], mode="psa", sparse_config=json.dumps(cfg),
                           extra_args=("--enable-metrics", "--max-total-tokens", "6000")))

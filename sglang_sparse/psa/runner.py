@@ -14,16 +14,18 @@ Where the host work goes (nothing per layer, no sync inside a step):
     page table on the device and plans the wrapper (a few small host->device copies).
   * per layer: one metadata-update launch, then (sparse batches) criticality + sort + progressive
     decode, and two in-place adds into the step-statistics buffer. No ``.item()``.
-Rows of a decode batch below ``min_context`` (or with epsilon 1.0) attend their whole context:
-if every row is such a row, the stock FlashInfer decode runs; in a mixed batch those rows run the
-sparse kernel with epsilon 1.0 (all blocks), which is exact but not FlashInfer-fast.
+Rows of a decode batch below ``min_context``, with epsilon 1.0, or sent dense by the adaptive switch
+(``dense_above``: a request whose first ``probe_steps`` sparse steps read more than that fraction of
+its blocks; :func:`adaptive_dense`) attend their whole context: if every row is such a row, the stock
+FlashInfer decode runs (SGLang's stock decode graph); in a mixed batch those rows run the sparse
+kernel with epsilon 1.0 (all blocks), which is exact but not FlashInfer-fast.
 
 CUDA graphs (decode): a batch with at least one sparse row replays a graph captured over the PSA
 path (:meth:`PsaCudaRunner.begin_graph_batch` plans into the wrapper's fixed ``_buf`` tensors with
-the full ranking width before each replay; short rows get epsilon 1.0 there); a batch with no
-sparse row runs eagerly through the stock FlashInfer decode (``api_hooks.graph_gate_hook``), so
-short contexts keep the stock numerics. Prefill graphs are off for this mode (the metadata update
-after an extend takes a host bound on the blocks touched).
+the full ranking width before each replay; rows that are not sparse get epsilon 1.0 there); a batch
+with no sparse row replays SGLang's stock graph (:mod:`sglang_sparse.graph_variants`). Prefill
+graphs replay only extend batches that end below ``min_context`` (``api_hooks.prefill_graph_gate_hook``):
+a longer extend rebuilds its rows' metadata after each layer's write.
 """
 
 from __future__ import annotations
@@ -34,7 +36,8 @@ import torch
 
 from flashinfer_ext.psa.config import PsaDecodeConfig
 from sglang_sparse.config import PsaConfig
-from sglang_sparse.psa.stats import COL_EPS, COL_KEPT, COL_READ, COL_SPARSE, COL_TOTAL, COL_UNITS, STEP_COLS
+from sglang_sparse.psa.stats import (COL_EPS, COL_KEPT, COL_READ, COL_SPARSE, COL_TOTAL, COL_UNITS, ROW_ADAPTIVE_DENSE,
+                                     ROW_SPARSE, STEP_COLS, STEP_KEY)
 from sglang_sparse.request_params import ReplayRequests, batch_requests, request_values
 
 
@@ -70,6 +73,39 @@ class AttnShape:
         return self.num_layers * self.num_kv_heads
 
 
+_PROBE_ATTR = "_sparse_psa_probe"  # on a scheduler ``Req``: (rows scanned, sparse rows, read, total) or the decision
+
+
+def adaptive_dense(cfg: PsaConfig, req) -> bool:
+    """The adaptive switch (``dense_above``, ``probe_steps``): whether ``req`` decodes densely from now on.
+
+    Reads the request's own step rows (``req.customized_info[STEP_KEY]``, host tuples SGLang appends after each
+    step; one step behind under the overlap scheduler), incrementally: once ``probe_steps`` sparse rows are seen,
+    the request switches to dense for good if they read more than ``dense_above`` of their blocks. The decision
+    (a bool) is kept on the ``Req``, so later steps cost one attribute read. No device access.
+    """
+    if req is None or cfg.dense_above >= 1.0:
+        return False
+    state = getattr(req, _PROBE_ATTR, None)
+    if isinstance(state, bool):
+        return state
+    info = getattr(req, "customized_info", None)
+    rows = info.get(STEP_KEY) if isinstance(info, dict) else None
+    if not rows:
+        return False
+    seen, n, read, total = state if state is not None else (0, 0, 0.0, 0.0)
+    for r in rows[seen:]:
+        seen += 1
+        if r is not None and len(r) == STEP_COLS and r[COL_SPARSE] == ROW_SPARSE:
+            n, read, total = n + 1, read + float(r[COL_READ]), total + float(r[COL_TOTAL])
+            if n >= cfg.probe_steps:
+                decided = total > 0 and read / total > cfg.dense_above
+                setattr(req, _PROBE_ATTR, decided)
+                return decided
+    setattr(req, _PROBE_ATTR, (seen, n, read, total))
+    return False
+
+
 def _epsilons_of(cfg: PsaConfig, reqs, bs: int) -> list[float]:
     """Each of ``bs`` rows' epsilon from its request (:func:`sglang_sparse.request_params.request_values`);
     the server's ``epsilon`` for rows without one."""
@@ -77,15 +113,16 @@ def _epsilons_of(cfg: PsaConfig, reqs, bs: int) -> list[float]:
     return [float(request_values(cfg, reqs[i] if i < len(reqs) else None)["epsilon"]) for i in range(bs)]
 
 
+def _dense_of(cfg: PsaConfig, reqs, bs: int) -> list[bool]:
+    """Each of ``bs`` rows' adaptive-switch state (:func:`adaptive_dense`); False for rows without a request."""
+    reqs = reqs or ()
+    return [adaptive_dense(cfg, reqs[i]) if i < len(reqs) else False for i in range(bs)]
+
+
 def _rids_of(reqs, bs: int) -> list:
     """The rows' request ids (``None`` where there is no ``Req``), for the working-set tracker."""
     rids = [getattr(r, "rid", None) for r in list(reqs or ())[:bs]]
     return rids + [None] * (bs - len(rids))
-
-
-def _row_epsilons(cfg: PsaConfig, forward_batch, bs: int) -> list[float]:
-    """Each row's epsilon from its request (rows' ``Req`` objects: :func:`~sglang_sparse.request_params.batch_requests`)."""
-    return _epsilons_of(cfg, batch_requests(forward_batch), bs)
 
 
 def _row_rids(forward_batch, bs: int) -> list:
@@ -113,6 +150,16 @@ class _RunnerBase:
         self.ws = None  # WorkingSetTracker (host tier admission; set by psa.backend.make_runner) or None
         self._ws_step = False  # this decode step records its selections into ``ws``
 
+    def _row_state(self, reqs, bs: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-row ``(epsilon [bs] fp32, switched_dense [bs] bool)`` of ``reqs`` (host)."""
+        return (torch.tensor(_epsilons_of(self.cfg, reqs, bs), dtype=torch.float32),
+                torch.tensor(_dense_of(self.cfg, reqs, bs), dtype=torch.bool))
+
+    def _sparse_rows(self, lens: torch.Tensor, eps: torch.Tensor, off: torch.Tensor) -> torch.Tensor:
+        """Rows that decode through PSA: context >= ``min_context``, epsilon < 1, not switched to dense.
+        Only these keep block metadata current in decode; every other row decodes with the stock path."""
+        return (lens.to(torch.int64) >= self.cfg.min_context) & (eps < 1.0) & ~off
+
     def wants_graph(self, forward_batch) -> bool:
         """Host test before a decode graph replay: graphs only for batches with a sparse row.
 
@@ -123,26 +170,22 @@ class _RunnerBase:
         if lens is None:
             return False
         bs = int(forward_batch.batch_size)
-        eps = torch.tensor(_row_epsilons(self.cfg, forward_batch, bs), dtype=torch.float32)
+        eps, off = self._row_state(batch_requests(forward_batch), bs)
         self._replay.keep(forward_batch)
-        return bool(((lens[:bs].to(torch.int64) >= self.cfg.min_context) & (eps < 1.0)).any())
+        return bool(self._sparse_rows(lens[:bs], eps, off).any())
 
     def graph_variant(self, forward_batch, peek: bool = False) -> str | None:
         """Which decode graph this batch replays (:mod:`sglang_sparse.graph_variants`): ``"sparse"`` when a row
-        is sparse (:meth:`wants_graph`), ``"dense"`` when every row is shorter than ``min_context`` (SGLang's
-        stock graph; no metadata to fold), None (eager: long rows that all decode densely fold metadata).
-        ``peek``: the answer already given for this batch, nothing new kept."""
+        is sparse (:meth:`wants_graph`), else ``"dense"`` (SGLang's stock graph: short rows, rows with epsilon
+        1.0 and rows the adaptive switch sent dense keep no metadata). ``peek``: the answer already given for
+        this batch, nothing new kept."""
         if peek:
             fb, variant = self._graph_decided
             return variant if fb is forward_batch else None
-        lens = forward_batch.seq_lens_cpu
-        if lens is None:
+        if forward_batch.seq_lens_cpu is None:
             v = None
-        elif self.wants_graph(forward_batch):
-            v = "sparse"
         else:
-            bs = int(forward_batch.batch_size)
-            v = "dense" if bool((lens[:bs].to(torch.int64) < self.cfg.min_context).all()) else None
+            v = "sparse" if self.wants_graph(forward_batch) else "dense"
         self._graph_decided = (forward_batch, v)
         return v
 
@@ -150,7 +193,7 @@ class _RunnerBase:
         """Plan a decode batch that captures or replays the stock graph: no sparse row, no metadata fold; the
         rows' statistics as an eager dense step writes them."""
         bs = int(forward_batch.batch_size)
-        self._plan_rows(forward_batch, True, eps=None if in_capture else self._stashed_epsilons(forward_batch, bs))
+        self._plan_rows(forward_batch, True, state=None if in_capture else self._stashed_state(forward_batch, bs))
         self.graph_mode, self.sparse_batch, self._meta_rows, self._ws_step = False, False, False, False
         if in_capture:
             self.step_rows = None
@@ -160,15 +203,16 @@ class _RunnerBase:
         got = self._replay.recover(forward_batch, bs)
         return None if got is None else _rids_of(got[1][:got[0]], bs)
 
-    def _stashed_epsilons(self, forward_batch, bs: int) -> torch.Tensor | None:
-        """Per-row epsilons of the batch kept by :meth:`wants_graph` for this (padded) replay view, if it matches."""
+    def _stashed_state(self, forward_batch, bs: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Per-row ``(epsilon, switched_dense)`` of the batch kept by :meth:`wants_graph` for this (padded) replay
+        view, if it matches; padding rows are dense (epsilon 1.0: they are short fill rows)."""
         got = self._replay.recover(forward_batch, bs)
         if got is None:
             return None
         n, reqs = got
-        eps = torch.ones(bs, dtype=torch.float32)  # padding rows: dense (they are short fill rows)
-        eps[:n] = torch.tensor(_epsilons_of(self.cfg, reqs, n), dtype=torch.float32)
-        return eps
+        eps, off = torch.ones(bs, dtype=torch.float32), torch.zeros(bs, dtype=torch.bool)
+        eps[:n], off[:n] = self._row_state(reqs, n)
+        return eps, off
 
     def _plan_ws(self, rids: list, num_cols: int, pad_to: int | None = None) -> None:
         """Host plan of the working-set tracker for a decode step that records (once per batch): slots of
@@ -180,25 +224,27 @@ class _RunnerBase:
         self.ws.plan_rows(self.ws.assign(rids, release_absent=keyed), num_cols, pad_to=pad_to)
         self.ws.begin_step()
 
-    def _plan_rows(self, forward_batch, decode: bool, eps: torch.Tensor | None = None) -> None:
+    def _plan_rows(self, forward_batch, decode: bool, state: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
         bs = int(forward_batch.batch_size)
         self.bs, self.is_decode, self.graph_mode = bs, decode, False
-        if eps is None:
-            eps = torch.tensor(_row_epsilons(self.cfg, forward_batch, bs), dtype=torch.float32)
+        eps, off = state if state is not None else self._row_state(batch_requests(forward_batch), bs)
         lens = forward_batch.seq_lens_cpu
         if decode and lens is not None:
-            sparse = (lens.to(torch.int64) >= self.cfg.min_context) & (eps < 1.0)
+            lens = lens[:bs].to(torch.int64)
+            sparse = self._sparse_rows(lens, eps, off)
+            switched = (lens >= self.cfg.min_context) & (eps < 1.0) & off
         else:
-            sparse = torch.zeros(bs, dtype=torch.bool)
+            sparse = switched = torch.zeros(bs, dtype=torch.bool)
         self.sparse_batch = bool(sparse.any())
         self._sparse_host, self._eps_host = sparse, eps
         self._ws_step = False
         host = torch.zeros(bs, STEP_COLS, dtype=torch.float32)
         host[:, COL_EPS] = eps
+        host[:, COL_SPARSE] = torch.where(switched, float(ROW_ADAPTIVE_DENSE), 0.0)
         if self.sparse_batch:
-            n_blocks = (lens.to(torch.int64) + self.block_size - 1) // self.block_size
+            n_blocks = (lens + self.block_size - 1) // self.block_size
             units = self.shape.units
-            host[:, COL_SPARSE] = sparse.float()
+            host[:, COL_SPARSE] = torch.where(sparse, float(ROW_SPARSE), host[:, COL_SPARSE])
             host[:, COL_UNITS] = torch.where(sparse, float(units), 0.0)
             host[:, COL_TOTAL] = torch.where(sparse, (n_blocks * units).float(), 0.0)
         self.step_rows = host.to(self.device, non_blocking=True) if self.device.type != "cpu" else host
@@ -249,14 +295,14 @@ class PsaCpuRunner(_RunnerBase):
 class PsaCudaRunner(_RunnerBase):
     """GPU: block metadata beside the KV pool + :class:`PsaDecodeWrapper`; the page is the block.
 
-    Metadata is kept only where it can be read: for requests whose context reached ``min_context``
-    (the invariant: after any step at which a request is that long, its blocks' metadata covers its
-    whole context). Short requests cost nothing: an all-short decode batch is the stock decode alone.
-    A request that first reaches ``min_context`` (an extend ending past it, or the decode step at
-    which it crosses it) has its metadata rebuilt from position 0, at plan time for decode (all
-    layers, outside any CUDA graph) and after each layer's write for extend. Pages shared through
-    the radix cache carry the metadata their first owner built (a prefix of ``min_context`` tokens or
-    more was long when it was written).
+    Metadata is kept only where it is read: for rows that decode through PSA (the invariant: after
+    any decode step at which a row is sparse, its blocks' metadata covers its whole context). Other
+    rows cost nothing: a batch without a sparse row is the stock decode alone. An extend ending at or
+    past ``min_context`` rebuilds its rows' metadata from position 0 after each layer's write (a
+    cached prefix is never trusted: a request that decoded densely left its pages without metadata);
+    a decode step at which a row first reaches ``min_context`` rebuilds it at plan time (all layers,
+    outside any CUDA graph). A row that stops being sparse (the adaptive switch) never becomes
+    sparse again, so the invariant holds without folding its dense steps.
     """
 
     def __init__(self, cfg: PsaConfig, block_size: int, shape: AttnShape, device: torch.device, *,
@@ -319,7 +365,7 @@ class PsaCudaRunner(_RunnerBase):
         lens = forward_batch.seq_lens_cpu
         lens = (forward_batch.seq_lens.cpu() if lens is None else lens)[:bs].to(torch.int64)  # None: capture
         mc = self.cfg.min_context
-        long_rows = lens >= mc
+        long_rows = self._sparse_host[:bs]  # only rows that decode through PSA read (so keep) metadata
         cross = long_rows & (lens - 1 < mc)
         self._meta_rows = bool(long_rows.any())
         start = torch.where(long_rows, lens - 1, lens).to(torch.int32)
@@ -374,12 +420,15 @@ class PsaCudaRunner(_RunnerBase):
                 self._plan_wrapper(forward_batch, table, max_len)
                 self._plan_ws(_row_rids(forward_batch, self.bs), self.wrapper._num_cols)
             return
-        # extend / mixed: rows already long fold [prefix, end); rows that become long rebuild [0, end)
+        # extend / mixed: rows ending at or past min_context rebuild [0, end). A prefix from the radix cache may
+        # hold pages whose metadata nobody kept (decoded by a request that ran densely: epsilon 1.0, the
+        # adaptive switch), so it is never trusted; the rebuild reads each key once per layer, a small
+        # fraction of the prefill that precedes it.
         prefix = forward_batch.extend_prefix_lens_cpu
         prefix = [int(p) for p in prefix] if prefix is not None else [0] * self.bs
         ends = [p + int(e) for p, e in zip(prefix, forward_batch.extend_seq_lens_cpu)]
         mc = self.cfg.min_context
-        starts = [p if p >= mc else (0 if e >= mc else e) for p, e in zip(prefix, ends)]
+        starts = [0 if e >= mc else e for e in ends]
         from flashinfer_ext.psa.block_meta import blocks_touched
 
         n_new = blocks_touched(starts, ends, self.block_size)
@@ -396,7 +445,7 @@ class PsaCudaRunner(_RunnerBase):
         graph, rows that are not sparse with epsilon 1.0.
         """
         bs = int(forward_batch.batch_size)
-        self._plan_rows(forward_batch, True, eps=None if in_capture else self._stashed_epsilons(forward_batch, bs))
+        self._plan_rows(forward_batch, True, state=None if in_capture else self._stashed_state(forward_batch, bs))
         self.graph_mode, self.sparse_batch = True, True
         self._step_buf[:bs].copy_(self.step_rows, non_blocking=True)
         self.step_rows = self._step_buf[:bs]

@@ -14,7 +14,8 @@ Flow, without a host sync on the hot path:
    token); the main process turns that list into :func:`summarize_steps` for the response's
    ``metadata["sparse"]``.
 
-Columns of a step row: ``sparse`` (1 if PSA decoded the row, 0 for dense / prefill),
+Columns of a step row: ``sparse`` (1 if PSA decoded the row, 2 if the adaptive switch sent the request
+dense, 0 for other dense rows and prefill),
 ``blocks_read``, ``blocks_total``, ``kept_sum`` (kept-mass estimate summed over layers x KV
 heads; equals ``units`` when dense), ``units`` (layers x KV heads), ``epsilon``.
 """
@@ -29,6 +30,9 @@ from sglang_sparse.stats import MetricSet, StepRows, ratio  # noqa: F401 (StepRo
 STEP_KEY = "sparse_psa_steps"
 STEP_COLS = 6
 COL_SPARSE, COL_READ, COL_TOTAL, COL_KEPT, COL_UNITS, COL_EPS = range(STEP_COLS)
+# values of the ``sparse`` column: 0 dense (short context, epsilon 1.0, prefill), 1 decoded by PSA, 2 long but decoded
+# densely because the adaptive switch (``dense_above``) sent the request dense
+ROW_SPARSE, ROW_ADAPTIVE_DENSE = 1, 2
 
 
 @dataclass
@@ -39,6 +43,7 @@ class PsaStats:
     dense_decode_steps: int = 0    # decode batches entirely below min_context (stock dense path)
     dense_graph_steps: int = 0     # of those, replayed from SGLang's stock decode graph
     sparse_rows: int = 0           # (request, decode step) pairs decoded sparsely
+    switched_dense_rows: int = 0   # (request, decode step) pairs decoded densely by the adaptive switch
     blocks_read: int = 0           # sum over layers, sparse rows, KV heads
     blocks_total: int = 0          # what dense attention would have read for the same
     kept_sum: float = 0.0          # kept-mass estimate summed over the same units
@@ -71,7 +76,9 @@ class PsaMetrics:
 def account_rows(rows: Sequence[Sequence[float]], stats: PsaStats, metrics: PsaMetrics | None) -> None:
     """Fold one step's rows (host lists) into the server counters."""
     for r in rows:
-        if not r[COL_SPARSE]:
+        if r[COL_SPARSE] == ROW_ADAPTIVE_DENSE:
+            stats.switched_dense_rows += 1
+        if r[COL_SPARSE] != ROW_SPARSE:
             continue
         read, total, kept, units = int(r[COL_READ]), int(r[COL_TOTAL]), float(r[COL_KEPT]), int(r[COL_UNITS])
         stats.sparse_rows += 1
@@ -95,7 +102,8 @@ def summarize_steps(steps: Any) -> dict | None:
     rows = [r for r in steps if r is not None and len(r) == STEP_COLS]
     if not rows:
         return None
-    sparse = [r for r in rows if r[COL_SPARSE]]
+    sparse = [r for r in rows if r[COL_SPARSE] == ROW_SPARSE]
+    switched = sum(1 for r in rows if r[COL_SPARSE] == ROW_ADAPTIVE_DENSE)
     read = sum(int(r[COL_READ]) for r in sparse)
     total = sum(int(r[COL_TOTAL]) for r in sparse)
     kept = sum(float(r[COL_KEPT]) for r in sparse)
@@ -105,6 +113,7 @@ def summarize_steps(steps: Any) -> dict | None:
         "epsilon": round(float(rows[-1][COL_EPS]), 6),  # stored as fp32 in the step rows
         "steps": len(rows),
         "sparse_decode_steps": len(sparse),
+        "switched_dense_steps": switched,
         "blocks_read": read,
         "blocks_total": total,
         "read_fraction": read / total if total else None,
