@@ -209,9 +209,9 @@ def _stock_graphs_knob():
 
 
 def _prefill_graphs_knob():
-    return knob(True, doc="CUDA: keep SGLang's prefill CUDA graphs for extend batches whose rows all end below "
-                "min_context (they run the stock prefill, as under off); a batch with a longer row runs eagerly, as "
-                "with graphs off. False, or a prefill graph backend other than SGLang's default breakable one: "
+    return knob(True, doc="CUDA: keep SGLang's prefill CUDA graphs (psa: every extend batch, its prefill is stock; "
+                "loopserve, lastwindow: extend batches whose rows all end below min_context, a batch with a longer "
+                "row runs eagerly). False, or a prefill graph backend other than SGLang's default breakable one: "
                 "prefill graphs off for this mode")
 
 

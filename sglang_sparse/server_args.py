@@ -159,8 +159,9 @@ _EAGER_ATTENTION_PREFILL_GRAPHS = (None, "breakable")
 
 def _prefill_graph_requirements(args, ctx: SparseContext) -> None:
     """Keep SGLang's prefill CUDA graphs under its default breakable backend (attention eager between captured
-    segments), replayed only for extend batches below ``min_context`` (``api_hooks.prefill_graph_gate_hook``; see
-    :func:`_apply_mode_requirements`); turn them off otherwise, logged."""
+    segments; the backend's per-batch plan runs before each replay). loopserve / lastwindow replay them only for
+    extend batches below ``min_context`` (``api_hooks.prefill_graph_gate_hook``); psa for every extend batch. Turn
+    them off otherwise, logged."""
     import logging
 
     if args.disable_prefill_cuda_graph:

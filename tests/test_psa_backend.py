@@ -102,8 +102,9 @@ def test_graph_replay_view_gets_the_batch_per_request_epsilons():
                            sampling_info=SimpleNamespace(sparse_reqs=reqs))
     assert runner.wants_graph(real)
     view = SimpleNamespace(batch_size=4, seq_lens_cpu=torch.tensor([150, 40, 1, 1]))
-    eps, off = runner._stashed_state(view, 4)
+    eps, off, got = runner._stashed_state(view, 4)
     assert eps.tolist() == pytest.approx([0.7, 0.95, 1.0, 1.0]) and not off.any()
+    assert got[:2] == reqs and got[2:] == [None, None]
     other = SimpleNamespace(batch_size=4, seq_lens_cpu=torch.tensor([151, 41, 1, 1]))
     assert runner._stashed_state(other, 4) is None  # a different batch: no stale epsilons
     short = SimpleNamespace(batch_size=1, seq_lens_cpu=torch.tensor([40]), sampling_info=None)
@@ -202,23 +203,47 @@ def test_psa_backend_gate_is_the_one_the_graph_hook_asks():
     assert graph_gate_hook(False, runner, "sparse batch") is False
 
 
-def test_an_extend_past_min_context_rebuilds_metadata_from_position_0_even_over_a_cached_prefix():
-    """A radix-cached prefix may hold pages a dense-decoding request wrote without metadata (epsilon 1.0, the
-    adaptive switch), so an extend that ends at or past min_context rebuilds [0, end), never [prefix, end)."""
+def test_block_metadata_is_built_at_a_requests_first_sparse_decode_step_and_after_a_retraction():
+    """Extends leave metadata alone (stock prefill, prefill CUDA graphs); a sparse row's first decode step rebuilds
+    [0, len - 1) for every layer (a cached prefix written by a dense-decoding request has none), later steps only fold
+    their own token; a retraction (new pages) or a row whose request is unknown rebuilds again."""
     from types import SimpleNamespace
 
     from sglang_sparse.psa.runner import AttnShape, PsaCudaRunner
 
-    cfg = PsaConfig.from_dict({"min_context": 64, "block_size": 16})
+    cfg = PsaConfig.from_dict({"min_context": 64, "block_size": 16, "dense_above": 1.0})
     k = torch.zeros(512, 2, 8, dtype=torch.bfloat16)
     pool = SimpleNamespace(get_key_buffer=lambda lid: k)
     rtt = torch.arange(2 * 256, dtype=torch.int32).view(2, 256)
     runner = PsaCudaRunner(cfg, 16, AttnShape(2, 4, 2, 8), torch.device("cpu"), token_to_kv_pool=pool,
                            req_to_token=rtt, max_batch_size=2, sm_scale=0.35, out_dtype=torch.bfloat16)
-    mode = SimpleNamespace(is_idle=lambda: False, is_decode=lambda: False)
-    fb = SimpleNamespace(forward_mode=mode, batch_size=2, seq_lens_cpu=torch.tensor([200, 40]),
-                         extend_prefix_lens_cpu=[150, 0], extend_seq_lens_cpu=[50, 40],
-                         req_pool_indices=torch.tensor([0, 1]), sampling_info=None)
-    runner.begin_batch(None, fb)
-    _, _, start, end, n_new = runner._ext
-    assert start.tolist() == [0, 40] and end.tolist() == [200, 40] and n_new == 13  # row 2 short: nothing
+    calls = []
+    runner.meta.update = lambda lid, k_buf, rtt_, rpi, table, start, end, n_new: calls.append((lid, end.tolist()))
+    long_req, short_req = _req(), _req()
+    long_req.retraction_count = short_req.retraction_count = 0
+
+    def plan(lens, reqs, decode=True):
+        mode = SimpleNamespace(is_idle=lambda: False, is_decode=lambda: decode)
+        fb = SimpleNamespace(forward_mode=mode, batch_size=len(lens), seq_lens_cpu=torch.tensor(lens),
+                             seq_lens=torch.tensor(lens), req_pool_indices=torch.arange(len(lens)),
+                             extend_prefix_lens_cpu=[0] * len(lens), extend_seq_lens_cpu=lens,
+                             sampling_info=SimpleNamespace(sparse_reqs=reqs))
+        runner._plan_rows(fb, decode)
+        runner._meta_rows = False
+        if runner.sparse_batch:
+            runner._plan_decode_meta(None, fb, runner._block_table(None, fb, max(lens)))
+        return runner
+
+    plan([200, 40], [long_req, short_req], decode=False)  # an extend: nothing
+    assert calls == []
+    plan([201, 41], [long_req, short_req])  # first sparse step of row 0: rebuild [0, 200), both layers
+    assert calls == [(0, [200, 0]), (1, [200, 0])] and runner._meta_rows
+    calls.clear()
+    plan([202, 42], [long_req, short_req])  # covered: only the in-forward fold
+    assert calls == [] and runner.meta_rebuilds == 1
+    long_req.retraction_count = 1  # re-prefilled into new pages
+    plan([203, 43], [long_req, short_req])
+    assert calls == [(0, [202, 0]), (1, [202, 0])]
+    calls.clear()
+    plan([204, 44], [None, short_req])  # a row without its request: cannot vouch for it
+    assert calls == [(0, [203, 0]), (1, [203, 0])]

@@ -174,6 +174,6 @@ def install(backend, config: PsaConfig, page_size: int, enable_metrics: bool = F
     backend.sparse_stats = PsaStats()
     backend.sparse_stock_graphs = bool(config.stock_graphs)  # sglang_sparse.graph_variants
     backend.sparse_installed_mode = "psa"
-    # prefill CUDA graphs replay only extend batches below min_context (api_hooks.prefill_graph_gate_hook)
-    backend.sparse_prefill_graph_below = int(config.min_context)
+    # no sparse_prefill_graph_below (api_hooks.prefill_graph_gate_hook): PSA leaves extends stock (block metadata is
+    # built at a request's first sparse decode step), so every extend batch may replay SGLang's prefill graphs
     return backend

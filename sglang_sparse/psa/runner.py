@@ -74,6 +74,12 @@ class AttnShape:
 
 
 _PROBE_ATTR = "_sparse_psa_probe"  # on a scheduler ``Req``: (rows scanned, sparse rows, read, total) or the decision
+_META_ATTR = "_sparse_psa_meta"    # on a scheduler ``Req``: (retraction_count, tokens its block metadata covers)
+
+
+def _meta_key(req, covered: int) -> tuple[int, int]:
+    """What a request's block metadata is valid for: its pages since the last retraction, ``covered`` tokens."""
+    return int(getattr(req, "retraction_count", 0) or 0), int(covered)
 
 
 def adaptive_dense(cfg: PsaConfig, req) -> bool:
@@ -142,6 +148,7 @@ class _RunnerBase:
         self.is_decode = False
         self.sparse_batch = False
         self._sparse_host: torch.Tensor | None = None
+        self._row_reqs: list = []  # the current batch's ``Req`` per row (None: unknown, padding)
         self._eps_host: torch.Tensor | None = None
         self.step_rows: torch.Tensor | None = None  # [bs, STEP_COLS] fp32 on self.device
         self.graph_mode = False  # the current batch replays (or captures) a decode CUDA graph
@@ -203,16 +210,16 @@ class _RunnerBase:
         got = self._replay.recover(forward_batch, bs)
         return None if got is None else _rids_of(got[1][:got[0]], bs)
 
-    def _stashed_state(self, forward_batch, bs: int) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """Per-row ``(epsilon, switched_dense)`` of the batch kept by :meth:`wants_graph` for this (padded) replay
-        view, if it matches; padding rows are dense (epsilon 1.0: they are short fill rows)."""
+    def _stashed_state(self, forward_batch, bs: int) -> tuple | None:
+        """Per-row ``(epsilon, switched_dense, reqs)`` of the batch kept by :meth:`wants_graph` for this (padded)
+        replay view, if it matches; padding rows are dense (epsilon 1.0: they are short fill rows)."""
         got = self._replay.recover(forward_batch, bs)
         if got is None:
             return None
         n, reqs = got
         eps, off = torch.ones(bs, dtype=torch.float32), torch.zeros(bs, dtype=torch.bool)
         eps[:n], off[:n] = self._row_state(reqs, n)
-        return eps, off
+        return eps, off, list(reqs[:n]) + [None] * (bs - n)
 
     def _plan_ws(self, rids: list, num_cols: int, pad_to: int | None = None) -> None:
         """Host plan of the working-set tracker for a decode step that records (once per batch): slots of
@@ -224,10 +231,17 @@ class _RunnerBase:
         self.ws.plan_rows(self.ws.assign(rids, release_absent=keyed), num_cols, pad_to=pad_to)
         self.ws.begin_step()
 
-    def _plan_rows(self, forward_batch, decode: bool, state: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+    def _plan_rows(self, forward_batch, decode: bool, state: tuple | None = None) -> None:
+        """Host plan of a batch's rows. ``state``: ``(eps, off, reqs)`` of a graph replay view
+        (:meth:`_stashed_state`); otherwise read from the batch's own requests."""
         bs = int(forward_batch.batch_size)
         self.bs, self.is_decode, self.graph_mode = bs, decode, False
-        eps, off = state if state is not None else self._row_state(batch_requests(forward_batch), bs)
+        if state is None:
+            reqs = list(batch_requests(forward_batch) or ())[:bs]
+            eps, off = self._row_state(reqs, bs)
+        else:
+            eps, off, reqs = state
+        self._row_reqs = list(reqs) + [None] * (bs - len(reqs))
         lens = forward_batch.seq_lens_cpu
         if decode and lens is not None:
             lens = lens[:bs].to(torch.int64)
@@ -332,7 +346,7 @@ class PsaCudaRunner(_RunnerBase):
         self._nread_sum_buf = torch.zeros(max_batch_size, dtype=torch.float32, device=device)
         self._kept_sum_buf = torch.zeros(max_batch_size, dtype=torch.float32, device=device)
         self._meta_rows = False       # this decode batch folds its new tokens into metadata
-        self._ext = None              # extend: (rpi, table, start, end, max_new_blocks)
+        self.meta_rebuilds = 0        # rows whose metadata was rebuilt from position 0 (first sparse step, ...)
 
     def meta_bytes(self) -> int:
         return 3 * self.meta.kmin.numel() * self.meta.kmin.element_size()
@@ -360,23 +374,32 @@ class PsaCudaRunner(_RunnerBase):
                                  self.block_size, width)
 
     def _plan_decode_meta(self, backend, forward_batch, table: torch.Tensor) -> None:
-        """Host plan of the metadata for a decode batch; rebuilds crossing rows for every layer now."""
+        """Host plan of the metadata for a decode batch. A sparse row whose metadata does not cover its context
+        up to this step's token (its first sparse step, a retraction since, a step it did not fold: a request
+        not known for the row counts as such) has it rebuilt from position 0 now, for every layer, outside any
+        CUDA graph; every sparse row folds this step's key in the forward (graph-safe)."""
         bs = self.bs
         lens = forward_batch.seq_lens_cpu
         lens = (forward_batch.seq_lens.cpu() if lens is None else lens)[:bs].to(torch.int64)  # None: capture
-        mc = self.cfg.min_context
         long_rows = self._sparse_host[:bs]  # only rows that decode through PSA read (so keep) metadata
-        cross = long_rows & (lens - 1 < mc)
+        stale = torch.zeros(bs, dtype=torch.bool)
+        for i in torch.nonzero(long_rows).flatten().tolist():
+            req, n = self._row_reqs[i] if i < len(self._row_reqs) else None, int(lens[i])
+            if req is None or getattr(req, _META_ATTR, None) != _meta_key(req, n - 1):
+                stale[i] = True
+            if req is not None:
+                setattr(req, _META_ATTR, _meta_key(req, n))  # covered through this step once its fold runs
         self._meta_rows = bool(long_rows.any())
         start = torch.where(long_rows, lens - 1, lens).to(torch.int32)
         self._meta_start_buf[:bs].copy_(start, non_blocking=True)
         self._meta_end_buf[:bs].copy_(lens.to(torch.int32), non_blocking=True)
         self._rpi_buf[:bs].copy_(forward_batch.req_pool_indices, non_blocking=True)
         self._table_buf[:bs, : table.shape[1]].copy_(table, non_blocking=True)
-        if bool(cross.any()):  # first time long: positions [0, len - 1) already written -> rebuild them
+        self.meta_rebuilds += int(stale.sum())
+        if bool(stale.any()):  # positions [0, len - 1) already written -> rebuild them
             from flashinfer_ext.psa.block_meta import blocks_touched
 
-            ends = torch.where(cross, lens - 1, 0)
+            ends = torch.where(stale, lens - 1, 0)
             n_new = blocks_touched([0] * bs, ends.tolist(), self.block_size)
             if n_new:
                 zero = torch.zeros(bs, dtype=torch.int32, device=self.device)
@@ -405,37 +428,22 @@ class PsaCudaRunner(_RunnerBase):
 
     def begin_batch(self, backend, forward_batch) -> None:
         mode = forward_batch.forward_mode
-        self._ext = None
         if mode.is_idle() or int(forward_batch.batch_size) == 0:
             self.bs, self.sparse_batch, self.is_decode, self.graph_mode = 0, False, False, False
             self._meta_rows = False
             return
-        decode = mode.is_decode()
-        self._plan_rows(forward_batch, decode)
+        # extend / mixed, and decode batches without a sparse row: no metadata work. A request's metadata is
+        # built at its first sparse decode step (_plan_decode_meta), so extends run the stock prefill (and
+        # SGLang's prefill CUDA graphs)
+        self._plan_rows(forward_batch, mode.is_decode())
+        self._meta_rows = False
+        if not self.sparse_batch:
+            return
         max_len = int(forward_batch.seq_lens_cpu[: self.bs].max())
         table = self._block_table(backend, forward_batch, max_len)
-        if decode:
-            self._plan_decode_meta(backend, forward_batch, table)
-            if self.sparse_batch:
-                self._plan_wrapper(forward_batch, table, max_len)
-                self._plan_ws(_row_rids(forward_batch, self.bs), self.wrapper._num_cols)
-            return
-        # extend / mixed: rows ending at or past min_context rebuild [0, end). A prefix from the radix cache may
-        # hold pages whose metadata nobody kept (decoded by a request that ran densely: epsilon 1.0, the
-        # adaptive switch), so it is never trusted; the rebuild reads each key once per layer, a small
-        # fraction of the prefill that precedes it.
-        prefix = forward_batch.extend_prefix_lens_cpu
-        prefix = [int(p) for p in prefix] if prefix is not None else [0] * self.bs
-        ends = [p + int(e) for p, e in zip(prefix, forward_batch.extend_seq_lens_cpu)]
-        mc = self.cfg.min_context
-        starts = [0 if e >= mc else e for e in ends]
-        from flashinfer_ext.psa.block_meta import blocks_touched
-
-        n_new = blocks_touched(starts, ends, self.block_size)
-        if n_new:
-            self._ext = (forward_batch.req_pool_indices, table,
-                         torch.tensor(starts, dtype=torch.int32).to(self.device, non_blocking=True),
-                         torch.tensor(ends, dtype=torch.int32).to(self.device, non_blocking=True), n_new)
+        self._plan_decode_meta(backend, forward_batch, table)
+        self._plan_wrapper(forward_batch, table, max_len)
+        self._plan_ws(_row_rids(forward_batch, self.bs), self.wrapper._num_cols)
 
     def begin_graph_batch(self, backend, forward_batch, in_capture: bool) -> None:
         """Plan a decode batch that captures or replays a CUDA graph (host side, before the graph).
@@ -458,11 +466,7 @@ class PsaCudaRunner(_RunnerBase):
         self._plan_ws(rids if rids is not None else [None] * bs, self.wrapper._num_cols, pad_to=bs)
 
     def after_extend(self, backend, layer, forward_batch) -> None:
-        if self.bs == 0 or self.is_decode or self._ext is None:
-            return
-        rpi, table, start, end, n_new = self._ext
-        self.meta.update(layer.layer_id, self.pool.get_key_buffer(layer.layer_id),
-                         self._req_to_token, rpi, table, start, end, n_new)
+        return None  # metadata is built at a request's first sparse decode step
 
     def decode(self, backend, q, k, v, layer, forward_batch, save_kv_cache):
         pool = backend.token_to_kv_pool
