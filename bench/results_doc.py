@@ -73,8 +73,10 @@ def e2e_section(e2e: dict | None) -> list[str]:
     if e2e.get("mode_sources"):
         md += ["Where each mode comes from (each invocation has its own `off`):", ""]
         md += [f"- `{m}`: {src}" for m, src in e2e["mode_sources"].items()]
-        md += [f"- `{m}` cells {', '.join(sorted(cells))}: {sorted(set(cells.values()))[0]}"
-               for m, cells in (e2e.get("cell_sources") or {}).items()] + [""]
+        for m, cells in (e2e.get("cell_sources") or {}).items():
+            for src in sorted(set(cells.values())):
+                md.append(f"- `{m}` cells {', '.join(sorted(k for k, v in cells.items() if v == src))}: {src}")
+        md += [""]
     rows = []
     for mode, cells in e2e.get("modes", {}).items():
         if mode == "off":
