@@ -15,13 +15,14 @@
 #                                        # real_32k, merged into copies of bench/results' headlines (~2-4 min)
 #   bash scripts/gpu/testbed.sh settings4k  # psa vs off at 4k under three server settings: which setting costs psa
 #                                           # its fall-back throughput (page 16, prefill CUDA graphs off)
+#   bash scripts/gpu/testbed.sh c1ab     # psa vs off at concurrency 1 (16k, 32k), off on page 1 and on page 16
 #
 # TESTBED_TAG=x puts a part's reports in /tmp/testbed/<part>_x (two runs of a part side by side);
 # LONG_EXTRA_ARGS adds server arguments to the `long` part's servers (e.g. --enable-deterministic-inference).
 #
 # Reports go to /tmp/testbed/<part>/ and come back packed as $OUT/<part>.tgz.
 set -uo pipefail
-part=${1:?usage: testbed.sh needle|long|samkv|e2e|settings4k|realkern|reliability-start|reliability-wait}
+part=${1:?usage: testbed.sh needle|long|samkv|e2e|settings4k|c1ab|realkern|reliability-start|reliability-wait}
 out=${OUT:-$PWD/gpu_out}
 name=${part%-*}${TESTBED_TAG:+_$TESTBED_TAG}
 R=/tmp/testbed/$name
@@ -107,6 +108,14 @@ for d in sorted(p for p in root.iterdir() if (p / "e2e_long.json").is_file()):
               f"{f(r.get('output_throughput_tok_s'))} | {f(r.get('throughput_ratio_vs_off'))} | "
               f"{f(r.get('ttft_ratio_vs_off'))} | {f(r.get('tpot_ratio_vs_off'))} |")
 PY
+    ;;
+  c1ab)  # timing: run alone on the GPU. psa vs off at concurrency 1 (16k, 32k), off on stock page 1 and on psa's page 16
+    for cfg in "page1:" "page16:--page-size 16"; do
+      tag=${cfg%%:*}
+      step "c1_$tag" timeout -k 20 "${C1_TIMEOUT:-170}" python3 -m bench.load --device cuda --python python3 --model $M32 \
+          --modes psa --input-lens 16384,32000 --output-len 256 --concurrency 1 --min-prompts 16 --parallel-servers auto \
+          --port 30040 --time-budget "${C1_TASK_BUDGET:-120}" --server-args "$SARGS ${cfg#*:}" --out "$R/$tag"
+    done
     ;;
   realkern)  # --real-only: only the testbed-real rows run; they are merged into the seeded headline copies
     cp bench/results/psa_decode.json bench/results/loopserve_prefill.json "$R/"
