@@ -36,6 +36,18 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def free_ports(n: int) -> list[int]:
+    """``n`` distinct free ports: all bound at once before any is released, so none is handed out twice."""
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
 def server_env() -> dict[str, str]:
     """Environment for SGLang subprocesses of the tests (offline, one OpenMP thread)."""
     env = dict(os.environ)
@@ -45,22 +57,28 @@ def server_env() -> dict[str, str]:
 
 
 def start_cpu_server(model: Path, log_path: Path, *, mode: str = "off", sparse_config: str | None = None,
-                     extra_args: tuple[str, ...] = (), timeout_s: float = 480.0) -> Server:
-    """Start a CPU server (bf16, bounded KV pool) and wait until it serves; raises with the log tail."""
-    spec = ServerSpec(python=sys.executable, model=str(model), device="cpu", port=free_port(), mode=mode,
-                      sparse_config=sparse_config, extra_args=list(extra_args))
+                     extra_args: tuple[str, ...] = (), timeout_s: float = 480.0,
+                     ports: tuple[int, int] | None = None) -> Server:
+    """Start a CPU server (bf16, bounded KV pool) and wait until it serves; raises with the log tail.
+    ``ports``: (HTTP port, torch.distributed rendezvous port ``--nccl-port``); default: free ones."""
+    port, dist_port = ports if ports is not None else free_ports(2)
+    spec = ServerSpec(python=sys.executable, model=str(model), device="cpu", port=port, mode=mode,
+                      sparse_config=sparse_config, extra_args=list(extra_args) + ["--nccl-port", str(dist_port)])
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     return Server(spec, log_path, timeout_s=timeout_s, log=print).start()
 
 
 def start_cpu_servers(model: Path, *specs: dict) -> list[Server]:
     """Start several CPU servers at once (each ``specs`` item: keyword arguments of :func:`start_cpu_server`, with
-    ``log_path``); a server start is mostly single-threaded imports, so two overlap on two cores. Returns the
+    ``log_path``; no ``ports``); a server start is mostly single-threaded imports, so two overlap on two cores. Returns the
     handles in order; if any start fails, the ones that started are stopped and the first error is raised."""
     from concurrent.futures import ThreadPoolExecutor
 
+    # every server's HTTP and rendezvous ports chosen together: servers started at once never pick the same port
+    ports = free_ports(2 * len(specs))
     with ThreadPoolExecutor(len(specs)) as pool:
-        futs = [pool.submit(start_cpu_server, model, **spec) for spec in specs]
+        futs = [pool.submit(start_cpu_server, model, **spec, ports=(ports[2 * i], ports[2 * i + 1]))
+                for i, spec in enumerate(specs)]
         done = [(f.result() if f.exception() is None else f.exception()) for f in futs]
     errors = [d for d in done if isinstance(d, BaseException)]
     if errors:
