@@ -81,10 +81,11 @@ def graph_gate_hook(result, graph_runner, forward_batch, *args, **kwargs):
 
 
 def prefill_graph_gate_hook(result, graph_runner, forward_batch, *args, **kwargs):
-    """AFTER ``PrefillCudaGraphRunner.can_run_graph``: under psa / loopserve / lastwindow an extend batch replays
-    SGLang's prefill graph only when no row reaches the mode's ``min_context`` (the whole batch runs the stock
-    prefill, as under ``off``); a batch with a long row (sparse prefill, line reuse, PSA's block metadata) runs
-    eagerly, exactly as with prefill graphs off. Other modes: SGLang's answer."""
+    """AFTER ``PrefillCudaGraphRunner.can_run_graph``: under loopserve / lastwindow (backends that set
+    ``sparse_prefill_graph_below``) an extend batch replays SGLang's prefill graph only when no row reaches the
+    mode's ``min_context`` (the whole batch runs the stock prefill, as under ``off``); a batch with a long row
+    (sparse prefill, line reuse) runs eagerly, exactly as with prefill graphs off. Other modes, psa included (its
+    prefill is stock): SGLang's answer."""
     if not result:
         return result
     backend = getattr(getattr(graph_runner, "model_runner", None), "attn_backend", None)

@@ -110,9 +110,10 @@ def _apply_mode_requirements(args, ctx: SparseContext) -> None:
     """Server settings a mode needs, set before SGLang resolves them (logged, never silent).
 
     loopserve / lastwindow / psa on CUDA: SGLang's prefill CUDA graphs stay on (the default breakable backend,
-    config ``prefill_graphs`` true) for extend batches whose rows all end below ``min_context``: those run the stock
-    prefill, as under ``off``; a batch with a longer row (sparse prefill, line reuse, PSA's block metadata) runs
-    eagerly (``api_hooks.prefill_graph_gate_hook``). Another prefill graph backend
+    config ``prefill_graphs`` true). loopserve / lastwindow replay them for extend batches whose rows all end below
+    ``min_context`` (the stock prefill, as under ``off``); a batch with a longer row (sparse prefill, line reuse)
+    runs eagerly (``api_hooks.prefill_graph_gate_hook``). psa's prefill is stock: every extend batch may replay
+    them. Another prefill graph backend
     (``--cuda-graph-backend-prefill full|tc_piecewise``) or ``prefill_graphs`` false: prefill graphs off (logged).
     loopserve / lastwindow: decode graphs stay on (``--disable-cuda-graph`` turns them off): the steady decode
     steps replay them (:mod:`sglang_sparse.loopserve.graph`), the others run eagerly.

@@ -2,7 +2,7 @@
 
 * :class:`PsaCudaRunner` (GPU): block metadata (min/max/mean per page and KV head, one
   :class:`flashinfer_ext.psa.block_meta.BlockMetaPool` beside the KV pool; the page is the block)
-  kept current on every KV write (extend and decode), and decode through
+  built at a request's first sparse decode step and folded at each later one, and decode through
   :class:`flashinfer_ext.psa.decode.PsaDecodeWrapper` (Triton criticality, device ranking,
   progressive decode with the stop test on the GPU).
 * :class:`PsaCpuRunner` (CPU): the fp32 torch reference of :mod:`flashinfer_ext.common.reference`
@@ -23,9 +23,8 @@ kernel with epsilon 1.0 (all blocks), which is exact but not FlashInfer-fast.
 CUDA graphs (decode): a batch with at least one sparse row replays a graph captured over the PSA
 path (:meth:`PsaCudaRunner.begin_graph_batch` plans into the wrapper's fixed ``_buf`` tensors with
 the full ranking width before each replay; rows that are not sparse get epsilon 1.0 there); a batch
-with no sparse row replays SGLang's stock graph (:mod:`sglang_sparse.graph_variants`). Prefill
-graphs replay only extend batches that end below ``min_context`` (``api_hooks.prefill_graph_gate_hook``):
-a longer extend rebuilds its rows' metadata after each layer's write.
+with no sparse row replays SGLang's stock graph (:mod:`sglang_sparse.graph_variants`). Extends do
+no metadata work, so every extend batch may replay SGLang's prefill graphs.
 """
 
 from __future__ import annotations
@@ -311,12 +310,12 @@ class PsaCudaRunner(_RunnerBase):
 
     Metadata is kept only where it is read: for rows that decode through PSA (the invariant: after
     any decode step at which a row is sparse, its blocks' metadata covers its whole context). Other
-    rows cost nothing: a batch without a sparse row is the stock decode alone. An extend ending at or
-    past ``min_context`` rebuilds its rows' metadata from position 0 after each layer's write (a
-    cached prefix is never trusted: a request that decoded densely left its pages without metadata);
-    a decode step at which a row first reaches ``min_context`` rebuilds it at plan time (all layers,
-    outside any CUDA graph). A row that stops being sparse (the adaptive switch) never becomes
-    sparse again, so the invariant holds without folding its dense steps.
+    rows cost nothing: a batch without a sparse row is the stock decode alone, and extends do no
+    metadata work. A sparse row whose metadata does not cover its context up to the step (its first
+    sparse step, a retraction since, a request the plan cannot identify) has it rebuilt from
+    position 0 at plan time, all layers, outside any CUDA graph (:meth:`_plan_decode_meta`; a cached
+    prefix is never trusted: a request that decoded densely left its pages without metadata). A row
+    that stops being sparse (the adaptive switch) never becomes sparse again.
     """
 
     def __init__(self, cfg: PsaConfig, block_size: int, shape: AttnShape, device: torch.device, *,
