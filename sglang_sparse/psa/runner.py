@@ -12,8 +12,9 @@ Where the host work goes (nothing per layer, no sync inside a step):
   * :meth:`begin_batch` (once per batch, SGLang's ``init_forward_metadata``): reads the host
     ``seq_lens_cpu`` / extend lengths and each request's epsilon (``custom_params``), builds the
     page table on the device and plans the wrapper (a few small host->device copies).
-  * per layer: one metadata-update launch, then (sparse batches) criticality + sort + progressive
-    decode, and two in-place adds into the step-statistics buffer. No ``.item()``.
+  * per layer, in batches with a sparse row only: one metadata fold launch, criticality + sort + progressive
+    decode, and two in-place adds into the step-statistics buffer. No ``.item()``. Batches without a sparse
+    row run the stock decode and touch no metadata.
 Rows of a decode batch below ``min_context``, with epsilon 1.0, or sent dense by the adaptive switch
 (``dense_above``: a request whose first ``probe_steps`` sparse steps read more than that fraction of
 its blocks; :func:`adaptive_dense`) attend their whole context: if every row is such a row, the stock
@@ -161,10 +162,14 @@ class _RunnerBase:
         return (torch.tensor(_epsilons_of(self.cfg, reqs, bs), dtype=torch.float32),
                 torch.tensor(_dense_of(self.cfg, reqs, bs), dtype=torch.bool))
 
+    def _long_rows(self, lens: torch.Tensor, eps: torch.Tensor) -> torch.Tensor:
+        """Rows PSA may take: context >= ``min_context`` and epsilon < 1 (before the adaptive switch)."""
+        return (lens.to(torch.int64) >= self.cfg.min_context) & (eps < 1.0)
+
     def _sparse_rows(self, lens: torch.Tensor, eps: torch.Tensor, off: torch.Tensor) -> torch.Tensor:
-        """Rows that decode through PSA: context >= ``min_context``, epsilon < 1, not switched to dense.
+        """Rows that decode through PSA: long rows (:meth:`_long_rows`) not switched to dense.
         Only these keep block metadata current in decode; every other row decodes with the stock path."""
-        return (lens.to(torch.int64) >= self.cfg.min_context) & (eps < 1.0) & ~off
+        return self._long_rows(lens, eps) & ~off
 
     def wants_graph(self, forward_batch) -> bool:
         """Host test before a decode graph replay: graphs only for batches with a sparse row.
@@ -244,8 +249,8 @@ class _RunnerBase:
         lens = forward_batch.seq_lens_cpu
         if decode and lens is not None:
             lens = lens[:bs].to(torch.int64)
-            sparse = self._sparse_rows(lens, eps, off)
-            switched = (lens >= self.cfg.min_context) & (eps < 1.0) & off
+            long = self._long_rows(lens, eps)
+            sparse, switched = long & ~off, long & off
         else:
             sparse = switched = torch.zeros(bs, dtype=torch.bool)
         self.sparse_batch = bool(sparse.any())
@@ -471,10 +476,8 @@ class PsaCudaRunner(_RunnerBase):
         pool = backend.token_to_kv_pool
         lid = layer.layer_id
         if not self.sparse_batch and not self.graph_mode:
-            o = backend._psa_base.forward_decode(backend, q, k, v, layer, forward_batch, save_kv_cache)
-            if self._meta_rows:  # long rows decoding densely (their own epsilon 1.0) keep metadata too
-                self._fold_decode_meta(lid)
-            return o
+            # no sparse row: stock decode, no metadata (a request's metadata is rebuilt at its next sparse step)
+            return backend._psa_base.forward_decode(backend, q, k, v, layer, forward_batch, save_kv_cache)
         if k is not None and save_kv_cache:
             _write_kv(backend, pool, layer, forward_batch, k, v)
         k_buf, v_buf = pool.get_key_buffer(lid), pool.get_value_buffer(lid)
