@@ -18,7 +18,8 @@
 #   bash scripts/gpu/testbed.sh c1ab     # psa vs off at concurrency 1 (16k, 32k), off on page 1 and on page 16
 #
 # TESTBED_TAG=x puts a part's reports in /tmp/testbed/<part>_x (two runs of a part side by side);
-# LONG_EXTRA_ARGS adds server arguments to the `long` part's servers (e.g. --enable-deterministic-inference).
+# LONG_EXTRA_ARGS adds server arguments to the `long` part's servers (e.g. --enable-deterministic-inference);
+# HARNESS_ARGS adds arguments to its bench.run_harness (e.g. --sparse-config 'psa={"probe_steps":1}').
 #
 # Reports go to /tmp/testbed/<part>/ and come back packed as $OUT/<part>.tgz.
 set -uo pipefail
@@ -69,7 +70,8 @@ case $part in
   long)
     step long timeout "${LONG_TIMEOUT:-560}" python3 -m bench.run_harness --preset long --modes "$MODES" --parallel \
         --concurrency "${LONG_CONCURRENCY:-16}" --tasks-time-budget "${LONG_TASK_BUDGET:-330}" --device cuda \
-        --python python3 --model $M32 --port ${LONG_PORT:-30000} --out "$R/long" --server-args "$SARGS ${LONG_EXTRA_ARGS:-}"
+        --python python3 --model $M32 --port ${LONG_PORT:-30000} --out "$R/long" --server-args "$SARGS ${LONG_EXTRA_ARGS:-}" \
+        ${HARNESS_ARGS:-}
     step long_report python3 -m bench.report_long --run "$R/long" --json "$R/fidelity_long.json" \
         --psa-json "$R/psa_fidelity.json" --loopserve-json "$R/loopserve_fidelity.json"
     ;;
