@@ -55,8 +55,7 @@ def _serve(default_model, tmp_path_factory, *servers: tuple[str, float, bool]) -
 
 
 def _alone_replies(server) -> dict[str, tuple[str, int]]:
-    """Each prompt's greedy reply when it runs alone (admission off, one request at a time)."""
-    assert _state(server)["working_set"] is None  # admission off: no policy object
+    """Each prompt's greedy reply when it runs alone (one request at a time, on a server that holds none back)."""
     return {t: _generate(server, _prompt(t)) for t in TOPICS}
 
 
@@ -67,9 +66,11 @@ def _concurrent(server) -> dict[str, str]:
 
 
 @pytest.fixture(scope="module")
-def tight_and_ample(default_model, tmp_path_factory):
-    """The two admission-on servers of the tests below, started together; each test stops its own when done."""
-    servers = _serve(default_model, tmp_path_factory, ("tight", 16.0, True), ("ample", 512.0, True))
+def ws_servers(default_model, tmp_path_factory):
+    """The three admission-on servers of the tests below, started together; each test stops its own when done.
+    ``ample`` (a cache that holds every working set) also gives the solo replies, one request at a time."""
+    servers = _serve(default_model, tmp_path_factory, ("serial", 6.0, True), ("tight", 16.0, True),
+                     ("ample", 512.0, True))
     try:
         yield servers
     finally:
@@ -77,28 +78,27 @@ def tight_and_ample(default_model, tmp_path_factory):
             server.stop()
 
 
-def test_a_cache_smaller_than_one_working_set_serialises_requests_with_solo_replies(default_model, tmp_path_factory):
+def test_a_cache_smaller_than_one_working_set_serialises_requests_with_solo_replies(ws_servers):
     # 6 MiB of unit cache = 1536 units (30 layers x 3 KV heads x 16-token blocks): less than one prompt's context;
-    # the solo replies come from a second server (admission off), played one at a time while this one runs
-    servers = _serve(default_model, tmp_path_factory, ("alone", 64.0, False), ("serial", 6.0, True))
-    (alone, _), (server, log) = servers["alone"], servers["serial"]
+    # the solo replies come from the ample server (nothing is ever held there), played one at a time while this
+    # one runs
+    (alone, _), (server, log) = ws_servers["ample"], ws_servers["serial"]
     try:
         with cf.ThreadPoolExecutor(1) as pool:
             alone_replies = pool.submit(_alone_replies, alone)
             replies, ws = _concurrent(server), _state(server)["working_set"]
             alone_replies = alone_replies.result()
     finally:
-        alone.stop()
         server.stop()
     assert replies == alone_replies  # one at a time: exactly the solo greedy replies, none dropped
     assert ws["oversize_admissions"] >= len(TOPICS) - 1 and ws["held_requests"] > 0, ws
     assert "leak" not in log.read_text().lower()
 
 
-def test_requests_wait_while_measured_working_sets_fill_the_gpu_cache(tight_and_ample):
+def test_requests_wait_while_measured_working_sets_fill_the_gpu_cache(ws_servers):
     # 16 MiB = 4096 units: one prompt's whole context (~2600 units) fits, a second only once the first's
     # measured working set (what PSA read in its last 4 steps) is known to leave room for it
-    server, log = tight_and_ample["tight"]
+    server, log = ws_servers["tight"]
     try:
         check_admission_under_pressure(server, log)
     finally:
@@ -126,8 +126,8 @@ def check_admission_under_pressure(server, log) -> dict:
     return ws
 
 
-def test_nothing_waits_when_the_gpu_cache_holds_every_working_set(tight_and_ample):
-    server, _ = tight_and_ample["ample"]
+def test_nothing_waits_when_the_gpu_cache_holds_every_working_set(ws_servers):
+    server, _ = ws_servers["ample"]
     try:
         replies, ws = _concurrent(server), _state(server)["working_set"]
     finally:

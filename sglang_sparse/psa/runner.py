@@ -150,26 +150,26 @@ class _RunnerBase:
         self._sparse_host: torch.Tensor | None = None
         self._row_reqs: list = []  # the current batch's ``Req`` per row (None: unknown, padding)
         self._eps_host: torch.Tensor | None = None
-        self.step_rows: torch.Tensor | None = None  # [bs, STEP_COLS] fp32 on self.device
+        self._rows_host: tuple = ((), (), ())  # (lens, eps, sparse) host lists of the planned batch
+        self.step_rows: torch.Tensor | None = None  # [bs, STEP_COLS] fp32: on self.device in batches with a sparse row, else host
         self.graph_mode = False  # the current batch replays (or captures) a decode CUDA graph
         self._replay = ReplayRequests()  # the real batch's requests for a graph replay view (no sampling_info)
+        self._gate_state: tuple | None = None  # (eps, switched) per row of the batch wants_graph last kept
         self._graph_decided = (None, None)  # (forward batch, variant) of the last graph_variant answer
         self.ws = None  # WorkingSetTracker (host tier admission; set by psa.backend.make_runner) or None
         self._ws_step = False  # this decode step records its selections into ``ws``
 
-    def _row_state(self, reqs, bs: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per-row ``(epsilon [bs] fp32, switched_dense [bs] bool)`` of ``reqs`` (host)."""
-        return (torch.tensor(_epsilons_of(self.cfg, reqs, bs), dtype=torch.float32),
-                torch.tensor(_dense_of(self.cfg, reqs, bs), dtype=torch.bool))
+    def _row_state(self, reqs, bs: int) -> tuple[list[float], list[bool]]:
+        """Per-row ``(epsilon, switched_dense)`` of ``reqs`` (host lists of ``bs``)."""
+        return _epsilons_of(self.cfg, reqs, bs), _dense_of(self.cfg, reqs, bs)
 
-    def _long_rows(self, lens: torch.Tensor, eps: torch.Tensor) -> torch.Tensor:
-        """Rows PSA may take: context >= ``min_context`` and epsilon < 1 (before the adaptive switch)."""
-        return (lens.to(torch.int64) >= self.cfg.min_context) & (eps < 1.0)
-
-    def _sparse_rows(self, lens: torch.Tensor, eps: torch.Tensor, off: torch.Tensor) -> torch.Tensor:
-        """Rows that decode through PSA: long rows (:meth:`_long_rows`) not switched to dense.
-        Only these keep block metadata current in decode; every other row decodes with the stock path."""
-        return self._long_rows(lens, eps) & ~off
+    def _row_kinds(self, lens: list[int], eps: list[float], off: list[bool]) -> tuple[list[bool], list[bool]]:
+        """``(sparse, switched)`` per row. Long rows (context >= ``min_context``, epsilon < 1) decode through PSA
+        unless the adaptive switch sent them dense (``switched``). Only sparse rows keep block metadata current
+        in decode; every other row decodes with the stock path. Host lists: no tensor op per step."""
+        mc = self.cfg.min_context
+        long = [n >= mc and e < 1.0 for n, e in zip(lens, eps)]
+        return [a and not o for a, o in zip(long, off)], [a and o for a, o in zip(long, off)]
 
     def wants_graph(self, forward_batch) -> bool:
         """Host test before a decode graph replay: graphs only for batches with a sparse row.
@@ -183,7 +183,8 @@ class _RunnerBase:
         bs = int(forward_batch.batch_size)
         eps, off = self._row_state(batch_requests(forward_batch), bs)
         self._replay.keep(forward_batch)
-        return bool(self._sparse_rows(lens[:bs], eps, off).any())
+        self._gate_state = (eps, off)  # reused by the replay's plan (_stashed_state): one read per step
+        return any(self._row_kinds(lens[:bs].tolist(), eps, off)[0])
 
     def graph_variant(self, forward_batch, peek: bool = False) -> str | None:
         """Which decode graph this batch replays (:mod:`sglang_sparse.graph_variants`): ``"sparse"`` when a row
@@ -221,9 +222,11 @@ class _RunnerBase:
         if got is None:
             return None
         n, reqs = got
-        eps, off = torch.ones(bs, dtype=torch.float32), torch.zeros(bs, dtype=torch.bool)
-        eps[:n], off[:n] = self._row_state(reqs, n)
-        return eps, off, list(reqs[:n]) + [None] * (bs - n)
+        kept = self._gate_state
+        eps, off = kept if kept is not None and len(kept[0]) == n else self._row_state(reqs, n)
+        # (kept: wants_graph's answer for this batch, whose lengths the view matched)
+        pad = bs - n
+        return list(eps) + [1.0] * pad, list(off) + [False] * pad, list(reqs[:n]) + [None] * pad
 
     def _plan_ws(self, rids: list, num_cols: int, pad_to: int | None = None) -> None:
         """Host plan of the working-set tracker for a decode step that records (once per batch): slots of
@@ -237,7 +240,9 @@ class _RunnerBase:
 
     def _plan_rows(self, forward_batch, decode: bool, state: tuple | None = None) -> None:
         """Host plan of a batch's rows. ``state``: ``(eps, off, reqs)`` of a graph replay view
-        (:meth:`_stashed_state`); otherwise read from the batch's own requests."""
+        (:meth:`_stashed_state`); otherwise read from the batch's own requests. A batch without a sparse row
+        (the common steady state once requests switched, and every short batch) costs host lists and one
+        small tensor; the sparse path's tensors (:meth:`_row_tensors`) are built only when a row is sparse."""
         bs = int(forward_batch.batch_size)
         self.bs, self.is_decode, self.graph_mode = bs, decode, False
         if state is None:
@@ -248,24 +253,38 @@ class _RunnerBase:
         self._row_reqs = list(reqs) + [None] * (bs - len(reqs))
         lens = forward_batch.seq_lens_cpu
         if decode and lens is not None:
-            lens = lens[:bs].to(torch.int64)
-            long = self._long_rows(lens, eps)
-            sparse, switched = long & ~off, long & off
+            lens = lens[:bs].tolist()
+            sparse, switched = self._row_kinds(lens, eps, off)
         else:
-            sparse = switched = torch.zeros(bs, dtype=torch.bool)
-        self.sparse_batch = bool(sparse.any())
-        self._sparse_host, self._eps_host = sparse, eps
+            sparse = switched = [False] * bs
+        self.sparse_batch = any(sparse)
+        self._rows_host = (lens, eps, sparse)
+        self._sparse_host = self._eps_host = None
         self._ws_step = False
-        host = torch.zeros(bs, STEP_COLS, dtype=torch.float32)
-        host[:, COL_EPS] = eps
-        host[:, COL_SPARSE] = torch.where(switched, float(ROW_ADAPTIVE_DENSE), 0.0)
-        if self.sparse_batch:
-            n_blocks = (lens + self.block_size - 1) // self.block_size
-            units = self.shape.units
-            host[:, COL_SPARSE] = torch.where(sparse, float(ROW_SPARSE), host[:, COL_SPARSE])
-            host[:, COL_UNITS] = torch.where(sparse, float(units), 0.0)
-            host[:, COL_TOTAL] = torch.where(sparse, (n_blocks * units).float(), 0.0)
+        rows = [[0.0] * STEP_COLS for _ in range(bs)]
+        for i in range(bs):
+            rows[i][COL_EPS] = eps[i]
+            rows[i][COL_SPARSE] = float(ROW_ADAPTIVE_DENSE) if switched[i] else 0.0
+        if not self.sparse_batch:
+            # no kernel writes into the rows of a batch without a sparse row: they stay on the host (no copy
+            # either way; psa_step_rows hands a host tensor to SGLang as is)
+            self.step_rows = torch.tensor(rows, dtype=torch.float32).reshape(bs, STEP_COLS)
+            return
+        units = self.shape.units
+        for i in range(bs):
+            if sparse[i]:
+                rows[i][COL_SPARSE], rows[i][COL_UNITS] = float(ROW_SPARSE), float(units)
+                rows[i][COL_TOTAL] = float(-(-int(lens[i]) // self.block_size) * units)
+        host = torch.tensor(rows, dtype=torch.float32)
+        self._row_tensors()
         self.step_rows = host.to(self.device, non_blocking=True) if self.device.type != "cpu" else host
+
+    def _row_tensors(self) -> None:
+        """``_sparse_host`` (bool ``[bs]``) and ``_eps_host`` (fp32 ``[bs]``) of the planned rows, for the sparse
+        path (its wrapper plan, the CPU reference, the metadata plan)."""
+        _, eps, sparse = self._rows_host
+        self._sparse_host = torch.tensor(sparse, dtype=torch.bool).reshape(len(sparse))
+        self._eps_host = torch.tensor(eps, dtype=torch.float32).reshape(len(eps))
 
 
 class PsaCpuRunner(_RunnerBase):
@@ -458,6 +477,8 @@ class PsaCudaRunner(_RunnerBase):
         """
         bs = int(forward_batch.batch_size)
         self._plan_rows(forward_batch, True, state=None if in_capture else self._stashed_state(forward_batch, bs))
+        if self._sparse_host is None:  # no sparse row (a capture, or rows the gate did not expect): every row
+            self._row_tensors()        # takes the PSA path in the graph with epsilon 1.0
         self.graph_mode, self.sparse_batch = True, True
         self._step_buf[:bs].copy_(self.step_rows, non_blocking=True)
         self.step_rows = self._step_buf[:bs]
