@@ -26,7 +26,29 @@ def _has_cuda() -> bool:
         return False
 
 
+# The test files that take longest on the 2-core CPU box (mostly the ones that start their own servers), longest
+# first. The test command runs two pytest-xdist workers that take whole files in collection order, so these go first:
+# a long file started last would leave the other worker idle at the end. Only the order changes, never what runs.
+SLOW_FIRST = (
+    "test_working_set_admission_server.py", "flashinfer_ext/test_psa_decode.py", "test_host_tier_server.py",
+    "test_soak_short.py", "test_faults_short.py", "test_bench_harness.py", "test_lastwindow_server.py",
+    "test_loopserve_server.py", "flashinfer_ext/test_psa_smollm2.py", "test_testbed_long.py",
+    "test_real_kernel_headlines.py", "test_psa_kernel_server.py", "test_load_long.py", "test_samkv_server.py",
+    "test_working_set_admission_loopserve_server.py", "test_psa_server.py", "test_decode_profile.py",
+    "test_samkv_recompute.py", "test_loopserve_chunked.py", "test_samkv_graph.py",
+)
+
+
+def _slow_rank(item) -> int:
+    path = item.nodeid.split("::", 1)[0]
+    for i, name in enumerate(SLOW_FIRST):
+        if path == "tests/" + name:
+            return i
+    return len(SLOW_FIRST)
+
+
 def pytest_collection_modifyitems(config, items):
+    items.sort(key=_slow_rank)  # stable: tests keep their order within a file and among the other files
     if _has_cuda():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU (gpu marker); none on this machine")

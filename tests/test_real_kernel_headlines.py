@@ -61,7 +61,7 @@ def _seeded(tmp_path: Path, name: str) -> dict:
 def test_psa_real_only_run_merges_real_32k_into_the_existing_headline(tmp_path, testbed_model):
     old = _seeded(tmp_path, "psa_decode.json")
     assert "real_32k" not in old
-    _real_only("psa_decode_bench.py", tmp_path, testbed_model, "--real-tokens", "512,1024", "--real-layers", "3,21")
+    _real_only("psa_decode_bench.py", tmp_path, testbed_model, "--real-tokens", "384,768", "--real-layers", "3,21")
     new = json.loads((tmp_path / "psa_decode.json").read_text())
     for key, val in old.items():  # planted summary keys and rows kept as they were
         if key not in ("meta", "results"):
@@ -72,7 +72,7 @@ def test_psa_real_only_run_merges_real_32k_into_the_existing_headline(tmp_path, 
     assert all(r["case"] == "testbed real" and "error" not in r for r in real), real
     assert all(r["batch"] == 2 * 3 and r["heads"] == "9/3" and r["layers"] == [3, 21] for r in real)
     assert all(r["rope_type"] == "yarn" and r["rope_attention_scaling"] > 1 for r in real)  # the testbed's YaRN
-    assert real[0]["ctx"] < real[1]["ctx"] and real[1]["ctx"] == real[1]["prompt_len"] > 1024
+    assert real[0]["ctx"] < real[1]["ctx"] and real[1]["ctx"] == real[1]["prompt_len"] > 768
     for slot in ("real_16k", "real_32k"):
         e = new[slot]
         assert {"read_fraction", "speedup_vs_dense", "bytes_ratio_topk_over_psa"} <= set(e)
@@ -88,8 +88,8 @@ def test_psa_real_only_run_merges_real_32k_into_the_existing_headline(tmp_path, 
 def test_loopserve_real_only_run_merges_real_32k_into_the_existing_headline(tmp_path, testbed_model):
     old = _seeded(tmp_path, "loopserve_prefill.json")
     assert "real_32k" not in old
-    _real_only("loopserve_prefill_bench.py", tmp_path, testbed_model, "--real-tokens", "768",
-               "--real-layers", "3,27", "--real-eval-rows", "96")
+    _real_only("loopserve_prefill_bench.py", tmp_path, testbed_model, "--real-tokens", "512",
+               "--real-layers", "3,27", "--real-eval-rows", "64")
     new = json.loads((tmp_path / "loopserve_prefill.json").read_text())
     for key, val in old.items():
         if key not in ("meta", "results"):
@@ -105,8 +105,8 @@ def test_loopserve_real_only_run_merges_real_32k_into_the_existing_headline(tmp_
     # alpha-coverage of the sampled rows should carry over to unsampled rows of real attention, roughly
     assert e["covered_mass"] > 0.8, e
     assert e["speedup_vs_dense"] is None
-    assert [p["layer"] for p in e["per_layer"]] == [3, 27] and e["ctx"] > 768
-    assert all(r["covered_eval_rows"] == 96 and r["out_err_mean"] < 0.1 for r in real)
+    assert [p["layer"] for p in e["per_layer"]] == [3, 27] and e["ctx"] > 512
+    assert all(r["covered_eval_rows"] == 64 and r["out_err_mean"] < 0.1 for r in real)
     assert "Testbed real attention" in (tmp_path / "loopserve_prefill.md").read_text()
 
 
