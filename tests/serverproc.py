@@ -31,9 +31,7 @@ def chat(server, messages, max_tokens: int, *, timeout: float = 600, **extra) ->
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_ports(1)[0]
 
 
 def free_ports(n: int) -> list[int]:

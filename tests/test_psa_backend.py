@@ -229,7 +229,6 @@ def test_block_metadata_is_built_at_a_requests_first_sparse_decode_step_and_afte
                              extend_prefix_lens_cpu=[0] * len(lens), extend_seq_lens_cpu=lens,
                              sampling_info=SimpleNamespace(sparse_reqs=reqs))
         runner._plan_rows(fb, decode)
-        runner._meta_rows = False
         if runner.sparse_batch:
             runner._plan_decode_meta(None, fb, runner._block_table(None, fb, max(lens)))
         return runner
@@ -237,7 +236,7 @@ def test_block_metadata_is_built_at_a_requests_first_sparse_decode_step_and_afte
     plan([200, 40], [long_req, short_req], decode=False)  # an extend: nothing
     assert calls == []
     plan([201, 41], [long_req, short_req])  # first sparse step of row 0: rebuild [0, 200), both layers
-    assert calls == [(0, [200, 0]), (1, [200, 0])] and runner._meta_rows
+    assert calls == [(0, [200, 0]), (1, [200, 0])] and runner.sparse_batch
     calls.clear()
     plan([202, 42], [long_req, short_req])  # covered: only the in-forward fold
     assert calls == [] and runner.meta_rebuilds == 1

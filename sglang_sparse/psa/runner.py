@@ -206,7 +206,7 @@ class _RunnerBase:
         rows' statistics as an eager dense step writes them."""
         bs = int(forward_batch.batch_size)
         self._plan_rows(forward_batch, True, state=None if in_capture else self._stashed_state(forward_batch, bs))
-        self.graph_mode, self.sparse_batch, self._meta_rows, self._ws_step = False, False, False, False
+        self.graph_mode, self.sparse_batch, self._ws_step = False, False, False
         if in_capture:
             self.step_rows = None
 
@@ -368,7 +368,6 @@ class PsaCudaRunner(_RunnerBase):
         self._meta_end_buf = torch.zeros(max_batch_size, **i32)
         self._nread_sum_buf = torch.zeros(max_batch_size, dtype=torch.float32, device=device)
         self._kept_sum_buf = torch.zeros(max_batch_size, dtype=torch.float32, device=device)
-        self._meta_rows = False       # this decode batch folds its new tokens into metadata
         self.meta_rebuilds = 0        # rows whose metadata was rebuilt from position 0 (first sparse step, ...)
 
     def meta_bytes(self) -> int:
@@ -412,7 +411,6 @@ class PsaCudaRunner(_RunnerBase):
                 stale[i] = True
             if req is not None:
                 setattr(req, _META_ATTR, _meta_key(req, n))  # covered through this step once its fold runs
-        self._meta_rows = bool(long_rows.any())
         start = torch.where(long_rows, lens - 1, lens).to(torch.int32)
         self._meta_start_buf[:bs].copy_(start, non_blocking=True)
         self._meta_end_buf[:bs].copy_(lens.to(torch.int32), non_blocking=True)
@@ -453,13 +451,11 @@ class PsaCudaRunner(_RunnerBase):
         mode = forward_batch.forward_mode
         if mode.is_idle() or int(forward_batch.batch_size) == 0:
             self.bs, self.sparse_batch, self.is_decode, self.graph_mode = 0, False, False, False
-            self._meta_rows = False
             return
         # extend / mixed, and decode batches without a sparse row: no metadata work. A request's metadata is
         # built at its first sparse decode step (_plan_decode_meta), so extends run the stock prefill (and
         # SGLang's prefill CUDA graphs)
         self._plan_rows(forward_batch, mode.is_decode())
-        self._meta_rows = False
         if not self.sparse_batch:
             return
         max_len = int(forward_batch.seq_lens_cpu[: self.bs].max())
