@@ -102,8 +102,9 @@ def test_graph_replay_view_gets_the_batch_per_request_epsilons():
                            sampling_info=SimpleNamespace(sparse_reqs=reqs))
     assert runner.wants_graph(real)
     view = SimpleNamespace(batch_size=4, seq_lens_cpu=torch.tensor([150, 40, 1, 1]))
-    eps, off, got = runner._stashed_state(view, 4)
+    eps, off, probe, got = runner._stashed_state(view, 4)
     assert eps == pytest.approx([0.7, 0.95, 1.0, 1.0]) and not any(off)
+    assert probe == [True, True, False, False]  # undecided requests (the default switch); padding is not
     assert got[:2] == reqs and got[2:] == [None, None]
     other = SimpleNamespace(batch_size=4, seq_lens_cpu=torch.tensor([151, 41, 1, 1]))
     assert runner._stashed_state(other, 4) is None  # a different batch: no stale epsilons
@@ -135,6 +136,8 @@ def test_adaptive_switch_sends_a_request_dense_after_its_probe_steps_read_too_mu
     assert not adaptive_dense(cfg, focused)  # 7 / 20 over the probe; later rows do not reopen it
     focused.customized_info["sparse_psa_steps"].append(_row(1, 10, 10, 2, 2, 0.95))
     assert not adaptive_dense(cfg, focused)
+    probed = _req([_row(3, 9, 10, 2, 2, 0.95), _row(3, 9, 10, 2, 2, 0.95)])  # probe steps (exact result) count
+    assert adaptive_dense(cfg, probed)
     never = PsaConfig.from_dict({"min_context": 100, "dense_above": 1.0, "probe_steps": 1})
     assert not adaptive_dense(never, _req([_row(1, 10, 10, 2, 2, 0.95)]))
     assert not adaptive_dense(cfg, None) and not adaptive_dense(cfg, _req())
@@ -145,7 +148,7 @@ def test_a_batch_of_switched_rows_replays_the_stock_graph_and_reports_them():
     from types import SimpleNamespace
 
     from sglang_sparse.psa.runner import AttnShape, PsaCpuRunner
-    from sglang_sparse.psa.stats import COL_SPARSE, ROW_ADAPTIVE_DENSE, ROW_SPARSE
+    from sglang_sparse.psa.stats import COL_SPARSE, ROW_ADAPTIVE_DENSE, ROW_PROBE
 
     cfg = PsaConfig.from_dict({"min_context": 100, "dense_above": 0.5, "probe_steps": 1})
     runner = PsaCpuRunner(cfg, 16, AttnShape(2, 4, 2, 8), torch.device("cpu"))
@@ -159,8 +162,8 @@ def test_a_batch_of_switched_rows_replays_the_stock_graph_and_reports_them():
     assert runner.graph_variant(batch(switched)) == "dense"
     assert runner.graph_variant(batch(switched, fresh)) == "sparse"
     runner.begin_batch(None, batch(switched, fresh))
-    assert runner._sparse_host.tolist() == [False, True]
-    assert runner.step_rows[:, COL_SPARSE].tolist() == [ROW_ADAPTIVE_DENSE, ROW_SPARSE]
+    assert runner._sparse_host.tolist() == [False, True] and runner._probe_host.tolist() == [False, True]
+    assert runner.step_rows[:, COL_SPARSE].tolist() == [ROW_ADAPTIVE_DENSE, ROW_PROBE]  # undecided: a probe step
     runner.begin_batch(None, batch(switched))
     assert not runner.sparse_batch and runner.step_rows[0, COL_SPARSE] == ROW_ADAPTIVE_DENSE
 
@@ -168,13 +171,15 @@ def test_a_batch_of_switched_rows_replays_the_stock_graph_and_reports_them():
 def test_switched_rows_are_counted_and_reported_per_request():
     from sglang_sparse.psa.stats import PsaStats, account_rows, summarize_steps
 
-    rows = [_row(0, 0, 0, 0, 0, 0.95), _row(1, 9, 10, 1.9, 2, 0.95), _row(2, 0, 0, 0, 0, 0.95),
-            _row(2, 0, 0, 0, 0, 0.95)]
+    rows = [_row(0, 0, 0, 0, 0, 0.95), _row(3, 8, 10, 2, 2, 0.95), _row(1, 9, 10, 1.9, 2, 0.95),
+            _row(2, 0, 0, 0, 0, 0.95), _row(2, 0, 0, 0, 0, 0.95)]
     stats = PsaStats()
     account_rows(rows, stats, None)
     assert stats.sparse_rows == 1 and stats.switched_dense_rows == 2 and stats.blocks_read == 9
+    assert stats.probe_rows == 1 and stats.probe_blocks_read == 8 and stats.to_dict()["probe_read_fraction"] == 0.8
     rep = summarize_steps(rows)
     assert rep["sparse_decode_steps"] == 1 and rep["switched_dense_steps"] == 2 and rep["read_fraction"] == 0.9
+    assert rep["probe_steps"] == 1 and rep["probe_read_fraction"] == 0.8  # probe rows: not in read_fraction
 
 
 def test_api_hooks_summarise_whichever_mode_left_step_rows():

@@ -1,7 +1,8 @@
 """Contract (CPU): `--sparse psa` serves through the stock server — below `min_context` its greedy
 output equals `--sparse off`; above it decode is sparse (blocks read < blocks a dense decode reads,
 counted by the scheduler process) and the answer still retrieves a fact planted in real text; a request
-whose probe steps read more than `dense_above` of its blocks finishes densely (the adaptive switch)."""
+whose probe steps would read more than `dense_above` of its blocks finishes densely (the adaptive switch), and
+since its probe steps give the exact result too, its output equals `--sparse off`'s."""
 
 from __future__ import annotations
 
@@ -54,23 +55,26 @@ def test_psa_below_min_context_equals_dense(psa_server, cpu_server):
     assert after["dense_decode_steps"] > before["dense_decode_steps"]
 
 
-def test_psa_above_min_context_reads_fewer_blocks_and_still_retrieves_the_fact(psa_server):
+def test_a_request_the_switch_sends_dense_answers_exactly_as_dense(psa_server, cpu_server):
+    """Its probe steps count what PSA would read but give the exact result; then it decodes densely: the output
+    equals `--sparse off`'s, token for token, and still retrieves the fact."""
     content = _long_prompt()
     before = _stats(psa_server)["stats"]
     r = chat(psa_server, content, 16)
     after = _stats(psa_server)["stats"]
     assert r["usage"]["prompt_tokens"] > MIN_CONTEXT
     assert "4817" in r["choices"][0]["message"]["content"]
-    steps = after["sparse_decode_steps"] - before["sparse_decode_steps"]
-    read = after["blocks_read"] - before["blocks_read"]
-    total = after["blocks_total"] - before["blocks_total"]
+    assert r["choices"][0]["message"]["content"] == chat(cpu_server, content, 16)["choices"][0]["message"]["content"]
+    read = after["probe_blocks_read"] - before["probe_blocks_read"]
+    total = after["probe_blocks_total"] - before["probe_blocks_total"]
     rep = r["metadata"]["sparse"]
     # the adaptive switch: two probe steps (plus one under the overlap scheduler), then dense
-    assert 2 <= rep["sparse_decode_steps"] <= 3 and rep["switched_dense_steps"] > 0, rep
-    assert rep["sparse_decode_steps"] + rep["switched_dense_steps"] == r["usage"]["completion_tokens"] - 1
-    assert rep["read_fraction"] > DENSE_ABOVE
+    assert 2 <= rep["probe_steps"] <= 3 and rep["switched_dense_steps"] > 0, rep
+    assert rep["sparse_decode_steps"] == 0 and rep["read_fraction"] is None
+    assert rep["probe_steps"] + rep["switched_dense_steps"] == r["usage"]["completion_tokens"] - 1
+    assert rep["probe_read_fraction"] > DENSE_ABOVE
     assert after["switched_dense_rows"] - before["switched_dense_rows"] >= rep["switched_dense_steps"]
-    assert steps >= rep["sparse_decode_steps"]
+    assert after["probe_rows"] - before["probe_rows"] >= rep["probe_steps"]
     assert 0 < read < total, (read, total)
     metrics = requests.get(psa_server.url + "/metrics", timeout=30).text
     exported = {line.split()[0]: float(line.split()[1]) for line in metrics.splitlines()
@@ -82,27 +86,33 @@ def test_psa_above_min_context_reads_fewer_blocks_and_still_retrieves_the_fact(p
     # one report row per output token; the first token comes from prefill. The server counters may
     # hold one more step (the overlap scheduler decodes once past a request's last token).
     assert rep["steps"] == r["usage"]["completion_tokens"]
-    assert 0 < rep["blocks_read"] <= read and rep["blocks_total"] <= total
-    assert 0 < rep["read_fraction"] < 1 and 0.5 < rep["kept_mass"] <= 1.0
     assert "sglang_sparse:psa_kept_mass_count" in metrics
 
 
 def test_per_request_epsilon_is_clamped_reported_and_reads_more_when_higher(psa_server):
     content = _long_prompt()
+    before = _stats(psa_server)["stats"]
     low = chat(psa_server, content, 6, custom_params={"sparse": {"epsilon": 0.01}})["metadata"]["sparse"]
+    after = _stats(psa_server)["stats"]
     high = chat(psa_server, content, 6, custom_params={"sparse": {"epsilon": 0.999}})["metadata"]["sparse"]
     dense = chat(psa_server, content, 6, custom_params={"sparse": {"epsilon": 1.0}})["metadata"]["sparse"]
     assert low["epsilon"] == 0.5  # clamped to the server's min_request_epsilon
-    assert high["epsilon"] == 0.999 and high["read_fraction"] >= low["read_fraction"] > 0
-    assert low["switched_dense_steps"] == 0 and low["read_fraction"] <= DENSE_ABOVE  # focused enough: stays sparse
-    assert high["switched_dense_steps"] > 0  # reads nearly every block: switched after its probe
+    assert high["epsilon"] == 0.999 and high["probe_read_fraction"] >= low["probe_read_fraction"] > 0
+    # focused enough: stays sparse after its probe steps, reading fewer blocks than dense
+    assert low["switched_dense_steps"] == 0 and low["probe_read_fraction"] <= DENSE_ABOVE
+    assert low["sparse_decode_steps"] > 0 and 0 < low["read_fraction"] < 1 and 0.5 < low["kept_mass"] <= 1.0
+    read = after["blocks_read"] - before["blocks_read"]
+    total = after["blocks_total"] - before["blocks_total"]
+    assert 0 < low["blocks_read"] <= read < total and low["blocks_total"] <= total
+    assert after["sparse_rows"] - before["sparse_rows"] >= low["sparse_decode_steps"]
+    assert high["switched_dense_steps"] > 0 and high["sparse_decode_steps"] == 0  # would read nearly every block
     assert dense["epsilon"] == 1.0 and dense["sparse_decode_steps"] == 0  # epsilon 1: dense decode
     # the same request options through the native /generate door: per-token step rows in meta_info
     g = requests.post(psa_server.url + "/generate", timeout=300, json={
         "text": content, "sampling_params": {"max_new_tokens": 4, "temperature": 0,
                                              "custom_params": {"sparse": {"epsilon": 0.9}}}}).json()
     rows = g["meta_info"]["sparse_psa_steps"]
-    assert len(rows) == g["meta_info"]["completion_tokens"] and rows[0][0] == 0 and rows[1][0] == 1
+    assert len(rows) == g["meta_info"]["completion_tokens"] and rows[0][0] == 0 and rows[1][0] == 3  # a probe step
     assert rows[-1][5] == pytest.approx(0.9)  # fp32 step rows
 
 

@@ -100,6 +100,8 @@ class PsaDecodeWrapper:
         self._start_buf = torch.zeros(mb, **i32)
         self._n_forced_buf = torch.zeros(mb, **i32)
         self._eps_buf = torch.ones(mb, **f32)
+        self._probe_eps_buf = torch.ones(mb, **f32)
+        self._probe_lens_buf = torch.zeros(mb, **i32)
         self._list_lens_buf = torch.zeros(mb, hk, **i32)
         self._block_table_buf = torch.zeros(mb, cols, **i32)
         self._scores_buf = torch.empty(n, **f32)
@@ -127,6 +129,7 @@ class PsaDecodeWrapper:
         self._lse_buf = torch.empty(mb, num_qo_heads, **f32)
         self._nread_buf = torch.zeros(mb, hk, **i32)
         self._kept_buf = torch.ones(mb, hk, **f32)
+        self._probe_nread_buf = torch.zeros(mb, hk, **i32)
         self._req_to_token = None
         self._bs = 0
         self._num_cols = cols
@@ -138,7 +141,7 @@ class PsaDecodeWrapper:
 
     def plan(self, req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor,
              block_table: torch.Tensor, max_seq_len: int | None = None,
-             epsilon: torch.Tensor | None = None) -> None:
+             epsilon: torch.Tensor | None = None, probe_epsilon: torch.Tensor | None = None) -> None:
         """Prepare one decode batch (copies into the ``_buf`` tensors; no host reads of device data).
 
         Args:
@@ -149,6 +152,9 @@ class PsaDecodeWrapper:
           max_seq_len: optional host bound to narrow the sort width (eager mode only).
           epsilon: ``None`` (``config.epsilon`` for every row) or a ``[batch]`` fp32 device tensor of
             per-request thresholds; a row with ``epsilon >= 1`` attends all of its blocks (no cap).
+          probe_epsilon: ``None`` (the rows' ``epsilon``) or a ``[batch]`` fp32 device tensor: the threshold whose
+            stop point :attr:`probe_nread` reports (a row run at ``epsilon`` 1.0 with its real threshold here
+            gets the exact result and what PSA would read at that threshold, in one pass).
         """
         bs = int(req_pool_indices.shape[0])
         if bs > self.max_batch_size:
@@ -173,14 +179,23 @@ class PsaDecodeWrapper:
             if epsilon.shape != (bs,):
                 raise ValueError(f"epsilon must be a [{bs}] tensor, got shape {tuple(epsilon.shape)}")
             eps.copy_(epsilon, non_blocking=True)
+        p_eps = self._probe_eps_buf[:bs]
+        if probe_epsilon is None:
+            p_eps.copy_(eps)
+        else:
+            if probe_epsilon.shape != (bs,):
+                raise ValueError(f"probe_epsilon must be a [{bs}] tensor, got shape {tuple(probe_epsilon.shape)}")
+            p_eps.copy_(probe_epsilon, non_blocking=True)
         w = min(block_table.shape[1], self.max_blocks_per_req)
         self._block_table_buf[:bs, :w].copy_(block_table[:, :w], non_blocking=True)
         sl = self._seq_lens_buf[:bs]
         torch.sub(sl, 1, out=self._start_buf[:bs])
         n_blocks = torch.div(sl + (bsz - 1), bsz, rounding_mode="floor")
         self._n_forced_buf[:bs].copy_(torch.clamp(n_blocks, max=cfg.sink_blocks + cfg.local_blocks))
-        limit = torch.where(eps >= 1.0, n_blocks, torch.minimum(n_blocks, self._n_forced_buf[:bs] + cfg.max_blocks))
+        capped = torch.minimum(n_blocks, self._n_forced_buf[:bs] + cfg.max_blocks)
+        limit = torch.where(eps >= 1.0, n_blocks, capped)
         self._list_lens_buf[:bs].copy_(limit.clamp(max=cols)[:, None].expand(bs, self.num_kv_heads))
+        self._probe_lens_buf[:bs].copy_(torch.where(p_eps >= 1.0, n_blocks, capped).clamp(max=cols))
 
     def update_meta_decode(self, k_buffer: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor,
                            kmean: torch.Tensor) -> None:
@@ -242,13 +257,14 @@ class PsaDecodeWrapper:
         state = (self._st_acc_buf[: pairs * g * d].view(pairs, g, d), self._st_lse_buf[: pairs * g].view(pairs, g),
                  self._st_min_buf[: pairs * g].view(pairs, g), self._st_dmax_buf[: pairs * g].view(pairs, g), done)
         rpi = self._req_pool_indices_buf[:bs]
+        probe = (self._probe_eps_buf[:bs], self._probe_lens_buf[:bs], self._probe_nread_buf[:bs])
         for k, (chunk0, n_chunks) in enumerate(self._wave_plan):
             psa_chunk_attention(q, k_buffer, v_buffer, self._req_to_token, rpi, seq_lens, order, scores,
                                 list_lens, n_forced, self._chunk_ends_buf, done, partials, chunk0=chunk0,
                                 n_chunks=n_chunks, block_size=self.block_size, sm_scale=self.sm_scale,
                                 check_done=k > 0, tile_tokens=self.tile_tokens)
             wave_merge(partials, state, o, lse, nread, kept, seq_lens, list_lens, n_forced, self._chunk_ends_buf,
-                       self._eps_buf[:bs], suffix, chunk0=chunk0, n_chunks=n_chunks, first=k == 0,
+                       self._eps_buf[:bs], suffix, probe, chunk0=chunk0, n_chunks=n_chunks, first=k == 0,
                        block_size=self.block_size, estimator=cfg.estimator, calib_slack=cfg.calib_slack)
         return o, lse, nread
 
@@ -269,6 +285,12 @@ class PsaDecodeWrapper:
         """``[batch, num_kv_heads]`` fp32: the estimator's kept mass at the stop point of the last :meth:`run`
         (smallest over the group's query heads; 1.0 for rows read fully)."""
         return self._kept_buf[: self._bs]
+
+    @property
+    def probe_nread(self) -> torch.Tensor:
+        """``[batch, num_kv_heads]`` int32: the blocks the stop test of the last :meth:`run` would have read at each
+        row's ``probe_epsilon`` (equals ``nread`` where the probe threshold is the row's epsilon)."""
+        return self._probe_nread_buf[: self._bs]
 
     @property
     def waves(self) -> list[tuple[int, int]]:

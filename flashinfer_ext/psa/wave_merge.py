@@ -19,7 +19,15 @@ with ``R`` from the configured estimator:
 
 (``e`` = ranks read, ``U`` from :func:`flashinfer_ext.psa.criticality.bound_suffix``). A pair also
 stops at the end of its list (``N_left == 0`` or the ``max_blocks`` cap; a row with
-``epsilon >= 1`` only stops there). The running state (fp32 ``o`` and base-2 ``lse``, AS_min,
+``epsilon >= 1`` only stops there).
+
+Probe: the same test with a second threshold ``probe_epsilon[request]`` and list cap
+``probe_lens[request]`` records ``probe_nread``, the ranks the pair would have read had it run at
+that threshold (at most ``nread``: the probe also stops where the pair stops). A row run at
+``epsilon`` 1.0 (the exact result) with its real threshold as ``probe_epsilon`` reports, in one pass,
+what PSA would read at that threshold; for a row run at its own threshold ``probe_nread == nread``.
+
+The running state (fp32 ``o`` and base-2 ``lse``, AS_min,
 delta, ranks read, done flag) lives in device buffers between waves; every merge also writes
 the outputs ``o`` / ``lse`` / ``nread`` / ``kept_est`` of the pairs it touched, so after the last
 wave they are final. No host sync, no allocation; graph-capturable.
@@ -54,6 +62,7 @@ def _wave_merge_kernel(
     po_ptr, plse_ptr, pmin_ptr, pdmax_ptr, wmax,
     seq_lens_ptr, list_lens_ptr, n_forced_ptr, ends_ptr, eps_ptr, sfx_ptr, stride_sb, stride_sh,
     st_acc_ptr, st_lse_ptr, st_min_ptr, st_dmax_ptr, done_ptr, nread_ptr, kept_ptr,
+    probe_eps_ptr, probe_lens_ptr, probe_nread_ptr,
     o_ptr, stride_ob, stride_oh, lse_ptr, stride_lb,
     chunk0, n_chunks, calib_slack,
     NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, G_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
@@ -80,6 +89,11 @@ def _wave_merge_kernel(
     progressive = eps < 1.0
     log2_eps = tl.log2(tl.minimum(eps, 1.0))
     log2_1m_eps = tl.log2(tl.maximum(1.0 - eps, 1e-30))  # the test is off when eps >= 1
+    p_eps = tl.load(probe_eps_ptr + r)
+    p_progressive = p_eps < 1.0
+    p_log2_eps = tl.log2(tl.minimum(p_eps, 1.0))
+    p_log2_1m_eps = tl.log2(tl.maximum(1.0 - p_eps, 1e-30))
+    p_len = tl.minimum(tl.load(probe_lens_ptr + r), list_len)
     if FIRST:
         fin = pair * 0
         acc = tl.zeros([G_PAD, D_PAD], tl.float32)
@@ -88,6 +102,7 @@ def _wave_merge_kernel(
         run_dmax = tl.full([G_PAD], float("-inf"), tl.float32)
         cur = pair * 0
         kept = (pair * 0).to(tl.float32) + 1.0
+        p_nread = pair * 0 - 1  # -1: the probe has not stopped yet
     else:
         fin = tl.load(done_ptr + pair)
         acc = tl.load(st_acc_ptr + st_off, mask=gd_mask, other=0.0)
@@ -96,6 +111,7 @@ def _wave_merge_kernel(
         run_dmax = tl.load(st_dmax_ptr + p64 * GROUP + g, mask=gmask, other=float("-inf"))
         cur = tl.load(nread_ptr + pair)
         kept = tl.load(kept_ptr + pair)
+        p_nread = tl.load(probe_nread_ptr + pair)
     active = fin == 0
 
     c0 = 0
@@ -138,6 +154,14 @@ def _wave_merge_kernel(
         stop_c = real & ((test_c > 0) | (hi >= list_len) | (n_left <= 0))
         first = tl.min(tl.where(stop_c, c, 1 << 30), axis=0)
         inc = real & (c <= first)
+        # the probe: the same test at probe_epsilon, capped at probe_lens; it stops no later than the pair
+        p_ok = (cum_lse + p_log2_1m_eps >= p_log2_eps + rem) | (g >= GROUP)[None, :]
+        p_all = tl.min(p_ok.to(tl.int32), axis=1) > 0
+        p_test = (jj >= 1).to(tl.int32) * p_all.to(tl.int32) * p_progressive.to(tl.int32)
+        p_stop = real & ((p_test > 0) | (hi >= p_len) | (n_left <= 0) | (c == first))
+        p_first = tl.min(tl.where(p_stop, c, 1 << 30), axis=0)
+        p_hi = tl.minimum(tl.max(tl.where(real & (c == p_first), hi, 0), axis=0), p_len)
+        p_nread = tl.where((p_nread < 0) & (p_first < (1 << 30)), p_hi, p_nread)
         # estimator value at the last included chunk (min over the group's heads)
         last = tl.max(tl.where(inc, c, -1), axis=0)
         rmx = tl.maximum(cum_lse, rem)
@@ -169,6 +193,7 @@ def _wave_merge_kernel(
     tl.store(done_ptr + pair, fin, mask=active)
     tl.store(nread_ptr + pair, cur, mask=active)
     tl.store(kept_ptr + pair, kept, mask=active)
+    tl.store(probe_nread_ptr + pair, p_nread, mask=active)
     qo = h * GROUP + g
     tl.store(o_ptr + r64 * stride_ob + qo[:, None] * stride_oh + d[None, :], acc.to(o_ptr.dtype.element_ty),
              mask=sm[:, None] & dmask[None, :])
@@ -176,7 +201,7 @@ def _wave_merge_kernel(
 
 
 def wave_merge(partials, state, out, lse_out, nread_out, kept_out, seq_lens, list_lens, n_forced, chunk_ends,
-               epsilon, suffix, *, chunk0: int, n_chunks: int, first: bool, block_size: int, estimator: str,
+               epsilon, suffix, probe, *, chunk0: int, n_chunks: int, first: bool, block_size: int, estimator: str,
                calib_slack: float, tile_chunks: int = 16) -> None:
     """Fold chunks ``[chunk0, chunk0 + n_chunks)`` (partial slots ``0..n_chunks-1``) into the state.
 
@@ -191,6 +216,8 @@ def wave_merge(partials, state, out, lse_out, nread_out, kept_out, seq_lens, lis
       chunk_ends: int32 ``[0] + ranked_chunk_ends``; epsilon: ``[batch]`` fp32.
       suffix: ``[batch, num_kv_heads, >= num_cols + 1]`` fp32 from :func:`bound_suffix` (read only by the
         'bound' / 'calibrated' estimators).
+      probe: ``(probe_epsilon [batch] fp32, probe_lens [batch] int32, probe_nread [batch, num_kv_heads] int32
+        contiguous)``: the probe's threshold and list cap per row, and its output (written like ``nread``).
     """
     batch, num_qo_heads, head_dim = out.shape
     num_kv_heads = list_lens.shape[1]
@@ -201,10 +228,13 @@ def wave_merge(partials, state, out, lse_out, nread_out, kept_out, seq_lens, lis
     st_acc, st_lse, st_min, st_dmax, done = state
     assert out.stride(2) == 1 and suffix.stride(2) == 1 and list_lens.is_contiguous()
     assert nread_out.is_contiguous() and kept_out.is_contiguous() and done.is_contiguous()
+    probe_eps, probe_lens, probe_nread = probe
+    assert probe_nread.is_contiguous() and probe_nread.shape == nread_out.shape
     _wave_merge_kernel[(batch * num_kv_heads,)](
         po, plse, pmin, pdmax, po.shape[1],
         seq_lens, list_lens, n_forced, chunk_ends, epsilon, suffix, suffix.stride(0), suffix.stride(1),
         st_acc, st_lse, st_min, st_dmax, done, nread_out, kept_out,
+        probe_eps, probe_lens, probe_nread,
         out, out.stride(0), out.stride(1), lse_out, lse_out.stride(0),
         chunk0, n_chunks, float(calib_slack),
         NUM_KV_HEADS=num_kv_heads, GROUP=group, G_PAD=triton.next_power_of_2(group), HEAD_DIM=head_dim,

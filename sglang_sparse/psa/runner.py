@@ -16,8 +16,12 @@ Where the host work goes (nothing per layer, no sync inside a step):
     decode, and two in-place adds into the step-statistics buffer. No ``.item()``. Batches without a sparse
     row run the stock decode and touch no metadata.
 Rows of a decode batch below ``min_context``, with epsilon 1.0, or sent dense by the adaptive switch
-(``dense_above``: a request whose first ``probe_steps`` sparse steps read more than that fraction of
-its blocks; :func:`adaptive_dense`) attend their whole context: if every row is such a row, the stock
+(``dense_above``: a request whose first ``probe_steps`` steps above ``min_context`` would read more than that
+fraction of its blocks; :func:`adaptive_dense`) attend their whole context. The probe steps themselves give the
+exact result: they run the PSA kernel at epsilon 1.0 (every block) while its stop test records, at the row's own
+epsilon, how many blocks PSA would read (``PsaDecodeWrapper.probe_nread``; on the CPU the stock output is kept and
+the reference counts the reads). So a request that the switch sends dense answers as dense decode does, from its
+first token; only a request that stays sparse decodes sparsely, after its probe steps. if every row is such a row, the stock
 FlashInfer decode runs (SGLang's stock decode graph); in a mixed batch those rows run the sparse
 kernel with epsilon 1.0 (all blocks), which is exact but not FlashInfer-fast.
 
@@ -37,7 +41,7 @@ import torch
 from flashinfer_ext.psa.config import PsaDecodeConfig
 from sglang_sparse.config import PsaConfig
 from sglang_sparse.psa.stats import (COL_EPS, COL_KEPT, COL_READ, COL_SPARSE, COL_TOTAL, COL_UNITS, ROW_ADAPTIVE_DENSE,
-                                     ROW_SPARSE, STEP_COLS, STEP_KEY)
+                                     ROW_PROBE, ROW_SPARSE, STEP_COLS, STEP_KEY)
 from sglang_sparse.request_params import ReplayRequests, batch_requests, request_values
 
 
@@ -86,8 +90,9 @@ def adaptive_dense(cfg: PsaConfig, req) -> bool:
     """The adaptive switch (``dense_above``, ``probe_steps``): whether ``req`` decodes densely from now on.
 
     Reads the request's own step rows (``req.customized_info[STEP_KEY]``, host tuples SGLang appends after each
-    step; one step behind under the overlap scheduler), incrementally: once ``probe_steps`` sparse rows are seen,
-    the request switches to dense for good if they read more than ``dense_above`` of their blocks. The decision
+    step; one step behind under the overlap scheduler), incrementally: once ``probe_steps`` probe (or sparse) rows
+    are seen, the request switches to dense for good if PSA read, or would have read, more than ``dense_above`` of
+    their blocks. The decision
     (a bool) is kept on the ``Req``, so later steps cost one attribute read. No device access.
     """
     if req is None or cfg.dense_above >= 1.0:
@@ -102,7 +107,7 @@ def adaptive_dense(cfg: PsaConfig, req) -> bool:
     seen, n, read, total = state if state is not None else (0, 0, 0.0, 0.0)
     for r in rows[seen:]:
         seen += 1
-        if r is not None and len(r) == STEP_COLS and r[COL_SPARSE] == ROW_SPARSE:
+        if r is not None and len(r) == STEP_COLS and r[COL_SPARSE] in (ROW_PROBE, ROW_SPARSE):
             n, read, total = n + 1, read + float(r[COL_READ]), total + float(r[COL_TOTAL])
             if n >= cfg.probe_steps:
                 decided = total > 0 and read / total > cfg.dense_above
@@ -119,10 +124,16 @@ def _epsilons_of(cfg: PsaConfig, reqs, bs: int) -> list[float]:
     return [float(request_values(cfg, reqs[i] if i < len(reqs) else None)["epsilon"]) for i in range(bs)]
 
 
-def _dense_of(cfg: PsaConfig, reqs, bs: int) -> list[bool]:
-    """Each of ``bs`` rows' adaptive-switch state (:func:`adaptive_dense`); False for rows without a request."""
+def _switch_of(cfg: PsaConfig, reqs, bs: int) -> tuple[list[bool], list[bool]]:
+    """Each of ``bs`` rows' adaptive-switch state: ``(switched dense, probing)`` (:func:`adaptive_dense`; probing:
+    the switch is on and has not decided yet). Rows without a request are neither."""
     reqs = reqs or ()
-    return [adaptive_dense(cfg, reqs[i]) if i < len(reqs) else False for i in range(bs)]
+    off = [adaptive_dense(cfg, reqs[i]) if i < len(reqs) else False for i in range(bs)]
+    if cfg.dense_above >= 1.0:
+        return off, [False] * bs
+    probe = [i < len(reqs) and reqs[i] is not None and not isinstance(getattr(reqs[i], _PROBE_ATTR, None), bool)
+             for i in range(bs)]
+    return off, probe
 
 
 def _rids_of(reqs, bs: int) -> list:
@@ -150,18 +161,19 @@ class _RunnerBase:
         self._sparse_host: torch.Tensor | None = None
         self._row_reqs: list = []  # the current batch's ``Req`` per row (None: unknown, padding)
         self._eps_host: torch.Tensor | None = None
-        self._rows_host: tuple = ((), (), ())  # (lens, eps, sparse) host lists of the planned batch
+        self._probe_host: torch.Tensor | None = None
+        self._rows_host: tuple = ((), (), (), ())  # (lens, eps, sparse, probe) host lists of the planned batch
         self.step_rows: torch.Tensor | None = None  # [bs, STEP_COLS] fp32: on self.device in batches with a sparse row, else host
         self.graph_mode = False  # the current batch replays (or captures) a decode CUDA graph
         self._replay = ReplayRequests()  # the real batch's requests for a graph replay view (no sampling_info)
-        self._gate_state: tuple | None = None  # (eps, switched) per row of the batch wants_graph last kept
+        self._gate_state: tuple | None = None  # (eps, switched, probing) per row of the batch wants_graph last kept
         self._graph_decided = (None, None)  # (forward batch, variant) of the last graph_variant answer
         self.ws = None  # WorkingSetTracker (host tier admission; set by psa.backend.make_runner) or None
         self._ws_step = False  # this decode step records its selections into ``ws``
 
-    def _row_state(self, reqs, bs: int) -> tuple[list[float], list[bool]]:
-        """Per-row ``(epsilon, switched_dense)`` of ``reqs`` (host lists of ``bs``)."""
-        return _epsilons_of(self.cfg, reqs, bs), _dense_of(self.cfg, reqs, bs)
+    def _row_state(self, reqs, bs: int) -> tuple[list[float], list[bool], list[bool]]:
+        """Per-row ``(epsilon, switched_dense, probing)`` of ``reqs`` (host lists of ``bs``)."""
+        return (_epsilons_of(self.cfg, reqs, bs), *_switch_of(self.cfg, reqs, bs))
 
     def _row_kinds(self, lens: list[int], eps: list[float], off: list[bool]) -> tuple[list[bool], list[bool]]:
         """``(sparse, switched)`` per row. Long rows (context >= ``min_context``, epsilon < 1) decode through PSA
@@ -181,9 +193,9 @@ class _RunnerBase:
         if lens is None:
             return False
         bs = int(forward_batch.batch_size)
-        eps, off = self._row_state(batch_requests(forward_batch), bs)
+        eps, off, probe = self._row_state(batch_requests(forward_batch), bs)
         self._replay.keep(forward_batch)
-        self._gate_state = (eps, off)  # reused by the replay's plan (_stashed_state): one read per step
+        self._gate_state = (eps, off, probe)  # reused by the replay's plan (_stashed_state): one read per step
         return any(self._row_kinds(lens[:bs].tolist(), eps, off)[0])
 
     def graph_variant(self, forward_batch, peek: bool = False) -> str | None:
@@ -216,17 +228,18 @@ class _RunnerBase:
         return None if got is None else _rids_of(got[1][:got[0]], bs)
 
     def _stashed_state(self, forward_batch, bs: int) -> tuple | None:
-        """Per-row ``(epsilon, switched_dense, reqs)`` of the batch kept by :meth:`wants_graph` for this (padded)
-        replay view, if it matches; padding rows are dense (epsilon 1.0: they are short fill rows)."""
+        """Per-row ``(epsilon, switched_dense, probing, reqs)`` of the batch kept by :meth:`wants_graph` for this
+        (padded) replay view, if it matches; padding rows are dense (epsilon 1.0: they are short fill rows)."""
         got = self._replay.recover(forward_batch, bs)
         if got is None:
             return None
         n, reqs = got
         kept = self._gate_state
-        eps, off = kept if kept is not None and len(kept[0]) == n else self._row_state(reqs, n)
+        eps, off, probe = kept if kept is not None and len(kept[0]) == n else self._row_state(reqs, n)
         # (kept: wants_graph's answer for this batch, whose lengths the view matched)
         pad = bs - n
-        return list(eps) + [1.0] * pad, list(off) + [False] * pad, list(reqs[:n]) + [None] * pad
+        return (list(eps) + [1.0] * pad, list(off) + [False] * pad, list(probe) + [False] * pad,
+                list(reqs[:n]) + [None] * pad)
 
     def _plan_ws(self, rids: list, num_cols: int, pad_to: int | None = None) -> None:
         """Host plan of the working-set tracker for a decode step that records (once per batch): slots of
@@ -239,7 +252,7 @@ class _RunnerBase:
         self.ws.begin_step()
 
     def _plan_rows(self, forward_batch, decode: bool, state: tuple | None = None) -> None:
-        """Host plan of a batch's rows. ``state``: ``(eps, off, reqs)`` of a graph replay view
+        """Host plan of a batch's rows. ``state``: ``(eps, off, probe, reqs)`` of a graph replay view
         (:meth:`_stashed_state`); otherwise read from the batch's own requests. A batch without a sparse row
         (the common steady state once requests switched, and every short batch) costs host lists and one
         small tensor; the sparse path's tensors (:meth:`_row_tensors`) are built only when a row is sparse."""
@@ -247,9 +260,9 @@ class _RunnerBase:
         self.bs, self.is_decode, self.graph_mode = bs, decode, False
         if state is None:
             reqs = list(batch_requests(forward_batch) or ())[:bs]
-            eps, off = self._row_state(reqs, bs)
+            eps, off, probe = self._row_state(reqs, bs)
         else:
-            eps, off, reqs = state
+            eps, off, probe, reqs = state
         self._row_reqs = list(reqs) + [None] * (bs - len(reqs))
         lens = forward_batch.seq_lens_cpu
         if decode and lens is not None:
@@ -258,8 +271,9 @@ class _RunnerBase:
         else:
             sparse = switched = [False] * bs
         self.sparse_batch = any(sparse)
-        self._rows_host = (lens, eps, sparse)
-        self._sparse_host = self._eps_host = None
+        probe = [s and p for s, p in zip(sparse, probe)]  # probe steps: exact result, PSA's reads counted
+        self._rows_host = (lens, eps, sparse, probe)
+        self._sparse_host = self._eps_host = self._probe_host = None
         self._ws_step = False
         rows = [[0.0] * STEP_COLS for _ in range(bs)]
         for i in range(bs):
@@ -273,17 +287,18 @@ class _RunnerBase:
         units = self.shape.units
         for i in range(bs):
             if sparse[i]:
-                rows[i][COL_SPARSE], rows[i][COL_UNITS] = float(ROW_SPARSE), float(units)
+                rows[i][COL_SPARSE], rows[i][COL_UNITS] = float(ROW_PROBE if probe[i] else ROW_SPARSE), float(units)
                 rows[i][COL_TOTAL] = float(-(-int(lens[i]) // self.block_size) * units)
         host = torch.tensor(rows, dtype=torch.float32)
         self._row_tensors()
         self.step_rows = host.to(self.device, non_blocking=True) if self.device.type != "cpu" else host
 
     def _row_tensors(self) -> None:
-        """``_sparse_host`` (bool ``[bs]``) and ``_eps_host`` (fp32 ``[bs]``) of the planned rows, for the sparse
-        path (its wrapper plan, the CPU reference, the metadata plan)."""
-        _, eps, sparse = self._rows_host
+        """``_sparse_host`` / ``_probe_host`` (bool ``[bs]``) and ``_eps_host`` (fp32 ``[bs]``) of the planned rows,
+        for the sparse path (its wrapper plan, the CPU reference, the metadata plan)."""
+        _, eps, sparse, probe = self._rows_host
         self._sparse_host = torch.tensor(sparse, dtype=torch.bool).reshape(len(sparse))
+        self._probe_host = torch.tensor(probe, dtype=torch.bool).reshape(len(probe))
         self._eps_host = torch.tensor(eps, dtype=torch.float32).reshape(len(eps))
 
 
@@ -318,7 +333,8 @@ class PsaCpuRunner(_RunnerBase):
             rpi, lens = forward_batch.req_pool_indices[rows], forward_batch.seq_lens[rows]
             o_s, _, nread, order = psa_decode_reference(q3[rows], k_buf, v_buf, rtt, rpi, lens, cfg,
                                                         block_size=self.block_size, sm_scale=layer.scaling)
-            o.view(-1, num_qo, d)[rows] = o_s.to(o.dtype)
+            out = ~self._probe_host[rows]  # probe rows keep the stock (exact) output; their reads are counted
+            o.view(-1, num_qo, d)[rows[out]] = o_s[out].to(o.dtype)
             if self._ws_step:
                 self.ws.record_rows(layer.layer_id, rows, order[:, :, : self.ws._ncols], nread)
             kept = kept_mass_reference(q3[rows], k_buf, rtt, rpi, lens, order, nread,
@@ -441,11 +457,14 @@ class PsaCudaRunner(_RunnerBase):
                           max_new_blocks=1)
 
     def _plan_wrapper(self, forward_batch, table: torch.Tensor, max_len: int | None) -> None:
-        """Plan the PSA wrapper: rows that are not sparse read everything (epsilon 1.0).
+        """Plan the PSA wrapper: rows that are not sparse, and probe rows, read everything (epsilon 1.0); the probe
+        threshold is each sparse row's epsilon (a probe row's reads at it land in ``probe_nread``).
         ``max_len`` None: the full ranking width (graphs)."""
-        eps_dev = torch.where(self._sparse_host, self._eps_host, 1.0).to(self.device, non_blocking=True)
+        probe_eps = torch.where(self._sparse_host, self._eps_host, 1.0)
+        both = torch.stack([torch.where(self._probe_host, 1.0, probe_eps), probe_eps])
+        both = both.to(self.device, non_blocking=True)  # one copy: [epsilon; probe epsilon]
         self.wrapper.plan(self._req_to_token, forward_batch.req_pool_indices, forward_batch.seq_lens.to(torch.int32),
-                          table, max_seq_len=max_len, epsilon=eps_dev)
+                          table, max_seq_len=max_len, epsilon=both[0], probe_epsilon=both[1])
 
     def begin_batch(self, backend, forward_batch) -> None:
         mode = forward_batch.forward_mode
@@ -503,7 +522,8 @@ class PsaCudaRunner(_RunnerBase):
         num_qo, d = layer.tp_q_head_num, layer.head_dim
         o, _, nread = self.wrapper.run(q.reshape(-1, num_qo, d), k_buf, v_buf, kmin, kmax, kmean)
         rows, bs = self.step_rows, self.bs  # statistics: in-place, into preallocated buffers
-        torch.sum(nread, 1, dtype=torch.float32, out=self._nread_sum_buf[:bs])
+        # blocks read at each row's epsilon: a sparse row's reads; a probe row's reads had it run sparsely
+        torch.sum(self.wrapper.probe_nread, 1, dtype=torch.float32, out=self._nread_sum_buf[:bs])
         torch.sum(self.wrapper.kept_est, 1, out=self._kept_sum_buf[:bs])
         rows[:, COL_READ].add_(self._nread_sum_buf[:bs])
         rows[:, COL_KEPT].add_(self._kept_sum_buf[:bs])

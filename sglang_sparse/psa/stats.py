@@ -15,7 +15,8 @@ Flow, without a host sync on the hot path:
    ``metadata["sparse"]``.
 
 Columns of a step row: ``sparse`` (1 if PSA decoded the row, 2 if the adaptive switch sent the request
-dense, 0 for other dense rows and prefill),
+dense, 3 for a probe step of the switch: the exact result, with the blocks PSA would read in ``blocks_read``;
+0 for other dense rows and prefill),
 ``blocks_read``, ``blocks_total``, ``kept_sum`` (kept-mass estimate summed over layers x KV
 heads; equals ``units`` when dense), ``units`` (layers x KV heads), ``epsilon``.
 """
@@ -31,8 +32,9 @@ STEP_KEY = "sparse_psa_steps"
 STEP_COLS = 6
 COL_SPARSE, COL_READ, COL_TOTAL, COL_KEPT, COL_UNITS, COL_EPS = range(STEP_COLS)
 # values of the ``sparse`` column: 0 dense (short context, epsilon 1.0, prefill), 1 decoded by PSA, 2 long but decoded
-# densely because the adaptive switch (``dense_above``) sent the request dense
-ROW_SPARSE, ROW_ADAPTIVE_DENSE = 1, 2
+# densely because the adaptive switch (``dense_above``) sent the request dense, 3 a probe step of that switch (every
+# block attended, so the result is exact; ``blocks_read`` holds what PSA's stop test reads at the row's epsilon)
+ROW_SPARSE, ROW_ADAPTIVE_DENSE, ROW_PROBE = 1, 2, 3
 
 
 @dataclass
@@ -44,6 +46,9 @@ class PsaStats:
     dense_graph_steps: int = 0     # of those, replayed from SGLang's stock decode graph
     sparse_rows: int = 0           # (request, decode step) pairs decoded sparsely
     switched_dense_rows: int = 0   # (request, decode step) pairs decoded densely by the adaptive switch
+    probe_rows: int = 0            # (request, decode step) pairs of the switch's probe steps (exact result)
+    probe_blocks_read: int = 0     # blocks PSA's stop test selects on those (what a sparse step would read)
+    probe_blocks_total: int = 0
     blocks_read: int = 0           # sum over layers, sparse rows, KV heads
     blocks_total: int = 0          # what dense attention would have read for the same
     kept_sum: float = 0.0          # kept-mass estimate summed over the same units
@@ -53,6 +58,7 @@ class PsaStats:
         d = dict(self.__dict__)
         d["read_fraction"] = ratio(self.blocks_read, self.blocks_total)
         d["kept_mass_mean"] = ratio(self.kept_sum, self.kept_units)
+        d["probe_read_fraction"] = ratio(self.probe_blocks_read, self.probe_blocks_total)
         return d
 
 
@@ -78,6 +84,10 @@ def account_rows(rows: Sequence[Sequence[float]], stats: PsaStats, metrics: PsaM
     for r in rows:
         if r[COL_SPARSE] == ROW_ADAPTIVE_DENSE:
             stats.switched_dense_rows += 1
+        if r[COL_SPARSE] == ROW_PROBE:
+            stats.probe_rows += 1
+            stats.probe_blocks_read += int(r[COL_READ])
+            stats.probe_blocks_total += int(r[COL_TOTAL])
         if r[COL_SPARSE] != ROW_SPARSE:
             continue
         read, total, kept, units = int(r[COL_READ]), int(r[COL_TOTAL]), float(r[COL_KEPT]), int(r[COL_UNITS])
@@ -104,6 +114,8 @@ def summarize_steps(steps: Any) -> dict | None:
         return None
     sparse = [r for r in rows if r[COL_SPARSE] == ROW_SPARSE]
     switched = sum(1 for r in rows if r[COL_SPARSE] == ROW_ADAPTIVE_DENSE)
+    probes = [r for r in rows if r[COL_SPARSE] == ROW_PROBE]
+    probe_total = sum(int(r[COL_TOTAL]) for r in probes)
     read = sum(int(r[COL_READ]) for r in sparse)
     total = sum(int(r[COL_TOTAL]) for r in sparse)
     kept = sum(float(r[COL_KEPT]) for r in sparse)
@@ -114,6 +126,8 @@ def summarize_steps(steps: Any) -> dict | None:
         "steps": len(rows),
         "sparse_decode_steps": len(sparse),
         "switched_dense_steps": switched,
+        "probe_steps": len(probes),
+        "probe_read_fraction": sum(int(r[COL_READ]) for r in probes) / probe_total if probe_total else None,
         "blocks_read": read,
         "blocks_total": total,
         "read_fraction": read / total if total else None,

@@ -14,7 +14,8 @@ from flashinfer_ext.common.reference import (criticality_reference, dense_decode
 from .kv_pool import make_pool
 
 
-def build(pool, cfg, block_size, *, max_batch_size=None, meta_dtype=torch.float32, epsilon=None, **wkw):
+def build(pool, cfg, block_size, *, max_batch_size=None, meta_dtype=torch.float32, epsilon=None, probe_epsilon=None,
+          **wkw):
     """Metadata written by prefill of ``seq_len - 1`` tokens + one decode update through the wrapper."""
     hq, d = pool.q.shape[1], pool.q.shape[2]
     hk = pool.k_buffer.shape[1]
@@ -30,7 +31,7 @@ def build(pool, cfg, block_size, *, max_batch_size=None, meta_dtype=torch.float3
     w = PsaDecodeWrapper(cfg, num_qo_heads=hq, num_kv_heads=hk, head_dim=d, block_size=block_size,
                          max_batch_size=max_batch_size or batch, max_blocks_per_req=nb, device="cpu",
                          out_dtype=pool.q.dtype, **wkw)
-    w.plan(pool.req_to_token, pool.req_pool_indices, pool.seq_lens, table, epsilon=epsilon)
+    w.plan(pool.req_to_token, pool.req_pool_indices, pool.seq_lens, table, epsilon=epsilon, probe_epsilon=probe_epsilon)
     w.update_meta_decode(pool.k_buffer, *mp.layer(0))
     return w, mp, table
 
@@ -123,6 +124,7 @@ def test_per_request_epsilon_rows_and_dense_row():
     torch.testing.assert_close(o.float(), ro, rtol=2e-2, atol=2e-2)
     torch.testing.assert_close(w.kept_est, rkept, rtol=1e-4, atol=1e-4)
     assert w.kept_est[1].tolist() == [1.0] * 3
+    assert torch.equal(w.probe_nread, nread)  # no probe threshold: each row's own
     do, dlse = dense_decode_reference(pool.q, pool.k_buffer, pool.v_buffer, pool.req_to_token,
                                       pool.req_pool_indices, pool.seq_lens, pool.sm_scale)
     torch.testing.assert_close(o[1].float(), do[1], rtol=2e-2, atol=2e-2)
@@ -130,6 +132,32 @@ def test_per_request_epsilon_rows_and_dense_row():
     with pytest.raises(ValueError, match="epsilon"):
         w.plan(pool.req_to_token, pool.req_pool_indices, pool.seq_lens,
                torch.zeros(3, 17, dtype=torch.int32), epsilon=torch.ones(2))
+
+
+@pytest.mark.parametrize("estimator", ["calibrated", "paper"])
+def test_probe_row_gets_the_exact_result_and_the_reads_of_its_threshold(estimator):
+    """probe_epsilon: a row run at epsilon 1.0 with a threshold as probe_epsilon returns the dense result and, in
+    probe_nread, exactly the blocks a run at that threshold reads (its max_blocks cap included); a row run at its
+    own threshold has probe_nread == nread."""
+    cfg = PsaDecodeConfig(epsilon=0.5, micro_batch_blocks=2, sink_blocks=1, local_blocks=1, max_blocks=10,
+                          **_est(estimator))
+    pool = make_pool([230, 260, 199, 300], 8, 2, 64, torch.float16, 16, seed=23, planted=True)
+    eps, probe = torch.tensor([0.9, 1.0, 1.0, 0.8]), torch.tensor([0.9, 0.8, 0.95, 0.8])
+    w, mp, _ = build(pool, cfg, 16, epsilon=eps, probe_epsilon=probe, wave_programs=3)
+    o, lse, nread = w.run(pool.q, pool.k_buffer, pool.v_buffer, *mp.layer(0))
+    (ro, rlse, rnread, _), _ = reference_for(w, pool, cfg, 16, epsilon=eps)
+    assert torch.equal(nread, rnread)
+    (_, _, probe_rnread, _), _ = reference_for(w, pool, cfg, 16, epsilon=probe)
+    assert torch.equal(w.probe_nread, probe_rnread)
+    assert torch.equal(w.probe_nread[[0, 3]], nread[[0, 3]])
+    assert bool((w.probe_nread[1:3] < nread[1:3]).all())  # the probe rows read everything, PSA would not
+    do, dlse = dense_decode_reference(pool.q, pool.k_buffer, pool.v_buffer, pool.req_to_token,
+                                      pool.req_pool_indices, pool.seq_lens, pool.sm_scale)
+    torch.testing.assert_close(o[1:3].float(), do[1:3], rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(lse[1:3], dlse[1:3], rtol=1e-4, atol=1e-3)
+    with pytest.raises(ValueError, match="probe_epsilon"):
+        w.plan(pool.req_to_token, pool.req_pool_indices, pool.seq_lens,
+               torch.zeros(4, 19, dtype=torch.int32), probe_epsilon=torch.ones(3))
 
 
 @pytest.mark.parametrize("prefix", [16, 0])
