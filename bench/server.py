@@ -127,7 +127,7 @@ class Server:
                     return self
             except requests.RequestException:
                 pass
-            time.sleep(2)
+            time.sleep(0.5)  # a start is ~20 s on CPU: a coarse poll would add up to its own length
         self.stop()
         raise ServerError(f"server (mode {self.spec.mode}) not ready after {self.timeout_s:.0f}s; "
                           f"log tail:\n{tail(self.log_path)}")

@@ -14,7 +14,7 @@ pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 
-def _wrapper(pool, cfg, block_size, max_batch_size=None, epsilon=None, **wkw):
+def _wrapper(pool, cfg, block_size, max_batch_size=None, epsilon=None, probe_epsilon=None, **wkw):
     from flashinfer_ext.psa.block_meta import BlockMetaPool, paged_block_table
     from flashinfer_ext.psa.decode import PsaDecodeWrapper
 
@@ -29,7 +29,7 @@ def _wrapper(pool, cfg, block_size, max_batch_size=None, epsilon=None, **wkw):
     w = PsaDecodeWrapper(cfg, num_qo_heads=hq, num_kv_heads=hk, head_dim=d, block_size=block_size,
                          max_batch_size=max_batch_size or batch, max_blocks_per_req=nb, device="cuda",
                          out_dtype=pool.q.dtype, **wkw)
-    w.plan(pool.req_to_token, pool.req_pool_indices, pool.seq_lens, table, epsilon=epsilon)
+    w.plan(pool.req_to_token, pool.req_pool_indices, pool.seq_lens, table, epsilon=epsilon, probe_epsilon=probe_epsilon)
     return w, mp, table
 
 
@@ -87,6 +87,30 @@ def test_gpu_per_request_epsilon_rows():
     torch.cuda.synchronize()
     assert nread[1].tolist() == [75] * 8 and w.kept_est[1].tolist() == [1.0] * 8
     _check_against_reference(w, pool, cfg, o, lse, nread, 16, epsilon=eps)
+
+
+def test_gpu_probe_rows_read_everything_and_report_the_reads_of_their_threshold():
+    """Compiled merge with a probe threshold: rows run at epsilon 1.0 with probe_epsilon 0.9 / 0.7 read every block
+    (the dense result) and report in probe_nread the reference's stop at that threshold (max_blocks cap included);
+    the row run at its own threshold has probe_nread == nread."""
+    from flashinfer_ext.psa.config import PsaDecodeConfig
+
+    cfg = PsaDecodeConfig(epsilon=0.95, micro_batch_blocks=4, max_blocks=40)
+    pool = make_pool([3000, 1200, 2500], 32, 8, 128, torch.bfloat16, 16, seed=25, device="cuda", planted=True)
+    eps = torch.tensor([1.0, 0.9, 1.0], device="cuda")
+    probe = torch.tensor([0.9, 0.9, 0.7], device="cuda")
+    w, mp, _ = _wrapper(pool, cfg, 16, epsilon=eps, probe_epsilon=probe, wave_programs=8)
+    o, lse, nread = w.run(pool.q, pool.k_buffer, pool.v_buffer, *mp.layer(0))
+    torch.cuda.synchronize()
+    assert nread[0].tolist() == [188] * 8 and nread[2].tolist() == [157] * 8  # every block
+    assert torch.equal(w.probe_nread[1], nread[1])
+    _check_against_reference(w, pool, cfg, o, lse, nread, 16, epsilon=eps)
+    pw, pmp, _ = _wrapper(pool, cfg, 16, epsilon=probe, wave_programs=8)  # the same rows run at the probe thresholds
+    _, _, probe_nread = pw.run(pool.q, pool.k_buffer, pool.v_buffer, *pmp.layer(0))
+    torch.cuda.synchronize()
+    same = (w.probe_nread == probe_nread)
+    assert same.float().mean().item() >= 0.95, (w.probe_nread, probe_nread)
+    assert bool((w.probe_nread[[0, 2]] < nread[[0, 2]]).all())
 
 
 @pytest.mark.parametrize("page", [16, 1])
