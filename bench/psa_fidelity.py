@@ -23,6 +23,11 @@ def _ratio(a: float | None, b: float | None) -> float | None:
     return a / b
 
 
+def _finite(x):
+    """``x`` if it is a finite number, else None (no sparse step reported a kept mass: NaN is not JSON)."""
+    return x if isinstance(x, (int, float)) and math.isfinite(x) else None
+
+
 def fidelity_figures(summary: dict, mode: str = "psa") -> dict:
     modes = summary["modes"]
     if mode not in modes or "off" not in modes:
@@ -40,9 +45,11 @@ def fidelity_figures(summary: dict, mode: str = "psa") -> dict:
         "greedy128_prefix_agreement": fid.get("greedy128_prefix"),
         "teacher_forced_top1": fid.get("top1"),
         "teacher_forced_kl": fid.get("kl"),
-        "kept_mass_reported": fid.get("kept_mass"),
+        "kept_mass_reported": _finite(fid.get("kept_mass")),
         "server_read_fraction": stats.get("read_fraction"),
         "server_kept_mass_mean": stats.get("kept_mass_mean"),
+        # the adaptive switch's probe steps (exact result): the blocks PSA's stop test would read there
+        "server_probe_read_fraction": stats.get("probe_read_fraction"),
         "sparse_config": server.get("sparse_config"),
         "command": summary["meta"].get("command"),
     }
