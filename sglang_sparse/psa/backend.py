@@ -86,8 +86,13 @@ class PsaDecodeMixin:
 
     def forward_extend(self, q, k, v, layer, forward_batch, *args, **kwargs):
         o = self._psa_base.forward_extend(self, q, k, v, layer, forward_batch, *args, **kwargs)
-        self._psa_runner.after_extend(self, layer, forward_batch)
+        self._psa_runner.after_extend(self, q, layer, forward_batch)
         return o
+
+    def sparse_prefill_eager(self, forward_batch) -> bool:
+        """Prefill-graph gate (``api_hooks.prefill_graph_gate_hook``): an extend with a prefill probe (the adaptive
+        switch's stop test for a long prompt's last query, run per layer) runs eagerly."""
+        return bool(self._psa_runner.extend_probe_rows(forward_batch))
 
     def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, *args, **kwargs):
         if args or kwargs:  # a stock call signature this mode does not know: stay exact, stay stock
@@ -174,6 +179,6 @@ def install(backend, config: PsaConfig, page_size: int, enable_metrics: bool = F
     backend.sparse_stats = PsaStats()
     backend.sparse_stock_graphs = bool(config.stock_graphs)  # sglang_sparse.graph_variants
     backend.sparse_installed_mode = "psa"
-    # no sparse_prefill_graph_below (api_hooks.prefill_graph_gate_hook): PSA leaves extends stock (block metadata is
-    # built at a request's first sparse decode step), so every extend batch may replay SGLang's prefill graphs
+    # no sparse_prefill_graph_below (api_hooks.prefill_graph_gate_hook): PSA leaves extends stock, so an extend batch
+    # may replay SGLang's prefill graphs unless it carries a prefill probe (sparse_prefill_eager)
     return backend

@@ -16,12 +16,18 @@ Where the host work goes (nothing per layer, no sync inside a step):
     decode, and two in-place adds into the step-statistics buffer. No ``.item()``. Batches without a sparse
     row run the stock decode and touch no metadata.
 Rows of a decode batch below ``min_context``, with epsilon 1.0, or sent dense by the adaptive switch
-(``dense_above``: a request whose first ``probe_steps`` steps above ``min_context`` would read more than that
-fraction of its blocks; :func:`adaptive_dense`) attend their whole context. The probe steps themselves give the
-exact result: they run the PSA kernel at epsilon 1.0 (every block) while its stop test records, at the row's own
-epsilon, how many blocks PSA would read (``PsaDecodeWrapper.probe_nread``; on the CPU the stock output is kept and
-the reference counts the reads). So a request that the switch sends dense answers as dense decode does, from its
-first token; only a request that stays sparse decodes sparsely, after its probe steps. if every row is such a row, the stock
+(``dense_above``; :func:`adaptive_dense`) attend their whole context. The switch decides from a probe:
+
+  * a request whose prompt reaches ``min_context`` is probed at the end of its prefill: in the extend that writes
+    its last prompt token, per layer, PSA's stop test runs for that token's query over the whole context
+    (:meth:`_RunnerBase.extend_probe_rows`; such an extend runs eagerly, never from a prefill CUDA graph). Its
+    output is discarded: the prefill is stock. Until the request's decision is read back (one step behind under
+    the overlap scheduler) its decode steps are stock dense steps. A request the switch sends dense therefore
+    decodes exactly as ``--sparse off`` does, every token;
+  * a request that reaches ``min_context`` only while decoding runs ``probe_steps`` decode probe steps: the PSA
+    kernel at epsilon 1.0 (every block: the exact result up to rounding) while its stop test records, at the
+    row's epsilon, how many blocks PSA would read (``PsaDecodeWrapper.probe_nread``; on the CPU the stock output
+    is kept and the reference counts the reads). if every row is such a row, the stock
 FlashInfer decode runs (SGLang's stock decode graph); in a mixed batch those rows run the sparse
 kernel with epsilon 1.0 (all blocks), which is exact but not FlashInfer-fast.
 
@@ -40,9 +46,11 @@ import torch
 
 from flashinfer_ext.psa.config import PsaDecodeConfig
 from sglang_sparse.config import PsaConfig
-from sglang_sparse.psa.stats import (COL_EPS, COL_KEPT, COL_READ, COL_SPARSE, COL_TOTAL, COL_UNITS, ROW_ADAPTIVE_DENSE,
-                                     ROW_PROBE, ROW_SPARSE, STEP_COLS, STEP_KEY)
-from sglang_sparse.request_params import ReplayRequests, batch_requests, request_values
+from sglang_sparse.psa.stats import (COL_EPS, COL_KEPT, COL_READ, COL_SPARSE, COL_TOTAL, COL_UNITS,
+                                     ROW_ADAPTIVE_DENSE, ROW_PREFILL_PROBE, ROW_PROBE, ROW_SPARSE, STEP_COLS)
+from sglang_sparse.psa.switch import (_PREFILL_PROBE_ATTR, _decided, _epsilons_of, adaptive_dense,  # noqa: F401
+                                      extend_probe_rows, switch_state)
+from sglang_sparse.request_params import ReplayRequests, batch_requests
 
 
 def kernel_config(cfg: PsaConfig) -> PsaDecodeConfig:
@@ -77,63 +85,13 @@ class AttnShape:
         return self.num_layers * self.num_kv_heads
 
 
-_PROBE_ATTR = "_sparse_psa_probe"  # on a scheduler ``Req``: (rows scanned, sparse rows, read, total) or the decision
 _META_ATTR = "_sparse_psa_meta"    # on a scheduler ``Req``: (retraction_count, tokens its block metadata covers)
+
 
 
 def _meta_key(req, covered: int) -> tuple[int, int]:
     """What a request's block metadata is valid for: its pages since the last retraction, ``covered`` tokens."""
     return int(getattr(req, "retraction_count", 0) or 0), int(covered)
-
-
-def adaptive_dense(cfg: PsaConfig, req) -> bool:
-    """The adaptive switch (``dense_above``, ``probe_steps``): whether ``req`` decodes densely from now on.
-
-    Reads the request's own step rows (``req.customized_info[STEP_KEY]``, host tuples SGLang appends after each
-    step; one step behind under the overlap scheduler), incrementally: once ``probe_steps`` probe (or sparse) rows
-    are seen, the request switches to dense for good if PSA read, or would have read, more than ``dense_above`` of
-    their blocks. The decision
-    (a bool) is kept on the ``Req``, so later steps cost one attribute read. No device access.
-    """
-    if req is None or cfg.dense_above >= 1.0:
-        return False
-    state = getattr(req, _PROBE_ATTR, None)
-    if isinstance(state, bool):
-        return state
-    info = getattr(req, "customized_info", None)
-    rows = info.get(STEP_KEY) if isinstance(info, dict) else None
-    if not rows:
-        return False
-    seen, n, read, total = state if state is not None else (0, 0, 0.0, 0.0)
-    for r in rows[seen:]:
-        seen += 1
-        if r is not None and len(r) == STEP_COLS and r[COL_SPARSE] in (ROW_PROBE, ROW_SPARSE):
-            n, read, total = n + 1, read + float(r[COL_READ]), total + float(r[COL_TOTAL])
-            if n >= cfg.probe_steps:
-                decided = total > 0 and read / total > cfg.dense_above
-                setattr(req, _PROBE_ATTR, decided)
-                return decided
-    setattr(req, _PROBE_ATTR, (seen, n, read, total))
-    return False
-
-
-def _epsilons_of(cfg: PsaConfig, reqs, bs: int) -> list[float]:
-    """Each of ``bs`` rows' epsilon from its request (:func:`sglang_sparse.request_params.request_values`);
-    the server's ``epsilon`` for rows without one."""
-    reqs = reqs or ()
-    return [float(request_values(cfg, reqs[i] if i < len(reqs) else None)["epsilon"]) for i in range(bs)]
-
-
-def _switch_of(cfg: PsaConfig, reqs, bs: int) -> tuple[list[bool], list[bool]]:
-    """Each of ``bs`` rows' adaptive-switch state: ``(switched dense, probing)`` (:func:`adaptive_dense`; probing:
-    the switch is on and has not decided yet). Rows without a request are neither."""
-    reqs = reqs or ()
-    off = [adaptive_dense(cfg, reqs[i]) if i < len(reqs) else False for i in range(bs)]
-    if cfg.dense_above >= 1.0:
-        return off, [False] * bs
-    probe = [i < len(reqs) and reqs[i] is not None and not isinstance(getattr(reqs[i], _PROBE_ATTR, None), bool)
-             for i in range(bs)]
-    return off, probe
 
 
 def _rids_of(reqs, bs: int) -> list:
@@ -160,6 +118,8 @@ class _RunnerBase:
         self.sparse_batch = False
         self._sparse_host: torch.Tensor | None = None
         self._row_reqs: list = []  # the current batch's ``Req`` per row (None: unknown, padding)
+        self._xp_rows: list[int] = []  # rows of the current extend batch probed at the end of their prefill
+        self._xp_qidx_host: list[int] = []
         self._eps_host: torch.Tensor | None = None
         self._probe_host: torch.Tensor | None = None
         self._rows_host: tuple = ((), (), (), ())  # (lens, eps, sparse, probe) host lists of the planned batch
@@ -173,7 +133,34 @@ class _RunnerBase:
 
     def _row_state(self, reqs, bs: int) -> tuple[list[float], list[bool], list[bool]]:
         """Per-row ``(epsilon, switched_dense, probing)`` of ``reqs`` (host lists of ``bs``)."""
-        return (_epsilons_of(self.cfg, reqs, bs), *_switch_of(self.cfg, reqs, bs))
+        return (_epsilons_of(self.cfg, reqs, bs), *switch_state(self.cfg, reqs, bs))
+
+    def extend_probe_rows(self, forward_batch) -> list[int]:
+        """Rows of an extend batch probed at the end of their prefill (:func:`sglang_sparse.psa.switch.extend_probe_rows`)."""
+        return extend_probe_rows(self.cfg, forward_batch)
+
+    def _plan_extend_probe(self, forward_batch) -> list[int]:
+        """Host plan of an extend batch's prefill probes: marks the requests, fills their step rows (kind 4,
+        ``blocks_total``, ``units``) and ``_xp_qidx_host`` (each probe row's last extend token in the batch's
+        flattened queries). Returns the probe rows."""
+        rows = self.extend_probe_rows(forward_batch)
+        self._xp_rows = rows
+        if not rows:
+            return rows
+        ext = [int(x) for x in forward_batch.extend_seq_lens_cpu]
+        ends, acc = [], 0
+        for n in ext:
+            acc += n
+            ends.append(acc)
+        self._xp_qidx_host = [ends[i] - 1 for i in rows]
+        units = self.shape.units
+        lens = forward_batch.seq_lens_cpu
+        for i in rows:
+            setattr(self._row_reqs[i], _PREFILL_PROBE_ATTR, True)
+            self.step_rows[i, COL_SPARSE] = float(ROW_PREFILL_PROBE)
+            self.step_rows[i, COL_UNITS] = float(units)
+            self.step_rows[i, COL_TOTAL] = float(-(-int(lens[i]) // self.block_size) * units)
+        return rows
 
     def _row_kinds(self, lens: list[int], eps: list[float], off: list[bool]) -> tuple[list[bool], list[bool]]:
         """``(sparse, switched)`` per row. Long rows (context >= ``min_context``, epsilon < 1) decode through PSA
@@ -278,7 +265,8 @@ class _RunnerBase:
         rows = [[0.0] * STEP_COLS for _ in range(bs)]
         for i in range(bs):
             rows[i][COL_EPS] = eps[i]
-            rows[i][COL_SPARSE] = float(ROW_ADAPTIVE_DENSE) if switched[i] else 0.0
+            # a switched row is reported as such once decided (before: a stock step awaiting its prefill probe)
+            rows[i][COL_SPARSE] = float(ROW_ADAPTIVE_DENSE) if switched[i] and _decided(self._row_reqs[i]) else 0.0
         if not self.sparse_batch:
             # no kernel writes into the rows of a batch without a sparse row: they stay on the host (no copy
             # either way; psa_step_rows hands a host tensor to SGLang as is)
@@ -306,13 +294,35 @@ class PsaCpuRunner(_RunnerBase):
     """CPU: the fp32 reference (metadata from scratch, stable rank, PSA Alg. 1) for the sparse rows."""
 
     def begin_batch(self, backend, forward_batch) -> None:
-        self._plan_rows(forward_batch, forward_batch.forward_mode.is_decode())
+        decode = forward_batch.forward_mode.is_decode()
+        self._plan_rows(forward_batch, decode)
+        self._xp_rows = [] if decode else self._plan_extend_probe(forward_batch)
         if self.sparse_batch and self.ws is not None:
             max_len = int(forward_batch.seq_lens_cpu[: self.bs].max())
             self._plan_ws(_row_rids(forward_batch, self.bs), -(-max_len // self.block_size))
 
-    def after_extend(self, backend, layer, forward_batch) -> None:
-        return None  # metadata is rebuilt from the KV pool at each decode step
+    def after_extend(self, backend, q, layer, forward_batch) -> None:
+        """Prefill probes: the reference's stop test for each probe row's last prompt query (metadata from scratch);
+        the blocks it reads are added to the row's step statistics. Decode metadata is rebuilt at each step."""
+        if not self._xp_rows:
+            return None
+        from flashinfer_ext.common.reference import psa_decode_reference
+
+        num_qo, d = layer.tp_q_head_num, layer.head_dim
+        rows = torch.tensor(self._xp_rows, dtype=torch.long)
+        q3 = q.reshape(-1, num_qo, d)[torch.tensor(self._xp_qidx_host, dtype=torch.long)]
+        k_buf = backend.token_to_kv_pool.get_key_buffer(layer.layer_id)
+        v_buf = backend.token_to_kv_pool.get_value_buffer(layer.layer_id)
+        eps = [float(self.step_rows[i, COL_EPS]) for i in self._xp_rows]
+        for e in sorted(set(eps)):
+            sel = torch.tensor([j for j, x in enumerate(eps) if x == e], dtype=torch.long)
+            cfg = dataclasses.replace(self.kernel_cfg, epsilon=e)
+            r = rows[sel]
+            _, _, nread, _ = psa_decode_reference(q3[sel], k_buf, v_buf, backend.req_to_token_pool.req_to_token,
+                                                  forward_batch.req_pool_indices[r], forward_batch.seq_lens[r], cfg,
+                                                  block_size=self.block_size, sm_scale=layer.scaling)
+            self.step_rows[r, COL_READ] += nread.sum(1).float()
+        return None
 
     def decode(self, backend, q, k, v, layer, forward_batch, save_kv_cache):
         # stock path first: writes the new K/V and gives dense outputs for every row
@@ -385,6 +395,7 @@ class PsaCudaRunner(_RunnerBase):
         self._nread_sum_buf = torch.zeros(max_batch_size, dtype=torch.float32, device=device)
         self._kept_sum_buf = torch.zeros(max_batch_size, dtype=torch.float32, device=device)
         self.meta_rebuilds = 0        # rows whose metadata was rebuilt from position 0 (first sparse step, ...)
+        self._xp = None               # device tensors of the current extend batch's prefill probes
 
     def meta_bytes(self) -> int:
         return 3 * self.meta.kmin.numel() * self.meta.kmin.element_size()
@@ -471,10 +482,15 @@ class PsaCudaRunner(_RunnerBase):
         if mode.is_idle() or int(forward_batch.batch_size) == 0:
             self.bs, self.sparse_batch, self.is_decode, self.graph_mode = 0, False, False, False
             return
-        # extend / mixed, and decode batches without a sparse row: no metadata work. A request's metadata is
-        # built at its first sparse decode step (_plan_decode_meta), so extends run the stock prefill (and
-        # SGLang's prefill CUDA graphs)
+        # decode batches without a sparse row: no metadata work. A request's decode metadata is built at its first
+        # sparse decode step (_plan_decode_meta). Extends run the stock prefill (and SGLang's prefill CUDA graphs),
+        # except those with a prefill probe (eager, see _plan_extend_probe_device)
         self._plan_rows(forward_batch, mode.is_decode())
+        self._xp = None
+        if not mode.is_decode():
+            if self._plan_extend_probe(forward_batch):
+                self._plan_extend_probe_device(forward_batch)
+            return
         if not self.sparse_batch:
             return
         max_len = int(forward_batch.seq_lens_cpu[: self.bs].max())
@@ -505,8 +521,45 @@ class PsaCudaRunner(_RunnerBase):
         rids = None if in_capture else self._stashed_rids(forward_batch, bs)
         self._plan_ws(rids if rids is not None else [None] * bs, self.wrapper._num_cols, pad_to=bs)
 
-    def after_extend(self, backend, layer, forward_batch) -> None:
-        return None  # metadata is built at a request's first sparse decode step
+    def _plan_extend_probe_device(self, forward_batch) -> None:
+        """Device plan of the prefill probes (once per extend batch, eager): the probe rows' block table, the
+        wrapper planned over them at their epsilon (its output is discarded), their query indices, and the step
+        rows on the device for the per-layer read counts."""
+        rows = self._xp_rows
+        dev = self.device
+        idx = torch.tensor(rows, dtype=torch.long)
+        lens_host = forward_batch.seq_lens_cpu[idx].to(torch.int64)
+        rpi = forward_batch.req_pool_indices[idx.to(forward_batch.req_pool_indices.device)]
+        seq_lens = lens_host.to(torch.int32).to(dev, non_blocking=True)
+        table = self._block_table(None, _Rows(rpi), int(lens_host.max()))
+        eps = self.step_rows[idx, COL_EPS].clone()
+        from flashinfer_ext.psa.block_meta import blocks_touched
+
+        n = len(rows)
+        self._xp = dict(rows=idx.to(dev), qidx=torch.tensor(self._xp_qidx_host, dtype=torch.long).to(dev),
+                        rpi=rpi.to(torch.int32), table=table, zero=torch.zeros(n, dtype=torch.int32, device=dev),
+                        end=seq_lens, n_new=blocks_touched([0] * n, lens_host.tolist(), self.block_size),
+                        nread_sum=torch.zeros(n, dtype=torch.float32, device=dev))
+        self.wrapper.plan(self._req_to_token, rpi, seq_lens, table, max_seq_len=int(lens_host.max()),
+                          epsilon=eps.to(dev, non_blocking=True))
+        self.step_rows = self.step_rows.to(dev, non_blocking=True)
+
+    def after_extend(self, backend, q, layer, forward_batch) -> None:
+        """Prefill probes (extends planned with them only; eager): this layer's block metadata over each probe
+        row's whole context, then PSA's stop test for the row's last prompt query; the blocks it reads are added to
+        the row's step statistics. The wrapper's output is discarded (the prefill stays stock)."""
+        xp = self._xp
+        if xp is None:
+            return None
+        lid = layer.layer_id
+        k_buf, v_buf = self.pool.get_key_buffer(lid), self.pool.get_value_buffer(lid)
+        self.meta.update(lid, k_buf, self._req_to_token, xp["rpi"], xp["table"], xp["zero"], xp["end"], xp["n_new"])
+        num_qo, d = layer.tp_q_head_num, layer.head_dim
+        q_rows = q.reshape(-1, num_qo, d).index_select(0, xp["qidx"])
+        self.wrapper.run(q_rows, k_buf, v_buf, *self.meta.layer(lid))
+        torch.sum(self.wrapper.probe_nread, 1, dtype=torch.float32, out=xp["nread_sum"])
+        self.step_rows[:, COL_READ].index_add_(0, xp["rows"], xp["nread_sum"])
+        return None
 
     def decode(self, backend, q, k, v, layer, forward_batch, save_kv_cache):
         pool = backend.token_to_kv_pool
@@ -530,6 +583,13 @@ class PsaCudaRunner(_RunnerBase):
         if self._ws_step:  # working set: one index_put into the tracker (graph-safe, no sync)
             self.ws.record(lid, self.wrapper.order, nread)
         return o.reshape(-1, num_qo * d)
+
+
+class _Rows:
+    """A forward-batch stand-in carrying only ``req_pool_indices`` (block tables of a subset of rows)."""
+
+    def __init__(self, req_pool_indices: torch.Tensor):
+        self.req_pool_indices = req_pool_indices
 
 
 def _write_kv(backend, pool, layer, forward_batch, k, v) -> None:

@@ -15,8 +15,9 @@ Flow, without a host sync on the hot path:
    ``metadata["sparse"]``.
 
 Columns of a step row: ``sparse`` (1 if PSA decoded the row, 2 if the adaptive switch sent the request
-dense, 3 for a probe step of the switch: the exact result, with the blocks PSA would read in ``blocks_read``;
-0 for other dense rows and prefill),
+dense, 3 for a decode probe step of the switch: the exact result, with the blocks PSA would read in
+``blocks_read``; 4 for the prefill row of a request probed at the end of its prefill (the blocks PSA would read
+for the prompt's last query); 0 for other dense rows and prefill),
 ``blocks_read``, ``blocks_total``, ``kept_sum`` (kept-mass estimate summed over layers x KV
 heads; equals ``units`` when dense), ``units`` (layers x KV heads), ``epsilon``.
 """
@@ -33,8 +34,10 @@ STEP_COLS = 6
 COL_SPARSE, COL_READ, COL_TOTAL, COL_KEPT, COL_UNITS, COL_EPS = range(STEP_COLS)
 # values of the ``sparse`` column: 0 dense (short context, epsilon 1.0, prefill), 1 decoded by PSA, 2 long but decoded
 # densely because the adaptive switch (``dense_above``) sent the request dense, 3 a probe step of that switch (every
-# block attended, so the result is exact; ``blocks_read`` holds what PSA's stop test reads at the row's epsilon)
-ROW_SPARSE, ROW_ADAPTIVE_DENSE, ROW_PROBE = 1, 2, 3
+# block attended, so the result is exact; ``blocks_read`` holds what PSA's stop test reads at the row's epsilon),
+# 4 the prefill row of a request probed at the end of its prefill (the stop test run for the prompt's last query)
+ROW_SPARSE, ROW_ADAPTIVE_DENSE, ROW_PROBE, ROW_PREFILL_PROBE = 1, 2, 3, 4
+PROBE_KINDS = (ROW_PROBE, ROW_PREFILL_PROBE)
 
 
 @dataclass
@@ -47,6 +50,7 @@ class PsaStats:
     sparse_rows: int = 0           # (request, decode step) pairs decoded sparsely
     switched_dense_rows: int = 0   # (request, decode step) pairs decoded densely by the adaptive switch
     probe_rows: int = 0            # (request, decode step) pairs of the switch's probe steps (exact result)
+    prefill_probes: int = 0        # requests probed at the end of their prefill
     probe_blocks_read: int = 0     # blocks PSA's stop test selects on those (what a sparse step would read)
     probe_blocks_total: int = 0
     blocks_read: int = 0           # sum over layers, sparse rows, KV heads
@@ -84,8 +88,9 @@ def account_rows(rows: Sequence[Sequence[float]], stats: PsaStats, metrics: PsaM
     for r in rows:
         if r[COL_SPARSE] == ROW_ADAPTIVE_DENSE:
             stats.switched_dense_rows += 1
-        if r[COL_SPARSE] == ROW_PROBE:
-            stats.probe_rows += 1
+        if r[COL_SPARSE] in PROBE_KINDS:
+            stats.probe_rows += int(r[COL_SPARSE] == ROW_PROBE)
+            stats.prefill_probes += int(r[COL_SPARSE] == ROW_PREFILL_PROBE)
             stats.probe_blocks_read += int(r[COL_READ])
             stats.probe_blocks_total += int(r[COL_TOTAL])
         if r[COL_SPARSE] != ROW_SPARSE:
@@ -114,7 +119,7 @@ def summarize_steps(steps: Any) -> dict | None:
         return None
     sparse = [r for r in rows if r[COL_SPARSE] == ROW_SPARSE]
     switched = sum(1 for r in rows if r[COL_SPARSE] == ROW_ADAPTIVE_DENSE)
-    probes = [r for r in rows if r[COL_SPARSE] == ROW_PROBE]
+    probes = [r for r in rows if r[COL_SPARSE] in PROBE_KINDS]
     probe_total = sum(int(r[COL_TOTAL]) for r in probes)
     read = sum(int(r[COL_READ]) for r in sparse)
     total = sum(int(r[COL_TOTAL]) for r in sparse)
@@ -126,7 +131,8 @@ def summarize_steps(steps: Any) -> dict | None:
         "steps": len(rows),
         "sparse_decode_steps": len(sparse),
         "switched_dense_steps": switched,
-        "probe_steps": len(probes),
+        "prefill_probe": any(r[COL_SPARSE] == ROW_PREFILL_PROBE for r in probes),
+        "probe_steps": sum(1 for r in probes if r[COL_SPARSE] == ROW_PROBE),
         "probe_read_fraction": sum(int(r[COL_READ]) for r in probes) / probe_total if probe_total else None,
         "blocks_read": read,
         "blocks_total": total,
