@@ -89,8 +89,11 @@ def markdown(rep: dict) -> str:
     if noise:
         lines += ["", f"Noise floor (`off_repeat`): a second `off` server on the same traffic answered {noise['wrong_vs_off']} facts "
                   f"wrong that the first answered right, and {noise['right_where_off_wrong']} right that it answered "
-                  f"wrong ({noise['facts_checked']} checked): batch composition differs between runs under "
-                  "concurrency, so `wrong vs off` of a mode is read against this count."]
+                  f"wrong ({noise['facts_checked']} checked): "
+                  + ("the two `off` runs agree on every fact (batch-invariant servers), so a mode's `wrong vs off` "
+                     "is its own." if not (noise['wrong_vs_off'] or noise['right_where_off_wrong']) else
+                     "batch composition differs between runs under concurrency, so `wrong vs off` of a mode is read "
+                     "against this count.")]
     lines += ["", f"Faults: {rep['faults_survived']} of {rep['faults_tried']} survived "
                   f"(devices: {', '.join(rep['fault_devices']) or 'none'})."]
     for f in rep["faults_not_survived"]:

@@ -110,8 +110,11 @@ def reliability_section(r: dict | None) -> list[str]:
     noise = r.get("noise_floor_off_repeat")
     if noise:
         md += ["", f"Noise floor: a second `off` run of the same traffic answered {noise.get('wrong_vs_off')} facts wrong "
-               f"that the first answered right ({noise.get('facts_checked')} checked); read `wrong vs off` against it "
-               "(facts checked per mode and the other direction are in the details)."]
+               f"that the first answered right and {noise.get('right_where_off_wrong')} right that it answered wrong "
+               f"({noise.get('facts_checked')} checked); read `wrong vs off` against it (facts checked per mode and "
+               "the other direction are in the details). `lastwindow` keeps a fixed budget chosen from the prompt's "
+               "end and is expected to lose facts; `samkv` answers the RAG items through the documents API, another "
+               "prompt layout than `off`'s inline documents."]
     return md + ["", "Details: [bench/results/reliability.md](../bench/results/reliability.md).", ""]
 
 

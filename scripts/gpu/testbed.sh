@@ -20,6 +20,8 @@
 # TESTBED_TAG=x puts a part's reports in /tmp/testbed/<part>_x (two runs of a part side by side);
 # LONG_EXTRA_ARGS adds server arguments to the `long` part's servers (e.g. --enable-deterministic-inference);
 # HARNESS_ARGS adds arguments to its bench.run_harness (e.g. --sparse-config 'psa={"probe_steps":1}').
+# SOAK_SERVER_ARGS adds server arguments to every soak server (e.g. --enable-deterministic-inference: batch-invariant
+# results, so a mode's wrong answers against off are its own and not batch noise); give it to reliability-wait too.
 #
 # Reports go to /tmp/testbed/<part>/ and come back packed as $OUT/<part>.tgz.
 set -uo pipefail
@@ -129,12 +131,13 @@ PY
     ;;
   reliability-start)  # no timing figure comes from these: they may share the GPU with the `long` part
     say "== reliability: soak + faults started in the background"
+    soak_extra=""; for x in ${SOAK_SERVER_ARGS:-}; do soak_extra="$soak_extra --server-arg=$x"; done
     ( setsid bash -c "
         timeout -k 20 ${SOAK_TIMEOUT:-1500} python3 -m bench.soak --launch off,psa,loopserve,lastwindow,samkv \
           --model $M32 --requests ${SOAK_REQUESTS:-5000} --time-budget ${SOAK_MODE_BUDGET:-125} --concurrency 4 --repeat-off \
           --turn-words ${SOAK_TURN_WORDS:-7000} --max-tokens 16 --sample-every 10 --log-dir $R \
           --server-arg=$SHARED --server-arg=--max-total-tokens=65536 --server-arg=--attention-backend=flashinfer \
-          --out $R/soak.json > $R/soak.log 2>&1
+          $soak_extra --out $R/soak.json > $R/soak.log 2>&1
         echo \$? > $R/soak.rc" > /dev/null 2>&1 < /dev/null & )
     [ "${RELIABILITY_FAULTS:-1}" = 1 ] || echo done > "$R/faults.rc"   # soak only
     [ "${RELIABILITY_FAULTS:-1}" = 1 ] && ( setsid bash -c "
@@ -155,7 +158,7 @@ PY
     tail -n 30 "$R/soak.log" "$R/faults.log"
     [ -f "$R/soak.json" ] && python3 -m bench.reliability --soak "$R/soak.json" --faults "$R"/faults_*.json \
         --gpu "$(cut -d, -f1 "$R/gpu.txt")" --out "$R/reliability.json" --md "$R/reliability.md" \
-        --command "scripts/gpu/testbed.sh reliability-start: bench.soak --launch off,psa,loopserve,lastwindow,samkv --repeat-off on the 32k testbed, --max-total-tokens 65536, --time-budget ${SOAK_MODE_BUDGET:-125} s per mode; bench.faults per mode on the 8k model"
+        --command "scripts/gpu/testbed.sh reliability-start: bench.soak --launch off,psa,loopserve,lastwindow,samkv --repeat-off on the 32k testbed, --max-total-tokens 65536${SOAK_SERVER_ARGS:+ $SOAK_SERVER_ARGS}, --time-budget ${SOAK_MODE_BUDGET:-125} s per mode; bench.faults per mode on the 8k model"
     rm -f "$R"/*.pt 2>/dev/null
     part=reliability
     ;;
