@@ -170,14 +170,16 @@ def run_accuracy(url: str, plan: RagPlan, log=print, time_budget: float | None =
 
 def summarize_accuracy(rows: list[dict], hows: tuple[str, ...]) -> dict:
     """Accuracy per variant (all tasks and per document count) and the paired difference against the inline
-    baseline in points with its 95 % interval."""
+    baseline in points with its 95 % interval (over all tasks, and per document count)."""
     def acc(rs, how):
         return statistics.fmean(r["score"][how] for r in rs) if rs else None
 
     by_docs = {}
     for n in sorted({r["docs"] for r in rows}):
         rs = [r for r in rows if r["docs"] == n]
-        by_docs[str(n)] = {"n": len(rs), **{h: acc(rs, h) for h in hows}}
+        by_docs[str(n)] = {"n": len(rs), **{h: acc(rs, h) for h in hows},
+                           "delta_ci95_points": {h: _ci95_points([r["score"][h] - r["score"][BASELINE] for r in rs])
+                                                 for h in hows[1:]}}
     out = {"n": len(rows), "accuracy": {h: acc(rows, h) for h in hows}, "accuracy_by_docs": by_docs,
            "delta_vs_stock_inline_points": {}, "delta_ci95_points": {},
            "kv_kept_ratio": statistics.fmean(r["kv_kept_ratio"] for r in rows if r["kv_kept_ratio"] is not None)
