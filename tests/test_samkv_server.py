@@ -290,3 +290,19 @@ def test_rag_bench_scores_every_variant_against_the_stock_inline_prompt(samkv_se
     assert got["baseline"] == "stock_inline" and got["ttft_ratio_vs_recompute"] == 0.5
     assert got["accuracy_delta_vs_stock_inline"] == acc["delta_vs_stock_inline_points"]["samkv"]
     assert got["ttft_ratio_vs_stock_inline"] == tt["ttft_ratio_vs_stock_inline"]
+
+
+def test_rag_bench_gives_paired_intervals_per_document_count():
+    """``summarize_accuracy``: per document count, each variant's paired 95 % interval of the difference to the stock
+    inline prompt, in points (None below two tasks)."""
+    from bench import samkv_rag as R
+
+    def row(docs, inline, samkv):
+        return {"docs": docs, "score": {"stock_inline": inline, "samkv": samkv}, "kv_kept_ratio": 0.2}
+
+    rows = [row(4, 0.0, 1.0), row(4, 0.0, 1.0), row(4, 1.0, 1.0), row(4, 0.0, 0.0), row(8, 1.0, 0.0)]
+    acc = R.summarize_accuracy(rows, ("stock_inline", "samkv"))
+    lo, hi = acc["accuracy_by_docs"]["4"]["delta_ci95_points"]["samkv"]
+    assert lo < 50.0 < hi and hi - lo == pytest.approx(2 * 1.96 * 57.735 / 2, rel=1e-3)  # mean 0.5, sd 0.577, n 4
+    assert acc["accuracy_by_docs"]["8"]["delta_ci95_points"]["samkv"] is None
+    assert acc["delta_ci95_points"]["samkv"] is not None and acc["accuracy_by_docs"]["4"]["n"] == 4
