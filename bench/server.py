@@ -57,8 +57,11 @@ class ServerSpec:
             a += ["--sparse-config", self.sparse_config]
         if self.device == "cpu":
             # --sleep-on-idle: an idle CPU scheduler otherwise busy-polls its sockets and takes a core from the
-            # client and from any other server on the machine; it wakes as soon as a request arrives
-            a += ["--device", "cpu", "--max-total-tokens", "16384", "--sleep-on-idle"]
+            # client and from any other server on the machine; it wakes as soon as a request arrives.
+            # --skip-server-warmup: readiness is a real generation anyway (/health_generate, polled by start()),
+            # and SGLang's own warm-up stops a server whose front end is not up within its window, which a busy
+            # 2-core box can exceed
+            a += ["--device", "cpu", "--max-total-tokens", "16384", "--sleep-on-idle", "--skip-server-warmup"]
         elif self.device != "cuda":
             raise ValueError(f"device must be 'cpu' or 'cuda', got '{self.device}'")
         return a + list(self.extra_args)
