@@ -123,7 +123,7 @@ def _req(rows=None, eps=None):
 def test_adaptive_switch_sends_a_request_dense_after_its_probe_steps_read_too_much():
     """``dense_above`` / ``probe_steps``: the first probe_steps sparse rows of a request decide, once, whether it
     keeps decoding through PSA; prefill and dense rows do not count; the decision does not change afterwards."""
-    from sglang_sparse.psa.runner import adaptive_dense
+    from sglang_sparse.psa.switch import adaptive_dense
 
     cfg = PsaConfig.from_dict({"min_context": 100, "dense_above": 0.5, "probe_steps": 2})
     diffuse = _req([_row(0, 0, 0, 0, 0, 0.95), _row(1, 9, 10, 1.9, 2, 0.95)])
@@ -235,7 +235,7 @@ def test_block_metadata_is_built_at_a_requests_first_sparse_decode_step_and_afte
                              sampling_info=SimpleNamespace(sparse_reqs=reqs))
         runner._plan_rows(fb, decode)
         if runner.sparse_batch:
-            runner._plan_decode_meta(None, fb, runner._block_table(None, fb, max(lens)))
+            runner._plan_decode_meta(None, fb, runner._block_table(fb.req_pool_indices, max(lens)))
         return runner
 
     plan([200, 40], [long_req, short_req], decode=False)  # an extend: nothing

@@ -27,9 +27,11 @@ Rows of a decode batch below ``min_context``, with epsilon 1.0, or sent dense by
   * a request that reaches ``min_context`` only while decoding runs ``probe_steps`` decode probe steps: the PSA
     kernel at epsilon 1.0 (every block: the exact result up to rounding) while its stop test records, at the
     row's epsilon, how many blocks PSA would read (``PsaDecodeWrapper.probe_nread``; on the CPU the stock output
-    is kept and the reference counts the reads). if every row is such a row, the stock
-FlashInfer decode runs (SGLang's stock decode graph); in a mixed batch those rows run the sparse
-kernel with epsilon 1.0 (all blocks), which is exact but not FlashInfer-fast.
+    is kept and the reference counts the reads).
+
+If every row of a decode batch attends its whole context, the stock FlashInfer decode runs (SGLang's stock decode
+graph); in a mixed batch those rows run the sparse kernel with epsilon 1.0 (all blocks), which is exact but not
+FlashInfer-fast.
 
 CUDA graphs (decode): a batch with at least one sparse row replays a graph captured over the PSA
 path (:meth:`PsaCudaRunner.begin_graph_batch` plans into the wrapper's fixed ``_buf`` tensors with
@@ -41,6 +43,7 @@ no metadata work, so every extend batch may replay SGLang's prefill graphs.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 
 import torch
 
@@ -48,8 +51,7 @@ from flashinfer_ext.psa.config import PsaDecodeConfig
 from sglang_sparse.config import PsaConfig
 from sglang_sparse.psa.stats import (COL_EPS, COL_KEPT, COL_READ, COL_SPARSE, COL_TOTAL, COL_UNITS,
                                      ROW_ADAPTIVE_DENSE, ROW_PREFILL_PROBE, ROW_PROBE, ROW_SPARSE, STEP_COLS)
-from sglang_sparse.psa.switch import (_PREFILL_PROBE_ATTR, _decided, _epsilons_of, adaptive_dense,  # noqa: F401
-                                      extend_probe_rows, switch_state)
+from sglang_sparse.psa.switch import _PREFILL_PROBE_ATTR, _decided, _epsilons_of, extend_probe_rows, switch_state
 from sglang_sparse.request_params import ReplayRequests, batch_requests
 
 
@@ -86,7 +88,6 @@ class AttnShape:
 
 
 _META_ATTR = "_sparse_psa_meta"    # on a scheduler ``Req``: (retraction_count, tokens its block metadata covers)
-
 
 
 def _meta_key(req, covered: int) -> tuple[int, int]:
@@ -147,11 +148,7 @@ class _RunnerBase:
         self._xp_rows = rows
         if not rows:
             return rows
-        ext = [int(x) for x in forward_batch.extend_seq_lens_cpu]
-        ends, acc = [], 0
-        for n in ext:
-            acc += n
-            ends.append(acc)
+        ends = list(itertools.accumulate(int(x) for x in forward_batch.extend_seq_lens_cpu))
         self._xp_qidx_host = [ends[i] - 1 for i in rows]
         units = self.shape.units
         lens = forward_batch.seq_lens_cpu
@@ -415,11 +412,12 @@ class PsaCudaRunner(_RunnerBase):
             kmax.index_copy_(0, pages, kp.amax(1).to(kmax.dtype))
             kmean.index_copy_(0, pages, kp.float().mean(1).to(kmean.dtype))
 
-    def _block_table(self, backend, forward_batch, max_len: int) -> torch.Tensor:
+    def _block_table(self, req_pool_indices: torch.Tensor, max_len: int) -> torch.Tensor:
+        """``[rows, ceil(max_len / block)]`` int32 page ids of the rows ``req_pool_indices``."""
         from flashinfer_ext.psa.block_meta import paged_block_table
 
         width = max(1, -(-int(max_len) // self.block_size))
-        return paged_block_table(self._req_to_token, forward_batch.req_pool_indices,
+        return paged_block_table(self._req_to_token, req_pool_indices,
                                  self.block_size, width)
 
     def _plan_decode_meta(self, backend, forward_batch, table: torch.Tensor) -> None:
@@ -494,7 +492,7 @@ class PsaCudaRunner(_RunnerBase):
         if not self.sparse_batch:
             return
         max_len = int(forward_batch.seq_lens_cpu[: self.bs].max())
-        table = self._block_table(backend, forward_batch, max_len)
+        table = self._block_table(forward_batch.req_pool_indices, max_len)
         self._plan_decode_meta(backend, forward_batch, table)
         self._plan_wrapper(forward_batch, table, max_len)
         self._plan_ws(_row_rids(forward_batch, self.bs), self.wrapper._num_cols)
@@ -513,7 +511,7 @@ class PsaCudaRunner(_RunnerBase):
         self.graph_mode, self.sparse_batch = True, True
         self._step_buf[:bs].copy_(self.step_rows, non_blocking=True)
         self.step_rows = self._step_buf[:bs]
-        table = self._block_table(backend, forward_batch, self.max_blocks_per_req * self.block_size)
+        table = self._block_table(forward_batch.req_pool_indices, self.max_blocks_per_req * self.block_size)
         self._plan_decode_meta(backend, forward_batch, table)
         self._plan_wrapper(forward_batch, table, None)
         # the graph records into the tracker at every replay (fixed shapes): rows without a known request
@@ -531,7 +529,7 @@ class PsaCudaRunner(_RunnerBase):
         lens_host = forward_batch.seq_lens_cpu[idx].to(torch.int64)
         rpi = forward_batch.req_pool_indices[idx.to(forward_batch.req_pool_indices.device)]
         seq_lens = lens_host.to(torch.int32).to(dev, non_blocking=True)
-        table = self._block_table(None, _Rows(rpi), int(lens_host.max()))
+        table = self._block_table(rpi, int(lens_host.max()))
         eps = self.step_rows[idx, COL_EPS].clone()
         from flashinfer_ext.psa.block_meta import blocks_touched
 
@@ -583,13 +581,6 @@ class PsaCudaRunner(_RunnerBase):
         if self._ws_step:  # working set: one index_put into the tracker (graph-safe, no sync)
             self.ws.record(lid, self.wrapper.order, nread)
         return o.reshape(-1, num_qo * d)
-
-
-class _Rows:
-    """A forward-batch stand-in carrying only ``req_pool_indices`` (block tables of a subset of rows)."""
-
-    def __init__(self, req_pool_indices: torch.Tensor):
-        self.req_pool_indices = req_pool_indices
 
 
 def _write_kv(backend, pool, layer, forward_batch, k, v) -> None:
