@@ -147,7 +147,7 @@ def test_driver_end_to_end_on_cpu_servers(tmp_path, default_model):
     merge.write_text(json.dumps({"gpu": "cpu", "gather_fraction_of_h2d": 0.5, "concurrency_ratio_vs_dense": None}))
     out = tmp_path / "out"
     rc = htc.main(["--device", "cpu", "--model", str(default_model), "--servers", servers, "--levels", "1,2",
-                   "--turns", "2", "--first-tokens", "200", "--turn-tokens", "40", "--output-tokens", "6",
+                   "--turns", "2", "--first-tokens", "200", "--turn-tokens", "40", "--output-tokens", "16",
                    "--psa-min-context", "128", "--max-total-tokens", "4096", "--port", str(free_port()),
                    "--poll-s", "0.2", "--time-budget", "400", "--out", str(out), "--merge-into", str(merge)])
     doc = json.loads((out / "host_tier_concurrency.json").read_text())
@@ -157,12 +157,14 @@ def test_driver_end_to_end_on_cpu_servers(tmp_path, default_model):
         assert srv["error"] is None and [r["level"] for r in srv["levels"]] == [1, 2]
         for r in srv["levels"]:
             assert r["failed"] == 0 and r["ok"] == 2 * r["level"] and not r["truncated"]
-            assert r["output_tokens"] == 6 * r["ok"] and r["output_tok_s"] > 0
+            assert r["output_tokens"] == 16 * r["ok"] and r["output_tok_s"] > 0
             assert r["tpot_ms_p50"] > 0 and r["ttft_ms_p50"] > 0 and r["metrics_samples"] > 0
-            assert r["sustained_running"] >= 1 and r["server_running_max"] >= 1
+            # the gauge is sampled every 0.2 s and SGLang refreshes it every 5 decode steps: a level may miss it
+            assert r["sustained_running"] >= 1 and r["server_running_max"] is not None
             assert r["followup_cached_fraction"] is not None  # the follow-up turn reused the first turn's prefix
             if name == "dense":
                 assert r["working_set"] is None  # no admission on a dense server
+        assert max(r["server_running_max"] for r in srv["levels"]) >= 1  # /metrics saw a running request
         assert doc["summary"]["per_server"][name]["levels_meeting_slo"][:1] == [1] or name != "dense"
     s = doc["summary"]
     assert s["tpot_slo_ms"] > 0 and s["per_server"]["dense"]["concurrent_at_slo"] >= 1

@@ -25,8 +25,9 @@ def test_document_token_cache_tokenizes_each_text_once():
     tok, cache = CountingTokenizer(), DocumentTokenCache(max_entries=8, max_tokens=1000)
     ids, digest = cache.encode(tok, "abc\n\n")
     assert ids == tuple(ord(c) for c in "abc\n\n") and digest == ids_digest(ids)
-    assert cache.encode(tok, "abc\n\n") == (ids, digest) and tok.calls == 1
-    assert cache.encode(tok, "abd\n\n")[0] != ids and tok.calls == 2
+    assert tok.calls == 2  # the follower's ids once per cache, then the text
+    assert cache.encode(tok, "abc\n\n") == (ids, digest) and tok.calls == 2
+    assert cache.encode(tok, "abd\n\n")[0] != ids and tok.calls == 3
     assert (cache.hits, cache.misses) == (1, 2)
 
 
@@ -93,7 +94,7 @@ def test_refused_documents_are_not_kept_in_the_token_cache():
     val = cache.encode(tok, "abc\n\n", store=False)
     assert len(cache) == 0 and cache.tokens == 0
     cache.keep("abc\n\n", val)
-    assert len(cache) == 1 and cache.encode(tok, "abc\n\n") == val and tok.calls == 1
+    assert len(cache) == 1 and cache.encode(tok, "abc\n\n") == val and tok.calls == 2  # follower + text
 
 
 def test_document_namespaces_carry_the_server_secret_a_client_cannot_send():
@@ -151,3 +152,35 @@ def test_cache_salt_and_layout_are_bounded_with_clear_errors():
         _parse_extra({"documents": ["a"], "cache_salt": "x" * 1_000_000}, cfg)
     with pytest.raises(ValueError, match="'samkv.layout'='sideways' must be one of in_user_turn, before_prompt"):
         _parse_extra({"documents": ["a"], "samkv": {"layout": "sideways"}}, cfg)
+
+
+def test_documents_api_prompt_is_the_stock_inline_prompt_token_for_token(default_model):
+    """With the real tokenizer and chat template: documents sent through the API (each tokenised alone, as it
+    stands before more text) plus the question give exactly the ids of the stock chat prompt whose user message
+    inlines the documents joined by blank lines, then the question. A byte-level BPE tokenises a closing
+    ``"\n\n"`` as one token at the end of a string but as two before a word; tokenising ``doc + "\n\n"`` alone
+    gave other ids than the inline prompt (and the ``recompute`` baseline answered below stock inline)."""
+    from transformers import AutoTokenizer
+
+    from bench import tasks_long as TL
+    from sglang_sparse.samkv.api import SEPARATOR, split_user_turn
+
+    tok = AutoTokenizer.from_pretrained(str(default_model))
+    for seed in range(3):
+        task = TL.make_rag("end", 4, seed, (120, 200))
+        system = {"role": "system", "content": task.system}
+        inline = tok.apply_chat_template([system, {"role": "user", "content": task.turns[0].user}],
+                                         tokenize=True, add_generation_prompt=True)
+        question = task.meta["question"]
+        prompt = tok.apply_chat_template([system, {"role": "user", "content": question}],
+                                         tokenize=True, add_generation_prompt=True)
+        inline, prompt = [list(getattr(x, "input_ids", x)) for x in (inline, prompt)]
+        cut = split_user_turn(prompt, tok.encode(question, add_special_tokens=False))
+        assert cut is not None
+        cache = DocumentTokenCache()
+        doc_ids = tuple(cache.encode(tok, d + SEPARATOR)[0] for d in task.meta["documents"])
+        plan = DocumentPlan(doc_ids, tuple(prompt[cut:]), "", "recompute", prefix_ids=tuple(prompt[:cut]))
+        assert plan.input_ids == inline
+        # the old encoding (each document with its separator at the end of the string) differs
+        assert [i for d in task.meta["documents"] for i in tok.encode(d + SEPARATOR, add_special_tokens=False)] \
+            != [i for d in doc_ids for i in d]

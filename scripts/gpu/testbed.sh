@@ -18,7 +18,7 @@
 #   bash scripts/gpu/testbed.sh c1ab     # psa vs off at concurrency 1 (16k, 32k), off on page 1 and on page 16
 #
 # TESTBED_TAG=x puts a part's reports in /tmp/testbed/<part>_x (two runs of a part side by side);
-# LONG_EXTRA_ARGS adds server arguments to the `long` part's servers (e.g. --enable-deterministic-inference);
+# LONG_EXTRA_ARGS / SAMKV_EXTRA_ARGS add server arguments to the `long` / `samkv` part's servers (e.g. --enable-deterministic-inference);
 # HARNESS_ARGS adds arguments to its bench.run_harness (e.g. --sparse-config 'psa={"probe_steps":1}').
 # SOAK_SERVER_ARGS adds server arguments to every soak server (e.g. --enable-deterministic-inference: batch-invariant
 # results, so a mode's wrong answers against off are its own and not batch noise); give it to reliability-wait too.
@@ -80,7 +80,7 @@ case $part in
   samkv)
     cp bench/results/samkv.json "$R/samkv.json" 2>/dev/null || true
     step samkv_rag timeout -k 20 "${SAMKV_TIMEOUT:-420}" python3 -m bench.samkv_rag --launch --device cuda \
-        --python python3 --model $M32 --port 30020 --server-args "$SARGS" --out "$R" --headline "$R/samkv.json" \
+        --python python3 --model $M32 --port 30020 --server-args "$SARGS ${SAMKV_EXTRA_ARGS:-}" --out "$R" --headline "$R/samkv.json" \
         --tasks "${SAMKV_TASKS:-20}" --time-budget "${SAMKV_TASK_BUDGET:-240}"
     ;;
   e2e)

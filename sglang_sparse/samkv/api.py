@@ -63,13 +63,28 @@ from sglang_sparse.samkv.keys import FILLER_KEY, NS_KEY, PREFIX_KEY, SPANS_KEY, 
 logger = logging.getLogger("sglang_sparse")
 
 SEPARATOR = "\n\n"
+FOLLOWER = "x"  # stands for the text that follows a document (the next document or the user's text)
+
+
+def encode_followed(tokenizer, text: str, tail_ids: tuple[int, ...]) -> tuple[int, ...]:
+    """Token ids of ``text`` as they stand when non-space text follows it, as in a stock prompt with the
+    documents inlined: a byte-level BPE tokenises a trailing ``"\n\n"`` as one token at the end of a string
+    but as two before a word, so ``tok(doc + "\n\n")`` alone would differ from what the inline prompt holds.
+    ``tail_ids``: ``tok(FOLLOWER)``. Encodes ``text + FOLLOWER`` and drops the follower's ids; when the follower
+    merges into ``text``'s last token (a tokenizer without that split), falls back to ``tok(text)``."""
+    full = tokenizer.encode(text + FOLLOWER, add_special_tokens=False)
+    n = len(tail_ids)
+    if n and len(full) > n and tuple(full[-n:]) == tail_ids:
+        return tuple(full[:-n])
+    return tuple(tokenizer.encode(text, add_special_tokens=False))
 
 
 @dataclass(frozen=True)
 class DocumentPlan:
     """Token layout of one documents request (main process).
 
-    doc_ids: per document, its token ids (``tok(doc + SEPARATOR)``); prompt_ids: the request's own
+    doc_ids: per document, its token ids (``doc + SEPARATOR`` as tokenised before more text,
+    :func:`encode_followed`); prompt_ids: the request's own
     prompt tokens after them; salt: the cache salt ('' if none); variant: the pipeline to run;
     prefix_ids: the template tokens before the documents (``P``; empty for ``before_prompt``), part of
     every document's prefill and of its cache identity.
@@ -231,7 +246,7 @@ def summarize(plan: DocumentPlan, doc_cached: list[int], meta: dict, page_size: 
         "side_forward": sched.get("side_forward"),
         # the scheduler's assembly as [start, end] epoch seconds (None: none ran)
         "scheduler_wall_s": sched.get("wall_s"),
-        # per document, the kept token ranges [start, end, start, end, ...] in tok(document + "\n\n") (None: no
+        # per document, the kept token ranges [start, end, start, end, ...] in the document's ids (None: no
         # assembly, e.g. recompute or a dense fallback)
         "kept_ranges": sched.get("kept_ranges") if ok else None,
     }
@@ -288,14 +303,15 @@ class DocumentTokenCache:
         self._map: "OrderedDict[str, tuple[array, str]]" = OrderedDict()
         self.tokens = 0
         self.hits = self.misses = 0
+        self._tail_ids: tuple[int, ...] | None = None  # tok(FOLLOWER), computed on first use
 
     @staticmethod
     def _key(text: str) -> str:
         return hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()
 
     def encode(self, tokenizer, text: str, store: bool = True) -> tuple[tuple[int, ...], str]:
-        """``(ids, ids_digest(ids))`` of ``tokenizer.encode(text, add_special_tokens=False)``, from the cache
-        when this text was tokenised before. ``store=False``: do not keep a new result (the caller
+        """``(ids, ids_digest(ids))`` of ``text`` as it is tokenised inside a longer text (:func:`encode_followed`),
+        from the cache when this text was tokenised before. ``store=False``: do not keep a new result (the caller
         :meth:`keep` s it once the request is accepted, so refused requests hold no memory)."""
         key = self._key(text)
         hit = self._map.get(key)
@@ -304,7 +320,9 @@ class DocumentTokenCache:
             self.hits += 1
             return tuple(hit[0]), hit[1]
         self.misses += 1
-        ids = tuple(tokenizer.encode(text, add_special_tokens=False))
+        if self._tail_ids is None:
+            self._tail_ids = tuple(tokenizer.encode(FOLLOWER, add_special_tokens=False))
+        ids = encode_followed(tokenizer, text, self._tail_ids)
         val = (ids, ids_digest(ids))
         if store:
             self.keep(text, val)
