@@ -113,8 +113,9 @@ def reliability_section(r: dict | None) -> list[str]:
                f"that the first answered right and {noise.get('right_where_off_wrong')} right that it answered wrong "
                f"({noise.get('facts_checked')} checked); read `wrong vs off` against it (facts checked per mode and "
                "the other direction are in the details). `lastwindow` keeps a fixed budget chosen from the prompt's "
-               "end and is expected to lose facts; `samkv` answers the RAG items through the documents API, another "
-               "prompt layout than `off`'s inline documents."]
+               "end and is expected to lose facts."]
+    for mode, note in (r.get("notes") or {}).items():
+        md += ["", f"`{mode}`: {note}"]
     return md + ["", "Details: [bench/results/reliability.md](../bench/results/reliability.md).", ""]
 
 

@@ -93,6 +93,7 @@ class SparseServerArgs(_BaseServerArgs):
         from sglang_sparse.host_tier.cache import check_tier_sizes
 
         check_tier_sizes(self, ctx)  # needs the page size SGLang just resolved
+        _check_resolved(self, ctx)
 
 
 def install_short_errors(parser: argparse.ArgumentParser) -> None:
@@ -174,6 +175,19 @@ def _prefill_graph_requirements(args, ctx: SparseContext) -> None:
            f"--cuda-graph-backend-prefill {backend} captures attention (the sparse prefill plans on the host)")
     logging.getLogger("sglang_sparse").info("sglang-sparse %s: prefill CUDA graphs disabled (%s)", ctx.mode, why)
     args.disable_prefill_cuda_graph = True
+
+
+def _check_resolved(args, ctx: SparseContext) -> None:
+    """What only SGLang's resolution shows: it turns the radix cache off by itself for some settings (e.g.
+    ``--enable-deterministic-inference`` with an attention backend whose deterministic mode has no radix cache
+    support), and samkv keeps the documents' KV there."""
+    if ctx.mode == "samkv" and getattr(args, "disable_radix_cache", False):
+        raise SparseConfigError(
+            "--sparse samkv keeps each document's KV in the radix cache, and SGLang turned it off for these "
+            f"settings (--enable-deterministic-inference={bool(getattr(args, 'enable_deterministic_inference', False))}, "
+            f"--attention-backend {getattr(args, 'attention_backend', None)}): every documents request would fall "
+            "back to dense. With --enable-deterministic-inference, use an attention backend whose deterministic mode "
+            "keeps the radix cache (SGLang: triton, fa3, fa4)")
 
 
 def _samkv_requirements(args) -> None:

@@ -66,6 +66,18 @@ def test_samkv_without_radix_cache_is_refused_at_start(args, capsys):
     assert "--sparse samkv" in capsys.readouterr().err
 
 
+def test_samkv_is_refused_where_sglang_itself_turns_the_radix_cache_off(args, capsys):
+    """SGLang turns the radix cache off by itself under --enable-deterministic-inference with the flashinfer
+    backend (its deterministic mode has no radix support there); samkv would then serve every documents request
+    as a fallback, so start-up is refused with one line naming the settings and the backends that keep it."""
+    with pytest.raises(SystemExit) as exc:
+        args("--sparse", "samkv", "--enable-deterministic-inference", "--attention-backend", "flashinfer")
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "--sparse samkv keeps each document's KV in the radix cache" in err and "triton" in err
+    assert not args("--sparse", "off", "--enable-deterministic-inference", "--attention-backend", "flashinfer").sparse_config is None
+
+
 @pytest.mark.parametrize("mode", ["psa", "loopserve"])
 def test_a_host_tier_smaller_than_one_kv_block_is_refused_at_start_naming_the_smallest_value(args, capsys, mode):
     """host_tier_gb just above 0 (inside the key's range) holds no KV block of the model: exit 2 with one line

@@ -22,6 +22,8 @@
 # HARNESS_ARGS adds arguments to its bench.run_harness (e.g. --sparse-config 'psa={"probe_steps":1}').
 # SOAK_SERVER_ARGS adds server arguments to every soak server (e.g. --enable-deterministic-inference: batch-invariant
 # results, so a mode's wrong answers against off are its own and not batch noise); give it to reliability-wait too.
+# (samkv refuses --enable-deterministic-inference on flashinfer, where SGLang turns the radix cache off: its soak server then
+# does not start and reliability.json lists it under modes_not_started.)
 #
 # Reports go to /tmp/testbed/<part>/ and come back packed as $OUT/<part>.tgz.
 set -uo pipefail
