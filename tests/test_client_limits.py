@@ -7,12 +7,9 @@ from __future__ import annotations
 
 import json
 
-import pytest
-import requests
 
 from sglang_sparse.client_limits import MAX_KEY_CHARS, body_error
 from sglang_sparse.http_guard import refusal
-from tests.serverproc import start_cpu_server
 
 
 def test_salt_and_extra_key_are_capped_on_openai_and_native_bodies():
@@ -39,52 +36,5 @@ def test_reserved_custom_params_keys_are_refused():
     assert refusal(json.dumps({"text": "t", "sampling_params": {"custom_params": {"x": 1}}}).encode()) is None
 
 
-@pytest.fixture(scope="module")
-def limits_server(default_model, tmp_path_factory):
-    log = tmp_path_factory.mktemp("limits") / "server.log"
-    handle = start_cpu_server(default_model, log, mode="samkv",
-                              sparse_config='{"max_documents": 3, "max_document_chars": 2000}')
-    try:
-        yield handle
-    finally:
-        handle.stop()
-
-
-def _chat(server, **extra):
-    return requests.post(server.url + "/v1/chat/completions", timeout=300, json={
-        "model": "default", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, "temperature": 0,
-        **extra})
-
-
-@pytest.mark.server
-@pytest.mark.parametrize("route,extra,field,fragment", [
-    ("chat", {"cache_salt": "s" * 1_000_000}, "cache_salt", "'cache_salt' has 1000000 characters; at most 256"),
-    ("chat", {"cache_salt": "s" * 257, "documents": ["a doc"]}, "cache_salt", "'cache_salt' has 257 characters"),
-    ("completions", {"extra_key": "k" * 5000}, "extra_key", "'extra_key' has 5000 characters"),
-    ("chat", {"custom_params": {"samkv_spans": [0, 1]}}, "custom_params", "'samkv_spans'"),
-    ("chat", {"documents": ["d"] * 4}, None, "'documents' holds 4 documents; at most 3 are allowed"),
-    ("chat", {"documents": ["x" * 1500, "y" * 600]}, None,
-     "'documents' is too long: 2100 characters up to 'documents[1]' exceed the limit of 2000"),
-    ("generate", {"extra_key": "k" * 100_000}, "extra_key", "'extra_key' has 100000 characters"),
-    ("generate", {"sampling_params": {"max_new_tokens": 2, "custom_params": {"samkv_doc_ns": "x"}}},
-     "sampling_params.custom_params", "'samkv_doc_ns'"),
-], ids=["salt_1MB", "salt_257_documents", "extra_key", "reserved_custom", "documents_count", "documents_chars",
-        "generate_extra_key", "generate_reserved_custom"])
-def test_client_controlled_sizes_past_their_cap_are_400_naming_the_field(limits_server, route, extra, field,
-                                                                        fragment):
-    if route == "generate":
-        body = {"text": "Hi", "sampling_params": {"max_new_tokens": 2}, **extra}
-        r = requests.post(limits_server.url + "/generate", json=body, timeout=300)
-    elif route == "completions":
-        r = requests.post(limits_server.url + "/v1/completions", timeout=300,
-                          json={"model": "default", "prompt": "Hi", "max_tokens": 2, **extra})
-    else:
-        r = _chat(limits_server, **extra)
-    assert r.status_code == 400, r.text
-    assert fragment in r.json()["message"]
-    if field is not None:
-        assert r.json().get("param") == field
-    ok = _chat(limits_server, cache_salt="s" * 256)  # at the cap: served, and the server serves on
-    assert ok.status_code == 200, ok.text
-    docs = _chat(limits_server, documents=["a" * 900, "b" * 900, "c" * 200], cache_salt="t" * 256)
-    assert docs.status_code == 200 and docs.json()["metadata"]["sparse"]["documents"] == 3, docs.text
+# The server-backed form of these caps (a 400 naming the field on every route, the server serving on) runs on the
+# shared samkv server: tests/test_samkv_server.py::test_client_controlled_sizes_past_their_cap_are_400_naming_the_field

@@ -306,3 +306,46 @@ def test_rag_bench_gives_paired_intervals_per_document_count():
     assert lo < 50.0 < hi and hi - lo == pytest.approx(2 * 1.96 * 57.735 / 2, rel=1e-3)  # mean 0.5, sd 0.577, n 4
     assert acc["accuracy_by_docs"]["8"]["delta_ci95_points"]["samkv"] is None
     assert acc["delta_ci95_points"]["samkv"] is not None and acc["accuracy_by_docs"]["4"]["n"] == 4
+
+
+def _limits_chat(server, **extra):
+    return requests.post(server.url + "/v1/chat/completions", timeout=300, json={
+        "model": "default", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, "temperature": 0,
+        **extra})
+
+
+@pytest.mark.parametrize("route,extra,field,fragment", [
+    ("chat", {"cache_salt": "s" * 1_000_000}, "cache_salt", "'cache_salt' has 1000000 characters; at most 256"),
+    ("chat", {"cache_salt": "s" * 257, "documents": ["a doc"]}, "cache_salt", "'cache_salt' has 257 characters"),
+    ("completions", {"extra_key": "k" * 5000}, "extra_key", "'extra_key' has 5000 characters"),
+    ("chat", {"custom_params": {"samkv_spans": [0, 1]}}, "custom_params", "'samkv_spans'"),
+    ("chat", {"documents": ["d"] * 65}, None, "'documents' holds 65 documents; at most 64 are allowed"),
+    ("chat", {"documents": ["x" * 3_000_000, "y" * 1_000_001]}, None,
+     "'documents' is too long: 4000001 characters up to 'documents[1]' exceed the limit of 4000000"),
+    ("generate", {"extra_key": "k" * 100_000}, "extra_key", "'extra_key' has 100000 characters"),
+    ("generate", {"sampling_params": {"max_new_tokens": 2, "custom_params": {"samkv_doc_ns": "x"}}},
+     "sampling_params.custom_params", "'samkv_doc_ns'"),
+], ids=["salt_1MB", "salt_257_documents", "extra_key", "reserved_custom", "documents_count", "documents_chars",
+        "generate_extra_key", "generate_reserved_custom"])
+def test_client_controlled_sizes_past_their_cap_are_400_naming_the_field(samkv_server, route, extra, field,
+                                                                        fragment):
+    """What a client controls and the server keys caches by or keeps is bounded (sglang_sparse.client_limits;
+    the documents caps at their defaults, max_documents 64 and max_document_chars 4,000,000, checked before
+    anything is tokenised): an HTTP 400 naming the field, and the server serves on, at the caps too."""
+    server, _ = samkv_server
+    if route == "generate":
+        body = {"text": "Hi", "sampling_params": {"max_new_tokens": 2}, **extra}
+        r = requests.post(server.url + "/generate", json=body, timeout=300)
+    elif route == "completions":
+        r = requests.post(server.url + "/v1/completions", timeout=300,
+                          json={"model": "default", "prompt": "Hi", "max_tokens": 2, **extra})
+    else:
+        r = _limits_chat(server, **extra)
+    assert r.status_code == 400, r.text
+    assert fragment in r.json()["message"]
+    if field is not None:
+        assert r.json().get("param") == field
+    ok = _limits_chat(server, cache_salt="s" * 256)  # at the cap: served, and the server serves on
+    assert ok.status_code == 200, ok.text
+    docs = _limits_chat(server, documents=["a" * 900, "b" * 900, "c" * 200], cache_salt="t" * 256)
+    assert docs.status_code == 200 and docs.json()["metadata"]["sparse"]["documents"] == 3, docs.text
