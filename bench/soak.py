@@ -151,7 +151,8 @@ class Stats:
     def __init__(self):
         self.lock = threading.Lock()
         self.c = {k: 0 for k in ("sent", "completed", "aborted", "failed", "rejected_as_expected",
-                                 "http_4xx", "http_5xx", "facts_checked", "wrong", "documents_requests_served")}
+                                 "http_4xx", "http_5xx", "facts_checked", "wrong", "documents_requests_served",
+                                 "documents_requests_fallback")}
         self.kinds = {k: 0 for k in KINDS}
         self.facts: dict[str, bool] = {}
         self.errors: list[str] = []
@@ -214,8 +215,12 @@ class Driver:
         except (ValueError, KeyError, IndexError, TypeError) as e:
             self.stats.fail(f"chat: bad response ({e}): {r.text}")
             return None
-        served = "documents" in extra and ((body.get("metadata") or {}).get("sparse") or {}).get("mode") == "samkv"
-        self.stats.add(completed=1, documents_requests_served=int(served))
+        report = (body.get("metadata") or {}).get("sparse") or {}
+        served = "documents" in extra and report.get("mode") == "samkv"
+        # a documents request samkv answered densely (its documents not reusable: e.g. evicted) is counted apart,
+        # so a run whose documents were never assembled does not read as a samkv soak
+        fallback = served and report.get("scheduler_status") == "fallback"
+        self.stats.add(completed=1, documents_requests_served=int(served), documents_requests_fallback=int(fallback))
         return reply
 
     @staticmethod

@@ -91,6 +91,9 @@ def test_short_soak_on_launched_cpu_servers_off_then_samkv(default_model, tmp_pa
         _check_short_run(mode, r, tmp_path)
     assert report["modes"]["off"]["documents_requests_served"] == 0
     assert report["modes"]["samkv"]["documents_requests_served"] >= 1  # rag items went through the documents API
+    # ... and samkv assembled their documents (a fallback-only run would be a dense soak in samkv's name)
+    assert report["modes"]["samkv"]["documents_requests_fallback"] < report["modes"]["samkv"]["documents_requests_served"]
+    assert report["modes"]["off"]["documents_requests_fallback"] == 0
     assert report["modes"]["samkv"]["wrong_vs_off"] is not None
 
 
