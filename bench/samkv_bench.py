@@ -173,8 +173,9 @@ def correct(text: str, answer: str) -> bool:
 
 def fact_kept(tokenizer, task: SamKVTask, kept_ranges) -> bool | None:
     """Whether every token of the planted fact lies in the kept ranges the server reported for the needed
-    document (``metadata.sparse.kept_ranges``: flat ``[start, end, ...]`` in ``tok(document + "\n\n")``); None
-    without a tokenizer (``--url`` runs) or ranges (no assembly)."""
+    document (``metadata.sparse.kept_ranges``: flat ``[start, end, ...]`` in the document's ids, which inside the
+    document, where the fact lies, equal ``tok(document + "\n\n")``'s); None without a tokenizer (``--url`` runs)
+    or ranges (no assembly)."""
     if tokenizer is None or not kept_ranges or task.needed_doc >= len(kept_ranges):
         return None
     text = task.documents[task.needed_doc] + "\n\n"  # sglang_sparse.samkv.api.SEPARATOR

@@ -120,11 +120,9 @@ def _apply_mode_requirements(args, ctx: SparseContext) -> None:
     steps replay them (:mod:`sglang_sparse.loopserve.graph`), the others run eagerly.
     psa: the page is the PSA block, so ``--page-size`` defaults to ``block_size`` (another explicit page size is
     refused); decode graphs stay on unless the config's ``cuda_graph`` is false.
-    samkv on CUDA: overlap scheduler and prefill CUDA graphs off (:func:`_samkv_requirements`).
+    samkv on CUDA: overlap scheduler and prefill CUDA graphs off (:func:`_samkv_requirements`); its radix cache
+    is checked once SGLang has resolved the arguments (:func:`_check_resolved`).
     """
-    if ctx.mode == "samkv" and getattr(args, "disable_radix_cache", False):
-        raise SparseConfigError("--sparse samkv keeps each document's KV in the radix cache: it cannot be used "
-                                "with --disable-radix-cache (every documents request would fall back to dense)")
     if _device_type(args.device) != "cuda":
         return
     if ctx.mode == "samkv":
@@ -178,16 +176,19 @@ def _prefill_graph_requirements(args, ctx: SparseContext) -> None:
 
 
 def _check_resolved(args, ctx: SparseContext) -> None:
-    """What only SGLang's resolution shows: it turns the radix cache off by itself for some settings (e.g.
-    ``--enable-deterministic-inference`` with an attention backend whose deterministic mode has no radix cache
-    support), and samkv keeps the documents' KV there."""
-    if ctx.mode == "samkv" and getattr(args, "disable_radix_cache", False):
-        raise SparseConfigError(
-            "--sparse samkv keeps each document's KV in the radix cache, and SGLang turned it off for these "
-            f"settings (--enable-deterministic-inference={bool(getattr(args, 'enable_deterministic_inference', False))}, "
-            f"--attention-backend {getattr(args, 'attention_backend', None)}): every documents request would fall "
-            "back to dense. With --enable-deterministic-inference, use an attention backend whose deterministic mode "
-            "keeps the radix cache (SGLang: triton, fa3, fa4)")
+    """Checks on SGLang's resolved arguments. samkv keeps the documents' KV in the radix cache, which is off with
+    ``--disable-radix-cache`` and also when SGLang turns it off by itself (``--enable-deterministic-inference``
+    with an attention backend whose deterministic mode has no radix cache support)."""
+    if ctx.mode != "samkv" or not getattr(args, "disable_radix_cache", False):
+        return
+    if getattr(args, "enable_deterministic_inference", False):
+        why = (f"SGLang turns it off under --enable-deterministic-inference with --attention-backend "
+               f"{getattr(args, 'attention_backend', None)}; use a backend whose deterministic mode keeps it "
+               "(SGLang: triton, fa3, fa4)")
+    else:
+        why = "it is off (--disable-radix-cache)"
+    raise SparseConfigError(f"--sparse samkv keeps each document's KV in the radix cache, and {why}: every "
+                            "documents request would fall back to dense")
 
 
 def _samkv_requirements(args) -> None:
