@@ -43,7 +43,7 @@ from pathlib import Path
 
 import requests
 
-from bench import scoring
+from bench import envinfo, scoring
 from bench import tasks_long as TL
 
 VARIANTS = ("recompute", "samkv", "reuse", "cacheblend")
@@ -291,7 +291,8 @@ def main(argv=None) -> int:
         t0 = time.time()
         acc = run_accuracy(url, plan, time_budget=a.time_budget)
         tt = run_ttft(url, plan)
-        res = {"plan": asdict(plan), "command": " ".join(shlex.quote(x) for x in sys.argv),
+        env = envinfo.collect(a.python, [sys.executable, "-m", "bench.samkv_rag"] + list(argv or sys.argv[1:]))
+        res = {"plan": asdict(plan), "command": env["command"], "env": env,
                "model": a.model, "wall_s": round(time.time() - t0, 1), "accuracy_set": acc, "ttft_set": tt}
     finally:
         if server is not None:
