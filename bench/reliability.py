@@ -21,8 +21,38 @@ HEADLINE_KEYS = ("sent", "completed", "aborted", "failed", "wrong_vs_off", "http
 TARGETS = "failed 0, http_5xx 0, wrong_vs_off 0, faults_survived = faults_tried, idle check silent, RSS slope within noise"
 
 
-def fold(soak: dict, faults: list[dict], gpu: str, commands: list[str] | None = None) -> dict:
-    """The headline from one ``bench.soak --launch`` report and any number of ``bench.faults`` reports."""
+def fold(soak: dict | list[dict], faults: list[dict], gpu: str, commands: list[str] | None = None,
+         labels: list[str] | None = None) -> dict:
+    """The headline from one or more ``bench.soak --launch`` reports and any number of ``bench.faults`` reports.
+
+    Several soak reports: each compares its modes with the ``off`` server of its own run (``wrong_vs_off`` as the
+    driver counted it), so a mode soaked under other server arguments (samkv on a backend whose deterministic mode
+    keeps the radix cache) is judged against a dense server with the same arguments. The first report's modes
+    come first; a later report adds its modes (replacing a mode of the same name) and its ``off`` row is kept in
+    ``soak_details`` as ``off (LABEL)``, with ``mode_runs`` naming the run of each mode."""
+    soaks = soak if isinstance(soak, list) else [soak]
+    labels = list(labels or []) + [f"run {i + 1}" for i in range(len(labels or []), len(soaks))]
+    rep = _fold_one(soaks[0], faults, gpu, commands)
+    rep["mode_runs"] = {m: labels[0] for m in rep["modes"]}
+    for run, label in zip(soaks[1:], labels[1:]):
+        more = _fold_one(run, [], gpu)
+        for mode, row in more["modes"].items():
+            key = mode if mode != "off" else f"off ({label})"
+            if mode != "off":
+                rep["modes"][mode] = row
+                rep["mode_runs"][mode] = label
+                rep["modes_not_started"].pop(mode, None)
+            rep["soak_details"][key] = more["soak_details"][mode]
+        for mode, err in more["modes_not_started"].items():
+            if mode not in rep["modes"]:
+                rep["modes_not_started"][mode] = err
+        if more.get("noise_floor_off_repeat"):
+            rep[f"noise_floor_off_repeat ({label})"] = more["noise_floor_off_repeat"]
+        rep["soak_seconds_total"] = round(rep["soak_seconds_total"] + more["soak_seconds_total"], 1)
+    return rep
+
+
+def _fold_one(soak: dict, faults: list[dict], gpu: str, commands: list[str] | None = None) -> dict:
     modes, not_started, extra = {}, {}, {}
     off_facts = ((soak.get("modes") or {}).get("off") or {}).get("facts") or {}
     noise = None
@@ -45,6 +75,8 @@ def fold(soak: dict, faults: list[dict], gpu: str, commands: list[str] | None = 
                        "rejected_as_expected": rep.get("rejected_as_expected"),
                        "rss_mb_first_last": [samples[0].get("rss_mb"), samples[-1].get("rss_mb")] if samples else None,
                        "gpu_mb_last": samples[-1].get("gpu_mb") if samples else None,
+                       # [requests sent, RSS MB] of every sample: where the memory went during the run
+                       "rss_series": [[s_.get("requests"), s_.get("rss_mb")] for s_ in samples],
                        "metrics_consistent": (rep.get("metrics") or {}).get("consistent"),
                        # the other direction of wrong_vs_off: how many flips batch nondeterminism alone could explain
                        "right_where_off_wrong": _flips(rep, off_facts)}
@@ -81,6 +113,14 @@ def markdown(rep: dict) -> str:
         lines.append(f"| {mode} | {r['sent']} | {r['completed']} | {r['aborted']} | {r['failed']} | {r['wrong_vs_off']} "
                      f"| {r['http_5xx']} | {'n/a' if slope is None else f'{slope:.1f}'} | {r['idle_leak_check']} "
                      f"| {d.get('facts_checked')} | {d.get('right_where_off_wrong')} |")
+    runs = rep.get("mode_runs") or {}
+    if len(set(runs.values())) > 1:
+        lines += ["", "Soak runs (each mode is compared with the `off` server of its own run): "
+                  + "; ".join(f"`{m}`: {lab}" for m, lab in runs.items()) + "."]
+        for key, d in rep["soak_details"].items():
+            if key.startswith("off ("):
+                lines.append(f"- `{key}`: {d.get('facts_checked')} facts checked, {d.get('wrong')} wrong "
+                             f"(the baseline of that run)")
     for mode, err in rep["modes_not_started"].items():
         lines.append(f"| {mode} | server did not start: {err.splitlines()[-1] if err else ''} |||||||| ")
     if rep.get("soak_seconds_total") is not None:
@@ -105,16 +145,20 @@ def markdown(rep: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.reliability", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--soak", required=True, help="bench.soak --launch report (JSON)")
+    ap.add_argument("--soak", required=True, action="append",
+                    help="bench.soak --launch report (JSON); repeat for runs under other server arguments, "
+                         "optionally as PATH=LABEL (each run's modes are judged against its own off)")
     ap.add_argument("--faults", nargs="*", default=[], help="bench.faults reports (JSON); missing files are skipped")
     ap.add_argument("--gpu", required=True, help="GPU name as reported by nvidia-smi")
     ap.add_argument("--command", action="append", default=[], help="command that produced the reports (repeat)")
     ap.add_argument("--out", required=True)
     ap.add_argument("--md", help="Markdown report path")
     a = ap.parse_args(argv)
-    soak = json.loads(Path(a.soak).read_text())
+    paths = [x.split("=", 1) if "=" in x else (x, None) for x in a.soak]  # PATH=LABEL (a label may hold "=")
+    soaks = [json.loads(Path(p).read_text()) for p, _ in paths]
+    labels = [lab or (f"run {i + 1}") for i, (_, lab) in enumerate(paths)]
     faults = [json.loads(Path(p).read_text()) for p in a.faults if Path(p).is_file()]
-    rep = fold(soak, faults, a.gpu, a.command)
+    rep = fold(soaks, faults, a.gpu, a.command, labels=labels)
     Path(a.out).write_text(json.dumps(rep, indent=1) + "\n")
     if a.md:
         Path(a.md).write_text(markdown(rep))

@@ -54,3 +54,24 @@ def test_a_repeated_off_run_is_the_noise_floor_not_a_mode():
     assert rep["noise_floor_off_repeat"]["right_where_off_wrong"] == 1
     assert rep["soak_seconds_total"] == 360.0
     assert "Noise floor" in markdown(rep)
+
+
+def test_a_second_soak_run_judges_its_modes_against_its_own_off(tmp_path):
+    """A mode soaked under other server arguments comes from its own run, with that run's off kept beside it."""
+    first = {"device": "cuda", "modes": {"off": _mode(), "psa": _mode(),
+                                         "samkv": {"mode": "samkv", "error": "refused"}}}
+    second = {"device": "cuda", "modes": {"off": _mode(), "samkv": _mode(slope=0.5)}}
+    second["modes"]["samkv"]["wrong_vs_off"] = 3
+    rep = fold([first, second], [], "GPU X", labels=["flashinfer", "triton"])
+    assert set(rep["modes"]) == {"off", "psa", "samkv"}
+    assert rep["modes"]["samkv"]["wrong_vs_off"] == 3 and rep["modes_not_started"] == {}
+    assert rep["mode_runs"] == {"off": "flashinfer", "psa": "flashinfer", "samkv": "triton"}
+    assert "off (triton)" in rep["soak_details"] and rep["soak_details"]["off"]["rss_series"] == [[10, 900.0], [40, 905.0]]
+    assert rep["soak_seconds_total"] == 480.0
+    assert "`samkv`: triton" in markdown(rep)
+    paths = []
+    for name, s in (("a.json", first), ("b.json", second)):
+        (tmp_path / name).write_text(json.dumps(s))
+        paths += ["--soak", f"{tmp_path / name}=triton" if name == "b.json" else str(tmp_path / name)]
+    assert main(paths + ["--gpu", "G", "--out", str(tmp_path / "r.json")]) == 0
+    assert json.loads((tmp_path / "r.json").read_text())["mode_runs"]["samkv"] == "triton"

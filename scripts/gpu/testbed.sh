@@ -13,6 +13,7 @@
 #   bash scripts/gpu/testbed.sh realkern # kernel benches on attention captured from the 32k testbed model (issues
 #                                        # 23/24): psa_decode.json real_16k/real_32k, loopserve_prefill.json
 #                                        # real_32k, merged into copies of bench/results' headlines (~2-4 min)
+#   bash scripts/gpu/testbed.sh kernwaves  # psa decode wave plans (planted) + the full psa kernel bench at the best one
 #   bash scripts/gpu/testbed.sh settings4k  # psa vs off at 4k under three server settings: which setting costs psa
 #                                           # its fall-back throughput (page 16, prefill CUDA graphs off)
 #   bash scripts/gpu/testbed.sh c1ab     # psa vs off at concurrency 1 (16k, 32k), off on page 1 and on page 16
@@ -22,12 +23,13 @@
 # HARNESS_ARGS adds arguments to its bench.run_harness (e.g. --sparse-config 'psa={"probe_steps":1}').
 # SOAK_SERVER_ARGS adds server arguments to every soak server (e.g. --enable-deterministic-inference: batch-invariant
 # results, so a mode's wrong answers against off are its own and not batch noise); give it to reliability-wait too.
-# (samkv refuses --enable-deterministic-inference on flashinfer, where SGLang turns the radix cache off: its soak server then
-# does not start and reliability.json lists it under modes_not_started.)
+# samkv refuses --enable-deterministic-inference on flashinfer, where SGLang turns the radix cache off, so the soak runs
+# samkv in a second run of its own (off + samkv) under SAMKV_SOAK_ARGS (default: the triton backend with deterministic
+# inference, which keeps the radix cache); its wrong answers are counted against that run's off. SAMKV_SOAK=0 skips it.
 #
 # Reports go to /tmp/testbed/<part>/ and come back packed as $OUT/<part>.tgz.
 set -uo pipefail
-part=${1:?usage: testbed.sh needle|long|samkv|e2e|settings4k|c1ab|realkern|reliability-start|reliability-wait}
+part=${1:?usage: testbed.sh needle|long|samkv|e2e|settings4k|c1ab|realkern|kernwaves|reliability-start|reliability-wait}
 out=${OUT:-$PWD/gpu_out}
 name=${part%-*}${TESTBED_TAG:+_$TESTBED_TAG}
 R=/tmp/testbed/$name
@@ -131,16 +133,33 @@ PY
     step loopserve_real timeout -k 20 "${REALKERN_TIMEOUT:-240}" python3 bench/loopserve_prefill_bench.py --real-only \
         --testbed-model $M32 --out "$R"
     ;;
+  kernwaves)  # psa decode wave plans on the planted cases, then the full kernel bench (planted grid + testbed real
+    # rows) at the plan picked from the sweep (bench/psa_decode_bench.py pick_wave_plan), ~5-6 minutes
+    export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+    step psa_waves timeout -k 20 "${WAVES_TIMEOUT:-240}" python3 bench/psa_decode_bench.py --wave-sweep --out "$R"
+    step psa_full timeout -k 20 "${KERNEL_TIMEOUT:-330}" python3 bench/psa_decode_bench.py \
+        --wave-plan "best:$R/psa_wave_sweep.json" --testbed-model $M32 --out "$R"
+    rm -f "$R"/*.png
+    ;;
   reliability-start)  # no timing figure comes from these: they may share the GPU with the `long` part
     say "== reliability: soak + faults started in the background"
     soak_extra=""; for x in ${SOAK_SERVER_ARGS:-}; do soak_extra="$soak_extra --server-arg=$x"; done
-    ( setsid bash -c "
-        timeout -k 20 ${SOAK_TIMEOUT:-1500} python3 -m bench.soak --launch off,psa,loopserve,lastwindow,samkv \
-          --model $M32 --requests ${SOAK_REQUESTS:-5000} --time-budget ${SOAK_MODE_BUDGET:-125} --concurrency 4 --repeat-off \
+    samkv_extra=""; for x in ${SAMKV_SOAK_ARGS:---attention-backend=triton --enable-deterministic-inference}; do
+      samkv_extra="$samkv_extra --server-arg=$x"; done
+    soak_common="--model $M32 --requests ${SOAK_REQUESTS:-5000} --time-budget ${SOAK_MODE_BUDGET:-125} --concurrency 4 \
           --turn-words ${SOAK_TURN_WORDS:-7000} --max-tokens 16 --sample-every 10 --log-dir $R \
-          --server-arg=$SHARED --server-arg=--max-total-tokens=65536 --server-arg=--attention-backend=flashinfer \
+          --server-arg=$SHARED --server-arg=--max-total-tokens=65536"
+    [ "${SAMKV_SOAK:-1}" = 1 ] || echo skipped > "$R/soak_samkv.rc"
+    ( setsid bash -c "
+        timeout -k 20 ${SOAK_TIMEOUT:-1500} python3 -m bench.soak --launch ${SOAK_MODES:-off,psa,loopserve,lastwindow} \
+          $soak_common --repeat-off --server-arg=--attention-backend=flashinfer \
           $soak_extra --out $R/soak.json > $R/soak.log 2>&1
-        echo \$? > $R/soak.rc" > /dev/null 2>&1 < /dev/null & )
+        echo \$? > $R/soak.rc
+        if [ '${SAMKV_SOAK:-1}' = 1 ]; then
+          timeout -k 20 ${SOAK_TIMEOUT:-1500} python3 -m bench.soak --launch off,samkv $soak_common $samkv_extra \
+            --out $R/soak_samkv.json > $R/soak_samkv.log 2>&1
+          echo \$? > $R/soak_samkv.rc
+        fi" > /dev/null 2>&1 < /dev/null & )
     [ "${RELIABILITY_FAULTS:-1}" = 1 ] || echo done > "$R/faults.rc"   # soak only
     [ "${RELIABILITY_FAULTS:-1}" = 1 ] && ( setsid bash -c "
         for m in psa loopserve samkv lastwindow,off; do
@@ -154,13 +173,16 @@ PY
     ;;
   reliability-wait)
     t0=$(date +%s)
-    while { [ ! -f "$R/soak.rc" ] || ! grep -q done "$R/faults.rc" 2>/dev/null; } \
+    while { [ ! -f "$R/soak.rc" ] || [ ! -f "$R/soak_samkv.rc" ] || ! grep -q done "$R/faults.rc" 2>/dev/null; } \
         && [ $(( $(date +%s) - t0 )) -lt "${RELIABILITY_WAIT:-400}" ]; do sleep 5; done
-    say "== reliability-wait: soak rc $(cat "$R/soak.rc" 2>/dev/null || echo running), faults $(tr '\n' ' ' < "$R/faults.rc" 2>/dev/null)"
+    say "== reliability-wait: soak rc $(cat "$R/soak.rc" 2>/dev/null || echo running), samkv soak rc $(cat "$R/soak_samkv.rc" 2>/dev/null || echo running), faults $(tr '\n' ' ' < "$R/faults.rc" 2>/dev/null)"
     tail -n 30 "$R/soak.log" "$R/faults.log"
-    [ -f "$R/soak.json" ] && python3 -m bench.reliability --soak "$R/soak.json" --faults "$R"/faults_*.json \
+    [ -f "$R/soak_samkv.log" ] && tail -n 15 "$R/soak_samkv.log"
+    soaks=(--soak "$R/soak.json=flashinfer")
+    [ -f "$R/soak_samkv.json" ] && soaks+=(--soak "$R/soak_samkv.json=${SAMKV_SOAK_ARGS:---attention-backend=triton --enable-deterministic-inference}")
+    [ -f "$R/soak.json" ] && python3 -m bench.reliability "${soaks[@]}" --faults "$R"/faults_*.json \
         --gpu "$(cut -d, -f1 "$R/gpu.txt")" --out "$R/reliability.json" --md "$R/reliability.md" \
-        --command "scripts/gpu/testbed.sh reliability-start: bench.soak --launch off,psa,loopserve,lastwindow,samkv --repeat-off on the 32k testbed, --max-total-tokens 65536${SOAK_SERVER_ARGS:+ $SOAK_SERVER_ARGS}, --time-budget ${SOAK_MODE_BUDGET:-125} s per mode; bench.faults per mode on the 8k model"
+        --command "scripts/gpu/testbed.sh reliability-start: bench.soak --launch ${SOAK_MODES:-off,psa,loopserve,lastwindow} --repeat-off on the 32k testbed, --max-total-tokens 65536 --attention-backend flashinfer${SOAK_SERVER_ARGS:+ $SOAK_SERVER_ARGS}, --time-budget ${SOAK_MODE_BUDGET:-125} s per mode; then bench.soak --launch off,samkv with ${SAMKV_SOAK_ARGS:---attention-backend=triton --enable-deterministic-inference}; bench.faults per mode on the 8k model"
     rm -f "$R"/*.pt 2>/dev/null
     part=reliability
     ;;
