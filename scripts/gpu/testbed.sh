@@ -136,8 +136,9 @@ PY
   kernwaves)  # psa decode wave plans on the planted cases, then the full kernel bench (planted grid + testbed real
     # rows) at the plan picked from the sweep (bench/psa_decode_bench.py pick_wave_plan), ~5-6 minutes
     export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
-    step psa_waves timeout -k 20 "${WAVES_TIMEOUT:-240}" python3 bench/psa_decode_bench.py --wave-sweep --out "$R"
-    step psa_full timeout -k 20 "${KERNEL_TIMEOUT:-330}" python3 bench/psa_decode_bench.py \
+    [ "${KERNWAVES_SWEEP:-1}" = 1 ] && step psa_waves timeout -k 20 "${WAVES_TIMEOUT:-300}" python3 bench/psa_decode_bench.py \
+        --wave-sweep --testbed-model $M32 --out "$R"
+    [ "${KERNWAVES_FULL:-1}" = 1 ] && step psa_full timeout -k 20 "${KERNEL_TIMEOUT:-330}" python3 bench/psa_decode_bench.py \
         --wave-plan "best:$R/psa_wave_sweep.json" --testbed-model $M32 --out "$R"
     rm -f "$R"/*.png
     ;;
