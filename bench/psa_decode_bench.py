@@ -4,10 +4,10 @@ Measures, per case (Llama-3.1-8B attention shapes: 32 qo / 8 kv heads, d=128, bf
 time of one layer of ``PsaDecodeWrapper.run`` (criticality + sort + bound suffix + waves of
 chunk attention and merge), replayed from a CUDA graph as the server runs it (eager time
 too), and of ``flashinfer.BatchDecodeWithPagedKVCacheWrapper.run``; bytes read (KV of the
-blocks the kernels actually read, incl. the over-read of the last wave, + kmin/kmax of
-all blocks) and achieved TB/s against the measured peak (a large device copy); blocks in
+blocks the kernels actually read, incl. the over-read of the last wave, + the metadata the
+criticality pass reads for all blocks: kmin, kmax and kmean with the default mean rank order) and achieved TB/s against the measured peak (a large device copy); blocks in
 the result; true kept mass (against full attention); a fixed top-k (Quest-style, same
-cuboid ranking, same sink/local blocks) baseline at equal mean kept mass, as a bytes
+ranking, same sink/local blocks) baseline at equal mean kept mass, as a bytes
 ratio and a time (same wave kernels, list capped at k); and the server's short-context
 path (dense FlashInfer + the block-metadata update it keeps doing below ``min_context``).
 
@@ -192,6 +192,14 @@ def blocks_actually_read(w, nread, list_lens, n_forced):
     return total
 
 
+def meta_vectors(cfg: PsaDecodeConfig) -> int:
+    """Metadata vectors per (block, KV head) the criticality kernel loads: kmin + kmax for the cuboid score, kmean
+    for the mean score or the mean rank order (:func:`flashinfer_ext.psa.criticality.block_criticality`)."""
+    cuboid = cfg.criticality == "cuboid"
+    mean_rank = cfg.rank_by == "mean" and (cfg.criticality, cfg.group_reduce) != ("mean", "max")
+    return 2 * cuboid + int((not cuboid) or mean_rank)
+
+
 def run_case(name, batch, ctx, page, planted=True, capture=None, hq=32, hk=8, d=128, eps=EPS, seed=0,
              with_topk=True, estimator="calibrated", dev="cuda", timing=True, wrapper_kw=None, cfg_kw=None):
     """One PSA vs dense (vs top-k) measurement; ``timing=False`` runs every kernel once and leaves the
@@ -247,7 +255,7 @@ def run_case(name, batch, ctx, page, planted=True, capture=None, hq=32, hk=8, d=
     total_blocks = sum(-(-L // page) for L in seq_host) * hk
     blocks_read = int(nread.sum())
     actual = blocks_actually_read(w, nread, w._list_lens_buf[:batch], w._n_forced_buf[:batch])
-    meta_bytes = total_blocks * 2 * d * 2  # kmin + kmax, bf16
+    meta_bytes = total_blocks * meta_vectors(cfg) * d * 2  # the block metadata the criticality pass reads, bf16
     psa_bytes = actual * blk_bytes + meta_bytes
     dense_bytes = sum(seq_host) * hk * d * 2 * 2
     kept, cums = kept_mass(q, k, req_to_token, rpi, seq_host, w.order, nread, page, sm_scale)
@@ -505,8 +513,8 @@ def write_report(out: Path, meta: dict, results: list, top: dict | None = None):
              f"- PSA: eps={EPS}, micro-batch 8 blocks (chunks grow past 128 ranks, <= 1/16 overshoot), sink 1, "
              "local 2 blocks, cuboid criticality, group max, metadata bf16; t PSA = median of 20 CUDA-graph "
              "replays of one layer (eager in its own column)",
-             "- bytes: PSA = K+V of the blocks the kernels read (incl. last-wave over-read) + kmin/kmax of all "
-             "blocks; dense = all K+V; top-k at equal mean kept mass (same ranking, same wave kernels)",
+             "- bytes: PSA = K+V of the blocks the kernels read (incl. last-wave over-read) + the metadata the "
+             "criticality pass reads for every block (kmin, kmax and, ranking by the mean key, kmean); dense = all K+V; top-k at equal mean kept mass (same ranking, same wave kernels)",
              "- testbed real rows: q/k/v captured from the 32k testbed model (YaRN) on its needle prompt "
              "(bench/real_capture.py), decode at 3 positions near the prompt's end x layers "
              f"{(meta.get('real_run') or meta).get('real_layers')}"

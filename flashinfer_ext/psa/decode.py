@@ -33,9 +33,10 @@ Cautions:
     GPU (``wave_programs``), so at batch 1 it can read far past the stop point (bandwidth, not
     latency; ``bench/psa_decode_bench.py`` reports both fractions).
   * Measured on an H100 (triton 3.6, one layer, CUDA graph, 128k context, batch 8, 32/8 heads,
-    d 128, page 16, planted structure of the benchmark, eps 0.95, 'calibrated'): 256-260 us, of
-    which criticality 104 us (kmin+kmax of every block, ~2.6 TB/s), ranking 42 us, bound suffix
-    14 us, chunk waves ~70 us, merges ~25 us.
+    d 128, page 16, planted structure of the benchmark, eps 0.95, 'calibrated', rank_by 'mean'):
+    ~365 us against ~1.5 ms for FlashInfer's dense decode. The criticality pass reads kmin, kmax and
+    kmean of every block (~400 MB here, about 150 us at the copy peak); ranking, the bound suffix, the
+    waves' launches and merges are the rest (``bench/results/psa_decode.md``).
 """
 
 from __future__ import annotations
@@ -63,15 +64,21 @@ class PsaDecodeWrapper:
       max_blocks_per_req: ``ceil(max_context_len / block_size)``; the sort width.
       sm_scale: softmax scale (default ``head_dim ** -0.5``).
       out_dtype: dtype of the attention output buffer.
-      wave_programs: programs the first wave should launch (default 4 x SM count on CUDA).
-      wave_growth: each next wave covers about this many times the ranks read so far.
+      wave_programs: programs the first wave should launch (default 2 x SM count on CUDA).
+      wave_growth: each next wave covers about this many times the ranks read so far (default 4).
+      max_waves: most waves (the last takes every remaining chunk; default 5).
+      The wave defaults come from ``bench/psa_decode_bench.py --wave-sweep`` on an H100
+      (``bench/results/psa_wave_sweep.md``): against the former 4 x SM / 2 / 12 they cut a layer's time
+      by 26 % at batch 1 / 128k and 13 % on the 32k testbed capture, and by 1-2 % at batch 8 / 128k and
+      batch 32 / 32k (planted). The result does not depend on them: only the over-read of the last wave and
+      the number of launches do.
     """
 
     def __init__(self, config: PsaDecodeConfig, *, num_qo_heads: int, num_kv_heads: int, head_dim: int,
                  block_size: int, max_batch_size: int, max_blocks_per_req: int,
                  device: str | torch.device = "cuda", sm_scale: float | None = None,
                  out_dtype: torch.dtype = torch.bfloat16, tile_tokens: int = 64,
-                 wave_programs: int | None = None, wave_growth: float = 2.0, max_waves: int = 12):
+                 wave_programs: int | None = None, wave_growth: float = 4.0, max_waves: int = 5):
         if not isinstance(config, PsaDecodeConfig):
             raise TypeError(f"config must be a PsaDecodeConfig, got {type(config).__name__}")
         if num_qo_heads % num_kv_heads:
@@ -88,7 +95,7 @@ class PsaDecodeWrapper:
         self.tile_tokens = tile_tokens
         dev = torch.device(device)
         if wave_programs is None:
-            wave_programs = (4 * torch.cuda.get_device_properties(dev).multi_processor_count
+            wave_programs = (2 * torch.cuda.get_device_properties(dev).multi_processor_count
                              if dev.type == "cuda" else 16)
         self.wave_programs, self.wave_growth, self.max_waves = int(wave_programs), float(wave_growth), int(max_waves)
         i32 = dict(dtype=torch.int32, device=dev)

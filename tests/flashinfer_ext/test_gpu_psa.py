@@ -69,7 +69,7 @@ def test_gpu_wrapper_matches_reference(hq, hk, d, dtype, page, epsilon, estimato
                           criticality="mean" if estimator == "mean" else "cuboid")
     pool = make_pool([2000, 37, 1500 + page // 2, 800], hq, hk, d, dtype, page, seed=21, device="cuda",
                      planted=True)
-    w, mp, _ = _wrapper(pool, cfg, page, wave_programs=8)
+    w, mp, _ = _wrapper(pool, cfg, page, wave_programs=8, wave_growth=2.0, max_waves=12)  # several waves
     assert len(w.waves) >= 3
     o, lse, nread = w.run(pool.q, pool.k_buffer, pool.v_buffer, *mp.layer(0))
     torch.cuda.synchronize()
