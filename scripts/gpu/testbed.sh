@@ -25,7 +25,8 @@
 # results, so a mode's wrong answers against off are its own and not batch noise); give it to reliability-wait too.
 # samkv refuses --enable-deterministic-inference on flashinfer, where SGLang turns the radix cache off, so the soak runs
 # samkv in a second run of its own (off + samkv) under SAMKV_SOAK_ARGS (default: the triton backend with deterministic
-# inference, which keeps the radix cache); its wrong answers are counted against that run's off. SAMKV_SOAK=0 skips it.
+# inference, which keeps the radix cache); its wrong answers are counted against that run's off. SAMKV_SOAK=0 skips it,
+# SOAK_MAIN=0 runs it alone; RELIABILITY_FAULT_MODES="psa ..." limits the fault runs; FAULTS_MODE_TIMEOUT bounds each.
 #
 # Reports go to /tmp/testbed/<part>/ and come back packed as $OUT/<part>.tgz.
 set -uo pipefail
@@ -151,11 +152,14 @@ PY
           --turn-words ${SOAK_TURN_WORDS:-7000} --max-tokens 16 --sample-every 10 --log-dir $R \
           --server-arg=$SHARED --server-arg=--max-total-tokens=65536"
     [ "${SAMKV_SOAK:-1}" = 1 ] || echo skipped > "$R/soak_samkv.rc"
+    [ "${SOAK_MAIN:-1}" = 1 ] || echo skipped > "$R/soak.rc"   # SOAK_MAIN=0: only the samkv run (and faults)
     ( setsid bash -c "
-        timeout -k 20 ${SOAK_TIMEOUT:-1500} python3 -m bench.soak --launch ${SOAK_MODES:-off,psa,loopserve,lastwindow} \
-          $soak_common --repeat-off --server-arg=--attention-backend=flashinfer \
-          $soak_extra --out $R/soak.json > $R/soak.log 2>&1
-        echo \$? > $R/soak.rc
+        if [ '${SOAK_MAIN:-1}' = 1 ]; then
+          timeout -k 20 ${SOAK_TIMEOUT:-1500} python3 -m bench.soak --launch ${SOAK_MODES:-off,psa,loopserve,lastwindow} \
+            $soak_common --repeat-off --server-arg=--attention-backend=flashinfer \
+            $soak_extra --out $R/soak.json > $R/soak.log 2>&1
+          echo \$? > $R/soak.rc
+        fi
         if [ '${SAMKV_SOAK:-1}' = 1 ]; then
           timeout -k 20 ${SOAK_TIMEOUT:-1500} python3 -m bench.soak --launch off,samkv $soak_common $samkv_extra \
             --out $R/soak_samkv.json > $R/soak_samkv.log 2>&1
@@ -163,7 +167,7 @@ PY
         fi" > /dev/null 2>&1 < /dev/null & )
     [ "${RELIABILITY_FAULTS:-1}" = 1 ] || echo done > "$R/faults.rc"   # soak only
     [ "${RELIABILITY_FAULTS:-1}" = 1 ] && ( setsid bash -c "
-        for m in psa loopserve samkv lastwindow,off; do
+        for m in ${RELIABILITY_FAULT_MODES:-psa loopserve samkv lastwindow,off}; do
           timeout -k 20 ${FAULTS_MODE_TIMEOUT:-420} python3 -m bench.faults --modes \$m --model $KIT_MODEL \
             --server-arg=$SHARED --log-dir $R --out $R/faults_\${m%,*}.json >> $R/faults.log 2>&1
           echo \"\$m \$?\" >> $R/faults.rc
@@ -177,7 +181,7 @@ PY
     while { [ ! -f "$R/soak.rc" ] || [ ! -f "$R/soak_samkv.rc" ] || ! grep -q done "$R/faults.rc" 2>/dev/null; } \
         && [ $(( $(date +%s) - t0 )) -lt "${RELIABILITY_WAIT:-400}" ]; do sleep 5; done
     say "== reliability-wait: soak rc $(cat "$R/soak.rc" 2>/dev/null || echo running), samkv soak rc $(cat "$R/soak_samkv.rc" 2>/dev/null || echo running), faults $(tr '\n' ' ' < "$R/faults.rc" 2>/dev/null)"
-    tail -n 30 "$R/soak.log" "$R/faults.log"
+    tail -n 30 "$R/soak.log" "$R/faults.log" 2>/dev/null
     [ -f "$R/soak_samkv.log" ] && tail -n 15 "$R/soak_samkv.log"
     soaks=(--soak "$R/soak.json=flashinfer")
     [ -f "$R/soak_samkv.json" ] && soaks+=(--soak "$R/soak_samkv.json=${SAMKV_SOAK_ARGS:---attention-backend=triton --enable-deterministic-inference}")
