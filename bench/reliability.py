@@ -34,6 +34,8 @@ def fold(soak: dict | list[dict], faults: list[dict], gpu: str, commands: list[s
     labels = list(labels or []) + [f"run {i + 1}" for i in range(len(labels or []), len(soaks))]
     rep = _fold_one(soaks[0], faults, gpu, commands)
     rep["mode_runs"] = {m: labels[0] for m in rep["modes"]}
+    if rep.get("noise_floor_off_repeat"):
+        rep["noise_floor_off_repeat"]["run"] = labels[0]
     for run, label in zip(soaks[1:], labels[1:]):
         more = _fold_one(run, [], gpu)
         for mode, row in more["modes"].items():
@@ -127,7 +129,8 @@ def markdown(rep: dict) -> str:
         lines += ["", f"Soak traffic in all: {rep['soak_seconds_total']:.0f} s."]
     noise = rep.get("noise_floor_off_repeat")
     if noise:
-        lines += ["", f"Noise floor (`off_repeat`): a second `off` server on the same traffic answered {noise['wrong_vs_off']} facts "
+        run = f", {noise['run']} run" if noise.get("run") and len(set((rep.get("mode_runs") or {}).values())) > 1 else ""
+        lines += ["", f"Noise floor (`off_repeat`{run}): a second `off` server on the same traffic answered {noise['wrong_vs_off']} facts "
                   f"wrong that the first answered right, and {noise['right_where_off_wrong']} right that it answered "
                   f"wrong ({noise['facts_checked']} checked): "
                   + ("the two `off` runs agree on every fact (batch-invariant servers), so a mode's `wrong vs off` "
@@ -138,6 +141,8 @@ def markdown(rep: dict) -> str:
                   f"(devices: {', '.join(rep['fault_devices']) or 'none'})."]
     for f in rep["faults_not_survived"]:
         lines.append(f"- not survived: `{f['fault']}` / {f['mode']}: outcome {f['outcome']}, checks {f['checks']}")
+    for mode, note in (rep.get("notes") or {}).items():
+        lines += ["", f"`{mode}`: {note}"]
     if rep["commands"]:
         lines += ["", "Commands:", ""] + [f"    {c}" for c in rep["commands"]]
     return "\n".join(lines) + "\n"
@@ -153,12 +158,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--command", action="append", default=[], help="command that produced the reports (repeat)")
     ap.add_argument("--out", required=True)
     ap.add_argument("--md", help="Markdown report path")
+    ap.add_argument("--note", action="append", default=[], metavar="MODE=TEXT",
+                    help="a reading of a mode's row (repeat), kept as notes[MODE] and printed under the table")
     a = ap.parse_args(argv)
     paths = [x.split("=", 1) if "=" in x else (x, None) for x in a.soak]  # PATH=LABEL (a label may hold "=")
     soaks = [json.loads(Path(p).read_text()) for p, _ in paths]
     labels = [lab or (f"run {i + 1}") for i, (_, lab) in enumerate(paths)]
     faults = [json.loads(Path(p).read_text()) for p in a.faults if Path(p).is_file()]
     rep = fold(soaks, faults, a.gpu, a.command, labels=labels)
+    notes = dict(x.split("=", 1) for x in a.note if "=" in x)
+    if notes:
+        rep["notes"] = notes
     Path(a.out).write_text(json.dumps(rep, indent=1) + "\n")
     if a.md:
         Path(a.md).write_text(markdown(rep))

@@ -107,9 +107,16 @@ def reliability_section(r: dict | None) -> list[str]:
             for m, x in (r.get("modes") or {}).items()]
     md += _table(["mode", "sent", "completed", "aborted", "failed", "wrong vs off", "5xx", "RSS slope MB / 1k requests",
                   "idle leak check"], rows)
+    runs = r.get("mode_runs") or {}
+    if len(set(runs.values())) > 1:  # modes soaked under other server arguments, each against its own run's off
+        by = {}
+        for m, lab in runs.items():
+            by.setdefault(lab, []).append(f"`{m}`")
+        md += ["", "Soak runs, each mode against the `off` server of its own run: "
+               + "; ".join(f"{', '.join(ms)} with `{lab}`" for lab, ms in by.items()) + "."]
     noise = r.get("noise_floor_off_repeat")
     if noise:
-        md += ["", f"Noise floor: a second `off` run of the same traffic answered {noise.get('wrong_vs_off')} facts wrong "
+        md += ["", f"Noise floor{' (' + noise['run'] + ' run)' if noise.get('run') and len(set(runs.values())) > 1 else ''}: a second `off` run of the same traffic answered {noise.get('wrong_vs_off')} facts wrong "
                f"that the first answered right and {noise.get('right_where_off_wrong')} right that it answered wrong "
                f"({noise.get('facts_checked')} checked); read `wrong vs off` against it (facts checked per mode and "
                "the other direction are in the details). `lastwindow` keeps a fixed budget chosen from the prompt's "

@@ -183,7 +183,7 @@ PY
     say "== reliability-wait: soak rc $(cat "$R/soak.rc" 2>/dev/null || echo running), samkv soak rc $(cat "$R/soak_samkv.rc" 2>/dev/null || echo running), faults $(tr '\n' ' ' < "$R/faults.rc" 2>/dev/null)"
     tail -n 30 "$R/soak.log" "$R/faults.log" 2>/dev/null
     [ -f "$R/soak_samkv.log" ] && tail -n 15 "$R/soak_samkv.log"
-    soaks=(--soak "$R/soak.json=flashinfer")
+    soaks=(--soak "$R/soak.json=--attention-backend=flashinfer${SOAK_SERVER_ARGS:+ $SOAK_SERVER_ARGS}")
     [ -f "$R/soak_samkv.json" ] && soaks+=(--soak "$R/soak_samkv.json=${SAMKV_SOAK_ARGS:---attention-backend=triton --enable-deterministic-inference}")
     [ -f "$R/soak.json" ] && python3 -m bench.reliability "${soaks[@]}" --faults "$R"/faults_*.json \
         --gpu "$(cut -d, -f1 "$R/gpu.txt")" --out "$R/reliability.json" --md "$R/reliability.md" \

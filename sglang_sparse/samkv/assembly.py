@@ -211,9 +211,9 @@ def init_round_hook(result, req, *args, **kwargs):
     wall0 = time.time()
     try:
         req.samkv_result = _assemble(req, tree_cache, rt, custom)
-    except Exception:  # never take the scheduler down: serve the request densely
+    except Exception as e:  # never take the scheduler down: serve the request densely
         logger.exception("sglang-sparse samkv: assembly failed for %s; serving it densely", req.rid)
-        req.samkv_result = {"status": "error"}
+        req.samkv_result = {"status": "error", "reason": type(e).__name__}
         rt.take_paths()
         rt.timing_done()
         rt.record(req.samkv_result)
@@ -227,8 +227,9 @@ def init_round_hook(result, req, *args, **kwargs):
     if paths:  # which side-forward path ran (graph / pad / eager, sglang_sparse.samkv.graph)
         req.samkv_result["side_forward"] = paths
     rt.record(req.samkv_result)
-    logger.info("sglang-sparse samkv: %s %s timing_ms=%s", req.rid, req.samkv_result.get("status"),
-                req.samkv_result["timing_ms"])
+    reason = req.samkv_result.get("reason")
+    logger.info("sglang-sparse samkv: %s %s%s timing_ms=%s", req.rid, req.samkv_result.get("status"),
+                f" ({reason})" if reason else "", req.samkv_result["timing_ms"])
     # to the response: SGLang carries req.customized_info[key] (one entry per output token, sliced from
     # the first) into meta_info[key]; the first output token brings this result along
     info = getattr(req, "customized_info", None) or {}

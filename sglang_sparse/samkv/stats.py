@@ -2,7 +2,8 @@
 
 Counted once per documents request, in the scheduler, when its composite context is assembled
 (:func:`sglang_sparse.samkv.assembly.init_round_hook`): how it went (``status``: assembled, fallback,
-recompute, too_short, error), the document tokens it carried, the KV tokens kept in the composite and
+recompute, too_short, error; ``fallback_reasons``: why the dense fallback served it, e.g. a document evicted
+before its use), the document tokens it carried, the KV tokens kept in the composite and
 the tokens recomputed. A streamed request has no ``metadata["sparse"]`` (the OpenAI stream has no
 metadata field): these counters are where its figures show.
 """
@@ -25,12 +26,17 @@ class SamKVStats:
     document_tokens: int = 0          # document tokens of the assembled requests
     kept_tokens: int = 0              # of which kept in their composite context
     recomputed_tokens: int = 0        # tokens recomputed over the composite (samkv, cacheblend)
+    fallback_reasons: dict = field(default_factory=dict)  # why requests were served densely, e.g. "document not cached"
 
     def record(self, result: dict) -> None:
         """Fold one request's assembly result (``samkv_result``) in."""
         status = str(result.get("status"))
         self.requests += 1
         self.by_status[status] = self.by_status.get(status, 0) + 1
+        if status in ("fallback", "error"):
+            reason = str(result.get("reason") or status)[:80]  # a few fixed strings (and exception types)
+            if reason in self.fallback_reasons or len(self.fallback_reasons) < 32:
+                self.fallback_reasons[reason] = self.fallback_reasons.get(reason, 0) + 1
         if status == "assembled":
             self.document_tokens += int(result.get("document_tokens", 0))
             self.kept_tokens += int(result.get("kept_tokens", 0))
