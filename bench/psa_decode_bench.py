@@ -52,7 +52,7 @@ if not torch.cuda.is_available():  # the kernels run under the Triton interprete
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench import real_capture  # noqa: E402
+from bench import psa_plans, real_capture  # noqa: E402
 from bench.timing import timed  # noqa: E402
 from flashinfer_ext.psa.block_meta import BlockMetaPool, paged_block_table  # noqa: E402
 from flashinfer_ext.psa.config import PsaDecodeConfig  # noqa: E402
@@ -201,12 +201,15 @@ def meta_vectors(cfg: PsaDecodeConfig) -> int:
 
 
 def run_case(name, batch, ctx, page, planted=True, capture=None, hq=32, hk=8, d=128, eps=EPS, seed=0,
-             with_topk=True, estimator="calibrated", dev="cuda", timing=True, wrapper_kw=None, cfg_kw=None):
+             with_topk=True, estimator="calibrated", dev="cuda", timing=True, wrapper_kw=None, cfg_kw=None,
+             stage_profile=False):
     """One PSA vs dense (vs top-k) measurement; ``timing=False`` runs every kernel once and leaves the
     times NaN (CPU runs of captured cases: the interpreter's timings mean nothing and cost minutes).
     ``wrapper_kw``: extra :class:`PsaDecodeWrapper` arguments (the wave plan: ``wave_programs``,
     ``wave_growth``, ``max_waves``), recorded in the row; ``cfg_kw``: :class:`PsaDecodeConfig` overrides
-    (``sorted_prefix_blocks``)."""
+    (``sorted_prefix_blocks``); ``stage_profile``: also time the stages apart (``t_stage_us``: criticality, ranking,
+    bound suffix, waves + merges; CUDA only): CUDA graphs of the run cut after each stage, differences of their
+    replay times."""
     if dev == "cuda":
         torch.cuda.empty_cache()
     if capture is not None:
@@ -270,6 +273,18 @@ def run_case(name, batch, ctx, page, planted=True, capture=None, hq=32, hk=8, d=
                max_abs_err_vs_dense=float((o.float() - do.float()).abs().max()),
                wave_programs=w.wave_programs, wave_growth=w.wave_growth, max_waves=w.max_waves,
                sorted_prefix_blocks=cfg.sorted_prefix_blocks)
+    if stage_profile and g is not None:
+        cum = {}
+        for st in PsaDecodeWrapper.STAGES:
+            gs = graph_of(lambda st=st: w.run(q, k, v, *ml, stop_after=st))
+            cum[st] = timed(gs.replay)
+            del gs
+        res["t_stage_us"] = {"criticality": cum["criticality"] * 1e6,
+                             "ranking": (cum["ranking"] - cum["criticality"]) * 1e6,
+                             "bound_suffix": (cum["suffix"] - cum["ranking"]) * 1e6,
+                             "waves_and_merges": (t_psa - cum["suffix"]) * 1e6}
+        res["criticality_bytes"] = meta_bytes
+        res["criticality_tbps"] = meta_bytes / cum["criticality"] / 1e12
     if with_topk and eps < 1.0:
         kq = topk_at_equal_mass(cums, res["kept_mean"])
         n_forced = min(nb, 3)
@@ -308,116 +323,6 @@ def capture_smollm(num_tokens, layers, positions, dev="cuda"):
 
     cap = capture_qkv(num_tokens=num_tokens, layers=layers, device=dev)
     return real_capture.decode_pool(cap, tuple(layers), positions, dev)
-
-
-WAVE_SWEEP_CASES = ((8, 131072, 16), (1, 131072, 16), (32, 32768, 16))  # (batch, ctx, page); the headline first
-# programs per SM of the first wave x growth x max waves x the exactly sorted prefix (blocks)
-WAVE_SWEEP_GRID = [dict(wave_programs=m, wave_growth=gr, max_waves=mw, sorted_prefix_blocks=pf)
-                   for m in (2, 4, 8) for gr in (2.0, 4.0, 8.0) for mw in (12, 5) for pf in (1024, 256)]
-WAVE_BASE = (4, 2.0, 12, 1024)  # PsaDecodeWrapper / PsaDecodeConfig defaults
-
-
-def _plan_kw(g: dict, sms: int) -> tuple[dict, dict]:
-    """A sweep plan -> (wrapper keyword arguments, PsaDecodeConfig overrides)."""
-    wkw = dict(wave_programs=g["wave_programs"] * sms, wave_growth=g["wave_growth"], max_waves=g["max_waves"])
-    return wkw, {"sorted_prefix_blocks": g.get("sorted_prefix_blocks", WAVE_BASE[3])}
-
-
-def run_wave_sweep(out: Path, meta: dict, dev: str, cases=WAVE_SWEEP_CASES, grid=None, real_pool=None) -> list:
-    """The planted cases (and, with ``real_pool``, the 32k testbed capture) over plans: first-wave programs per SM
-    x growth x max waves x sorted prefix. Per plan: PSA time, waves, blocks the kernels read, blocks in the result
-    and the fraction of the bytes-read limit. Writes ``psa_wave_sweep.{json,md}``."""
-    grid = WAVE_SWEEP_GRID if grid is None else grid
-    sms = torch.cuda.get_device_properties(0).multi_processor_count if dev == "cuda" else 4
-    rows = []
-    todo = [("planted", dict(batch=b, ctx=c, page=p)) for b, c, p in cases]
-    if real_pool is not None:
-        todo.append((real_capture.REAL_CASE, dict(batch=0, ctx=0, page=16, planted=False, capture=real_pool)))
-    for name, kw in todo:
-        for g in grid:
-            wkw, ckw = _plan_kw(g, sms)
-            try:
-                r = run_case(name, dev=dev, with_topk=False, wrapper_kw=wkw, cfg_kw=ckw, **kw)
-                r.update(programs_per_sm=g["wave_programs"], sorted_prefix_blocks=ckw["sorted_prefix_blocks"])
-                r["fraction_of_bytes_limit"] = r["psa_tbps"] * 1e12 / meta["peak_bps"] if meta.get("peak_bps") else None
-            except Exception as e:
-                traceback.print_exc()
-                r = dict(case=name, batch=kw["batch"], ctx=kw["ctx"], page=kw["page"], **g, error=f"{type(e).__name__}: {e}")
-            print(json.dumps(r), flush=True)
-            rows.append(r)
-    out.mkdir(parents=True, exist_ok=True)
-    pick = pick_wave_plan(rows)
-    (out / "psa_wave_sweep.json").write_text(json.dumps(dict(meta=meta, picked=pick, results=rows), indent=1))
-    lines = ["# PSA decode: wave plans and sorted prefix", "", f"- command: `{meta['command']}`",
-             f"- device: {meta['gpu']}; peak copy bandwidth {meta.get('peak_bps', float('nan')) / 1e12:.2f} TB/s",
-             f"- versions: {meta['versions']}", "- eps 0.95, 'calibrated', page 16, bf16; planted: 32/8 heads, d 128; "
-             "testbed real: the 32k testbed model's captured q/k/v (9/3 heads, d 64); t PSA = median of CUDA-graph "
-             "replays of one layer",
-             f"- picked (pick_wave_plan: fastest headline among plans within 3 % of the defaults {WAVE_BASE} on every "
-             f"case, and reading no more blocks on the testbed capture): {pick}", "",
-             "| case | batch | ctx | programs/SM | growth | max waves | prefix | waves | t PSA us | t dense us | "
-             "dense/PSA | result frac | kernel frac | fraction of bytes limit |", "|" + "---|" * 14]
-    for r in rows:
-        if "error" in r:
-            lines.append(f"| {r['case']} | {r['batch']} | {r['ctx']} | FAILED: {r['error'][:120]} |" + " |" * 10)
-            continue
-        f = r.get("fraction_of_bytes_limit")
-        lines.append(f"| {r['case']} | {r['batch']} | {r['ctx']} | {r['programs_per_sm']} | {r['wave_growth']:g} | "
-                     f"{r['max_waves']} | {r['sorted_prefix_blocks']} | {r['waves']} | {r['t_psa_us']:.1f} | "
-                     f"{r['t_dense_us']:.1f} | {r['speedup']:.2f} | {r['read_frac']:.4f} | {r['kernel_read_frac']:.4f} | "
-                     f"{'-' if f is None or not math.isfinite(f) else f'{f:.3f}'} |")
-    (out / "psa_wave_sweep.md").write_text("\n".join(lines) + "\n")
-    return rows
-
-
-def pick_wave_plan(rows: list) -> dict | None:
-    """The plan of a :func:`run_wave_sweep` report with the fastest headline case (planted, batch 8, 128k), among
-    plans no slower than the defaults (:data:`WAVE_BASE`) by more than 3 % on any swept case and, on the testbed
-    capture (real attention), reading no more blocks than the defaults (+0.5 % of all blocks).
-    ``{"programs_per_sm", "wave_growth", "max_waves", "sorted_prefix_blocks"}`` or None."""
-    ok = [r for r in rows if "error" not in r and math.isfinite(r.get("t_psa_us", float("nan")))]
-
-    def key(r):
-        return (r["programs_per_sm"], float(r["wave_growth"]), r["max_waves"],
-                r.get("sorted_prefix_blocks", WAVE_BASE[3]))
-
-    cases = sorted({(r["case"], r["batch"], r["ctx"]) for r in ok})
-    by = {(r["case"], r["batch"], r["ctx"], key(r)): r for r in ok}
-    best, best_t = None, None
-    for plan in sorted({key(r) for r in ok}):
-        bad = False
-        for c in cases:
-            r, b = by.get((*c, plan)), by.get((*c, WAVE_BASE))
-            if r is None:
-                bad = True
-            elif b is not None and (r["t_psa_us"] > 1.03 * b["t_psa_us"]
-                                    or (c[0] != "planted" and r["read_frac"] > b["read_frac"] + 0.005)):
-                bad = True
-        head = by.get(("planted", 8, 131072, plan))
-        if not bad and head is not None and (best_t is None or head["t_psa_us"] < best_t):
-            best, best_t = plan, head["t_psa_us"]
-    return None if best is None else dict(programs_per_sm=best[0], wave_growth=best[1], max_waves=best[2],
-                                          sorted_prefix_blocks=best[3])
-
-
-def wave_plan_arg(value: str | None) -> tuple[dict | None, dict | None]:
-    """``--wave-plan`` -> (:class:`PsaDecodeWrapper` keyword arguments, :class:`PsaDecodeConfig` overrides);
-    ``(None, None)``: the defaults."""
-    if not value:
-        return None, None
-    if value.startswith("best:"):
-        plan = pick_wave_plan(json.loads(Path(value[5:]).read_text())["results"])
-        print("plan picked from the sweep:", plan, flush=True)
-        if plan is None:
-            return None, None
-        g = dict(wave_programs=plan["programs_per_sm"], wave_growth=plan["wave_growth"], max_waves=plan["max_waves"],
-                 sorted_prefix_blocks=plan["sorted_prefix_blocks"])
-    else:
-        p, gr, w, *pf = value.split(",")
-        g = dict(wave_programs=int(p), wave_growth=float(gr), max_waves=int(w),
-                 sorted_prefix_blocks=int(pf[0]) if pf else WAVE_BASE[3])
-    sms = torch.cuda.get_device_properties(0).multi_processor_count if torch.cuda.is_available() else 4
-    return _plan_kw(g, sms)
 
 
 REAL_SLOTS = {"real_16k": 16000, "real_32k": 32000}  # prompt tokens of the testbed captures
@@ -588,11 +493,14 @@ def main():
     ap.add_argument("--wave-plan", default=None, metavar="PROGRAMS_PER_SM,GROWTH,MAX_WAVES[,SORTED_PREFIX]",
                     help="the wrapper's wave plan for every case (default: PsaDecodeWrapper's); 'best:SWEEP.json' takes "
                          "the plan pick_wave_plan chooses from a --wave-sweep report")
+    ap.add_argument("--stage-profile", action="store_true",
+                    help="only the stage times (criticality, ranking, bound suffix, waves + merges) of the headline "
+                         "planted cases and the 32k testbed capture: psa_stage_profile.{json,md} in --out")
     ap.add_argument("--wave-sweep", action="store_true",
                     help="only the planted cases over wave plans (first-wave programs, growth, max waves): "
                          "psa_wave_sweep.{json,md} in --out (with --smoke: a tiny case on the CPU)")
     args = ap.parse_args()
-    wkw, ckw = wave_plan_arg(args.wave_plan)
+    wkw, ckw = psa_plans.wave_plan_arg(args.wave_plan)
     slot_tokens = real_capture.parse_tokens(args.real_tokens, REAL_SLOTS)
     real_layers = tuple(int(x) for x in args.real_layers.split(","))
     t0 = time.time()
@@ -620,25 +528,20 @@ def main():
             meta["peak_bps"] = measure_peak_bw()
         except Exception as e:
             print("peak measurement failed:", e)
+    if args.stage_profile:
+        real_pool = psa_plans.real_pool(args.testbed_model, slot_tokens, real_layers, dev, meta)
+        psa_plans.run_stage_profile(run_case, args.out, meta, dev,
+                                    cases=((2, 300, 16),) if args.smoke else psa_plans.WAVE_SWEEP_CASES,
+                                    real_pool=real_pool)
+        return
     if args.wave_sweep:
-        real_pool = None
-        if (args.testbed_model / "config.json").is_file():  # the 32k testbed capture: real attention in the pick
-            try:
-                slot = "real_32k"
-                (_, cap, info), = real_capture.testbed_captures(args.testbed_model, {slot: slot_tokens[slot]},
-                                                                tuple(real_layers), dev)
-                real_pool = real_capture.decode_pool(cap, tuple(real_layers),
-                                                     real_capture.decode_positions(info["prompt_len"]), dev)
-                meta["real_prompt_len"] = info["prompt_len"]
-            except Exception as e:
-                traceback.print_exc()
-                meta["real_skipped"] = f"{type(e).__name__}: {e}"
+        real_pool = psa_plans.real_pool(args.testbed_model, slot_tokens, real_layers, dev, meta)
         if args.smoke:
-            run_wave_sweep(args.out, meta, dev, cases=((2, 300, 16),), real_pool=real_pool,
+            psa_plans.run_wave_sweep(run_case, args.out, meta, dev, cases=((2, 300, 16),), real_pool=real_pool,
                            grid=[dict(wave_programs=4, wave_growth=2.0, max_waves=12, sorted_prefix_blocks=1024),
                                  dict(wave_programs=2, wave_growth=8.0, max_waves=5, sorted_prefix_blocks=256)])
         else:
-            run_wave_sweep(args.out, meta, dev, real_pool=real_pool)
+            psa_plans.run_wave_sweep(run_case, args.out, meta, dev, real_pool=real_pool)
         return
     if args.real_only:
         rows = run_real(args.testbed_model, slot_tokens, real_layers, dev, wrapper_kw=wkw, cfg_kw=ckw)

@@ -218,11 +218,7 @@ def test_a_terminated_driver_stops_the_servers_it_started(tmp_path):
 
 
 def test_wave_plan_pick_keeps_every_swept_case_within_3_percent_of_the_default_and_real_reads_unchanged():
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-    from psa_decode_bench import pick_wave_plan
+    from bench.psa_plans import pick_wave_plan
 
     def row(b, p, g, w, pf, t, case="planted", frac=0.01):
         return dict(case=case, batch=b, ctx=131072 if case == "planted" else 32000, programs_per_sm=p, wave_growth=g,
@@ -233,10 +229,11 @@ def test_wave_plan_pick_keeps_every_swept_case_within_3_percent_of_the_default_a
             row(8, 4, 4.0, 5, 1024, 220.0), row(1, 4, 4.0, 5, 1024, 101.0),   # within 3 % everywhere
             row(8, 4, 4.0, 5, 256, 210.0), row(1, 4, 4.0, 5, 256, 100.0),     # faster still ...
             dict(case="planted", batch=8, ctx=131072, programs_per_sm=2, wave_growth=2.0, max_waves=5, error="x")]
-    assert pick_wave_plan(rows) == dict(programs_per_sm=4, wave_growth=4.0, max_waves=5, sorted_prefix_blocks=256)
+    base = (4, 2.0, 12, 1024)  # the plan the rows are judged against
+    assert pick_wave_plan(rows, base) == dict(programs_per_sm=4, wave_growth=4.0, max_waves=5, sorted_prefix_blocks=256)
     real = [row(0, 4, 2.0, 12, 1024, 50.0, "testbed real", 0.90), row(0, 4, 4.0, 5, 1024, 50.0, "testbed real", 0.90),
             row(0, 4, 4.0, 5, 256, 50.0, "testbed real", 0.93), row(0, 8, 4.0, 5, 1024, 50.0, "testbed real", 0.9)]
     # ... but it reads more blocks of the real capture: the plan that keeps the default prefix wins
-    assert pick_wave_plan(rows + real) == dict(programs_per_sm=4, wave_growth=4.0, max_waves=5, sorted_prefix_blocks=1024)
-    assert pick_wave_plan(rows[:2]) == dict(programs_per_sm=4, wave_growth=2.0, max_waves=12, sorted_prefix_blocks=1024)
+    assert pick_wave_plan(rows + real, base) == dict(programs_per_sm=4, wave_growth=4.0, max_waves=5, sorted_prefix_blocks=1024)
+    assert pick_wave_plan(rows[:2], base) == dict(programs_per_sm=4, wave_growth=2.0, max_waves=12, sorted_prefix_blocks=1024)
     assert pick_wave_plan([]) is None

@@ -56,6 +56,8 @@ __all__ = ["PsaDecodeWrapper"]
 class PsaDecodeWrapper:
     """Progressive threshold decode for up to ``max_batch_size`` requests.
 
+    Wave plan defaults: :attr:`WAVE_PROGRAMS_PER_SM`, :attr:`WAVE_GROWTH`, :attr:`MAX_WAVES`.
+
     Args:
       config: :class:`PsaDecodeConfig`.
       num_qo_heads, num_kv_heads, head_dim: attention shape (``num_qo_heads % num_kv_heads == 0``).
@@ -74,11 +76,15 @@ class PsaDecodeWrapper:
       the number of launches do.
     """
 
+    WAVE_PROGRAMS_PER_SM = 2  # first-wave programs per SM on CUDA (16 programs on a CPU)
+    WAVE_GROWTH = 4.0
+    MAX_WAVES = 5
+
     def __init__(self, config: PsaDecodeConfig, *, num_qo_heads: int, num_kv_heads: int, head_dim: int,
                  block_size: int, max_batch_size: int, max_blocks_per_req: int,
                  device: str | torch.device = "cuda", sm_scale: float | None = None,
                  out_dtype: torch.dtype = torch.bfloat16, tile_tokens: int = 64,
-                 wave_programs: int | None = None, wave_growth: float = 4.0, max_waves: int = 5):
+                 wave_programs: int | None = None, wave_growth: float | None = None, max_waves: int | None = None):
         if not isinstance(config, PsaDecodeConfig):
             raise TypeError(f"config must be a PsaDecodeConfig, got {type(config).__name__}")
         if num_qo_heads % num_kv_heads:
@@ -95,8 +101,10 @@ class PsaDecodeWrapper:
         self.tile_tokens = tile_tokens
         dev = torch.device(device)
         if wave_programs is None:
-            wave_programs = (2 * torch.cuda.get_device_properties(dev).multi_processor_count
+            wave_programs = (self.WAVE_PROGRAMS_PER_SM * torch.cuda.get_device_properties(dev).multi_processor_count
                              if dev.type == "cuda" else 16)
+        wave_growth = self.WAVE_GROWTH if wave_growth is None else wave_growth
+        max_waves = self.MAX_WAVES if max_waves is None else max_waves
         self.wave_programs, self.wave_growth, self.max_waves = int(wave_programs), float(wave_growth), int(max_waves)
         i32 = dict(dtype=torch.int32, device=dev)
         f32 = dict(dtype=torch.float32, device=dev)
@@ -222,9 +230,14 @@ class PsaDecodeWrapper:
         return (self._scores_buf[:n].view(bs, h, c), self._keys_buf[:n].view(bs, h, c),
                 self._sorted_keys_buf[:n].view(bs, h, c), self._order_buf[:n].view(bs, h, c))
 
+    STAGES = ("criticality", "ranking", "suffix")
+
     def run(self, q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor, kmin: torch.Tensor,
-            kmax: torch.Tensor, kmean: torch.Tensor):
+            kmax: torch.Tensor, kmean: torch.Tensor, stop_after: str | None = None):
         """One layer of PSA decode.
+
+        ``stop_after`` (benchmarks only): return right after that stage of :attr:`STAGES` (the outputs are then
+        not written), so the stages' time can be taken apart (``bench/psa_decode_bench.py --stage-profile``).
 
         Args:
           q: ``[batch, num_qo_heads, head_dim]`` post-RoPE queries.
@@ -235,6 +248,8 @@ class PsaDecodeWrapper:
           ``o`` ``[batch, num_qo_heads, head_dim]``, ``lse`` ``[batch, num_qo_heads]`` fp32 base 2,
           ``nread`` ``[batch, num_kv_heads]`` int32 blocks in the result (incl. sink/local).
         """
+        if stop_after is not None and stop_after not in self.STAGES:
+            raise ValueError(f"stop_after={stop_after!r} must be None or one of {self.STAGES}")
         bs, cfg, hk, g, d = self._bs, self.config, self.num_kv_heads, self.group, self.head_dim
         o, lse, nread, kept = self._o_buf[:bs], self._lse_buf[:bs], self._nread_buf[:bs], self._kept_buf[:bs]
         if bs == 0:
@@ -245,6 +260,8 @@ class PsaDecodeWrapper:
                           block_size=self.block_size, sink_blocks=cfg.sink_blocks,
                           local_blocks=cfg.local_blocks, criticality=cfg.criticality,
                           group_reduce=cfg.group_reduce, keys_out=keys, rank_by=cfg.rank_by)
+        if stop_after == "criticality":
+            return o, lse, nread
         c = self._num_cols
         if self._prefix:  # exact top-K prefix + block-order tail (one Triton launch)
             rank_select(keys, order, self._select_scratch_buf,
@@ -252,8 +269,12 @@ class PsaDecodeWrapper:
         else:
             rank_blocks(keys, sorted_keys, order)
         suffix = self._suffix_buf[: bs * hk * (c + 1)].view(bs, hk, c + 1)
+        if stop_after == "ranking":
+            return o, lse, nread
         if cfg.estimator != "paper":
             bound_suffix(scores, suffix, sm_scale=self.sm_scale, block_size=self.block_size, order=order)
+        if stop_after == "suffix":
+            return o, lse, nread
         pairs = bs * hk
         wmax = max(nc for _, nc in self._wave_plan)
         partials = (self._po_buf[: pairs * wmax * g * d].view(pairs, wmax, g, d),

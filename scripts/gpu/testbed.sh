@@ -14,6 +14,7 @@
 #                                        # 23/24): psa_decode.json real_16k/real_32k, loopserve_prefill.json
 #                                        # real_32k, merged into copies of bench/results' headlines (~2-4 min)
 #   bash scripts/gpu/testbed.sh kernwaves  # psa decode wave plans (planted) + the full psa kernel bench at the best one
+#   bash scripts/gpu/testbed.sh kernprofile  # psa decode stage times (criticality, ranking, suffix, waves) at the defaults
 #   bash scripts/gpu/testbed.sh settings4k  # psa vs off at 4k under three server settings: which setting costs psa
 #                                           # its fall-back throughput (page 16, prefill CUDA graphs off)
 #   bash scripts/gpu/testbed.sh c1ab     # psa vs off at concurrency 1 (16k, 32k), off on page 1 and on page 16
@@ -30,7 +31,7 @@
 #
 # Reports go to /tmp/testbed/<part>/ and come back packed as $OUT/<part>.tgz.
 set -uo pipefail
-part=${1:?usage: testbed.sh needle|long|samkv|e2e|settings4k|c1ab|realkern|kernwaves|reliability-start|reliability-wait}
+part=${1:?usage: testbed.sh needle|long|samkv|e2e|settings4k|c1ab|realkern|kernwaves|kernprofile|reliability-start|reliability-wait}
 out=${OUT:-$PWD/gpu_out}
 name=${part%-*}${TESTBED_TAG:+_$TESTBED_TAG}
 R=/tmp/testbed/$name
@@ -142,6 +143,12 @@ PY
     [ "${KERNWAVES_FULL:-1}" = 1 ] && step psa_full timeout -k 20 "${KERNEL_TIMEOUT:-330}" python3 bench/psa_decode_bench.py \
         --wave-plan "best:$R/psa_wave_sweep.json" --testbed-model $M32 --out "$R"
     rm -f "$R"/*.png
+    ;;
+  kernprofile)  # where a psa decode layer's time goes at the defaults (criticality, ranking, bound suffix, waves +
+    # merges): the planted headline cases and the 32k testbed capture, ~1 minute
+    export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+    step psa_stages timeout -k 20 "${PROFILE_TIMEOUT:-240}" python3 bench/psa_decode_bench.py --stage-profile \
+        --testbed-model $M32 --out "$R"
     ;;
   reliability-start)  # no timing figure comes from these: they may share the GPU with the `long` part
     say "== reliability: soak + faults started in the background"

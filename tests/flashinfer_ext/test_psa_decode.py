@@ -305,3 +305,19 @@ def test_user_config_maps_the_mean_estimator_onto_mean_scores():
     assert (k.estimator, k.criticality, k.group_reduce, k.rank_by) == ("mean", "mean", "max", "mean")
     k = kernel_config(PsaConfig())
     assert (k.estimator, k.criticality) == ("calibrated", "cuboid")
+
+
+def test_stage_cut_runs_leave_the_full_run_unchanged():
+    """``run(stop_after=...)`` (the benchmark's stage profile) stops after each stage and never disturbs the next
+    full run: its outputs equal a fresh wrapper's; an unknown stage is refused before any kernel runs."""
+    cfg = PsaDecodeConfig(epsilon=0.9, micro_batch_blocks=4, sink_blocks=1, local_blocks=2)
+    pool = make_pool([300, 170], 8, 2, 64, torch.bfloat16, 16, seed=31, planted=True)
+    w, mp, _ = build(pool, cfg, 16, wave_programs=2)
+    args = (pool.q, pool.k_buffer, pool.v_buffer, *mp.layer(0))
+    o0, lse0, n0 = (t.clone() for t in w.run(*args))
+    for st in PsaDecodeWrapper.STAGES:
+        w.run(*args, stop_after=st)
+    o1, lse1, n1 = w.run(*args)
+    assert torch.equal(o0, o1) and torch.equal(lse0, lse1) and torch.equal(n0, n1)
+    with pytest.raises(ValueError, match="stop_after='merge'"):
+        w.run(*args, stop_after="merge")

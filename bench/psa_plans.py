@@ -1,0 +1,184 @@
+"""Wave plans and stage times of the PSA decode kernel (``bench/psa_decode_bench.py --wave-sweep`` /
+``--stage-profile``): the planted cases and the 32k testbed capture over first-wave programs per SM, growth, wave
+count and sorted prefix (:func:`run_wave_sweep`, :func:`pick_wave_plan`), and where one layer's time goes at the
+defaults (:func:`run_stage_profile`). ``run_case`` is the benchmark's :func:`psa_decode_bench.run_case`, passed in.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import traceback
+from pathlib import Path
+
+import torch
+
+from bench import real_capture
+from flashinfer_ext.psa.config import PsaDecodeConfig
+from flashinfer_ext.psa.decode import PsaDecodeWrapper
+
+WAVE_SWEEP_CASES = ((8, 131072, 16), (1, 131072, 16), (32, 32768, 16))  # (batch, ctx, page); the headline first
+# programs per SM of the first wave x growth x max waves x the exactly sorted prefix (blocks)
+WAVE_SWEEP_GRID = [dict(wave_programs=m, wave_growth=gr, max_waves=mw, sorted_prefix_blocks=pf)
+                   for m in (2, 4, 8) for gr in (2.0, 4.0, 8.0) for mw in (12, 5) for pf in (1024, 256)]
+# the plan a sweep is judged against: the defaults in force (PsaDecodeWrapper / PsaDecodeConfig)
+WAVE_BASE = (PsaDecodeWrapper.WAVE_PROGRAMS_PER_SM, PsaDecodeWrapper.WAVE_GROWTH, PsaDecodeWrapper.MAX_WAVES,
+             PsaDecodeConfig.sorted_prefix_blocks)
+
+
+def plan_kw(g: dict, sms: int) -> tuple[dict, dict]:
+    """A sweep plan -> (wrapper keyword arguments, PsaDecodeConfig overrides)."""
+    wkw = dict(wave_programs=g["wave_programs"] * sms, wave_growth=g["wave_growth"], max_waves=g["max_waves"])
+    return wkw, {"sorted_prefix_blocks": g.get("sorted_prefix_blocks", WAVE_BASE[3])}
+
+
+def real_pool(model_dir: Path, slot_tokens: dict, real_layers, dev: str, meta: dict):
+    """The 32k testbed capture as a decode pool (None without the testbed folder or when the capture fails; the
+    reason lands in ``meta["real_skipped"]``)."""
+    if not (model_dir / "config.json").is_file():
+        meta["real_skipped"] = f"no testbed model at {model_dir} (--testbed-model)"
+        return None
+    try:
+        slot = "real_32k"
+        (_, cap, info), = real_capture.testbed_captures(model_dir, {slot: slot_tokens[slot]}, tuple(real_layers), dev)
+        meta["real_prompt_len"] = info["prompt_len"]
+        return real_capture.decode_pool(cap, tuple(real_layers), real_capture.decode_positions(info["prompt_len"]), dev)
+    except Exception as e:
+        traceback.print_exc()
+        meta["real_skipped"] = f"{type(e).__name__}: {e}"
+        return None
+
+
+def run_stage_profile(run_case, out: Path, meta: dict, dev: str, cases=WAVE_SWEEP_CASES, real_pool=None) -> list:
+    """Where a layer's time goes, at the defaults: criticality (the metadata pass), ranking, bound suffix, waves +
+    merges, per planted case and the 32k testbed capture. Writes ``psa_stage_profile.{json,md}``."""
+    todo = [("planted", dict(batch=b, ctx=c, page=p)) for b, c, p in cases]
+    if real_pool is not None:
+        todo.append((real_capture.REAL_CASE, dict(batch=0, ctx=0, page=16, planted=False, capture=real_pool)))
+    rows = []
+    for name, kw in todo:
+        try:
+            r = run_case(name, dev=dev, with_topk=False, stage_profile=True, **kw)
+        except Exception as e:
+            traceback.print_exc()
+            r = dict(case=name, batch=kw["batch"], ctx=kw["ctx"], page=kw["page"], error=f"{type(e).__name__}: {e}")
+        print(json.dumps(r), flush=True)
+        rows.append(r)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "psa_stage_profile.json").write_text(json.dumps(dict(meta=meta, results=rows), indent=1))
+    peak = meta.get("peak_bps")
+    lines = ["# PSA decode: where a layer's time goes", "", f"- command: `{meta['command']}`",
+             f"- device: {meta['gpu']}; peak copy bandwidth {(peak or float('nan')) / 1e12:.2f} TB/s",
+             f"- versions: {meta['versions']}", "- defaults (eps 0.95, 'calibrated', mean rank order, the wave plan of "
+             "PsaDecodeWrapper); each stage = the replay time of a CUDA graph of the run cut after it, minus the one "
+             "before; 'waves + merges' = the full run minus the run cut after the bound suffix", "",
+             "| case | batch | ctx | t PSA us | criticality us | its TB/s | ranking us | bound suffix us | waves + merges us "
+             "| waves | t dense us |", "|" + "---|" * 11]
+    for r in rows:
+        if "error" in r or "t_stage_us" not in r:
+            lines.append(f"| {r['case']} | {r['batch']} | {r['ctx']} | {r.get('error', 'no GPU timing')[:120]} |"
+                         + " |" * 7)
+            continue
+        t = r["t_stage_us"]
+        lines.append(f"| {r['case']} | {r['batch']} | {r['ctx']} | {r['t_psa_us']:.1f} | {t['criticality']:.1f} | "
+                     f"{r['criticality_tbps']:.2f} | {t['ranking']:.1f} | {t['bound_suffix']:.1f} | "
+                     f"{t['waves_and_merges']:.1f} | {r['waves']} | {r['t_dense_us']:.1f} |")
+    (out / "psa_stage_profile.md").write_text("\n".join(lines) + "\n")
+    return rows
+
+
+def run_wave_sweep(run_case, out: Path, meta: dict, dev: str, cases=WAVE_SWEEP_CASES, grid=None, real_pool=None) -> list:
+    """The planted cases (and, with ``real_pool``, the 32k testbed capture) over plans: first-wave programs per SM
+    x growth x max waves x sorted prefix. Per plan: PSA time, waves, blocks the kernels read, blocks in the result
+    and the fraction of the bytes-read limit. Writes ``psa_wave_sweep.{json,md}``."""
+    grid = WAVE_SWEEP_GRID if grid is None else grid
+    sms = torch.cuda.get_device_properties(0).multi_processor_count if dev == "cuda" else 4
+    rows = []
+    todo = [("planted", dict(batch=b, ctx=c, page=p)) for b, c, p in cases]
+    if real_pool is not None:
+        todo.append((real_capture.REAL_CASE, dict(batch=0, ctx=0, page=16, planted=False, capture=real_pool)))
+    for name, kw in todo:
+        for g in grid:
+            wkw, ckw = plan_kw(g, sms)
+            try:
+                r = run_case(name, dev=dev, with_topk=False, wrapper_kw=wkw, cfg_kw=ckw, **kw)
+                r.update(programs_per_sm=g["wave_programs"], sorted_prefix_blocks=ckw["sorted_prefix_blocks"])
+                r["fraction_of_bytes_limit"] = r["psa_tbps"] * 1e12 / meta["peak_bps"] if meta.get("peak_bps") else None
+            except Exception as e:
+                traceback.print_exc()
+                r = dict(case=name, batch=kw["batch"], ctx=kw["ctx"], page=kw["page"], **g, error=f"{type(e).__name__}: {e}")
+            print(json.dumps(r), flush=True)
+            rows.append(r)
+    out.mkdir(parents=True, exist_ok=True)
+    pick = pick_wave_plan(rows)
+    (out / "psa_wave_sweep.json").write_text(json.dumps(dict(meta=meta, picked=pick, results=rows), indent=1))
+    lines = ["# PSA decode: wave plans and sorted prefix", "", f"- command: `{meta['command']}`",
+             f"- device: {meta['gpu']}; peak copy bandwidth {meta.get('peak_bps', float('nan')) / 1e12:.2f} TB/s",
+             f"- versions: {meta['versions']}", "- eps 0.95, 'calibrated', page 16, bf16; planted: 32/8 heads, d 128; "
+             "testbed real: the 32k testbed model's captured q/k/v (9/3 heads, d 64); t PSA = median of CUDA-graph "
+             "replays of one layer",
+             f"- picked (pick_wave_plan: fastest headline among plans within 3 % of the defaults {WAVE_BASE} on every "
+             f"case, and reading no more blocks on the testbed capture): {pick}", "",
+             "| case | batch | ctx | programs/SM | growth | max waves | prefix | waves | t PSA us | t dense us | "
+             "dense/PSA | result frac | kernel frac | fraction of bytes limit |", "|" + "---|" * 14]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['case']} | {r['batch']} | {r['ctx']} | FAILED: {r['error'][:120]} |" + " |" * 10)
+            continue
+        f = r.get("fraction_of_bytes_limit")
+        lines.append(f"| {r['case']} | {r['batch']} | {r['ctx']} | {r['programs_per_sm']} | {r['wave_growth']:g} | "
+                     f"{r['max_waves']} | {r['sorted_prefix_blocks']} | {r['waves']} | {r['t_psa_us']:.1f} | "
+                     f"{r['t_dense_us']:.1f} | {r['speedup']:.2f} | {r['read_frac']:.4f} | {r['kernel_read_frac']:.4f} | "
+                     f"{'-' if f is None or not math.isfinite(f) else f'{f:.3f}'} |")
+    (out / "psa_wave_sweep.md").write_text("\n".join(lines) + "\n")
+    return rows
+
+
+def pick_wave_plan(rows: list, base: tuple = WAVE_BASE) -> dict | None:
+    """The plan of a :func:`run_wave_sweep` report with the fastest headline case (planted, batch 8, 128k), among
+    plans no slower than ``base`` (default: the defaults in force, :data:`WAVE_BASE`) by more than 3 % on any swept case and, on the testbed
+    capture (real attention), reading no more blocks than the defaults (+0.5 % of all blocks).
+    ``{"programs_per_sm", "wave_growth", "max_waves", "sorted_prefix_blocks"}`` or None."""
+    ok = [r for r in rows if "error" not in r and math.isfinite(r.get("t_psa_us", float("nan")))]
+
+    def key(r):
+        return (r["programs_per_sm"], float(r["wave_growth"]), r["max_waves"],
+                r.get("sorted_prefix_blocks", WAVE_BASE[3]))
+
+    cases = sorted({(r["case"], r["batch"], r["ctx"]) for r in ok})
+    by = {(r["case"], r["batch"], r["ctx"], key(r)): r for r in ok}
+    best, best_t = None, None
+    for plan in sorted({key(r) for r in ok}):
+        bad = False
+        for c in cases:
+            r, b = by.get((*c, plan)), by.get((*c, tuple(base)))
+            if r is None:
+                bad = True
+            elif b is not None and (r["t_psa_us"] > 1.03 * b["t_psa_us"]
+                                    or (c[0] != "planted" and r["read_frac"] > b["read_frac"] + 0.005)):
+                bad = True
+        head = by.get(("planted", 8, 131072, plan))
+        if not bad and head is not None and (best_t is None or head["t_psa_us"] < best_t):
+            best, best_t = plan, head["t_psa_us"]
+    return None if best is None else dict(programs_per_sm=best[0], wave_growth=best[1], max_waves=best[2],
+                                          sorted_prefix_blocks=best[3])
+
+
+def wave_plan_arg(value: str | None) -> tuple[dict | None, dict | None]:
+    """``--wave-plan`` -> (:class:`PsaDecodeWrapper` keyword arguments, :class:`PsaDecodeConfig` overrides);
+    ``(None, None)``: the defaults."""
+    if not value:
+        return None, None
+    if value.startswith("best:"):
+        plan = pick_wave_plan(json.loads(Path(value[5:]).read_text())["results"])
+        print("plan picked from the sweep:", plan, flush=True)
+        if plan is None:
+            return None, None
+        g = dict(wave_programs=plan["programs_per_sm"], wave_growth=plan["wave_growth"], max_waves=plan["max_waves"],
+                 sorted_prefix_blocks=plan["sorted_prefix_blocks"])
+    else:
+        p, gr, w, *pf = value.split(",")
+        g = dict(wave_programs=int(p), wave_growth=float(gr), max_waves=int(w),
+                 sorted_prefix_blocks=int(pf[0]) if pf else WAVE_BASE[3])
+    sms = torch.cuda.get_device_properties(0).multi_processor_count if torch.cuda.is_available() else 4
+    return plan_kw(g, sms)
