@@ -157,11 +157,18 @@ class Stats:
         self.facts: dict[str, bool] = {}
         self.errors: list[str] = []
         self.wrong_replies: list[dict] = []
+        self.fallback_reasons: dict[str, int] = {}
 
     def add(self, **kw):
         with self.lock:
             for k, v in kw.items():
                 self.c[k] += v
+
+    def add_reason(self, reason: str):
+        """A documents request served by samkv's dense fallback, by the reason its response gave."""
+        with self.lock:
+            if reason in self.fallback_reasons or len(self.fallback_reasons) < 16:
+                self.fallback_reasons[reason] = self.fallback_reasons.get(reason, 0) + 1
 
     def add_kind(self, kind: str):
         with self.lock:
@@ -221,6 +228,8 @@ class Driver:
         # so a run whose documents were never assembled does not read as a samkv soak
         fallback = served and report.get("scheduler_status") == "fallback"
         self.stats.add(completed=1, documents_requests_served=int(served), documents_requests_fallback=int(fallback))
+        if fallback:
+            self.stats.add_reason(str(report.get("scheduler_reason") or "unknown"))
         return reply
 
     @staticmethod
@@ -372,6 +381,7 @@ def run_soak(cfg: SoakConfig, reference: dict | None = None, log=print) -> dict:
               "idle_leak_check": leak_check(cfg.server_log, log_offset)}
     report["wrong_vs_off"] = wrong_vs(reference, stats.facts)
     report["wrong_replies"] = stats.wrong_replies
+    report["documents_fallback_reasons"] = stats.fallback_reasons
     log(f"[soak] {mode}: sent {c['sent']} completed {c['completed']} aborted {c['aborted']} failed {c['failed']} "
         f"4xx {c['http_4xx']} 5xx {c['http_5xx']} wrong {c['wrong']}/{c['facts_checked']} in {elapsed:.0f}s")
     return report

@@ -258,9 +258,13 @@ def test_evicted_documents_fall_back_to_dense_then_are_prefilled_again(samkv_ser
     task = make_task(5, docs=2, words=80)
     assert _ask(server, task, variant="reuse", salt="evict").json()["metadata"]["sparse"]["documents_prefilled"] == 2
     flush_cache(server)  # the tree forgets the documents
+    before = _samkv_stats(server)["fallback_reasons"].get("document not cached", 0)
     stale = _ask(server, task, variant="reuse", salt="evict")
     m = stale.json()["metadata"]["sparse"]
     assert stale.status_code == 200 and m["scheduler_status"] == "fallback" and m["cached_tokens"] == 0
+    # why: in the response and in the server counters
+    assert m["scheduler_reason"] == "document not cached"
+    assert _samkv_stats(server)["fallback_reasons"]["document not cached"] == before + 1
     again = _ask(server, task, variant="reuse", salt="evict").json()["metadata"]["sparse"]
     assert again["documents_prefilled"] == 2 and again["assembled"]
     text = log.read_text(errors="replace").lower()

@@ -94,6 +94,10 @@ def test_short_soak_on_launched_cpu_servers_off_then_samkv(default_model, tmp_pa
     # ... and samkv assembled their documents (a fallback-only run would be a dense soak in samkv's name)
     assert report["modes"]["samkv"]["documents_requests_fallback"] < report["modes"]["samkv"]["documents_requests_served"]
     assert report["modes"]["off"]["documents_requests_fallback"] == 0
+    # the fallbacks, if any, are counted by the reason the responses gave
+    sam = report["modes"]["samkv"]
+    assert sum(sam["documents_fallback_reasons"].values()) == sam["documents_requests_fallback"]
+    assert report["modes"]["off"]["documents_fallback_reasons"] == {}
     assert report["modes"]["samkv"]["wrong_vs_off"] is not None
 
 

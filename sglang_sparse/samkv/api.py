@@ -241,6 +241,7 @@ def summarize(plan: DocumentPlan, doc_cached: list[int], meta: dict, page_size: 
         "kv_kept_tokens": kept, "kv_kept_ratio": kept / n_doc if n_doc else 1.0,
         "recomputed_tokens": int(sched.get("recomputed_tokens", 0)),
         "assembled": sched.get("status") == "assembled", "scheduler_status": sched.get("status"),
+        "scheduler_reason": sched.get("reason"),  # why a fallback / error served it densely (None otherwise)
         "scheduler_ms": sched.get("timing_ms"),  # the scheduler's assembly phases (CUDA-synchronised)
         # which path ran each side forward: {"selection" / "recompute": "graph" | "pad" | "eager"} (None: none ran)
         "side_forward": sched.get("side_forward"),
