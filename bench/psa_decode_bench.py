@@ -5,8 +5,8 @@ time of one layer of ``PsaDecodeWrapper.run`` (criticality + sort + bound suffix
 chunk attention and merge), replayed from a CUDA graph as the server runs it (eager time
 too), and of ``flashinfer.BatchDecodeWithPagedKVCacheWrapper.run``; bytes read (KV of the
 blocks the kernels actually read, incl. the over-read of the last wave, + the metadata the
-criticality pass reads for all blocks: kmin, kmax and kmean with the default mean rank order) and achieved TB/s against the measured peak (a large device copy); blocks in
-the result; true kept mass (against full attention); a fixed top-k (Quest-style, same
+criticality pass reads for all blocks: kmin, kmax and kmean with the default mean rank order) and
+achieved TB/s against the measured peak (a large device copy); blocks in the result; true kept mass (against full attention); a fixed top-k (Quest-style, same
 ranking, same sink/local blocks) baseline at equal mean kept mass, as a bytes
 ratio and a time (same wave kernels, list capped at k); and the server's short-context
 path (dense FlashInfer + the block-metadata update it keeps doing below ``min_context``).
@@ -416,10 +416,11 @@ def write_report(out: Path, meta: dict, results: list, top: dict | None = None):
              f"{meta.get('peak_bps', float('nan')) / 1e12:.2f} TB/s (1 GiB device copy, read+write)",
              f"- versions: {meta['versions']}", f"- planted structure: {meta['plant']} (see PLANT in the script)",
              f"- PSA: eps={EPS}, micro-batch 8 blocks (chunks grow past 128 ranks, <= 1/16 overshoot), sink 1, "
-             "local 2 blocks, cuboid criticality, group max, metadata bf16; t PSA = median of 20 CUDA-graph "
+             "local 2 blocks, cuboid bound (group max) for the stop test, blocks ranked by q . mean key, metadata bf16; t PSA = median of 20 CUDA-graph "
              "replays of one layer (eager in its own column)",
              "- bytes: PSA = K+V of the blocks the kernels read (incl. last-wave over-read) + the metadata the "
-             "criticality pass reads for every block (kmin, kmax and, ranking by the mean key, kmean); dense = all K+V; top-k at equal mean kept mass (same ranking, same wave kernels)",
+             "criticality pass reads for every block (kmin, kmax and, ranking by the mean key, kmean); dense = all "
+             "K+V; top-k at equal mean kept mass (same ranking, same wave kernels)",
              "- testbed real rows: q/k/v captured from the 32k testbed model (YaRN) on its needle prompt "
              "(bench/real_capture.py), decode at 3 positions near the prompt's end x layers "
              f"{(meta.get('real_run') or meta).get('real_layers')}"
@@ -537,9 +538,10 @@ def main():
     if args.wave_sweep:
         real_pool = psa_plans.real_pool(args.testbed_model, slot_tokens, real_layers, dev, meta)
         if args.smoke:
+            grid = [dict(wave_programs=4, wave_growth=2.0, max_waves=12, sorted_prefix_blocks=1024),
+                    dict(wave_programs=2, wave_growth=8.0, max_waves=5, sorted_prefix_blocks=256)]
             psa_plans.run_wave_sweep(run_case, args.out, meta, dev, cases=((2, 300, 16),), real_pool=real_pool,
-                           grid=[dict(wave_programs=4, wave_growth=2.0, max_waves=12, sorted_prefix_blocks=1024),
-                                 dict(wave_programs=2, wave_growth=8.0, max_waves=5, sorted_prefix_blocks=256)])
+                                     grid=grid)
         else:
             psa_plans.run_wave_sweep(run_case, args.out, meta, dev, real_pool=real_pool)
         return

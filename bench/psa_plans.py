@@ -49,14 +49,19 @@ def real_pool(model_dir: Path, slot_tokens: dict, real_layers, dev: str, meta: d
         return None
 
 
-def run_stage_profile(run_case, out: Path, meta: dict, dev: str, cases=WAVE_SWEEP_CASES, real_pool=None) -> list:
-    """Where a layer's time goes, at the defaults: criticality (the metadata pass), ranking, bound suffix, waves +
-    merges, per planted case and the 32k testbed capture. Writes ``psa_stage_profile.{json,md}``."""
+def _todo(cases, real_pool) -> list:
+    """``(case name, run_case keyword arguments)`` of the planted ``cases`` and, when given, the testbed capture."""
     todo = [("planted", dict(batch=b, ctx=c, page=p)) for b, c, p in cases]
     if real_pool is not None:
         todo.append((real_capture.REAL_CASE, dict(batch=0, ctx=0, page=16, planted=False, capture=real_pool)))
+    return todo
+
+
+def run_stage_profile(run_case, out: Path, meta: dict, dev: str, cases=WAVE_SWEEP_CASES, real_pool=None) -> list:
+    """Where a layer's time goes, at the defaults: criticality (the metadata pass), ranking, bound suffix, waves +
+    merges, per planted case and the 32k testbed capture. Writes ``psa_stage_profile.{json,md}``."""
     rows = []
-    for name, kw in todo:
+    for name, kw in _todo(cases, real_pool):
         try:
             r = run_case(name, dev=dev, with_topk=False, stage_profile=True, **kw)
         except Exception as e:
@@ -94,10 +99,7 @@ def run_wave_sweep(run_case, out: Path, meta: dict, dev: str, cases=WAVE_SWEEP_C
     grid = WAVE_SWEEP_GRID if grid is None else grid
     sms = torch.cuda.get_device_properties(0).multi_processor_count if dev == "cuda" else 4
     rows = []
-    todo = [("planted", dict(batch=b, ctx=c, page=p)) for b, c, p in cases]
-    if real_pool is not None:
-        todo.append((real_capture.REAL_CASE, dict(batch=0, ctx=0, page=16, planted=False, capture=real_pool)))
-    for name, kw in todo:
+    for name, kw in _todo(cases, real_pool):
         for g in grid:
             wkw, ckw = plan_kw(g, sms)
             try:

@@ -31,7 +31,8 @@ def fold(soak: dict | list[dict], faults: list[dict], gpu: str, commands: list[s
     come first; a later report adds its modes (replacing a mode of the same name) and its ``off`` row is kept in
     ``soak_details`` as ``off (LABEL)``, with ``mode_runs`` naming the run of each mode."""
     soaks = soak if isinstance(soak, list) else [soak]
-    labels = list(labels or []) + [f"run {i + 1}" for i in range(len(labels or []), len(soaks))]
+    labels = list(labels or []) + [None] * (len(soaks) - len(labels or []))
+    labels = [lab or f"run {i + 1}" for i, lab in enumerate(labels)]
     rep = _fold_one(soaks[0], faults, gpu, commands)
     rep["mode_runs"] = {m: labels[0] for m in rep["modes"]}
     if rep.get("noise_floor_off_repeat"):
@@ -163,9 +164,8 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     paths = [x.split("=", 1) if "=" in x else (x, None) for x in a.soak]  # PATH=LABEL (a label may hold "=")
     soaks = [json.loads(Path(p).read_text()) for p, _ in paths]
-    labels = [lab or (f"run {i + 1}") for i, (_, lab) in enumerate(paths)]
     faults = [json.loads(Path(p).read_text()) for p in a.faults if Path(p).is_file()]
-    rep = fold(soaks, faults, a.gpu, a.command, labels=labels)
+    rep = fold(soaks, faults, a.gpu, a.command, labels=[lab for _, lab in paths])
     notes = dict(x.split("=", 1) for x in a.note if "=" in x)
     if notes:
         rep["notes"] = notes
