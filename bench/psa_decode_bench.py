@@ -35,6 +35,7 @@ FlashInfer, timings meaningless) to check the script end to end.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -202,12 +203,13 @@ def meta_vectors(cfg: PsaDecodeConfig) -> int:
 
 def run_case(name, batch, ctx, page, planted=True, capture=None, hq=32, hk=8, d=128, eps=EPS, seed=0,
              with_topk=True, estimator="calibrated", dev="cuda", timing=True, wrapper_kw=None, cfg_kw=None,
-             stage_profile=False):
+             stage_profile=False, meta_layout=None):
     """One PSA vs dense (vs top-k) measurement; ``timing=False`` runs every kernel once and leaves the
     times NaN (CPU runs of captured cases: the interpreter's timings mean nothing and cost minutes).
     ``wrapper_kw``: extra :class:`PsaDecodeWrapper` arguments (the wave plan: ``wave_programs``,
     ``wave_growth``, ``max_waves``), recorded in the row; ``cfg_kw``: :class:`PsaDecodeConfig` overrides
-    (``sorted_prefix_blocks``); ``stage_profile``: also time the stages apart (``t_stage_us``: criticality, ranking,
+    (``sorted_prefix_blocks``); ``meta_layout``: the :class:`BlockMetaPool` layout (default the wrapper's
+    ``META_LAYOUT``; ``wrapper_kw`` may carry ``crit_tile``); ``stage_profile``: also time the stages apart (``t_stage_us``: criticality, ranking,
     bound suffix, waves + merges; CUDA only): CUDA graphs of the run cut after each stage, differences of their
     replay times."""
     if dev == "cuda":
@@ -224,7 +226,8 @@ def run_case(name, batch, ctx, page, planted=True, capture=None, hq=32, hk=8, d=
     nb = -(-max(seq_host) // page)
     table = paged_block_table(req_to_token, rpi, page, nb)
     num_rows = k.shape[0] // page + 1
-    meta = BlockMetaPool(1, num_rows, hk, d, page, dtype=torch.bfloat16, device=dev)
+    meta_layout = meta_layout or PsaDecodeWrapper.META_LAYOUT
+    meta = BlockMetaPool(1, num_rows, hk, d, page, dtype=torch.bfloat16, device=dev, layout=meta_layout)
     if capture is None:
         meta.update(0, k, req_to_token, rpi, table, torch.zeros_like(seq_lens), seq_lens, nb)
     else:  # requests of one layer share pages: write shorter ones first so the full pages win (a superset
@@ -272,7 +275,8 @@ def run_case(name, batch, ctx, page, planted=True, capture=None, hq=32, hk=8, d=
                kept_ge_eps=float((kept >= eps).float().mean()), kept_est_mean=float(kept_est.mean()),
                max_abs_err_vs_dense=float((o.float() - do.float()).abs().max()),
                wave_programs=w.wave_programs, wave_growth=w.wave_growth, max_waves=w.max_waves,
-               sorted_prefix_blocks=cfg.sorted_prefix_blocks)
+               sorted_prefix_blocks=cfg.sorted_prefix_blocks, meta_layout=meta_layout,
+               crit_tile=dataclasses.asdict(w.crit_tile))
     if stage_profile and g is not None:
         cum = {}
         for st in PsaDecodeWrapper.STAGES:
@@ -497,6 +501,9 @@ def main():
     ap.add_argument("--stage-profile", action="store_true",
                     help="only the stage times (criticality, ranking, bound suffix, waves + merges) of the headline "
                          "planted cases and the 32k testbed capture: psa_stage_profile.{json,md} in --out")
+    ap.add_argument("--crit-sweep", action="store_true",
+                    help="only the criticality pass's launch shapes x metadata layouts (psa_plans.CRIT_SWEEP_GRID) over "
+                         "the headline planted cases and the 32k testbed capture: psa_crit_sweep.{json,md} in --out")
     ap.add_argument("--wave-sweep", action="store_true",
                     help="only the planted cases over wave plans (first-wave programs, growth, max waves): "
                          "psa_wave_sweep.{json,md} in --out (with --smoke: a tiny case on the CPU)")
@@ -534,6 +541,11 @@ def main():
         psa_plans.run_stage_profile(run_case, args.out, meta, dev,
                                     cases=((2, 300, 16),) if args.smoke else psa_plans.WAVE_SWEEP_CASES,
                                     real_pool=real_pool)
+        return
+    if args.crit_sweep:
+        real_pool = psa_plans.real_pool(args.testbed_model, slot_tokens, real_layers, dev, meta)
+        psa_plans.run_crit_sweep(run_case, args.out, meta, dev, real_pool=real_pool,
+                                 cases=((2, 300, 16),) if args.smoke else psa_plans.WAVE_SWEEP_CASES)
         return
     if args.wave_sweep:
         real_pool = psa_plans.real_pool(args.testbed_model, slot_tokens, real_layers, dev, meta)

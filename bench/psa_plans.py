@@ -6,6 +6,7 @@ defaults (:func:`run_stage_profile`). ``run_case`` is the benchmark's :func:`psa
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import traceback
@@ -15,6 +16,7 @@ import torch
 
 from bench import real_capture
 from flashinfer_ext.psa.config import PsaDecodeConfig
+from flashinfer_ext.psa.criticality import CritTile
 from flashinfer_ext.psa.decode import PsaDecodeWrapper
 
 WAVE_SWEEP_CASES = ((8, 131072, 16), (1, 131072, 16), (32, 32768, 16))  # (batch, ctx, page); the headline first
@@ -24,6 +26,15 @@ WAVE_SWEEP_GRID = [dict(wave_programs=m, wave_growth=gr, max_waves=mw, sorted_pr
 # the plan a sweep is judged against: the defaults in force (PsaDecodeWrapper / PsaDecodeConfig)
 WAVE_BASE = (PsaDecodeWrapper.WAVE_PROGRAMS_PER_SM, PsaDecodeWrapper.WAVE_GROWTH, PsaDecodeWrapper.MAX_WAVES,
              PsaDecodeConfig.sorted_prefix_blocks)
+
+
+# criticality launch shapes x metadata layouts (run_crit_sweep); the defaults in force first
+CRIT_BASE = (PsaDecodeWrapper.META_LAYOUT, PsaDecodeWrapper.CRIT_TILE)
+CRIT_SWEEP_GRID = [CRIT_BASE] + [(lay, t) for lay in ("planar", "interleaved") for t in (
+    CritTile(), CritTile(tile_b=32, num_warps=4), CritTile(tile_b=16, num_warps=4), CritTile(tile_b=32, num_warps=8),
+    CritTile(heads=0, elements=8192, num_warps=8), CritTile(heads=0, elements=4096, num_warps=4),
+    CritTile(heads=0, elements=2048, num_warps=4), CritTile(heads=0, elements=4096, num_warps=8))
+    if (lay, t) != CRIT_BASE]
 
 
 def plan_kw(g: dict, sms: int) -> tuple[dict, dict]:
@@ -134,6 +145,82 @@ def run_wave_sweep(run_case, out: Path, meta: dict, dev: str, cases=WAVE_SWEEP_C
                      f"{'-' if f is None or not math.isfinite(f) else f'{f:.3f}'} |")
     (out / "psa_wave_sweep.md").write_text("\n".join(lines) + "\n")
     return rows
+
+
+def _crit_key(r: dict) -> tuple:
+    t = r["crit_tile"]
+    return r["meta_layout"], t["tile_b"], t["heads"], t["elements"], t["num_warps"]
+
+
+def run_crit_sweep(run_case, out: Path, meta: dict, dev: str, cases=WAVE_SWEEP_CASES, grid=None,
+                   real_pool=None) -> list:
+    """The criticality pass (the metadata read) over launch shapes (:class:`CritTile`) x :class:`BlockMetaPool`
+    layouts, at the wave plan in force: its time and TB/s (the run cut after it) and the full layer's, per planted
+    case and the 32k testbed capture. Writes ``psa_crit_sweep.{json,md}`` with the :func:`pick_crit` choice."""
+    grid = CRIT_SWEEP_GRID if grid is None else grid
+    rows = []
+    for name, kw in _todo(cases, real_pool):
+        for layout, tile in grid:
+            try:
+                r = run_case(name, dev=dev, with_topk=False, stage_profile=True, meta_layout=layout,
+                             wrapper_kw=dict(crit_tile=tile), **kw)
+                r["fraction_of_bytes_limit"] = r["psa_tbps"] * 1e12 / meta["peak_bps"] if meta.get("peak_bps") else None
+            except Exception as e:
+                traceback.print_exc()
+                r = dict(case=name, batch=kw["batch"], ctx=kw["ctx"], page=kw["page"], meta_layout=layout,
+                         crit_tile=dataclasses.asdict(tile), error=f"{type(e).__name__}: {e}")
+            print(json.dumps(r), flush=True)
+            rows.append(r)
+    out.mkdir(parents=True, exist_ok=True)
+    pick = pick_crit(rows)
+    (out / "psa_crit_sweep.json").write_text(json.dumps(dict(meta=meta, picked=pick, results=rows), indent=1))
+    lines = ["# PSA decode: the criticality pass's launch shape and the metadata layout", "",
+             f"- command: `{meta['command']}`",
+             f"- device: {meta['gpu']}; peak copy bandwidth {meta.get('peak_bps', float('nan')) / 1e12:.2f} TB/s",
+             f"- versions: {meta['versions']}", "- eps 0.95, 'calibrated', mean rank order, page 16, bf16 metadata (min, "
+             "max, mean); the wave plan of PsaDecodeWrapper. criticality = the replay of a CUDA graph of the run cut "
+             "after that pass; tile: blocks x KV heads per program (heads 0 = all), elements (auto tile_b), warps",
+             f"- picked (pick_crit: fastest headline layer among shapes no slower than the defaults {CRIT_BASE[0]} / "
+             f"{CRIT_BASE[1]} by more than 3 % on any case): {pick}", "",
+             "| case | batch | ctx | layout | tile_b | heads | elements | warps | criticality us | its TB/s | t PSA us | "
+             "t dense us | dense/PSA | fraction of bytes limit |", "|" + "---|" * 14]
+    for r in rows:
+        t = r["crit_tile"]
+        head = f"| {r['case']} | {r['batch']} | {r['ctx']} | {r['meta_layout']} | {t['tile_b']} | {t['heads']} | " \
+               f"{t['elements']} | {t['num_warps']} |"
+        if "error" in r or "t_stage_us" not in r:
+            lines.append(head + f" {r.get('error', 'no GPU timing')[:100]} |" + " |" * 5)
+            continue
+        f = r.get("fraction_of_bytes_limit")
+        lines.append(head + f" {r['t_stage_us']['criticality']:.1f} | {r['criticality_tbps']:.2f} | "
+                     f"{r['t_psa_us']:.1f} | {r['t_dense_us']:.1f} | {r['speedup']:.2f} | "
+                     f"{'-' if f is None or not math.isfinite(f) else f'{f:.3f}'} |")
+    (out / "psa_crit_sweep.md").write_text("\n".join(lines) + "\n")
+    return rows
+
+
+def pick_crit(rows: list, base: tuple = CRIT_BASE) -> dict | None:
+    """The (layout, launch shape) of a :func:`run_crit_sweep` report with the fastest headline layer (planted,
+    batch 8, 128k), among those no slower than ``base`` by more than 3 % on any swept case (full layer time).
+    ``{"meta_layout", "crit_tile": CritTile fields}`` or None."""
+    ok = [r for r in rows if "error" not in r and math.isfinite(r.get("t_psa_us", float("nan")))]
+    base_key = (base[0], base[1].tile_b, base[1].heads, base[1].elements,
+                base[1].num_warps)
+    cases = sorted({(r["case"], r["batch"], r["ctx"]) for r in ok})
+    by = {(r["case"], r["batch"], r["ctx"], _crit_key(r)): r for r in ok}
+    best, best_t = None, None
+    for key in sorted({_crit_key(r) for r in ok}):
+        bad = False
+        for c in cases:
+            r, b = by.get((*c, key)), by.get((*c, base_key))
+            if r is None or (b is not None and r["t_psa_us"] > 1.03 * b["t_psa_us"]):
+                bad = True
+        head = by.get(("planted", 8, 131072, key))
+        if not bad and head is not None and (best_t is None or head["t_psa_us"] < best_t):
+            best, best_t = key, head["t_psa_us"]
+    if best is None:
+        return None
+    return dict(meta_layout=best[0], crit_tile=dict(tile_b=best[1], heads=best[2], elements=best[3], num_warps=best[4]))
 
 
 def pick_wave_plan(rows: list, base: tuple = WAVE_BASE) -> dict | None:

@@ -237,3 +237,27 @@ def test_wave_plan_pick_keeps_every_swept_case_within_3_percent_of_the_default_a
     assert pick_wave_plan(rows + real, base) == dict(programs_per_sm=4, wave_growth=4.0, max_waves=5, sorted_prefix_blocks=1024)
     assert pick_wave_plan(rows[:2], base) == dict(programs_per_sm=4, wave_growth=2.0, max_waves=12, sorted_prefix_blocks=1024)
     assert pick_wave_plan([]) is None
+
+
+def test_pick_crit_takes_the_fastest_headline_not_slower_elsewhere():
+    """pick_crit: the fastest batch 8 / 128k layer among (layout, launch shape) pairs no more than 3 % slower than the
+    base on any case; failed rows never win."""
+    from bench.psa_plans import pick_crit
+    from flashinfer_ext.psa.criticality import CritTile
+
+    def row(b, layout, tile, t, case="planted"):
+        return dict(case=case, batch=b, ctx=131072 if case == "planted" else 32000, meta_layout=layout,
+                    crit_tile=dict(tile_b=tile.tile_b, heads=tile.heads, elements=tile.elements,
+                                   num_warps=tile.num_warps), t_psa_us=t)
+
+    base, t32, allh = CritTile(), CritTile(tile_b=32, num_warps=4), CritTile(heads=0)
+    rows = [row(8, "planar", base, 360.0), row(1, "planar", base, 120.0),
+            row(8, "interleaved", allh, 280.0), row(1, "interleaved", allh, 130.0),  # fastest headline, b1 8 % slower
+            row(8, "planar", t32, 330.0), row(1, "planar", t32, 121.0),            # within 3 % everywhere
+            dict(row(8, "interleaved", t32, 1.0), error="x")]
+    want = dict(meta_layout="planar", crit_tile=dict(tile_b=32, heads=1, elements=8192, num_warps=4))
+    assert pick_crit(rows, ("planar", base)) == want
+    real = [row(0, "planar", base, 240.0, "testbed real"), row(0, "planar", t32, 260.0, "testbed real")]
+    assert pick_crit(rows + real, ("planar", base)) == dict(meta_layout="planar", crit_tile=dict(
+        tile_b=0, heads=1, elements=8192, num_warps=0))
+    assert pick_crit([]) is None

@@ -165,17 +165,30 @@ class BlockMetaPool:
     """Metadata of every layer: ``kmin/kmax/kmean`` each ``[num_layers, num_rows, num_kv_heads, head_dim]``.
 
     ``num_rows`` = number of pages (page size > 1) or blocks (page size 1) the pool can hold.
+    ``layout``: 'planar' (three separate tensors) or 'interleaved' (one ``[num_layers, num_rows, 3, num_kv_heads,
+    head_dim]`` tensor, ``kmin/kmax/kmean`` its strided views: one block's metadata of every head is one contiguous
+    span, which a criticality program over all KV heads reads in one sweep). Kernels take the views' strides.
     """
 
+    LAYOUTS = ("planar", "interleaved")
+
     def __init__(self, num_layers: int, num_rows: int, num_kv_heads: int, head_dim: int,
-                 block_size: int, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
+                 block_size: int, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+                 layout: str = "planar"):
         if block_size < 1:
             raise ValueError(f"block_size={block_size} must be >= 1")
+        if layout not in self.LAYOUTS:
+            raise ValueError(f"layout={layout!r} must be one of {self.LAYOUTS}")
         self.block_size = block_size
+        self.layout = layout
         shape = (num_layers, num_rows, num_kv_heads, head_dim)
-        self.kmin = torch.zeros(shape, dtype=dtype, device=device)
-        self.kmax = torch.zeros(shape, dtype=dtype, device=device)
-        self.kmean = torch.zeros(shape, dtype=dtype, device=device)
+        if layout == "interleaved":
+            self._buf = torch.zeros((num_layers, num_rows, 3, num_kv_heads, head_dim), dtype=dtype, device=device)
+            self.kmin, self.kmax, self.kmean = self._buf.unbind(2)
+        else:
+            self.kmin = torch.zeros(shape, dtype=dtype, device=device)
+            self.kmax = torch.zeros(shape, dtype=dtype, device=device)
+            self.kmean = torch.zeros(shape, dtype=dtype, device=device)
 
     def layer(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(kmin, kmax, kmean)`` of one layer, each ``[num_rows, num_kv_heads, head_dim]`` (views)."""

@@ -22,13 +22,14 @@ sort costs a few tens of microseconds per layer.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
 import triton
 import triton.language as tl
 
-__all__ = ["block_criticality", "rank_blocks", "bound_suffix"]
+__all__ = ["block_criticality", "rank_blocks", "bound_suffix", "CritTile"]
 
 
 @triton.jit
@@ -38,13 +39,16 @@ def _criticality_kernel(
     block_table_ptr, stride_bt, seq_lens_ptr,
     scores_ptr, stride_sb, stride_sh, keys_ptr,
     num_cols, sink_blocks, local_blocks,
-    NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr,
+    NUM_KV_HEADS: tl.constexpr, HEADS: tl.constexpr, GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE_B: tl.constexpr,
     CUBOID: tl.constexpr, REDUCE_MAX: tl.constexpr, WRITE_KEYS: tl.constexpr, RANK_MEAN: tl.constexpr,
 ):
+    # one program: TILE_B blocks of one request x HEADS KV heads (1, or all of them padded to a power of two)
+    n_head_tiles = (NUM_KV_HEADS + HEADS - 1) // HEADS
     pid = tl.program_id(0)
-    r = pid // NUM_KV_HEADS
-    h = pid % NUM_KV_HEADS
+    r = pid // n_head_tiles
+    h = (pid % n_head_tiles) * HEADS + tl.arange(0, HEADS)  # [HEADS]
+    hmask = h < NUM_KV_HEADS
     seq_len = tl.load(seq_lens_ptr + r)
     n_blocks = (seq_len + BLOCK_SIZE - 1) // BLOCK_SIZE
     b = tl.program_id(1) * TILE_B + tl.arange(0, TILE_B)
@@ -53,57 +57,96 @@ def _criticality_kernel(
     rows = tl.load(block_table_ptr + r.to(tl.int64) * stride_bt + b, mask=valid, other=0).to(tl.int64)
     d = tl.arange(0, D_PAD)
     dmask = d < HEAD_DIM
-    m_off = rows[:, None] * stride_m_row + h * stride_m_head + d[None, :]
-    m_mask = valid[:, None] & dmask[None, :]
+    m_off = rows[:, None, None] * stride_m_row + h[None, :, None] * stride_m_head + d[None, None, :]
+    m_mask = valid[:, None, None] & hmask[None, :, None] & dmask[None, None, :]  # [TILE_B, HEADS, D_PAD]
     if CUBOID:
-        mx = tl.load(kmax_ptr + m_off, mask=m_mask, other=0.0).to(tl.float32)  # [TILE_B, D_PAD]
+        mx = tl.load(kmax_ptr + m_off, mask=m_mask, other=0.0).to(tl.float32)
         mn = tl.load(kmin_ptr + m_off, mask=m_mask, other=0.0).to(tl.float32)
     if (not CUBOID) or RANK_MEAN:
         me = tl.load(kmean_ptr + m_off, mask=m_mask, other=0.0).to(tl.float32)
-    q_row = q_ptr + r.to(tl.int64) * stride_qb + (h * GROUP) * stride_qh
+    q_off = r.to(tl.int64) * stride_qb + (h[:, None] * GROUP) * stride_qh + d[None, :]  # [HEADS, D_PAD]
+    q_mask = hmask[:, None] & dmask[None, :]
     if REDUCE_MAX:
-        s = tl.full([TILE_B], float("-inf"), tl.float32)
+        s = tl.full([TILE_B, HEADS], float("-inf"), tl.float32)
     else:
-        s = tl.zeros([TILE_B], tl.float32)
-    rs = tl.full([TILE_B], float("-inf"), tl.float32)  # RANK_MEAN: group max of q . mean (the rank key)
-    for gi in tl.static_range(GROUP):  # one query head of the group at a time: 2D tiles only
-        qg = tl.load(q_row + gi * stride_qh + d, mask=dmask, other=0.0).to(tl.float32)
+        s = tl.zeros([TILE_B, HEADS], tl.float32)
+    rs = tl.full([TILE_B, HEADS], float("-inf"), tl.float32)  # RANK_MEAN: group max of q . mean (the rank key)
+    for gi in tl.static_range(GROUP):  # one query head of each group at a time
+        qg = tl.load(q_ptr + q_off + gi * stride_qh, mask=q_mask, other=0.0).to(tl.float32)[None, :, :]
         if CUBOID:
-            ub = tl.sum(tl.maximum(qg, 0.0)[None, :] * mx + tl.minimum(qg, 0.0)[None, :] * mn, axis=1)
+            ub = tl.sum(tl.maximum(qg, 0.0) * mx + tl.minimum(qg, 0.0) * mn, axis=2)
         else:
-            ub = tl.sum(qg[None, :] * me, axis=1)
+            ub = tl.sum(qg * me, axis=2)
         if REDUCE_MAX:
             s = tl.maximum(s, ub)
         else:
             s = s + ub
         if RANK_MEAN:
-            rs = tl.maximum(rs, tl.sum(qg[None, :] * me, axis=1))
-    forced = (b < sink_blocks) | (b >= n_blocks - local_blocks)
+            rs = tl.maximum(rs, tl.sum(qg * me, axis=2))
+    forced = ((b < sink_blocks) | (b >= n_blocks - local_blocks))[:, None]
     s = tl.where(forced, float("inf"), s)
-    s = tl.where(valid, s, float("-inf"))
-    off = r.to(tl.int64) * stride_sb + h * stride_sh + b
-    tl.store(scores_ptr + off, s, mask=in_cols)
+    s = tl.where(valid[:, None], s, float("-inf"))
+    off = r.to(tl.int64) * stride_sb + h[None, :] * stride_sh + b[:, None]  # [TILE_B, HEADS]
+    st_mask = in_cols[:, None] & hmask[None, :]
+    tl.store(scores_ptr + off, s, mask=st_mask)
     if WRITE_KEYS:  # order-preserving int16 sort key: the top 16 bits of the fp32 (bf16 truncation)
         if RANK_MEAN:
             rs = tl.where(forced, float("inf"), rs)
-            rs = tl.where(valid, rs, float("-inf"))
+            rs = tl.where(valid[:, None], rs, float("-inf"))
             bits = rs.to(tl.int32, bitcast=True) >> 16
         else:
             bits = s.to(tl.int32, bitcast=True) >> 16
         key = bits ^ ((bits >> 15) & 0x7FFF)
-        tl.store(keys_ptr + off, key.to(tl.int16), mask=in_cols)
+        tl.store(keys_ptr + off, key.to(tl.int16), mask=st_mask)
+
+
+@dataclasses.dataclass(frozen=True)
+class CritTile:
+    """Launch shape of :func:`block_criticality`: ``tile_b`` blocks x ``heads`` KV heads per program.
+
+    ``heads``: 1 (one KV head per program) or 0 (every KV head of the model, padded to a power of two: one
+    program reads a block's metadata of all heads, contiguous in an interleaved :class:`BlockMetaPool`).
+    ``tile_b``: blocks per program (a power of two); 0 picks ``elements // (heads_pad * d_pad)`` (at least 1).
+    """
+
+    tile_b: int = 0
+    heads: int = 1
+    elements: int = 8192  # tile_b = 0: target of tile_b x heads_pad x d_pad per metadata tensor
+    num_warps: int = 0    # 0: 8 for tiles of >= 8192 elements, else 4
+
+    def __post_init__(self):
+        if self.heads not in (0, 1):
+            raise ValueError(f"CritTile.heads={self.heads} must be 1 (one KV head per program) or 0 (all)")
+        for name in ("tile_b", "elements", "num_warps"):
+            v = getattr(self, name)
+            if v < 0 or (v and v & (v - 1)):
+                raise ValueError(f"CritTile.{name}={v} must be 0 (auto) or a power of two")
+
+    def resolve(self, num_kv_heads: int, head_dim: int) -> tuple[int, int, int]:
+        """``(tile_b, heads, num_warps)`` for a model's KV heads and head_dim."""
+        d_pad = triton.next_power_of_2(head_dim)
+        heads = triton.next_power_of_2(num_kv_heads) if self.heads == 0 else 1
+        tile_b = self.tile_b or max(1, min(128, self.elements // (heads * d_pad)))
+        tile_b = max(tile_b, 16 // heads if heads < 16 else 1)  # a tile spans >= 16 (block, head) pairs
+        warps = self.num_warps or (8 if tile_b * heads * d_pad >= 8192 else 4)
+        return tile_b, heads, warps
+
+
+DEFAULT_TILE = CritTile()
 
 
 def block_criticality(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, kmean: torch.Tensor,
                       block_table: torch.Tensor, seq_lens: torch.Tensor, scores_out: torch.Tensor, *,
                       block_size: int, sink_blocks: int, local_blocks: int,
                       criticality: str = "cuboid", group_reduce: str = "max",
-                      keys_out: torch.Tensor | None = None, rank_by: str = "criticality") -> torch.Tensor:
+                      keys_out: torch.Tensor | None = None, rank_by: str = "criticality",
+                      tile: CritTile = DEFAULT_TILE) -> torch.Tensor:
     """Score every block of every request for every KV head.
 
     Args:
       q: ``[batch, num_qo_heads, head_dim]`` decode queries (post-RoPE).
-      kmin, kmax, kmean: ``[num_rows, num_kv_heads, head_dim]`` one layer's block metadata.
+      kmin, kmax, kmean: ``[num_rows, num_kv_heads, head_dim]`` one layer's block metadata (any row and head
+        strides, shared by the three; last dim contiguous).
       block_table: ``[batch, >= num_cols]`` int32 logical block -> meta row.
       seq_lens: ``[batch]`` int32 tokens per request (incl. the current one).
       scores_out: ``[batch, num_kv_heads, num_cols]`` fp32, written (last dim contiguous).
@@ -111,6 +154,7 @@ def block_criticality(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, k
         16-bit key of each score (bf16 truncation), for a 2-pass radix sort (:func:`rank_blocks`).
       rank_by: 'criticality' (keys of ``scores_out``) or 'mean' (keys of the group max of ``q . kmean``;
         ``scores_out`` still gets the criticality scores). Needs ``keys_out`` to matter.
+      tile: the launch shape (:class:`CritTile`); results do not depend on it.
 
     Returns ``scores_out``. One launch, no allocation.
     """
@@ -123,11 +167,11 @@ def block_criticality(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, k
     if batch == 0 or num_cols == 0:
         return scores_out
     assert q.stride(2) == 1 and kmin.stride(2) == 1 and scores_out.stride(2) == 1
+    assert kmin.stride() == kmax.stride() == kmean.stride()
     if keys_out is not None:
         assert keys_out.dtype == torch.int16 and keys_out.stride() == scores_out.stride()
-    d_pad = triton.next_power_of_2(head_dim)
-    tile_b = max(16, min(128, 8192 // d_pad))
-    grid = (batch * num_kv_heads, triton.cdiv(num_cols, tile_b))
+    tile_b, heads, warps = tile.resolve(num_kv_heads, head_dim)
+    grid = (batch * triton.cdiv(num_kv_heads, heads), triton.cdiv(num_cols, tile_b))
     _criticality_kernel[grid](
         q, q.stride(0), q.stride(1),
         kmin, kmax, kmean, kmin.stride(0), kmin.stride(1),
@@ -135,11 +179,11 @@ def block_criticality(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, k
         scores_out, scores_out.stride(0), scores_out.stride(1),
         keys_out if keys_out is not None else scores_out,
         num_cols, sink_blocks, local_blocks,
-        NUM_KV_HEADS=num_kv_heads, GROUP=group, HEAD_DIM=head_dim, D_PAD=d_pad,
-        BLOCK_SIZE=block_size, TILE_B=tile_b,
+        NUM_KV_HEADS=num_kv_heads, HEADS=heads, GROUP=group, HEAD_DIM=head_dim,
+        D_PAD=triton.next_power_of_2(head_dim), BLOCK_SIZE=block_size, TILE_B=tile_b,
         CUBOID=criticality == "cuboid", REDUCE_MAX=group_reduce == "max", WRITE_KEYS=keys_out is not None,
         RANK_MEAN=keys_out is not None and rank_by == "mean" and (criticality, group_reduce) != ("mean", "max"),
-        num_warps=8 if tile_b * d_pad >= 8192 else 4,
+        num_warps=warps,
     )
     return scores_out
 

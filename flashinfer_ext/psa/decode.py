@@ -45,7 +45,7 @@ import torch
 
 from .block_meta import update_block_meta
 from .config import PsaDecodeConfig
-from .criticality import block_criticality, bound_suffix, rank_blocks
+from .criticality import CritTile, block_criticality, bound_suffix, rank_blocks
 from .chunks import plan_waves, psa_chunk_attention
 from .rank_select import rank_select
 from .wave_merge import wave_merge
@@ -69,6 +69,8 @@ class PsaDecodeWrapper:
       wave_programs: programs the first wave should launch (default 2 x SM count on CUDA).
       wave_growth: each next wave covers about this many times the ranks read so far (default 4).
       max_waves: most waves (the last takes every remaining chunk; default 5).
+      crit_tile: launch shape of the criticality pass (:class:`~flashinfer_ext.psa.criticality.CritTile`;
+        default :attr:`CRIT_TILE`, which suits a :class:`BlockMetaPool` of layout :attr:`META_LAYOUT`).
       The wave defaults come from ``bench/psa_decode_bench.py --wave-sweep`` on an H100
       (``bench/results/psa_wave_sweep.md``): against the former 4 x SM / 2 / 12 they cut a layer's time
       by 26 % at batch 1 / 128k and 13 % on the 32k testbed capture, and by 1-2 % at batch 8 / 128k and
@@ -79,12 +81,15 @@ class PsaDecodeWrapper:
     WAVE_PROGRAMS_PER_SM = 2  # first-wave programs per SM on CUDA (16 programs on a CPU)
     WAVE_GROWTH = 4.0
     MAX_WAVES = 5
+    CRIT_TILE = CritTile()      # one KV head per program, [64 blocks x 128 dims] tiles
+    META_LAYOUT = "planar"      # the BlockMetaPool layout a server allocates beside this wrapper
 
     def __init__(self, config: PsaDecodeConfig, *, num_qo_heads: int, num_kv_heads: int, head_dim: int,
                  block_size: int, max_batch_size: int, max_blocks_per_req: int,
                  device: str | torch.device = "cuda", sm_scale: float | None = None,
                  out_dtype: torch.dtype = torch.bfloat16, tile_tokens: int = 64,
-                 wave_programs: int | None = None, wave_growth: float | None = None, max_waves: int | None = None):
+                 wave_programs: int | None = None, wave_growth: float | None = None, max_waves: int | None = None,
+                 crit_tile: CritTile | None = None):
         if not isinstance(config, PsaDecodeConfig):
             raise TypeError(f"config must be a PsaDecodeConfig, got {type(config).__name__}")
         if num_qo_heads % num_kv_heads:
@@ -106,6 +111,7 @@ class PsaDecodeWrapper:
         wave_growth = self.WAVE_GROWTH if wave_growth is None else wave_growth
         max_waves = self.MAX_WAVES if max_waves is None else max_waves
         self.wave_programs, self.wave_growth, self.max_waves = int(wave_programs), float(wave_growth), int(max_waves)
+        self.crit_tile = self.CRIT_TILE if crit_tile is None else crit_tile
         i32 = dict(dtype=torch.int32, device=dev)
         f32 = dict(dtype=torch.float32, device=dev)
         hk, g, d, mb, cols = num_kv_heads, self.group, head_dim, max_batch_size, max_blocks_per_req
@@ -259,7 +265,8 @@ class PsaDecodeWrapper:
         block_criticality(q, kmin, kmax, kmean, self._block_table_buf[:bs], seq_lens, scores,
                           block_size=self.block_size, sink_blocks=cfg.sink_blocks,
                           local_blocks=cfg.local_blocks, criticality=cfg.criticality,
-                          group_reduce=cfg.group_reduce, keys_out=keys, rank_by=cfg.rank_by)
+                          group_reduce=cfg.group_reduce, keys_out=keys, rank_by=cfg.rank_by,
+                          tile=self.crit_tile)
         if stop_after == "criticality":
             return o, lse, nread
         c = self._num_cols

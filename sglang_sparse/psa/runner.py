@@ -375,7 +375,7 @@ class PsaCudaRunner(_RunnerBase):
         k0 = token_to_kv_pool.get_key_buffer(0)
         num_rows = -(-k0.shape[0] // block_size) + 1
         self.meta = BlockMetaPool(shape.num_layers, num_rows, shape.num_kv_heads, shape.head_dim, block_size,
-                                  dtype=k0.dtype, device=device)
+                                  dtype=k0.dtype, device=device, layout=PsaDecodeWrapper.META_LAYOUT)
         self.pool = token_to_kv_pool
         self._req_to_token = req_to_token  # SGLang's ReqToTokenPool.req_to_token: one tensor for the server's life
         self.max_blocks_per_req = -(-req_to_token.shape[1] // block_size)

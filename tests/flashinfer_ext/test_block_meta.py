@@ -31,16 +31,18 @@ def _meta_rows(meta, table, r, n):
     return tuple(x[table[r, :n].long()].float() for x in meta)
 
 
+@pytest.mark.parametrize("layout", BlockMetaPool.LAYOUTS)
 @pytest.mark.parametrize("seq_lens,num_kv_heads,head_dim,dtype,page_size,block_size", CASES)
 def test_incremental_updates_match_from_scratch_reference(seq_lens, num_kv_heads, head_dim, dtype,
-                                                          page_size, block_size):
-    """Prefill in uneven chunks (starting mid-block), then decode token by token: rows equal the reference."""
+                                                          page_size, block_size, layout):
+    """Prefill in uneven chunks (starting mid-block), then decode token by token: rows equal the reference, in
+    either metadata layout."""
     pool = make_pool(seq_lens, num_kv_heads, num_kv_heads, head_dim, dtype, page_size, seed=1)
     batch = len(seq_lens)
     num_blocks = -(-max(seq_lens) // block_size)
     table = _table(pool, block_size, num_blocks)
     rows = int(table.max()) + 1
-    mp = BlockMetaPool(2, rows, num_kv_heads, head_dim, block_size, dtype=torch.float32)
+    mp = BlockMetaPool(2, rows, num_kv_heads, head_dim, block_size, dtype=torch.float32, layout=layout)
     # poison the pool: a correct update never reads a row it has not written
     for x in (mp.kmin, mp.kmax, mp.kmean):
         x.fill_(12345.0)
@@ -84,3 +86,8 @@ def test_blocks_touched_counts_block_span_of_each_range():
     assert blocks_touched([0, 15, 16], [16, 17, 16], 16) == 2
     assert blocks_touched([5], [6], 16) == 1
     assert blocks_touched([3], [3], 16) == 0
+
+
+def test_pool_rejects_unknown_layout():
+    with pytest.raises(ValueError, match="layout='rows'"):
+        BlockMetaPool(1, 4, 2, 64, 16, layout="rows")

@@ -6,20 +6,20 @@ import pytest
 import torch
 
 from flashinfer_ext.psa.block_meta import BlockMetaPool, identity_block_table, paged_block_table
-from flashinfer_ext.psa.criticality import block_criticality, rank_blocks
+from flashinfer_ext.psa.criticality import CritTile, block_criticality, rank_blocks
 from flashinfer_ext.common.reference import criticality_reference, gather_kv
 
 from .kv_pool import make_pool
 
 
-def _pool_and_meta(seq_lens, hq, hk, d, dtype, page_size, block_size, seed=3):
+def _pool_and_meta(seq_lens, hq, hk, d, dtype, page_size, block_size, seed=3, layout="planar"):
     pool = make_pool(seq_lens, hq, hk, d, dtype, page_size, seed=seed)
     nb = -(-max(seq_lens) // block_size)
     if page_size > 1:
         table = paged_block_table(pool.req_to_token, pool.req_pool_indices, page_size, nb)
     else:
         table = identity_block_table(pool.req_pool_indices, nb)
-    mp = BlockMetaPool(1, int(table.max()) + 1, hk, d, block_size, dtype=dtype)
+    mp = BlockMetaPool(1, int(table.max()) + 1, hk, d, block_size, dtype=dtype, layout=layout)
     zero = torch.zeros(len(seq_lens), dtype=torch.int32)
     mp.update(0, pool.k_buffer, pool.req_to_token, pool.req_pool_indices, table, zero, pool.seq_lens, nb)
     return pool, table, mp.layer(0), nb
@@ -110,3 +110,32 @@ def test_rank_reference_prefix_semantics():
     s = torch.tensor([[[1.0, 5.0, 3.0, float("inf"), 2.0, 4.0, float("-inf")]]])
     assert rank_reference(s, 0)[0, 0].tolist() == [3, 1, 5, 2, 4, 0, 6]
     assert rank_reference(s, 3)[0, 0].tolist() == [3, 1, 5, 0, 2, 4, 6]
+
+
+@pytest.mark.parametrize("layout", BlockMetaPool.LAYOUTS)
+@pytest.mark.parametrize("tile", [CritTile(), CritTile(tile_b=16, num_warps=4), CritTile(heads=0),
+                                  CritTile(heads=0, tile_b=2)], ids=["default", "tile16", "all-heads", "all-heads-2"])
+@pytest.mark.parametrize("hq,hk,d,dtype", [(32, 8, 128, torch.bfloat16), (9, 3, 64, torch.float16)])
+def test_launch_shape_and_meta_layout_leave_scores_and_keys_unchanged(layout, tile, hq, hk, d, dtype):
+    """Every CritTile (KV heads per program, blocks per program) over either metadata layout writes the reference's
+    scores and the int16 rank keys (within one bf16 step) as the default launch on planar metadata (partial blocks, padded heads)."""
+    seq_lens = [3 * 16 + 5, 16, 7 * 16 - 1]
+    pool, table, meta, nb = _pool_and_meta(seq_lens, hq, hk, d, dtype, 16, 16, layout=layout)
+    _, _, planar, _ = _pool_and_meta(seq_lens, hq, hk, d, dtype, 16, 16)
+    cols = nb + 2
+    kw = dict(block_size=16, sink_blocks=1, local_blocks=2, rank_by="mean")
+    scores, keys = torch.empty(len(seq_lens), hk, cols), torch.empty(len(seq_lens), hk, cols, dtype=torch.int16)
+    block_criticality(pool.q, *meta, table, pool.seq_lens, scores, keys_out=keys, tile=tile, **kw)
+    want, want_keys = torch.empty_like(scores), torch.empty_like(keys)
+    block_criticality(pool.q, *planar, table, pool.seq_lens, want, keys_out=want_keys, **kw)
+    ref = criticality_reference(pool.q, *planar, table, pool.seq_lens, block_size=16, num_blocks=cols,
+                                sink_blocks=1, local_blocks=2, criticality="cuboid", group_reduce="max")
+    torch.testing.assert_close(scores, ref, rtol=1e-4, atol=1e-3)
+    torch.testing.assert_close(scores, want, rtol=1e-5, atol=1e-4)  # the reduction order over dims may differ
+    assert int((keys.int() - want_keys.int()).abs().max()) <= 1  # int16 keys: at most one bf16 step apart
+
+
+def test_crit_tile_rejects_bad_fields():
+    for kw in (dict(heads=2), dict(tile_b=3), dict(num_warps=6), dict(elements=-1)):
+        with pytest.raises(ValueError, match="CritTile"):
+            CritTile(**kw)

@@ -14,7 +14,7 @@ pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 
-def _wrapper(pool, cfg, block_size, max_batch_size=None, epsilon=None, probe_epsilon=None, **wkw):
+def _wrapper(pool, cfg, block_size, max_batch_size=None, epsilon=None, probe_epsilon=None, layout=None, **wkw):
     from flashinfer_ext.psa.block_meta import BlockMetaPool, paged_block_table
     from flashinfer_ext.psa.decode import PsaDecodeWrapper
 
@@ -23,7 +23,7 @@ def _wrapper(pool, cfg, block_size, max_batch_size=None, epsilon=None, probe_eps
     nb = -(-pool.req_to_token.shape[1] // block_size)
     table = paged_block_table(pool.req_to_token, pool.req_pool_indices, pool.page_size, nb)
     mp = BlockMetaPool(1, pool.k_buffer.shape[0] // pool.page_size, hk, d, block_size, dtype=pool.k_buffer.dtype,
-                       device="cuda")
+                       device="cuda", layout=layout or PsaDecodeWrapper.META_LAYOUT)
     zero = torch.zeros(batch, dtype=torch.int32, device="cuda")
     mp.update(0, pool.k_buffer, pool.req_to_token, pool.req_pool_indices, table, zero, pool.seq_lens, nb)
     w = PsaDecodeWrapper(cfg, num_qo_heads=hq, num_kv_heads=hk, head_dim=d, block_size=block_size,
@@ -74,6 +74,28 @@ def test_gpu_wrapper_matches_reference(hq, hk, d, dtype, page, epsilon, estimato
     o, lse, nread = w.run(pool.q, pool.k_buffer, pool.v_buffer, *mp.layer(0))
     torch.cuda.synchronize()
     _check_against_reference(w, pool, cfg, o, lse, nread, page)
+
+
+def _crit_grid():
+    from bench.psa_plans import CRIT_SWEEP_GRID
+
+    return CRIT_SWEEP_GRID
+
+
+@pytest.mark.parametrize("hq,hk,d", [(32, 8, 128), (9, 3, 64)])
+@pytest.mark.parametrize("layout_tile", _crit_grid(), ids=lambda lt: f"{lt[0]}-b{lt[1].tile_b}-h{lt[1].heads}-"
+                         f"e{lt[1].elements}-w{lt[1].num_warps}")
+def test_gpu_every_swept_launch_shape_and_layout_matches_reference(layout_tile, hq, hk, d):
+    """Every (metadata layout, criticality launch shape) the benchmark sweeps gives the reference's decode."""
+    from flashinfer_ext.psa.config import PsaDecodeConfig
+
+    layout, tile = layout_tile
+    cfg = PsaDecodeConfig(epsilon=0.9, micro_batch_blocks=4, sink_blocks=1, local_blocks=2)
+    pool = make_pool([2000, 37, 1508, 800], hq, hk, d, torch.bfloat16, 16, seed=22, device="cuda", planted=True)
+    w, mp, _ = _wrapper(pool, cfg, 16, layout=layout, crit_tile=tile)
+    o, lse, nread = w.run(pool.q, pool.k_buffer, pool.v_buffer, *mp.layer(0))
+    torch.cuda.synchronize()
+    _check_against_reference(w, pool, cfg, o, lse, nread, 16)
 
 
 def test_gpu_per_request_epsilon_rows():
