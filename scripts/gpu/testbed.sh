@@ -14,6 +14,7 @@
 #                                        # 23/24): psa_decode.json real_16k/real_32k, loopserve_prefill.json
 #                                        # real_32k, merged into copies of bench/results' headlines (~2-4 min)
 #   bash scripts/gpu/testbed.sh kernwaves  # psa decode wave plans (planted) + the full psa kernel bench at the best one
+#   bash scripts/gpu/testbed.sh kerncrit  # psa criticality launch shapes x metadata layouts (+ the GPU kernel tests)
 #   bash scripts/gpu/testbed.sh kernprofile  # psa decode stage times (criticality, ranking, suffix, waves) at the defaults
 #   bash scripts/gpu/testbed.sh settings4k  # psa vs off at 4k under three server settings: which setting costs psa
 #                                           # its fall-back throughput (page 16, prefill CUDA graphs off)
@@ -31,7 +32,7 @@
 #
 # Reports go to /tmp/testbed/<part>/ and come back packed as $OUT/<part>.tgz.
 set -uo pipefail
-part=${1:?usage: testbed.sh needle|long|samkv|e2e|settings4k|c1ab|realkern|kernwaves|kernprofile|reliability-start|reliability-wait}
+part=${1:?usage: testbed.sh needle|long|samkv|e2e|settings4k|c1ab|realkern|kernwaves|kerncrit|kernprofile|reliability-start|reliability-wait}
 out=${OUT:-$PWD/gpu_out}
 name=${part%-*}${TESTBED_TAG:+_$TESTBED_TAG}
 R=/tmp/testbed/$name
@@ -143,6 +144,13 @@ PY
     [ "${KERNWAVES_FULL:-1}" = 1 ] && step psa_full timeout -k 20 "${KERNEL_TIMEOUT:-330}" python3 bench/psa_decode_bench.py \
         --wave-plan "best:$R/psa_wave_sweep.json" --testbed-model $M32 --out "$R"
     rm -f "$R"/*.png
+    ;;
+  kerncrit)  # the psa kernel's GPU tests (every swept launch shape and layout against the reference), then the
+    # criticality pass over launch shapes x metadata layouts (bench/psa_decode_bench.py --crit-sweep), ~5 minutes
+    export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+    step psa_gpu_tests timeout -k 20 "${GPU_TESTS_TIMEOUT:-240}" python3 -m pytest -m gpu -q -x tests/flashinfer_ext/test_gpu_psa.py
+    step psa_crit timeout -k 20 "${CRIT_TIMEOUT:-330}" python3 bench/psa_decode_bench.py --crit-sweep \
+        --testbed-model $M32 --out "$R"
     ;;
   kernprofile)  # where a psa decode layer's time goes at the defaults (criticality, ranking, bound suffix, waves +
     # merges): the planted headline cases and the 32k testbed capture, ~1 minute
