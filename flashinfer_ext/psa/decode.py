@@ -34,9 +34,9 @@ Cautions:
     latency; ``bench/psa_decode_bench.py`` reports both fractions).
   * Measured on an H100 (triton 3.6, one layer, CUDA graph, 128k context, batch 8, 32/8 heads,
     d 128, page 16, planted structure of the benchmark, eps 0.95, 'calibrated', rank_by 'mean'):
-    ~365 us against ~1.5 ms for FlashInfer's dense decode. The criticality pass reads kmin, kmax and
-    kmean of every block (~400 MB here, about 150 us at the copy peak); ranking, the bound suffix, the
-    waves' launches and merges are the rest (``bench/results/psa_decode.md``).
+    ~306 us against ~1.5 ms for FlashInfer's dense decode. The criticality pass reads kmin, kmax and
+    kmean of every block (~400 MB here: ~158 us at 2.5 TB/s, the copy peak being ~3 TB/s); ranking, the bound
+    suffix, the waves' launches and merges are the rest (``bench/results/psa_stage_profile.md``).
 """
 
 from __future__ import annotations
@@ -81,8 +81,11 @@ class PsaDecodeWrapper:
     WAVE_PROGRAMS_PER_SM = 2  # first-wave programs per SM on CUDA (16 programs on a CPU)
     WAVE_GROWTH = 4.0
     MAX_WAVES = 5
-    CRIT_TILE = CritTile()      # one KV head per program, [64 blocks x 128 dims] tiles
-    META_LAYOUT = "planar"      # the BlockMetaPool layout a server allocates beside this wrapper
+    # criticality launch shape and metadata layout, from ``bench/psa_decode_bench.py --crit-sweep`` on an H100
+    # (bench/results/psa_crit_sweep.md): one KV head per program, 32 blocks, 8 warps, on interleaved metadata takes
+    # the metadata pass at 128k batch 8 from 216 us (1.86 TB/s, [64 x 128] tiles) to 158 us (2.54 TB/s)
+    CRIT_TILE = CritTile(tile_b=32, num_warps=8)
+    META_LAYOUT = "interleaved"  # the BlockMetaPool layout a server allocates beside this wrapper
 
     def __init__(self, config: PsaDecodeConfig, *, num_qo_heads: int, num_kv_heads: int, head_dim: int,
                  block_size: int, max_batch_size: int, max_blocks_per_req: int,

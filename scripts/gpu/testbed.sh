@@ -15,6 +15,9 @@
 #                                        # real_32k, merged into copies of bench/results' headlines (~2-4 min)
 #   bash scripts/gpu/testbed.sh kernwaves  # psa decode wave plans (planted) + the full psa kernel bench at the best one
 #   bash scripts/gpu/testbed.sh kerncrit  # psa criticality launch shapes x metadata layouts (+ the GPU kernel tests)
+#   bash scripts/gpu/testbed.sh samkvab-start  # samkv's plain-chat flips: off under samkv's server settings (overlap
+#                                           # scheduler and prefill CUDA graphs off) soaked against off, in the background
+#   bash scripts/gpu/testbed.sh samkvab-wait   # waits for it (RELIABILITY_WAIT seconds at most)
 #   bash scripts/gpu/testbed.sh kernprofile  # psa decode stage times (criticality, ranking, suffix, waves) at the defaults
 #   bash scripts/gpu/testbed.sh settings4k  # psa vs off at 4k under three server settings: which setting costs psa
 #                                           # its fall-back throughput (page 16, prefill CUDA graphs off)
@@ -32,7 +35,7 @@
 #
 # Reports go to /tmp/testbed/<part>/ and come back packed as $OUT/<part>.tgz.
 set -uo pipefail
-part=${1:?usage: testbed.sh needle|long|samkv|e2e|settings4k|c1ab|realkern|kernwaves|kerncrit|kernprofile|reliability-start|reliability-wait}
+part=${1:?usage: testbed.sh needle|long|samkv|e2e|settings4k|c1ab|realkern|kernwaves|kerncrit|kernprofile|samkvab-start|samkvab-wait|reliability-start|reliability-wait}
 out=${OUT:-$PWD/gpu_out}
 name=${part%-*}${TESTBED_TAG:+_$TESTBED_TAG}
 R=/tmp/testbed/$name
@@ -157,6 +160,29 @@ PY
     export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
     step psa_stages timeout -k 20 "${PROFILE_TIMEOUT:-240}" python3 bench/psa_decode_bench.py --stage-profile \
         --testbed-model $M32 --out "$R"
+    ;;
+  samkvab-start)  # samkv's chat flips: is it samkv, or the server settings samkv needs? (1) off and samkv, (2) off
+    # with samkv's settings (overlap scheduler and prefill CUDA graphs off) against run 1's off; the same workload
+    settings="--server-arg=--attention-backend=triton --server-arg=--enable-deterministic-inference"
+    soak_common="--model $M32 --requests ${SOAK_REQUESTS:-5000} --time-budget ${SOAK_MODE_BUDGET:-100} --concurrency 4 \
+          --turn-words ${SOAK_TURN_WORDS:-7000} --max-tokens 16 --sample-every 10 --log-dir $R \
+          --server-arg=$SHARED --server-arg=--max-total-tokens=65536 $settings"
+    ( setsid bash -c "
+        timeout -k 20 ${SOAK_TIMEOUT:-900} python3 -m bench.soak --launch off,samkv $soak_common \
+          --out $R/soak_samkv.json > $R/soak_samkv.log 2>&1
+        timeout -k 20 ${SOAK_TIMEOUT:-900} python3 -m bench.soak --launch off $soak_common \
+          --server-arg=--disable-overlap-schedule --server-arg=--disable-prefill-cuda-graph \
+          --reference-json $R/soak_samkv.json --out $R/soak_off_settings.json > $R/soak_off_settings.log 2>&1
+        echo \$? > $R/samkvab.rc" > /dev/null 2>&1 < /dev/null & )
+    sleep 2
+    exit 0
+    ;;
+  samkvab-wait)
+    t0=$(date +%s)
+    while [ ! -f "$R/samkvab.rc" ] && [ $(( $(date +%s) - t0 )) -lt "${RELIABILITY_WAIT:-400}" ]; do sleep 5; done
+    say "== samkvab-wait: rc $(cat "$R/samkvab.rc" 2>/dev/null || echo running)"
+    tail -n 8 "$R/soak_samkv.log" "$R/soak_off_settings.log" 2>/dev/null
+    part=samkvab
     ;;
   reliability-start)  # no timing figure comes from these: they may share the GPU with the `long` part
     say "== reliability: soak + faults started in the background"
