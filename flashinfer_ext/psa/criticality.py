@@ -9,8 +9,9 @@ first, blocks past a request's end ``-inf``. One Triton launch; ranking is a dev
 order-preserving int16 keys the kernel can write beside them (a 2-pass radix sort; ties
 within a bf16 step of the score rank arbitrarily). :func:`bound_suffix` turns the
 scores in rank order into the base-2 log of the remaining-mass upper bound
-``sum_{j >= e} block_size * 2^(scale_log2 * s_j)`` at every rank ``e`` (one program per
-(request, KV head), a reverse log-space cumulative sum in tiles).
+``sum_{j >= e} block_size * 2^(scale_log2 * s_j)`` at every rank ``e`` (a reverse log-space
+cumulative sum: tile-parallel in two launches given a scratch buffer, else one program per
+(request, KV head) scanning its row).
 
 Cautions: scores are in raw ``q.k`` units (no softmax scale; ranking is invariant to
 it). ``head_dim`` and the group size are padded to powers of two inside the kernel.
@@ -29,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["block_criticality", "rank_blocks", "bound_suffix", "CritTile"]
+__all__ = ["block_criticality", "rank_blocks", "bound_suffix", "suffix_tiles", "CritTile"]
 
 
 @triton.jit
@@ -230,8 +231,62 @@ def _bound_suffix_kernel(scores_ptr, order_ptr, stride_sb, stride_sh, out_ptr, s
         run = tl.full([1], 0.0, tl.float32) + tl.max(tl.where(j == start, suf, float("-inf")), axis=0)
 
 
+@triton.jit
+def _suffix_tiles_kernel(scores_ptr, order_ptr, stride_sb, stride_sh, tiles_ptr, num_cols, n_tiles,
+                         scale_log2, log2_block, NUM_KV_HEADS: tl.constexpr, TILE: tl.constexpr,
+                         GATHER: tl.constexpr):
+    """Phase 1 of the tile-parallel suffix: base-2 log-sum of each tile's bound terms -> ``tiles[pair, t]``."""
+    pid = tl.program_id(0)
+    t = tl.program_id(1)
+    r = (pid // NUM_KV_HEADS).to(tl.int64)
+    h = pid % NUM_KV_HEADS
+    j = t * TILE + tl.arange(0, TILE)
+    if GATHER:
+        idx = tl.load(order_ptr + r * stride_sb + h * stride_sh + j, mask=j < num_cols, other=0)
+    else:
+        idx = j
+    s = tl.load(scores_ptr + r * stride_sb + h * stride_sh + idx, mask=j < num_cols, other=float("-inf"))
+    x = tl.where(s == float("inf"), float("-inf"), s * scale_log2 + log2_block)  # forced blocks excluded
+    mx = tl.max(x, axis=0)
+    mxs = tl.where(mx == float("-inf"), 0.0, mx)
+    tl.store(tiles_ptr + pid.to(tl.int64) * n_tiles + t, tl.log2(tl.sum(tl.exp2(x - mxs), axis=0)) + mxs)
+
+
+@triton.jit
+def _suffix_scan_kernel(scores_ptr, order_ptr, stride_sb, stride_sh, out_ptr, stride_ob, stride_oh, tiles_ptr,
+                        num_cols, n_tiles, scale_log2, log2_block, NUM_KV_HEADS: tl.constexpr, TILE: tl.constexpr,
+                        TILES_PAD: tl.constexpr, GATHER: tl.constexpr):
+    """Phase 2: each tile's reverse cumulative log-sum plus the carry of the tiles after it (from phase 1)."""
+    pid = tl.program_id(0)
+    t = tl.program_id(1)
+    r = (pid // NUM_KV_HEADS).to(tl.int64)
+    h = pid % NUM_KV_HEADS
+    o_row = out_ptr + r * stride_ob + h * stride_oh
+    if t == n_tiles - 1:
+        tl.store(o_row + num_cols, float("-inf"))
+    k = tl.arange(0, TILES_PAD)
+    later = tl.load(tiles_ptr + pid.to(tl.int64) * n_tiles + k, mask=(k > t) & (k < n_tiles), other=float("-inf"))
+    j = t * TILE + tl.arange(0, TILE)
+    if GATHER:
+        idx = tl.load(order_ptr + r * stride_sb + h * stride_sh + j, mask=j < num_cols, other=0)
+    else:
+        idx = j
+    s = tl.load(scores_ptr + r * stride_sb + h * stride_sh + idx, mask=j < num_cols, other=float("-inf"))
+    x = tl.where(s == float("inf"), float("-inf"), s * scale_log2 + log2_block)
+    mx = tl.maximum(tl.max(x, axis=0), tl.max(later, axis=0))
+    mxs = tl.where(mx == float("-inf"), 0.0, mx)
+    cs = tl.cumsum(tl.exp2(x - mxs), axis=0, reverse=True) + tl.sum(tl.exp2(later - mxs), axis=0)
+    tl.store(o_row + j, tl.log2(cs) + mxs, mask=j < num_cols)
+
+
+def suffix_tiles(num_cols: int, tile: int) -> int:
+    """Tiles of :func:`bound_suffix`'s tile-parallel path for a row of ``num_cols`` (its scratch per pair)."""
+    return triton.cdiv(max(num_cols, 1), tile)
+
+
 def bound_suffix(scores: torch.Tensor, suffix_out: torch.Tensor, *, sm_scale: float, block_size: int,
-                 order: torch.Tensor | None = None, tile: int = 4096) -> torch.Tensor:
+                 order: torch.Tensor | None = None, tile: int = 4096,
+                 tiles_buf: torch.Tensor | None = None) -> torch.Tensor:
     """Base-2 log of the remaining-mass upper bound at every rank.
 
     Args:
@@ -240,8 +295,12 @@ def bound_suffix(scores: torch.Tensor, suffix_out: torch.Tensor, *, sm_scale: fl
       suffix_out: ``[batch, num_kv_heads, >= num_cols + 1]`` fp32; entry ``e`` =
         ``log2 sum_{j >= e, s_j finite} block_size * exp(sm_scale * s_j)`` over ranks (``-inf`` when empty).
       order: optional ``[batch, num_kv_heads, num_cols]`` int64 rank -> block (same strides as ``scores``).
+      tiles_buf: fp32 scratch of ``>= batch * num_kv_heads * suffix_tiles(num_cols, tile)`` elements: the
+        tile-parallel path (two launches over ``[pairs, tiles]``: each tile's log-sum, then each tile's reverse
+        scan plus the carry of the tiles after it). Without it: one program per (request, KV head) scanning
+        its row tile by tile, latency-bound when the pairs are few.
 
-    One launch over ``batch * num_kv_heads`` programs; no allocation.
+    No allocation.
     """
     batch, num_kv_heads, num_cols = scores.shape
     if batch == 0:
@@ -249,10 +308,25 @@ def bound_suffix(scores: torch.Tensor, suffix_out: torch.Tensor, *, sm_scale: fl
     assert scores.stride(2) == 1 and suffix_out.stride(2) == 1 and suffix_out.shape[2] >= num_cols + 1
     if order is not None:
         assert order.stride() == scores.stride()
-    _bound_suffix_kernel[(batch * num_kv_heads,)](
-        scores, order if order is not None else scores, scores.stride(0), scores.stride(1),
-        suffix_out, suffix_out.stride(0), suffix_out.stride(1), num_cols,
-        float(sm_scale) / math.log(2.0), math.log2(block_size),
-        NUM_KV_HEADS=num_kv_heads, TILE=min(tile, triton.next_power_of_2(max(num_cols, 16))),
-        GATHER=order is not None, num_warps=8 if num_cols >= 2048 else 4)
+    tile = min(tile, triton.next_power_of_2(max(num_cols, 16)))
+    scale_log2, log2_block = float(sm_scale) / math.log(2.0), math.log2(block_size)
+    order_arg = order if order is not None else scores
+    pairs = batch * num_kv_heads
+    if tiles_buf is not None:
+        n_tiles = suffix_tiles(num_cols, tile)
+        assert tiles_buf.dtype == torch.float32 and tiles_buf.numel() >= pairs * n_tiles
+        warps = 8 if tile >= 2048 else 4
+        _suffix_tiles_kernel[(pairs, n_tiles)](
+            scores, order_arg, scores.stride(0), scores.stride(1), tiles_buf, num_cols, n_tiles, scale_log2,
+            log2_block, NUM_KV_HEADS=num_kv_heads, TILE=tile, GATHER=order is not None, num_warps=warps)
+        _suffix_scan_kernel[(pairs, n_tiles)](
+            scores, order_arg, scores.stride(0), scores.stride(1), suffix_out, suffix_out.stride(0),
+            suffix_out.stride(1), tiles_buf, num_cols, n_tiles, scale_log2, log2_block,
+            NUM_KV_HEADS=num_kv_heads, TILE=tile, TILES_PAD=max(16, triton.next_power_of_2(n_tiles)),
+            GATHER=order is not None, num_warps=warps)
+        return suffix_out
+    _bound_suffix_kernel[(pairs,)](
+        scores, order_arg, scores.stride(0), scores.stride(1),
+        suffix_out, suffix_out.stride(0), suffix_out.stride(1), num_cols, scale_log2, log2_block,
+        NUM_KV_HEADS=num_kv_heads, TILE=tile, GATHER=order is not None, num_warps=8 if num_cols >= 2048 else 4)
     return suffix_out

@@ -45,7 +45,7 @@ import torch
 
 from .block_meta import update_block_meta
 from .config import PsaDecodeConfig
-from .criticality import CritTile, block_criticality, bound_suffix, rank_blocks
+from .criticality import CritTile, block_criticality, bound_suffix, rank_blocks, suffix_tiles
 from .chunks import plan_waves, psa_chunk_attention
 from .rank_select import rank_select
 from .wave_merge import wave_merge
@@ -86,6 +86,9 @@ class PsaDecodeWrapper:
     # the metadata pass at 128k batch 8 from 216 us (1.86 TB/s, [64 x 128] tiles) to 158 us (2.54 TB/s)
     CRIT_TILE = CritTile(tile_b=32, num_warps=8)
     META_LAYOUT = "interleaved"  # the BlockMetaPool layout a server allocates beside this wrapper
+    # the bound suffix in tiles of this many ranks, tile-parallel (two launches over (pair, tile) programs instead
+    # of one program per pair scanning its row: 64 programs at 128k batch 8 left most SMs idle); 0: one per pair
+    SUFFIX_TILE = 1024
 
     def __init__(self, config: PsaDecodeConfig, *, num_qo_heads: int, num_kv_heads: int, head_dim: int,
                  block_size: int, max_batch_size: int, max_blocks_per_req: int,
@@ -135,6 +138,8 @@ class PsaDecodeWrapper:
         self._prefix = config.ranking_prefix() if cols <= 65536 else 0
         self._select_scratch_buf = torch.empty(max(1, mb * hk * self._prefix), dtype=torch.int64, device=dev)
         self._suffix_buf = torch.empty(mb * hk * (cols + 1), **f32)
+        self._suffix_tiles_buf = (torch.empty(mb * hk * suffix_tiles(cols, self.SUFFIX_TILE), **f32)
+                                  if self.SUFFIX_TILE else None)
         ends = config.ranked_chunk_ends(cols)
         self._chunk_ends_buf = torch.tensor([0] + ends, **i32)
         # partial slots: the largest (pairs x widest wave) over every batch size at full width
@@ -282,7 +287,8 @@ class PsaDecodeWrapper:
         if stop_after == "ranking":
             return o, lse, nread
         if cfg.estimator != "paper":
-            bound_suffix(scores, suffix, sm_scale=self.sm_scale, block_size=self.block_size, order=order)
+            bound_suffix(scores, suffix, sm_scale=self.sm_scale, block_size=self.block_size, order=order,
+                         tile=self.SUFFIX_TILE or 4096, tiles_buf=self._suffix_tiles_buf)
         if stop_after == "suffix":
             return o, lse, nread
         pairs = bs * hk

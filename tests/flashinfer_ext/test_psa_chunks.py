@@ -33,15 +33,20 @@ def test_wave_plan_of_128k_batch_8_is_short():
     assert len(waves) <= 9  # fixed launch count: 2 launches per wave
 
 
-@pytest.mark.parametrize("tile", [16, 1024])
-def test_bound_suffix_matches_reference(tile):
+@pytest.mark.parametrize("tile,parallel", [(16, False), (1024, False), (16, True), (32, True), (1024, True)])
+def test_bound_suffix_matches_reference(tile, parallel):
+    """Both paths (one program per pair; tile-parallel with a scratch of per-tile sums) equal the reference,
+    partial last tiles and gathered ranks included."""
+    from flashinfer_ext.psa.criticality import suffix_tiles
+
     g = torch.Generator().manual_seed(0)
     s = torch.randn(2, 3, 53, generator=g) * 30
     s[..., :2] = float("inf")   # forced blocks
     s[0, :, 40:] = float("-inf")  # past the end
     s = s.sort(-1, descending=True).values.contiguous()
     out = torch.empty(2, 3, 60)
-    bound_suffix(s, out, sm_scale=0.125, block_size=16, tile=tile)
+    tiles = torch.empty(2 * 3 * suffix_tiles(53, tile)) if parallel else None
+    bound_suffix(s, out, sm_scale=0.125, block_size=16, tile=tile, tiles_buf=tiles)
     for r in range(2):
         for h in range(3):
             ref = bound_suffix_reference(s[r, h], sm_scale=0.125, block_size=16)
@@ -50,3 +55,10 @@ def test_bound_suffix_matches_reference(tile):
             torch.testing.assert_close(out[r, h, :54][fin], ref[fin], rtol=1e-5, atol=1e-4)
     # the suffix bounds the numerator sum of any keys whose q.k stays under the block score
     assert math.isclose(float(out[1, 0, 52]), 0.125 * float(s[1, 0, 52]) / math.log(2) + 4, rel_tol=1e-5)
+    # scores in block order read through a rank -> block order give the same suffix
+    perm = torch.randperm(53, generator=g)
+    order = torch.argsort(perm).expand(2, 3, 53).contiguous()
+    gathered = torch.empty(2, 3, 60)
+    bound_suffix(s[..., perm].contiguous(), gathered, sm_scale=0.125, block_size=16, tile=tile, tiles_buf=tiles,
+                 order=order)
+    torch.testing.assert_close(gathered[..., :54], out[..., :54], rtol=1e-6, atol=1e-5)
