@@ -34,9 +34,10 @@ Cautions:
     latency; ``bench/psa_decode_bench.py`` reports both fractions).
   * Measured on an H100 (triton 3.6, one layer, CUDA graph, 128k context, batch 8, 32/8 heads,
     d 128, page 16, planted structure of the benchmark, eps 0.95, 'calibrated', rank_by 'mean'):
-    ~306 us against ~1.5 ms for FlashInfer's dense decode. The criticality pass reads kmin, kmax and
-    kmean of every block (~400 MB here: ~158 us at 2.5 TB/s, the copy peak being ~3 TB/s); ranking, the bound
-    suffix, the waves' launches and merges are the rest (``bench/results/psa_stage_profile.md``).
+    ~300 us against ~1.5 ms for FlashInfer's dense decode. The criticality pass reads kmin, kmax and
+    kmean of every block (~400 MB here: ~160 us at 2.5 TB/s, the copy peak being ~3 TB/s); ranking (~34 us),
+    the bound suffix (~19 us), the waves' launches and merges (~93 us) are the rest
+    (``bench/results/psa_stage_profile.md``).
 """
 
 from __future__ import annotations
