@@ -232,6 +232,18 @@ def _bound_suffix_kernel(scores_ptr, order_ptr, stride_sb, stride_sh, out_ptr, s
 
 
 @triton.jit
+def _suffix_terms(scores_ptr, order_ptr, row_off, j, num_cols, scale_log2, log2_block, GATHER: tl.constexpr):
+    """The base-2 bound terms ``scale_log2 * s + log2(block_size)`` of ranks ``j`` of one row (``-inf`` for forced
+    blocks and past ``num_cols``)."""
+    if GATHER:
+        idx = tl.load(order_ptr + row_off + j, mask=j < num_cols, other=0)
+    else:
+        idx = j
+    s = tl.load(scores_ptr + row_off + idx, mask=j < num_cols, other=float("-inf"))
+    return tl.where(s == float("inf"), float("-inf"), s * scale_log2 + log2_block)  # forced blocks excluded
+
+
+@triton.jit
 def _suffix_tiles_kernel(scores_ptr, order_ptr, stride_sb, stride_sh, tiles_ptr, num_cols, n_tiles,
                          scale_log2, log2_block, NUM_KV_HEADS: tl.constexpr, TILE: tl.constexpr,
                          GATHER: tl.constexpr):
@@ -241,12 +253,8 @@ def _suffix_tiles_kernel(scores_ptr, order_ptr, stride_sb, stride_sh, tiles_ptr,
     r = (pid // NUM_KV_HEADS).to(tl.int64)
     h = pid % NUM_KV_HEADS
     j = t * TILE + tl.arange(0, TILE)
-    if GATHER:
-        idx = tl.load(order_ptr + r * stride_sb + h * stride_sh + j, mask=j < num_cols, other=0)
-    else:
-        idx = j
-    s = tl.load(scores_ptr + r * stride_sb + h * stride_sh + idx, mask=j < num_cols, other=float("-inf"))
-    x = tl.where(s == float("inf"), float("-inf"), s * scale_log2 + log2_block)  # forced blocks excluded
+    x = _suffix_terms(scores_ptr, order_ptr, r * stride_sb + h * stride_sh, j, num_cols, scale_log2, log2_block,
+                      GATHER)
     mx = tl.max(x, axis=0)
     mxs = tl.where(mx == float("-inf"), 0.0, mx)
     tl.store(tiles_ptr + pid.to(tl.int64) * n_tiles + t, tl.log2(tl.sum(tl.exp2(x - mxs), axis=0)) + mxs)
@@ -267,12 +275,8 @@ def _suffix_scan_kernel(scores_ptr, order_ptr, stride_sb, stride_sh, out_ptr, st
     k = tl.arange(0, TILES_PAD)
     later = tl.load(tiles_ptr + pid.to(tl.int64) * n_tiles + k, mask=(k > t) & (k < n_tiles), other=float("-inf"))
     j = t * TILE + tl.arange(0, TILE)
-    if GATHER:
-        idx = tl.load(order_ptr + r * stride_sb + h * stride_sh + j, mask=j < num_cols, other=0)
-    else:
-        idx = j
-    s = tl.load(scores_ptr + r * stride_sb + h * stride_sh + idx, mask=j < num_cols, other=float("-inf"))
-    x = tl.where(s == float("inf"), float("-inf"), s * scale_log2 + log2_block)
+    x = _suffix_terms(scores_ptr, order_ptr, r * stride_sb + h * stride_sh, j, num_cols, scale_log2, log2_block,
+                      GATHER)
     mx = tl.maximum(tl.max(x, axis=0), tl.max(later, axis=0))
     mxs = tl.where(mx == float("-inf"), 0.0, mx)
     cs = tl.cumsum(tl.exp2(x - mxs), axis=0, reverse=True) + tl.sum(tl.exp2(later - mxs), axis=0)
