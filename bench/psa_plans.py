@@ -199,25 +199,36 @@ def run_crit_sweep(run_case, out: Path, meta: dict, dev: str, cases=WAVE_SWEEP_C
     return rows
 
 
+def _pick_fastest(rows: list, key, base_key: tuple, worse) -> tuple | None:
+    """The key (of :func:`key` over the rows) with the fastest headline case (planted, batch 8, 128k) among keys that
+    have a row for every swept case and are not ``worse(case, row, base_row)`` than ``base_key`` on any; failed rows
+    never count."""
+    ok = [r for r in rows if "error" not in r and math.isfinite(r.get("t_psa_us", float("nan")))]
+    cases = sorted({(r["case"], r["batch"], r["ctx"]) for r in ok})
+    by = {(r["case"], r["batch"], r["ctx"], key(r)): r for r in ok}
+    best, best_t = None, None
+    for k in sorted({key(r) for r in ok}):
+        bad = False
+        for c in cases:
+            r, b = by.get((*c, k)), by.get((*c, base_key))
+            if r is None or (b is not None and worse(c, r, b)):
+                bad = True
+        head = by.get(("planted", 8, 131072, k))
+        if not bad and head is not None and (best_t is None or head["t_psa_us"] < best_t):
+            best, best_t = k, head["t_psa_us"]
+    return best
+
+
+def _slower(case, r, b) -> bool:
+    return r["t_psa_us"] > 1.03 * b["t_psa_us"]
+
+
 def pick_crit(rows: list, base: tuple = CRIT_BASE) -> dict | None:
     """The (layout, launch shape) of a :func:`run_crit_sweep` report with the fastest headline layer (planted,
     batch 8, 128k), among those no slower than ``base`` by more than 3 % on any swept case (full layer time).
     ``{"meta_layout", "crit_tile": CritTile fields}`` or None."""
-    ok = [r for r in rows if "error" not in r and math.isfinite(r.get("t_psa_us", float("nan")))]
-    base_key = (base[0], base[1].tile_b, base[1].heads, base[1].elements,
-                base[1].num_warps)
-    cases = sorted({(r["case"], r["batch"], r["ctx"]) for r in ok})
-    by = {(r["case"], r["batch"], r["ctx"], _crit_key(r)): r for r in ok}
-    best, best_t = None, None
-    for key in sorted({_crit_key(r) for r in ok}):
-        bad = False
-        for c in cases:
-            r, b = by.get((*c, key)), by.get((*c, base_key))
-            if r is None or (b is not None and r["t_psa_us"] > 1.03 * b["t_psa_us"]):
-                bad = True
-        head = by.get(("planted", 8, 131072, key))
-        if not bad and head is not None and (best_t is None or head["t_psa_us"] < best_t):
-            best, best_t = key, head["t_psa_us"]
+    t = base[1]
+    best = _pick_fastest(rows, _crit_key, (base[0], t.tile_b, t.heads, t.elements, t.num_warps), _slower)
     if best is None:
         return None
     return dict(meta_layout=best[0], crit_tile=dict(tile_b=best[1], heads=best[2], elements=best[3], num_warps=best[4]))
@@ -225,30 +236,18 @@ def pick_crit(rows: list, base: tuple = CRIT_BASE) -> dict | None:
 
 def pick_wave_plan(rows: list, base: tuple = WAVE_BASE) -> dict | None:
     """The plan of a :func:`run_wave_sweep` report with the fastest headline case (planted, batch 8, 128k), among
-    plans no slower than ``base`` (default: the defaults in force, :data:`WAVE_BASE`) by more than 3 % on any swept case and, on the testbed
-    capture (real attention), reading no more blocks than the defaults (+0.5 % of all blocks).
-    ``{"programs_per_sm", "wave_growth", "max_waves", "sorted_prefix_blocks"}`` or None."""
-    ok = [r for r in rows if "error" not in r and math.isfinite(r.get("t_psa_us", float("nan")))]
+    plans no slower than ``base`` (default: the defaults in force, :data:`WAVE_BASE`) by more than 3 % on any swept
+    case and, on the testbed capture (real attention), reading no more blocks than the defaults (+0.5 % of all
+    blocks). ``{"programs_per_sm", "wave_growth", "max_waves", "sorted_prefix_blocks"}`` or None."""
 
     def key(r):
         return (r["programs_per_sm"], float(r["wave_growth"]), r["max_waves"],
                 r.get("sorted_prefix_blocks", WAVE_BASE[3]))
 
-    cases = sorted({(r["case"], r["batch"], r["ctx"]) for r in ok})
-    by = {(r["case"], r["batch"], r["ctx"], key(r)): r for r in ok}
-    best, best_t = None, None
-    for plan in sorted({key(r) for r in ok}):
-        bad = False
-        for c in cases:
-            r, b = by.get((*c, plan)), by.get((*c, tuple(base)))
-            if r is None:
-                bad = True
-            elif b is not None and (r["t_psa_us"] > 1.03 * b["t_psa_us"]
-                                    or (c[0] != "planted" and r["read_frac"] > b["read_frac"] + 0.005)):
-                bad = True
-        head = by.get(("planted", 8, 131072, plan))
-        if not bad and head is not None and (best_t is None or head["t_psa_us"] < best_t):
-            best, best_t = plan, head["t_psa_us"]
+    def worse(case, r, b):
+        return _slower(case, r, b) or (case[0] != "planted" and r["read_frac"] > b["read_frac"] + 0.005)
+
+    best = _pick_fastest(rows, key, tuple(base), worse)
     return None if best is None else dict(programs_per_sm=best[0], wave_growth=best[1], max_waves=best[2],
                                           sorted_prefix_blocks=best[3])
 

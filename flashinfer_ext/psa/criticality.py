@@ -10,8 +10,7 @@ order-preserving int16 keys the kernel can write beside them (a 2-pass radix sor
 within a bf16 step of the score rank arbitrarily). :func:`bound_suffix` turns the
 scores in rank order into the base-2 log of the remaining-mass upper bound
 ``sum_{j >= e} block_size * 2^(scale_log2 * s_j)`` at every rank ``e`` (a reverse log-space
-cumulative sum: tile-parallel in two launches given a scratch buffer, else one program per
-(request, KV head) scanning its row).
+cumulative sum, tile-parallel: per-tile log-sums, then each tile's scan plus the tiles after it).
 
 Cautions: scores are in raw ``q.k`` units (no softmax scale; ranking is invariant to
 it). ``head_dim`` and the group size are padded to powers of two inside the kernel.
@@ -202,36 +201,6 @@ def rank_blocks(keys: torch.Tensor, sorted_out: torch.Tensor, order_out: torch.T
 
 
 @triton.jit
-def _bound_suffix_kernel(scores_ptr, order_ptr, stride_sb, stride_sh, out_ptr, stride_ob, stride_oh, num_cols,
-                         scale_log2, log2_block, NUM_KV_HEADS: tl.constexpr, TILE: tl.constexpr,
-                         GATHER: tl.constexpr):
-    pid = tl.program_id(0)
-    r = (pid // NUM_KV_HEADS).to(tl.int64)
-    h = pid % NUM_KV_HEADS
-    s_row = scores_ptr + r * stride_sb + h * stride_sh
-    ord_row = order_ptr + r * stride_sb + h * stride_sh
-    o_row = out_ptr + r * stride_ob + h * stride_oh
-    tl.store(o_row + num_cols, float("-inf"))
-    run = tl.full([1], float("-inf"), tl.float32)  # log2 suffix sum past the current tile
-    n_tiles = tl.cdiv(num_cols, TILE)
-    for it in range(0, n_tiles):
-        start = (n_tiles - 1 - it) * TILE
-        j = start + tl.arange(0, TILE)
-        if GATHER:
-            idx = tl.load(ord_row + j, mask=j < num_cols, other=0)
-        else:
-            idx = j
-        s = tl.load(s_row + idx, mask=j < num_cols, other=float("-inf"))
-        x = tl.where(s == float("inf"), float("-inf"), s * scale_log2 + log2_block)  # forced blocks excluded
-        mx = tl.maximum(tl.max(x, axis=0), tl.max(run, axis=0))
-        mxs = tl.where(mx == float("-inf"), 0.0, mx)
-        cs = tl.cumsum(tl.exp2(x - mxs), axis=0, reverse=True) + tl.sum(tl.exp2(run - mxs), axis=0)
-        suf = tl.log2(cs) + mxs
-        tl.store(o_row + j, suf, mask=j < num_cols)
-        run = tl.full([1], 0.0, tl.float32) + tl.max(tl.where(j == start, suf, float("-inf")), axis=0)
-
-
-@triton.jit
 def _suffix_terms(scores_ptr, order_ptr, row_off, j, num_cols, scale_log2, log2_block, GATHER: tl.constexpr):
     """The base-2 bound terms ``scale_log2 * s + log2(block_size)`` of ranks ``j`` of one row (``-inf`` for forced
     blocks and past ``num_cols``)."""
@@ -289,7 +258,7 @@ def suffix_tiles(num_cols: int, tile: int) -> int:
 
 
 def bound_suffix(scores: torch.Tensor, suffix_out: torch.Tensor, *, sm_scale: float, block_size: int,
-                 order: torch.Tensor | None = None, tile: int = 4096,
+                 order: torch.Tensor | None = None, tile: int = 1024,
                  tiles_buf: torch.Tensor | None = None) -> torch.Tensor:
     """Base-2 log of the remaining-mass upper bound at every rank.
 
@@ -299,12 +268,12 @@ def bound_suffix(scores: torch.Tensor, suffix_out: torch.Tensor, *, sm_scale: fl
       suffix_out: ``[batch, num_kv_heads, >= num_cols + 1]`` fp32; entry ``e`` =
         ``log2 sum_{j >= e, s_j finite} block_size * exp(sm_scale * s_j)`` over ranks (``-inf`` when empty).
       order: optional ``[batch, num_kv_heads, num_cols]`` int64 rank -> block (same strides as ``scores``).
-      tiles_buf: fp32 scratch of ``>= batch * num_kv_heads * suffix_tiles(num_cols, tile)`` elements: the
-        tile-parallel path (two launches over ``[pairs, tiles]``: each tile's log-sum, then each tile's reverse
-        scan plus the carry of the tiles after it). Without it: one program per (request, KV head) scanning
-        its row tile by tile, latency-bound when the pairs are few.
+      tile: ranks per program (a power of two; clamped to the row).
+      tiles_buf: fp32 scratch of ``>= batch * num_kv_heads * suffix_tiles(num_cols, tile)`` elements (the
+        tiles' log-sums); allocated here when not given.
 
-    No allocation.
+    Two launches over ``[pairs, tiles]`` programs: each tile's log-sum, then each tile's reverse scan plus the
+    carry of the tiles after it. No allocation when ``tiles_buf`` is given.
     """
     batch, num_kv_heads, num_cols = scores.shape
     if batch == 0:
@@ -316,21 +285,17 @@ def bound_suffix(scores: torch.Tensor, suffix_out: torch.Tensor, *, sm_scale: fl
     scale_log2, log2_block = float(sm_scale) / math.log(2.0), math.log2(block_size)
     order_arg = order if order is not None else scores
     pairs = batch * num_kv_heads
-    if tiles_buf is not None:
-        n_tiles = suffix_tiles(num_cols, tile)
-        assert tiles_buf.dtype == torch.float32 and tiles_buf.numel() >= pairs * n_tiles
-        warps = 8 if tile >= 2048 else 4
-        _suffix_tiles_kernel[(pairs, n_tiles)](
-            scores, order_arg, scores.stride(0), scores.stride(1), tiles_buf, num_cols, n_tiles, scale_log2,
-            log2_block, NUM_KV_HEADS=num_kv_heads, TILE=tile, GATHER=order is not None, num_warps=warps)
-        _suffix_scan_kernel[(pairs, n_tiles)](
-            scores, order_arg, scores.stride(0), scores.stride(1), suffix_out, suffix_out.stride(0),
-            suffix_out.stride(1), tiles_buf, num_cols, n_tiles, scale_log2, log2_block,
-            NUM_KV_HEADS=num_kv_heads, TILE=tile, TILES_PAD=max(16, triton.next_power_of_2(n_tiles)),
-            GATHER=order is not None, num_warps=warps)
-        return suffix_out
-    _bound_suffix_kernel[(pairs,)](
-        scores, order_arg, scores.stride(0), scores.stride(1),
-        suffix_out, suffix_out.stride(0), suffix_out.stride(1), num_cols, scale_log2, log2_block,
-        NUM_KV_HEADS=num_kv_heads, TILE=tile, GATHER=order is not None, num_warps=8 if num_cols >= 2048 else 4)
+    n_tiles = suffix_tiles(num_cols, tile)
+    if tiles_buf is None:
+        tiles_buf = torch.empty(pairs * n_tiles, dtype=torch.float32, device=scores.device)
+    assert tiles_buf.dtype == torch.float32 and tiles_buf.numel() >= pairs * n_tiles
+    warps = 8 if tile >= 2048 else 4
+    _suffix_tiles_kernel[(pairs, n_tiles)](
+        scores, order_arg, scores.stride(0), scores.stride(1), tiles_buf, num_cols, n_tiles, scale_log2,
+        log2_block, NUM_KV_HEADS=num_kv_heads, TILE=tile, GATHER=order is not None, num_warps=warps)
+    _suffix_scan_kernel[(pairs, n_tiles)](
+        scores, order_arg, scores.stride(0), scores.stride(1), suffix_out, suffix_out.stride(0),
+        suffix_out.stride(1), tiles_buf, num_cols, n_tiles, scale_log2, log2_block,
+        NUM_KV_HEADS=num_kv_heads, TILE=tile, TILES_PAD=max(16, triton.next_power_of_2(n_tiles)),
+        GATHER=order is not None, num_warps=warps)
     return suffix_out

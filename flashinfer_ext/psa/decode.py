@@ -87,8 +87,8 @@ class PsaDecodeWrapper:
     # the metadata pass at 128k batch 8 from 216 us (1.86 TB/s, [64 x 128] tiles) to 158 us (2.54 TB/s)
     CRIT_TILE = CritTile(tile_b=32, num_warps=8)
     META_LAYOUT = "interleaved"  # the BlockMetaPool layout a server allocates beside this wrapper
-    # the bound suffix in tiles of this many ranks, tile-parallel (two launches over (pair, tile) programs instead
-    # of one program per pair scanning its row: 64 programs at 128k batch 8 left most SMs idle); 0: one per pair
+    # ranks per program of the tile-parallel bound suffix (two launches over (pair, tile) programs; one program per
+    # pair scanning its row was 64 programs at 128k batch 8 and left most SMs idle: 25 -> 19 us)
     SUFFIX_TILE = 1024
 
     def __init__(self, config: PsaDecodeConfig, *, num_qo_heads: int, num_kv_heads: int, head_dim: int,
@@ -139,8 +139,7 @@ class PsaDecodeWrapper:
         self._prefix = config.ranking_prefix() if cols <= 65536 else 0
         self._select_scratch_buf = torch.empty(max(1, mb * hk * self._prefix), dtype=torch.int64, device=dev)
         self._suffix_buf = torch.empty(mb * hk * (cols + 1), **f32)
-        self._suffix_tiles_buf = (torch.empty(mb * hk * suffix_tiles(cols, self.SUFFIX_TILE), **f32)
-                                  if self.SUFFIX_TILE else None)
+        self._suffix_tiles_buf = torch.empty(mb * hk * suffix_tiles(cols, self.SUFFIX_TILE), **f32)
         ends = config.ranked_chunk_ends(cols)
         self._chunk_ends_buf = torch.tensor([0] + ends, **i32)
         # partial slots: the largest (pairs x widest wave) over every batch size at full width
@@ -289,7 +288,7 @@ class PsaDecodeWrapper:
             return o, lse, nread
         if cfg.estimator != "paper":
             bound_suffix(scores, suffix, sm_scale=self.sm_scale, block_size=self.block_size, order=order,
-                         tile=self.SUFFIX_TILE or 4096, tiles_buf=self._suffix_tiles_buf)
+                         tile=self.SUFFIX_TILE, tiles_buf=self._suffix_tiles_buf)
         if stop_after == "suffix":
             return o, lse, nread
         pairs = bs * hk

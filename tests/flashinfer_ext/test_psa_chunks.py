@@ -33,10 +33,10 @@ def test_wave_plan_of_128k_batch_8_is_short():
     assert len(waves) <= 9  # fixed launch count: 2 launches per wave
 
 
-@pytest.mark.parametrize("tile,parallel", [(16, False), (1024, False), (16, True), (32, True), (1024, True)])
-def test_bound_suffix_matches_reference(tile, parallel):
-    """Both paths (one program per pair; tile-parallel with a scratch of per-tile sums) equal the reference,
-    partial last tiles and gathered ranks included."""
+@pytest.mark.parametrize("tile,given_scratch", [(16, False), (1024, False), (16, True), (32, True), (1024, True)])
+def test_bound_suffix_matches_reference(tile, given_scratch):
+    """The tile-parallel suffix (per-tile log-sums, then each tile's scan plus the carry of the tiles after it), with a
+    caller's scratch or its own, equals the reference: one tile, many tiles, partial last tiles, gathered ranks."""
     from flashinfer_ext.psa.criticality import suffix_tiles
 
     g = torch.Generator().manual_seed(0)
@@ -45,7 +45,7 @@ def test_bound_suffix_matches_reference(tile, parallel):
     s[0, :, 40:] = float("-inf")  # past the end
     s = s.sort(-1, descending=True).values.contiguous()
     out = torch.empty(2, 3, 60)
-    tiles = torch.empty(2 * 3 * suffix_tiles(53, tile)) if parallel else None
+    tiles = torch.empty(2 * 3 * suffix_tiles(53, tile)) if given_scratch else None
     bound_suffix(s, out, sm_scale=0.125, block_size=16, tile=tile, tiles_buf=tiles)
     for r in range(2):
         for h in range(3):
