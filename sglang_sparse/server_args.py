@@ -118,8 +118,9 @@ def _apply_mode_requirements(args, ctx: SparseContext) -> None:
     (``--cuda-graph-backend-prefill full|tc_piecewise``) or ``prefill_graphs`` false: prefill graphs off (logged).
     loopserve / lastwindow: decode graphs stay on (``--disable-cuda-graph`` turns them off): the steady decode
     steps replay them (:mod:`sglang_sparse.loopserve.graph`), the others run eagerly.
-    psa: the page is the PSA block, so ``--page-size`` defaults to ``block_size`` (another explicit page size is
-    refused); decode graphs stay on unless the config's ``cuda_graph`` is false.
+    psa: ``--page-size`` 1 (SGLang's default: block metadata rows per request block) or ``block_size`` (rows per
+    page); another page size is refused. With the host tier (``host_tier_gb`` > 0) the page is the block, so the
+    page size defaults to ``block_size``. Decode graphs stay on unless the config's ``cuda_graph`` is false.
     samkv on CUDA: overlap scheduler and prefill CUDA graphs off (:func:`_samkv_requirements`); its radix cache
     is checked once SGLang has resolved the arguments (:func:`_check_resolved`).
     """
@@ -137,13 +138,15 @@ def _apply_mode_requirements(args, ctx: SparseContext) -> None:
 
     log = logging.getLogger("sglang_sparse")
     block = ctx.config.block_size
-    if args.page_size in (None, 1):
-        log.info("sglang-sparse psa: --page-size %s -> %d (block_size; the page is the PSA block)",
-                 args.page_size, block)
+    from sglang_sparse.host_tier.cache import host_tier_enabled
+
+    if host_tier_enabled(ctx.config) and args.page_size in (None, 1):
+        log.info("sglang-sparse psa: --page-size %s -> %d (block_size; with the host tier the page is the PSA "
+                 "block)", args.page_size, block)
         args.page_size = block
-    elif args.page_size != block:
-        raise SparseConfigError(f"--sparse psa on CUDA uses the page as its block: --page-size {args.page_size} "
-                                f"must equal block_size {block} (set it in --sparse-config)")
+    elif args.page_size not in (None, 1, block):
+        raise SparseConfigError(f"--sparse psa on CUDA: --page-size {args.page_size} must be 1 or equal block_size "
+                                f"{block} (set it in --sparse-config)")
     if block not in (16, 32, 64):
         raise SparseConfigError(f"--sparse-config: field 'block_size' of mode 'psa' = {block} on CUDA must be "
                                 "one of [16, 32, 64] (the KV page size)")

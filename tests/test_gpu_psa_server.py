@@ -1,5 +1,6 @@
-"""Contract (GPU): `--sparse psa` serves through stock SGLang's FlashInfer backend on CUDA — below
-`min_context` its greedy output equals `--sparse off` on the same backend and page size; above it
+"""Contract (GPU): `--sparse psa` serves through stock SGLang's FlashInfer backend on CUDA, at page size 1
+(metadata rows per request block) and 16 (per page) — below `min_context` its greedy output equals `--sparse off`
+on the same backend and page size; above it
 decode is sparse (fewer blocks read than dense, counted per request in the response and by the
 scheduler), still retrieves a planted fact, honours per-request epsilon, and leaves SGLang's idle
 KV-leak check silent."""
@@ -32,8 +33,8 @@ def _server(mode, log, sparse_config=None, extra=()):
 @pytest.fixture(scope="module")
 def gpu_servers(tmp_path_factory):
     d = tmp_path_factory.mktemp("gpu_psa")
-    # same page size on both sides: psa on CUDA uses the page as its block (16)
-    dense = _server("off", d / "off.log", extra=("--page-size", "16"))
+    # same page size on both sides: SGLang's default 1 (psa keeps metadata rows per request block)
+    dense = _server("off", d / "off.log")
     started = [dense]
     try:
         sparse = _server("psa", d / "psa.log", sparse_config=f'{{"min_context": {MIN_CONTEXT}, "dense_above": 1.0}}')
@@ -55,11 +56,13 @@ def _long_prompt(n_chars=6000):
 
 
 def test_gpu_psa_reports_its_backend_and_page(gpu_servers):
-    _, sparse, _, _ = gpu_servers
+    _, sparse, d, _ = gpu_servers
     info = sparse.server_info()
     state = info["internal_states"][0]["sparse"]
     assert state["mode"] == "psa" and state["attention_backend"] == "PsaFlashInferAttnBackend"
-    assert info["page_size"] == 16
+    assert info["page_size"] == 1
+    log = (d / "psa.log").read_text(errors="replace")
+    assert "rows per request block" in log
 
 
 def test_gpu_psa_below_min_context_equals_dense(gpu_servers):
@@ -165,9 +168,10 @@ def test_gpu_psa_short_requests_replay_the_stock_graph(gpu_servers):
 
 @pytest.fixture(scope="module")
 def switch_server(tmp_path_factory):
-    """psa at the default adaptive switch (``dense_above``, ``probe_steps``), same min_context as the others."""
+    """psa at the default adaptive switch (``dense_above``, ``probe_steps``), same min_context as the others, on
+    ``--page-size 16``: the page is the block (metadata rows per page)."""
     server = _server("psa", tmp_path_factory.mktemp("gpu_psa_switch") / "psa.log",
-                     sparse_config=f'{{"min_context": {MIN_CONTEXT}}}')
+                     sparse_config=f'{{"min_context": {MIN_CONTEXT}}}', extra=("--page-size", "16"))
     try:
         yield server
     finally:
@@ -178,6 +182,7 @@ def test_gpu_psa_switched_requests_finish_on_the_stock_graph_and_keep_the_answer
     """A request whose prefill probe would read more than dense_above of its blocks decodes densely,
     replaying SGLang's stock decode graph; a later turn over its cached pages rebuilds their metadata."""
     dense = gpu_servers[0]
+    assert switch_server.server_info()["page_size"] == 16
     stats = lambda: switch_server.server_info()["internal_states"][0]["sparse"]["stats"]  # noqa: E731
     before = stats()
     r = chat(switch_server, _long_prompt(), 48, ignore_eos=True)

@@ -214,7 +214,8 @@ def test_block_metadata_is_built_at_a_requests_first_sparse_decode_step_and_afte
     their own token; a retraction (new pages) or a row whose request is unknown rebuilds again."""
     from types import SimpleNamespace
 
-    from sglang_sparse.psa.runner import AttnShape, PsaCudaRunner
+    from sglang_sparse.psa.cuda_runner import PsaCudaRunner
+    from sglang_sparse.psa.runner import AttnShape
 
     cfg = PsaConfig.from_dict({"min_context": 64, "block_size": 16, "dense_above": 1.0})
     k = torch.zeros(512, 2, 8, dtype=torch.bfloat16)
@@ -251,3 +252,57 @@ def test_block_metadata_is_built_at_a_requests_first_sparse_decode_step_and_afte
     calls.clear()
     plan([204, 44], [None, short_req])  # a row without its request: cannot vouch for it
     assert calls == [(0, [203, 0]), (1, [203, 0])]
+
+
+def test_page_one_metadata_rows_follow_the_request_slot_and_a_reclaimed_request_is_rebuilt():
+    """Page size 1: a sparse row's slot holds metadata rows for its whole context (the batch's block table names
+    them); a row the free list cannot serve attends its whole context that step (never another request's rows);
+    rows of requests outside the live batches are reclaimed for it, and a request whose rows were reclaimed is
+    rebuilt from position 0 when it comes back, although its own record says it was covered."""
+    from types import SimpleNamespace
+
+    from flashinfer_ext.psa.meta_rows import TRASH_ROW
+    from sglang_sparse.psa.cuda_runner import PsaCudaRunner
+    from sglang_sparse.psa.runner import AttnShape
+
+    cfg = PsaConfig.from_dict({"min_context": 64, "block_size": 16, "dense_above": 1.0})
+    k = torch.zeros(512, 2, 8, dtype=torch.bfloat16)
+    pool = SimpleNamespace(get_key_buffer=lambda lid: k)
+    rtt = torch.zeros(3, 256, dtype=torch.int32)
+    runner = PsaCudaRunner(cfg, 16, AttnShape(2, 4, 2, 8), torch.device("cpu"), token_to_kv_pool=pool,
+                           req_to_token=rtt, max_batch_size=3, sm_scale=0.35, out_dtype=torch.bfloat16, page_size=1)
+    assert runner.rows.num_rows == 512 // 16 + 1 + 3 and not runner.page_is_block  # 35 rows to hand out
+    calls = []
+    runner.meta.update = lambda lid, k_buf, rtt_, rpi, table, start, end, n_new: calls.append((lid, end.tolist()))
+
+    def req(slot, rid):
+        r = _req()
+        r.req_pool_idx, r.rid, r.retraction_count = slot, rid, 0
+        return r
+
+    def plan(lens, reqs):
+        mode = SimpleNamespace(is_idle=lambda: False, is_decode=lambda: True)
+        fb = SimpleNamespace(forward_mode=mode, batch_size=len(lens), seq_lens_cpu=torch.tensor(lens),
+                             seq_lens=torch.tensor(lens), req_pool_indices=torch.tensor([r.req_pool_idx if r else 2 for r in reqs]),
+                             sampling_info=SimpleNamespace(sparse_reqs=reqs))
+        calls.clear()
+        runner._plan_rows(fb, True)
+        if runner.sparse_batch:
+            runner._plan_decode_meta(None, fb, runner._block_table(fb.req_pool_indices, max(lens)))
+        return runner._rows_host[2]  # which rows decode sparsely
+
+    a, b, c = req(0, "a"), req(1, "b"), req(2, "c")
+    assert plan([201], [a]) == [True] and calls == [(0, [200]), (1, [200])]
+    rows_a = runner.rows.rows_of(0)
+    assert len(rows_a) == 13 and runner._table_buf[0, :13].tolist() == rows_a and TRASH_ROW not in rows_a
+    assert plan([202], [a]) == [True] and calls == []  # covered: only the in-forward fold
+    # b takes 13 rows; c's 13 do not fit (9 free) and a, in the last decode batch, is kept: c attends everything
+    assert plan([201, 201], [b, c]) == [True, False] and runner.meta_row_shortfalls == 1
+    assert calls == [(0, [200, 0]), (1, [200, 0])] and runner.rows.rows_of(2) == []
+    assert plan([202, 202], [b, c]) == [True, True]  # a is outside both live batches now: its rows go to c
+    assert runner.rows.rows_of(0) == [] and calls == [(0, [0, 201]), (1, [0, 201])]
+    assert not set(runner.rows.rows_of(1)) & set(runner.rows.rows_of(2))
+    assert plan([203], [a]) == [False]  # a is back: b and c were live in the last batch, nothing to reclaim yet
+    assert plan([203], [a]) == [True]   # now they are not: a gets rows, fresh, rebuilt from position 0
+    assert calls == [(0, [202]), (1, [202])]
+    assert plan([204], [None]) == [False]  # a row without its request has no slot: it attends everything

@@ -1,6 +1,6 @@
 """Contract (CPU, Triton interpreter): the GPU runner's code path of `--sparse psa` — block metadata
-pool kept current on every KV write, page = block, criticality + ranking + progressive decode
-kernels — serves end to end through the stock server: below `min_context` the answer equals
+rows per request block at SGLang's default page size 1, kept current at sparse decode steps,
+criticality + ranking + progressive decode kernels — serves end to end through the stock server: below `min_context` the answer equals
 `--sparse off`, above it decode reads fewer blocks and the per-request report adds up.
 (`--sparse-config '{"runner": "kernel"}'` selects that runner on CPU; the interpreter makes it slow, so the
 requests are short.)"""
@@ -29,7 +29,7 @@ def kernel_server(default_model, tmp_path_factory):
     try:
         handle = start_cpu_server(default_model, log, mode="psa",
                                   sparse_config=f'{{"min_context": {MIN_CONTEXT}, "runner": "kernel", "dense_above": 1.0}}',
-                                  extra_args=("--page-size", "16", "--max-running-requests", "4"))
+                                  extra_args=("--max-running-requests", "4"))
     finally:
         os.environ.pop("TRITON_INTERPRET", None) if saved is None else os.environ.__setitem__("TRITON_INTERPRET", saved)
     try:
@@ -40,7 +40,7 @@ def kernel_server(default_model, tmp_path_factory):
 
 def test_kernel_runner_below_min_context_equals_dense(kernel_server, cpu_server):
     server, log = kernel_server
-    assert "block metadata" in log.read_text()  # the kernel runner, not the reference
+    assert "rows per request block" in log.read_text()  # the kernel runner at page 1, not the reference
     a = chat(server, PROMPT[0]["content"], 12)
     b = chat(cpu_server, PROMPT[0]["content"], 12)
     assert a["usage"]["prompt_tokens"] < MIN_CONTEXT

@@ -140,7 +140,15 @@ def test_modes_on_cuda_set_the_server_settings_they_need():
 
     a = args()  # the default (breakable) prefill graphs run attention eagerly: they stay on
     _apply_mode_requirements(a, resolve_sparse("psa", '{"block_size": 32}'))
-    assert (a.page_size, a.disable_prefill_cuda_graph, a.disable_cuda_graph) == (32, False, False)
+    # page size 1 stays (metadata rows per request block)
+    assert (a.page_size, a.disable_prefill_cuda_graph, a.disable_cuda_graph) == (None, False, False)
+    a = args()  # with the host tier the page is the block
+    _apply_mode_requirements(a, resolve_sparse("psa", '{"block_size": 32, "host_tier_gb": 0.5}'))
+    assert a.page_size == 32
+    a = args()
+    a.page_size = 32  # an explicit page of the block's size is kept
+    _apply_mode_requirements(a, resolve_sparse("psa", '{"block_size": 32}'))
+    assert a.page_size == 32
     a = args()
     _apply_mode_requirements(a, resolve_sparse("psa", '{"prefill_graphs": false}'))
     assert a.disable_prefill_cuda_graph
@@ -150,7 +158,7 @@ def test_modes_on_cuda_set_the_server_settings_they_need():
     assert a.disable_prefill_cuda_graph
     a = args()
     _apply_mode_requirements(a, resolve_sparse("psa", '{"cuda_graph": false}'))
-    assert (a.page_size, a.disable_cuda_graph) == (16, True)
+    assert (a.page_size, a.disable_cuda_graph) == (None, True)
     cpu = args("cpu")
     _apply_mode_requirements(cpu, resolve_sparse("psa", None))
     assert (cpu.page_size, cpu.disable_cuda_graph, cpu.disable_prefill_cuda_graph) == (None, False, False)
@@ -178,10 +186,10 @@ def test_modes_on_cuda_set_the_server_settings_they_need():
         _apply_mode_requirements(args(), resolve_sparse("psa", '{"block_size": 8}'))
 
 
-def test_psa_on_cuda_refuses_a_page_size_other_than_its_block(prepare, default_model, capsys):
+def test_psa_on_cuda_refuses_a_page_size_other_than_one_or_its_block(prepare, default_model, capsys):
     with pytest.raises(SystemExit):
         prepare(["--model-path", str(default_model), "--device", "cuda", "--sparse", "psa", "--page-size", "64"])
-    assert "--page-size 64 must equal block_size 16" in capsys.readouterr().err
+    assert "--page-size 64 must be 1 or equal block_size 16" in capsys.readouterr().err
 
 
 def test_engine_refuses_bad_mode_before_loading_the_model(prepare, default_model):

@@ -189,7 +189,7 @@ def make_tree_cache(build):
     cache = HostTierRadixCache(build.params, tier)
     runner = getattr(getattr(getattr(build.tp_worker, "model_runner", None), "attn_backend", None), "_psa_runner",
                      None)
-    if runner is not None and hasattr(runner, "rebuild_page_meta"):
+    if runner is not None and getattr(runner, "page_is_block", False):
         tier.load_listeners.append(runner.rebuild_page_meta)
     logger.info("sglang-sparse host tier: %d host blocks (%.1f MiB, page %d), GPU unit cache %d units, "
                 "gather path %s", tier.pool.num_blocks, tier.pool.num_blocks * tier.pool.block_bytes / 2**20,

@@ -19,7 +19,8 @@ import logging
 import torch
 
 from sglang_sparse.config import PsaConfig
-from sglang_sparse.psa.runner import AttnShape, PsaCpuRunner, PsaCudaRunner, kernel_config
+from sglang_sparse.psa.cuda_runner import PsaCudaRunner
+from sglang_sparse.psa.runner import AttnShape, PsaCpuRunner, kernel_config
 from sglang_sparse.psa.stats import PsaMetrics, PsaStats, account_rows
 from sglang_sparse.stats import StepRows
 
@@ -120,16 +121,18 @@ def make_runner(config: PsaConfig, page_size: int, model_runner):
     device = torch.device(model_runner.device) if isinstance(model_runner.device, str) else model_runner.device
     shape = AttnShape.of(model_runner)
     if uses_kernels(config, device.type):
-        if page_size != config.block_size:
-            raise RuntimeError(f"sglang-sparse psa on CUDA needs --page-size == block_size ({config.block_size}); "
+        if page_size not in (1, config.block_size):
+            raise RuntimeError(f"sglang-sparse psa on CUDA needs --page-size 1 or block_size ({config.block_size}); "
                                f"got page size {page_size}")
         runner = PsaCudaRunner(
-            config, page_size, shape, device, token_to_kv_pool=model_runner.token_to_kv_pool,
+            config, config.block_size, shape, device, token_to_kv_pool=model_runner.token_to_kv_pool,
             req_to_token=model_runner.req_to_token_pool.req_to_token,
             max_batch_size=int(model_runner.req_to_token_pool.size), sm_scale=shape.head_dim ** -0.5,
-            out_dtype=model_runner.dtype)
-        logger.info("sglang-sparse psa: block metadata %.1f MiB (%d layers, page %d), max batch %d",
-                    runner.meta_bytes() / 2**20, shape.num_layers, page_size, model_runner.req_to_token_pool.size)
+            out_dtype=model_runner.dtype, page_size=page_size)
+        logger.info("sglang-sparse psa: block metadata %.1f MiB (%d layers, %d rows, block %d, page %d: %s), "
+                    "max batch %d", runner.meta_bytes() / 2**20, shape.num_layers, runner.meta.kmin.shape[1],
+                    config.block_size, page_size, "rows per page" if page_size > 1 else "rows per request block",
+                    model_runner.req_to_token_pool.size)
     else:
         block = page_size if page_size > 1 else config.block_size
         runner = PsaCpuRunner(config, block, shape, device)

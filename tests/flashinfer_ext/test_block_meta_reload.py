@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from flashinfer_ext.psa.block_meta import BlockMetaPool, paged_block_table
-from sglang_sparse.psa.runner import PsaCudaRunner
+from sglang_sparse.psa.cuda_runner import PsaCudaRunner
 
 from .kv_pool import make_pool
 
@@ -32,7 +32,7 @@ def test_rebuilt_page_meta_equals_incremental_kernel(page, dtype):
     for t in (rebuilt.kmin, rebuilt.kmax, rebuilt.kmean):
         t.fill_(7.0)  # stale rows of whoever used the pages before
     pages = torch.cat([table[r, : seq_lens[r] // page] for r in range(len(seq_lens))]).long()
-    runner = SimpleNamespace(block_size=page, shape=SimpleNamespace(num_layers=layers), meta=rebuilt,
+    runner = SimpleNamespace(rows=None, block_size=page, shape=SimpleNamespace(num_layers=layers), meta=rebuilt,
                              pool=SimpleNamespace(get_key_buffer=lambda lid: k_bufs[lid]))
     PsaCudaRunner.rebuild_page_meta(runner, pages)
     for lid in range(layers):

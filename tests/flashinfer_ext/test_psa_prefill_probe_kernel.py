@@ -10,7 +10,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from sglang_sparse.psa.runner import AttnShape, PsaCudaRunner
+from sglang_sparse.psa.cuda_runner import PsaCudaRunner
+from sglang_sparse.psa.runner import AttnShape
 from sglang_sparse.psa.switch import _PREFILL_PROBE_ATTR
 from sglang_sparse.psa.stats import COL_READ, COL_SPARSE, COL_TOTAL, ROW_PREFILL_PROBE
 from tests.test_psa_prefill_probe import BLOCK, D, HK, HQ, LAYERS, _cfg, _extend, _req
@@ -26,8 +27,8 @@ def _pool(lens, seed=0):
     return pool, rtt, k, v
 
 
-@pytest.mark.parametrize("eps", [0.6, 0.95])
-def test_kernel_runner_counts_the_reads_of_the_last_prompt_query(eps):
+@pytest.mark.parametrize("eps,page", [(0.6, BLOCK), (0.95, BLOCK), (0.95, 1)])
+def test_kernel_runner_counts_the_reads_of_the_last_prompt_query(eps, page):
     """PsaCudaRunner (Triton interpreter on CPU): per layer, metadata over the whole context, then the stop test for
     the probe row's last query; the prefill row's blocks_read is the reference's count for that query within a few
     blocks (the kernel ranks by quantised keys), the short row is not touched."""
@@ -37,8 +38,10 @@ def test_kernel_runner_counts_the_reads_of_the_last_prompt_query(eps):
     lens, ext = [200, 60], [30, 60]
     pool, rtt, k, v = _pool(lens)
     runner = PsaCudaRunner(cfg, BLOCK, AttnShape(LAYERS, HQ, HK, D), torch.device("cpu"), token_to_kv_pool=pool,
-                           req_to_token=rtt, max_batch_size=2, sm_scale=D ** -0.5, out_dtype=torch.bfloat16)
+                           req_to_token=rtt, max_batch_size=2, sm_scale=D ** -0.5, out_dtype=torch.bfloat16,
+                           page_size=page)
     long_req, short_req = _req(200), _req(60)
+    long_req.req_pool_idx, short_req.req_pool_idx = 0, 1  # page 1: metadata rows of the probe row's slot
     fb = _extend(lens, ext, [long_req, short_req])
     runner.begin_batch(None, fb)
     assert getattr(long_req, _PREFILL_PROBE_ATTR, False) and not getattr(short_req, _PREFILL_PROBE_ATTR, False)
@@ -57,3 +60,5 @@ def test_kernel_runner_counts_the_reads_of_the_last_prompt_query(eps):
     assert abs(float(rows[0, COL_READ]) - want) <= 2 * LAYERS * HK, (float(rows[0, COL_READ]), want)
     assert 0 < float(rows[0, COL_READ]) <= float(rows[0, COL_TOTAL])
     assert rows[1, COL_SPARSE] == 0 and rows[1, COL_READ] == 0
+    if page == 1:  # the probe row's slot holds rows for its 13 blocks, the short row's none
+        assert len(runner.rows.rows_of(0)) == 13 and runner.rows.rows_of(1) == []
