@@ -10,7 +10,7 @@ of the same run, and every ratio is mode / off of the same cell (throughput: > 1
 Clients (``--client``):
 - ``fast`` (default): :mod:`bench.load_client`, an in-process threaded streaming client on
   ``/v1/completions`` (token-exact real-prose prompts, ``ignore_eos``, radix cache flushed before every
-  cell, one warm-up request at the longest input per server). No subprocess per cell.
+  cell, one warm-up request per input length per server). No subprocess per cell.
 - ``sglang``: ``python -m sglang.benchmark.serving`` once per cell (``--dataset-name random`` over a
   ShareGPT-format JSON written from :mod:`bench.corpus`, so nothing is downloaded).
 
@@ -380,10 +380,11 @@ def bench_server(a, s: Server, maker, out: Path, summary: dict, t_start: float, 
     mode_dir = out / mode
     cells = summary["results"].setdefault(mode, {})
     summary["servers"]["per_mode"][mode].update(startup_s=s.startup_s, pool_tokens=lc.server_pool_tokens(url))
-    if maker is not None:
-        ids = maker.cell_prompts(a.seed + 1000, max(a.input_lens), 0, 1)[0]
-        w = lc.stream_completion(url, ids, min(a.output_len, 16), a.request_timeout)
-        log(f"[load] {mode} warm-up ({len(ids)} tokens): {'ok' if w['ok'] else w['error']}")
+    if maker is not None:  # one warm-up request per input length: kernels specialised on a length compile here
+        for n in sorted(a.input_lens, reverse=True):
+            ids = maker.cell_prompts(a.seed + 1000, n, 0, 1)[0]
+            w = lc.stream_completion(url, ids, min(a.output_len, 16), a.request_timeout)
+            log(f"[load] {mode} warm-up ({len(ids)} tokens): {'ok' if w['ok'] else w['error']}")
     for n in a.input_lens:
         for c in a.conc:
             key = lc.cell_key(n, c)

@@ -104,7 +104,8 @@ def test_graph_replay_view_gets_the_batch_per_request_epsilons():
     view = SimpleNamespace(batch_size=4, seq_lens_cpu=torch.tensor([150, 40, 1, 1]))
     eps, off, probe, got = runner._stashed_state(view, 4)
     assert eps == pytest.approx([0.7, 0.95, 1.0, 1.0]) and not any(off)
-    assert probe == [True, True, False, False]  # undecided requests (the default switch); padding is not
+    # the undecided long request probes (the default switch); the short row (below min_context) and padding do not
+    assert probe == [True, False, False, False]
     assert got[:2] == reqs and got[2:] == [None, None]
     other = SimpleNamespace(batch_size=4, seq_lens_cpu=torch.tensor([151, 41, 1, 1]))
     assert runner._stashed_state(other, 4) is None  # a different batch: no stale epsilons

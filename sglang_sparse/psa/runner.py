@@ -132,9 +132,10 @@ class _RunnerBase:
         self.ws = None  # WorkingSetTracker (host tier admission; set by psa.backend.make_runner) or None
         self._ws_step = False  # this decode step records its selections into ``ws``
 
-    def _row_state(self, reqs, bs: int) -> tuple[list[float], list[bool], list[bool]]:
-        """Per-row ``(epsilon, switched_dense, probing)`` of ``reqs`` (host lists of ``bs``)."""
-        return (_epsilons_of(self.cfg, reqs, bs), *switch_state(self.cfg, reqs, bs))
+    def _row_state(self, reqs, bs: int, lens=None) -> tuple[list[float], list[bool], list[bool]]:
+        """Per-row ``(epsilon, switched_dense, probing)`` of ``reqs`` (host lists of ``bs``); ``lens``: the rows'
+        context lengths (host), so rows below ``min_context`` skip the switch."""
+        return (_epsilons_of(self.cfg, reqs, bs), *switch_state(self.cfg, reqs, bs, lens))
 
     def extend_probe_rows(self, forward_batch) -> list[int]:
         """Rows of an extend batch probed at the end of their prefill (:func:`sglang_sparse.psa.switch.extend_probe_rows`)."""
@@ -186,10 +187,11 @@ class _RunnerBase:
         if lens is None:
             return False
         bs = int(forward_batch.batch_size)
-        eps, off, probe = self._row_state(batch_requests(forward_batch), bs)
+        lens = lens[:bs].tolist()
+        eps, off, probe = self._row_state(batch_requests(forward_batch), bs, lens)
         self._replay.keep(forward_batch)
         self._gate_state = (eps, off, probe)  # reused by the replay's plan (_stashed_state): one read per step
-        return any(self._row_kinds(lens[:bs].tolist(), eps, off)[0])
+        return any(self._row_kinds(lens, eps, off)[0])
 
     def graph_variant(self, forward_batch, peek: bool = False) -> str | None:
         """Which decode graph this batch replays (:mod:`sglang_sparse.graph_variants`): ``"sparse"`` when a row
@@ -228,7 +230,9 @@ class _RunnerBase:
             return None
         n, reqs = got
         kept = self._gate_state
-        eps, off, probe = kept if kept is not None and len(kept[0]) == n else self._row_state(reqs, n)
+        lens = forward_batch.seq_lens_cpu
+        eps, off, probe = (kept if kept is not None and len(kept[0]) == n
+                           else self._row_state(reqs, n, None if lens is None else lens[:n].tolist()))
         # (kept: wants_graph's answer for this batch, whose lengths the view matched)
         pad = bs - n
         return (list(eps) + [1.0] * pad, list(off) + [False] * pad, list(probe) + [False] * pad,
@@ -251,13 +255,13 @@ class _RunnerBase:
         small tensor; the sparse path's tensors (:meth:`_row_tensors`) are built only when a row is sparse."""
         bs = int(forward_batch.batch_size)
         self.bs, self.is_decode, self.graph_mode = bs, decode, False
+        lens = forward_batch.seq_lens_cpu
         if state is None:
             reqs = list(batch_requests(forward_batch) or ())[:bs]
-            eps, off, probe = self._row_state(reqs, bs)
+            eps, off, probe = self._row_state(reqs, bs, None if lens is None else lens[:bs].tolist())
         else:
             eps, off, probe, reqs = state
         self._row_reqs = list(reqs) + [None] * (bs - len(reqs))
-        lens = forward_batch.seq_lens_cpu
         if decode and lens is not None:
             lens = lens[:bs].tolist()
             sparse, switched = self._row_kinds(lens, eps, off)

@@ -15,6 +15,7 @@ from sglang_sparse.request_params import batch_requests, request_values
 _PROBE_ATTR = "_sparse_psa_probe"  # on a scheduler ``Req``: (rows scanned, sparse rows, read, total) or the decision
 _PREFILL_PROBE_ATTR = "_sparse_psa_prefill_probe"  # on a ``Req``: probed at the end of its prefill (decode densely
                                                    # until the decision is read back)
+_EPS_ATTR = "_sparse_psa_eps"  # on a ``Req``: its epsilon, read once from its custom_params
 
 
 def adaptive_dense(cfg: PsaConfig, req) -> bool:
@@ -52,29 +53,44 @@ def adaptive_dense(cfg: PsaConfig, req) -> bool:
     return False
 
 
+def _epsilon_of(cfg: PsaConfig, req) -> float:
+    """A request's epsilon (:func:`sglang_sparse.request_params.request_values`), read once and kept on the ``Req``
+    (its options never change); the server's ``epsilon`` for a row without a request."""
+    if req is None:
+        return float(cfg.epsilon)
+    eps = getattr(req, _EPS_ATTR, None)
+    if eps is None:
+        eps = float(request_values(cfg, req)["epsilon"])
+        setattr(req, _EPS_ATTR, eps)
+    return eps
+
+
 def _epsilons_of(cfg: PsaConfig, reqs, bs: int) -> list[float]:
-    """Each of ``bs`` rows' epsilon from its request (:func:`sglang_sparse.request_params.request_values`);
-    the server's ``epsilon`` for rows without one."""
+    """Each of ``bs`` rows' epsilon (:func:`_epsilon_of`)."""
     reqs = reqs or ()
-    return [float(request_values(cfg, reqs[i] if i < len(reqs) else None)["epsilon"]) for i in range(bs)]
+    return [_epsilon_of(cfg, reqs[i] if i < len(reqs) else None) for i in range(bs)]
 
 
 def _decided(req) -> bool:
     return req is not None and isinstance(getattr(req, _PROBE_ATTR, None), bool)
 
 
-def switch_state(cfg: PsaConfig, reqs, bs: int) -> tuple[list[bool], list[bool]]:
+def switch_state(cfg: PsaConfig, reqs, bs: int, lens=None) -> tuple[list[bool], list[bool]]:
     """Each of ``bs`` rows' adaptive-switch state: ``(dense, probing)`` (:func:`adaptive_dense`). ``dense``: sent
     dense, or probed at the end of its prefill and not decided yet (a stock step while the decision is on its way);
-    ``probing``: undecided without a prefill probe (a decode probe step). Rows without a request are neither."""
+    ``probing``: undecided without a prefill probe (a decode probe step). Rows without a request are neither.
+    ``lens`` (host ints): rows below ``min_context`` are neither without reading their request (the switch
+    applies to long rows only), so a batch of short rows costs no per-request work."""
     reqs = reqs or ()
-    off = [adaptive_dense(cfg, reqs[i]) if i < len(reqs) else False for i in range(bs)]
+    n = min(bs, len(reqs))
+    long = [True] * n if lens is None else [int(lens[i]) >= cfg.min_context for i in range(n)]
+    off = [adaptive_dense(cfg, reqs[i]) if i < n and long[i] else False for i in range(bs)]
     if cfg.dense_above >= 1.0:
         return off, [False] * bs
     probe = [False] * bs
-    for i in range(min(bs, len(reqs))):
+    for i in range(n):
         req = reqs[i]
-        if req is None or _decided(req):
+        if not long[i] or req is None or _decided(req):
             continue
         if getattr(req, _PREFILL_PROBE_ATTR, False):
             off[i] = True
