@@ -130,7 +130,7 @@ class ReplayRequests:
     def keep(self, forward_batch) -> None:
         """Store the rows' requests and ``seq_lens_cpu`` (``[bs]`` int) of a real batch (``can_run_graph``)."""
         lens, bs = forward_batch.seq_lens_cpu, int(forward_batch.batch_size)
-        self._lens = None if lens is None else [int(x) for x in lens[:bs]]
+        self._lens = None if lens is None else lens[:bs].tolist()
         self._reqs = tuple(batch_requests(forward_batch) or ())[:bs]
 
     def matches(self, view, bs: int) -> bool:
@@ -139,7 +139,7 @@ class ReplayRequests:
         if self._lens is None or lens is None:
             return False
         n = len(self._lens)
-        return n <= bs and [int(x) for x in lens[:n]] == self._lens
+        return n <= bs and lens[:n].tolist() == self._lens
 
     def recover(self, view, bs: int) -> tuple[int, tuple] | None:
         """``(rows of the kept batch, their requests)`` for a replay view (no ``sampling_info``) of the kept batch,

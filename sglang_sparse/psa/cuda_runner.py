@@ -59,7 +59,7 @@ class PsaCudaRunner(_RunnerBase):
         self.pool = token_to_kv_pool
         self._req_to_token = req_to_token  # SGLang's ReqToTokenPool.req_to_token: one tensor for the server's life
         self._fresh_rows: set[int] = set()  # rows of the planned decode batch whose allocated metadata is new
-        self._live_slots: set[int] = set()  # request slots of the last decode batch (kept by a reclaim)
+        self._live_slots: set[int] = set()  # request slots of the last batch with a sparse row (kept by a reclaim)
         self.meta_row_shortfalls = 0         # sparse rows sent dense for want of metadata rows (page size 1)
         self.wrapper = PsaDecodeWrapper(
             self.kernel_cfg, num_qo_heads=shape.num_qo_heads, num_kv_heads=shape.num_kv_heads,
@@ -140,17 +140,18 @@ class PsaCudaRunner(_RunnerBase):
         if self.rows is None:
             return sparse
         self._fresh_rows = set()
+        idx = [i for i, s in enumerate(sparse) if s]
+        if not idx:  # no host work for a batch without a sparse row (its slots are not needed)
+            return sparse
         slots = [_slot_of(r) for r in reqs]
         live = {s for s in slots if s is not None}
-        idx = [i for i, s in enumerate(sparse) if s]
-        if idx:
-            got = self._acquire([slots[i] for i in idx], [-(-int(lens[i]) // self.block_size) for i in idx],
-                                [_owner_of(reqs[i]) for i in idx], live | self._live_slots)
-            sparse = list(sparse)
-            for i, (ok, fresh) in zip(idx, got):
-                sparse[i] = ok
-                if ok and fresh:
-                    self._fresh_rows.add(i)
+        got = self._acquire([slots[i] for i in idx], [-(-int(lens[i]) // self.block_size) for i in idx],
+                            [_owner_of(reqs[i]) for i in idx], live | self._live_slots)
+        sparse = list(sparse)
+        for i, (ok, fresh) in zip(idx, got):
+            sparse[i] = ok
+            if ok and fresh:
+                self._fresh_rows.add(i)
         self._live_slots = live
         return sparse
 
