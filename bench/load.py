@@ -16,7 +16,10 @@ Clients (``--client``):
 
 Servers: ``--parallel-servers N`` starts up to N mode servers at once (ports ``--port``, ``--port``+1, ...)
 and benchmarks them strictly one after another (never two cells at once; a started server idles while
-another is measured), then stops the group and starts the next. On CUDA each server's KV pool is capped
+another is measured), then stops the group and starts the next. ``--order interleaved`` (the default) runs each
+cell on every server of the group back to back, so a slow drift of the machine over the run falls on every mode
+alike (measured by mode, a mode benchmarked second ran up to 25 % slower at 4k than the same servers
+interleaved); ``--order by-mode`` runs all cells of one server, then the next. On CUDA each server's KV pool is capped
 with ``--max-total-tokens`` at what its largest cell needs (max concurrency x (longest input + output)),
 and ``--mem-fraction`` is passed as ``--mem-fraction-static``. The cap is what splits the GPU between
 servers: SGLang 0.5.17 sizes the pool as (free memory after loading weights) - (free memory before
@@ -259,7 +262,8 @@ def write_report(out: Path, summary: dict, e2e_path: Path | None = None, plot: b
     plan = srv.get("plan") or {}
     if plan:
         md += ["## Servers", "",
-               f"- groups started together (benchmarked one server at a time): "
+               f"- groups started together (benchmarked one server at a time, "
+               f"{'cell by cell, each server of a group back to back' if grid.get('order', 'by-mode') == 'interleaved' else 'all cells of one server, then the next'}): "
                f"{' | '.join(', '.join(g) for g in srv.get('groups', []))}",
                f"- KV pool per server: {plan.get('max_total_tokens') or 'not capped here (CPU: ServerSpec bounds it)'}"
                f" tokens (largest cell needs "
@@ -375,38 +379,73 @@ def _stop_all(servers: list[Server], threads=()) -> None:
         s.stop()
 
 
-def bench_server(a, s: Server, maker, out: Path, summary: dict, t_start: float, log, flush) -> None:
+def warm_up_server(a, s: Server, maker, summary: dict, log) -> None:
+    """Record the server's start-up and pool; one warm-up request per input length (kernels specialised on a length
+    compile here, not inside the first cell)."""
     mode, url = s.spec.mode, s.url
-    mode_dir = out / mode
-    cells = summary["results"].setdefault(mode, {})
+    summary["results"].setdefault(mode, {})
     summary["servers"]["per_mode"][mode].update(startup_s=s.startup_s, pool_tokens=lc.server_pool_tokens(url))
-    if maker is not None:  # one warm-up request per input length: kernels specialised on a length compile here
+    if maker is not None:
         for n in sorted(a.input_lens, reverse=True):
             ids = maker.cell_prompts(a.seed + 1000, n, 0, 1)[0]
             w = lc.stream_completion(url, ids, min(a.output_len, 16), a.request_timeout)
             log(f"[load] {mode} warm-up ({len(ids)} tokens): {'ok' if w['ok'] else w['error']}")
-    for n in a.input_lens:
-        for c in a.conc:
-            key = lc.cell_key(n, c)
-            if a.time_budget and time.monotonic() - t_start > a.time_budget:
-                summary["errors"].setdefault(mode, "")
-                summary["errors"][mode] += f" {key}: skipped (time budget {a.time_budget:.0f}s);"
-                continue
-            if a.client == "fast":
-                if not lc.flush_cache(url):
-                    log(f"[load] {mode}: /flush_cache refused before {key}")
-                prompts = maker.cell_prompts(a.seed, n, c, n_prompts(a, c))
-                r = lc.run_cell(url, prompts, a.output_len, c, a.request_timeout)
-            else:
-                r = run_sglang_cell(a, out, s.spec.port, n, c, mode_dir, log)
-            r.update(input_len=n, concurrency=c, num_prompts=n_prompts(a, c), output_len=a.output_len)
-            cells[key] = r
-            if r.get("completed") != r["num_prompts"]:
-                summary["errors"][f"{mode} {key}"] = (f"{r.get('completed')}/{r['num_prompts']} requests completed: "
-                                                      f"{r.get('errors')}")
-            log(f"[load] {mode} {key}: {_fmt(r.get('output_throughput'))} out tok/s, TTFT mean "
-                f"{_fmt(r.get('mean_ttft_ms'))} ms, TPOT {_fmt(r.get('mean_tpot_ms'), 2)} ms, "
-                f"{r.get('completed')}/{n_prompts(a, c)} done")
+
+
+def bench_cell(a, s: Server, maker, out: Path, summary: dict, t_start: float, log, n: int, c: int) -> None:
+    """One cell (input ``n`` tokens, concurrency ``c``) on one server, unless the time budget is spent."""
+    mode, url = s.spec.mode, s.url
+    cells = summary["results"].setdefault(mode, {})
+    key = lc.cell_key(n, c)
+    if a.time_budget and time.monotonic() - t_start > a.time_budget:
+        summary["errors"].setdefault(mode, "")
+        summary["errors"][mode] += f" {key}: skipped (time budget {a.time_budget:.0f}s);"
+        return
+    if a.client == "fast":
+        if not lc.flush_cache(url):
+            log(f"[load] {mode}: /flush_cache refused before {key}")
+        prompts = maker.cell_prompts(a.seed, n, c, n_prompts(a, c))
+        r = lc.run_cell(url, prompts, a.output_len, c, a.request_timeout)
+    else:
+        r = run_sglang_cell(a, out, s.spec.port, n, c, out / mode, log)
+    r.update(input_len=n, concurrency=c, num_prompts=n_prompts(a, c), output_len=a.output_len)
+    cells[key] = r
+    if r.get("completed") != r["num_prompts"]:
+        summary["errors"][f"{mode} {key}"] = (f"{r.get('completed')}/{r['num_prompts']} requests completed: "
+                                              f"{r.get('errors')}")
+    log(f"[load] {mode} {key}: {_fmt(r.get('output_throughput'))} out tok/s, TTFT mean "
+        f"{_fmt(r.get('mean_ttft_ms'))} ms, TPOT {_fmt(r.get('mean_tpot_ms'), 2)} ms, "
+        f"{r.get('completed')}/{n_prompts(a, c)} done")
+
+
+def bench_group(a, up: list[Server], maker, out: Path, summary: dict, t_start: float, log, flush) -> None:
+    """Every cell on every server of a started group. ``--order interleaved`` (default): cell by cell, each server
+    back to back, so a drift of the machine over the run (host load, clocks) falls on every mode alike;
+    ``by-mode``: all cells of one server, then the next."""
+    def guarded(s, fn, *args):
+        if s.spec.mode in failed:
+            return
+        try:
+            fn(a, s, maker, *args)
+        except (RuntimeError, subprocess.TimeoutExpired, OSError) as e:
+            failed.add(s.spec.mode)
+            summary["errors"][s.spec.mode] = f"{type(e).__name__}: {e}"
+            log(f"[load] mode {s.spec.mode} FAILED: {summary['errors'][s.spec.mode]}")
+
+    failed: set[str] = set()
+    cells = [(n, c) for n in a.input_lens for c in a.conc]
+    if a.order == "interleaved":
+        for s in up:
+            guarded(s, lambda a_, s_, m_: warm_up_server(a_, s_, m_, summary, log))
+        for n, c in cells:
+            for s in up:
+                guarded(s, lambda a_, s_, m_: bench_cell(a_, s_, m_, out, summary, t_start, log, n, c))
+            flush()
+        return
+    for s in up:
+        guarded(s, lambda a_, s_, m_: warm_up_server(a_, s_, m_, summary, log))
+        for n, c in cells:
+            guarded(s, lambda a_, s_, m_: bench_cell(a_, s_, m_, out, summary, t_start, log, n, c))
             flush()
 
 
@@ -435,6 +474,9 @@ def parse_args(argv):
     p.add_argument("--server-args", default="",
                    help="extra args for every server, e.g. '--attention-backend flashinfer'")
     p.add_argument("--parallel-servers", default="1", help="servers started at once (N or auto); benched one at a time")
+    p.add_argument("--order", choices=["interleaved", "by-mode"], default="interleaved",
+                   help="servers started together: run each cell on every one of them back to back (interleaved), "
+                        "or all cells of one server before the next (by-mode)")
     p.add_argument("--mem-fraction", type=float, default=None, help="--mem-fraction-static of every CUDA server")
     p.add_argument("--max-total-tokens", type=int, default=None,
                    help="KV pool cap per CUDA server (default: the largest cell's need + 2%%; 0 = no cap)")
@@ -499,7 +541,7 @@ def main(argv=None) -> int:
                  "prompts": f"exact-length token ids of {corpus.source_description()}",
                  "extra server args": " ".join(extra) or "(none)"}
     grid = {"modes": a.modes_list, "input_lens": a.input_lens, "concurrency": a.conc, "output_len": a.output_len,
-            "client": a.client, "prompts": {str(c): n_prompts(a, c) for c in a.conc}}
+            "client": a.client, "prompts": {str(c): n_prompts(a, c) for c in a.conc}, "order": a.order}
     summary = {"meta": meta_more, "grid": grid,
                "servers": {"plan": plan, "groups": groups, "per_mode": {}},
                "results": {}, "errors": {}, "accuracy": load_accuracy(a.accuracy_json)}
@@ -534,13 +576,8 @@ def main(argv=None) -> int:
                 if a.client == "fast" and bg.get("maker") is None:
                     raise RuntimeError("could not load the model's tokenizer for the prompts (see the traceback)")
             maker = bg.get("maker")
-            for s in up:
-                try:
-                    bench_server(a, s, maker, out, summary, t_start, log,
-                                 lambda: write_report(out, summary, e2e_path, plot=False))
-                except (RuntimeError, subprocess.TimeoutExpired, OSError) as e:
-                    summary["errors"][s.spec.mode] = f"{type(e).__name__}: {e}"
-                    log(f"[load] mode {s.spec.mode} FAILED: {summary['errors'][s.spec.mode]}")
+            bench_group(a, up, maker, out, summary, t_start, log,
+                        lambda: write_report(out, summary, e2e_path, plot=False))
         except KeyboardInterrupt:  # Ctrl-C or SIGTERM: stop this group's servers, keep what was measured
             summary["errors"]["interrupted"] = "SIGINT/SIGTERM; later cells not run"
             _stop_all(servers)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import subprocess
 import sys
 
@@ -41,7 +42,17 @@ def load_run(default_model, tmp_path_factory):
     r = subprocess.run(cmd, env=server_env(), capture_output=True, text=True, timeout=400)
     print(r.stdout[-4000:], r.stderr[-4000:])
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    (out / "run" / "stdout.txt").write_text(r.stdout + r.stderr)
     return out / "run"
+
+
+def test_cells_alternate_between_the_servers_of_a_group(load_run):
+    """--order interleaved (the default): each cell runs on every server of the group back to back."""
+    s = json.loads((load_run / "load_summary.json").read_text())
+    assert s["grid"]["order"] == "interleaved"
+    done = re.findall(r"\[load\] (off|lastwindow) (\S+): .* done", (load_run / "stdout.txt").read_text())
+    want = [(m, cell_key(n, c)) for n in LENS for c in CONC for m in ("off", "lastwindow")]
+    assert done == want
 
 
 def test_summary_shapes(load_run):
