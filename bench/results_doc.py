@@ -69,7 +69,10 @@ def e2e_section(e2e: dict | None) -> list[str]:
         return md + ["(missing: run `python -m bench.load` on the testbed)", ""]
     md += [f"GPU: {e2e.get('gpu')}; model: {e2e.get('model')}; output {e2e.get('output_len')} tokens; ratios are "
            "mode / stock `off` in the same cell, measured in the same `bench.load` invocation (throughput > 1 and "
-           "TTFT / TPOT < 1 are better).", ""]
+           "TTFT / TPOT < 1 are better). An invocation that measured all of `off`'s cells before a mode's "
+           "(`--order by-mode`) favours the first server where a step is host-bound: at 4k x 8 psa read 0.77x that "
+           "way and 0.95-1.21x with the two servers measured cell by cell (`bench.load`'s default now; "
+           "`e2e_long.md`, interleaved A/B).", ""]
     if e2e.get("mode_sources"):
         md += ["Where each mode comes from (each invocation has its own `off`):", ""]
         md += [f"- `{m}`: {src}" for m, src in e2e["mode_sources"].items()]

@@ -307,3 +307,7 @@ def test_page_one_metadata_rows_follow_the_request_slot_and_a_reclaimed_request_
     assert plan([203], [a]) == [True]   # now they are not: a gets rows, fresh, rebuilt from position 0
     assert calls == [(0, [202]), (1, [202])]
     assert plan([204], [None]) == [False]  # a row without its request has no slot: it attends everything
+    report = PsaStats(reporter=runner.meta_report).to_dict()  # /server_info's stats carry the runner's counters
+    assert report["meta_rows_total"] == 36 and report["meta_rows_used"] == runner.rows.used_rows > 0
+    assert report["meta_row_shortfalls"] == runner.meta_row_shortfalls >= 2 and report["meta_rebuilds"] >= 3
+    assert "reporter" not in report

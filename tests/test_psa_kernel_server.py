@@ -66,3 +66,6 @@ def test_kernel_runner_above_min_context_decodes_sparsely(kernel_server):
     assert 0 < rep["blocks_read"] < rep["blocks_total"] and 0.5 < rep["kept_mass"] <= 1.0 + 1e-6
     d = chat(server, _kernel_prompt(), 2, custom_params={"sparse": {"epsilon": 1.0}})
     assert d["metadata"]["sparse"]["sparse_decode_steps"] == 0
+    stats = server.server_info()["internal_states"][0]["sparse"]["stats"]  # page 1: rows per request block
+    assert stats["meta_rows_total"] > stats["meta_rows_used"] >= -(-rep["blocks_total"] // 30 // 3) > 0
+    assert stats["meta_rebuilds"] >= 1 and stats["meta_row_shortfalls"] == 0

@@ -179,7 +179,7 @@ def install(backend, config: PsaConfig, page_size: int, enable_metrics: bool = F
 
         backend.sparse_working_set = WorkingSetSource(runner.ws, int(runner.block_size), int(config.min_context))
     backend._psa_metrics = PsaMetrics() if enable_metrics else None
-    backend.sparse_stats = PsaStats()
+    backend.sparse_stats = PsaStats(reporter=getattr(runner, "meta_report", None))
     backend.sparse_stock_graphs = bool(config.stock_graphs)  # sglang_sparse.graph_variants
     backend.sparse_installed_mode = "psa"
     # no sparse_prefill_graph_below (api_hooks.prefill_graph_gate_hook): PSA leaves extends stock, so an extend batch

@@ -79,6 +79,13 @@ class PsaCudaRunner(_RunnerBase):
     def meta_bytes(self) -> int:
         return 3 * self.meta.kmin.numel() * self.meta.kmin.element_size()
 
+    def meta_report(self) -> dict:
+        """Block-metadata counters for ``/server_info``: rows of the pool, rows held by requests (page size 1),
+        requests whose metadata was rebuilt from position 0, sparse rows sent dense for want of rows."""
+        rows = self.meta.kmin.shape[1]
+        return {"meta_rows_total": int(rows), "meta_rows_used": None if self.rows is None else self.rows.used_rows,
+                "meta_rebuilds": int(self.meta_rebuilds), "meta_row_shortfalls": int(self.meta_row_shortfalls)}
+
     @property
     def page_is_block(self) -> bool:
         """Metadata rows are pages (page size > 1): the host tier's load listener applies."""

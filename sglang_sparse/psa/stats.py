@@ -24,8 +24,8 @@ heads; equals ``units`` when dense), ``units`` (layers x KV heads), ``epsilon``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
 
 from sglang_sparse.stats import MetricSet, StepRows, ratio  # noqa: F401 (StepRows: the carrier)
 
@@ -57,9 +57,14 @@ class PsaStats:
     blocks_total: int = 0          # what dense attention would have read for the same
     kept_sum: float = 0.0          # kept-mass estimate summed over the same units
     kept_units: int = 0
+    # the runner's block-metadata report (CUDA runner: rows, rebuilds, shortfalls), read when the stats are
+    # reported (never per step)
+    reporter: Callable[[], dict] | None = field(default=None, repr=False, compare=False)
 
     def to_dict(self) -> dict:
-        d = dict(self.__dict__)
+        d = {k: v for k, v in self.__dict__.items() if k != "reporter"}
+        if self.reporter is not None:
+            d.update(self.reporter())
         d["read_fraction"] = ratio(self.blocks_read, self.blocks_total)
         d["kept_mass_mean"] = ratio(self.kept_sum, self.kept_units)
         d["probe_read_fraction"] = ratio(self.probe_blocks_read, self.probe_blocks_total)
