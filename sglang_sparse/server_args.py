@@ -149,7 +149,8 @@ def _apply_mode_requirements(args, ctx: SparseContext) -> None:
                                 f"{block} (set it in --sparse-config)")
     if block not in (16, 32, 64):
         raise SparseConfigError(f"--sparse-config: field 'block_size' of mode 'psa' = {block} on CUDA must be "
-                                "one of [16, 32, 64] (the KV page size)")
+                                "one of [16, 32, 64] (the block sizes the CUDA kernels are tuned and tested for; "
+                                "with --page-size > 1 it is also the KV page size)")
     _prefill_graph_requirements(args, ctx)
     if not ctx.config.cuda_graph and not args.disable_cuda_graph:
         log.info("sglang-sparse psa: CUDA graphs disabled (--sparse-config cuda_graph=false)")

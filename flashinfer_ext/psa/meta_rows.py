@@ -54,7 +54,6 @@ class MetaRowAllocator:
         self._rows: dict[int, list[int]] = {}     # slot -> rows of its blocks 0..n-1
         self._owner: dict[int, object] = {}       # slot -> owner key
         self._pending: list[tuple[int, int, int]] = []  # (slot, block, row) not yet in table_buf
-        self.shortfalls = 0                       # acquire() calls refused for want of rows (after reclaim)
 
     @property
     def free_rows(self) -> int:
@@ -107,7 +106,6 @@ class MetaRowAllocator:
         if need <= 0:
             return True, fresh
         if need > len(self._free):
-            self.shortfalls += 1
             return False, fresh
         for b in range(len(rows), len(rows) + need):
             row = self._free.pop()

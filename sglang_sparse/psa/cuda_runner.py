@@ -53,7 +53,6 @@ class PsaCudaRunner(_RunnerBase):
         num_rows = -(-k0.shape[0] // block_size) + 1 + (max_batch_size if page_size == 1 else 0)
         self.rows = (MetaRowAllocator(num_rows, req_to_token.shape[0], self.max_blocks_per_req, device)
                      if page_size == 1 else None)
-        self.page_size = page_size
         self.meta = BlockMetaPool(shape.num_layers, num_rows, shape.num_kv_heads, shape.head_dim, block_size,
                                   dtype=k0.dtype, device=device, layout=PsaDecodeWrapper.META_LAYOUT)
         self.pool = token_to_kv_pool

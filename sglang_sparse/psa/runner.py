@@ -255,15 +255,14 @@ class _RunnerBase:
         small tensor; the sparse path's tensors (:meth:`_row_tensors`) are built only when a row is sparse."""
         bs = int(forward_batch.batch_size)
         self.bs, self.is_decode, self.graph_mode = bs, decode, False
-        lens = forward_batch.seq_lens_cpu
+        lens = None if forward_batch.seq_lens_cpu is None else forward_batch.seq_lens_cpu[:bs].tolist()
         if state is None:
             reqs = list(batch_requests(forward_batch) or ())[:bs]
-            eps, off, probe = self._row_state(reqs, bs, None if lens is None else lens[:bs].tolist())
+            eps, off, probe = self._row_state(reqs, bs, lens)
         else:
             eps, off, probe, reqs = state
         self._row_reqs = list(reqs) + [None] * (bs - len(reqs))
         if decode and lens is not None:
-            lens = lens[:bs].tolist()
             sparse, switched = self._row_kinds(lens, eps, off)
             sparse = self._admit_rows(sparse, lens, self._row_reqs)
         else:

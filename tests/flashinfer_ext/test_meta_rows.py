@@ -42,7 +42,7 @@ def test_a_short_free_list_refuses_without_handing_out_anything_and_reclaim_free
     a = MetaRowAllocator(num_rows=7, num_slots=4, max_blocks_per_req=8)  # 6 usable rows
     assert a.acquire(0, "a", 4)[0] and a.acquire(1, "b", 2)[0] and a.free_rows == 0
     ok, _ = a.acquire(2, "c", 1)
-    assert not ok and a.rows_of(2) == [] and a.shortfalls == 1
+    assert not ok and a.rows_of(2) == [] and a.free_rows == 0
     assert a.reclaim(live_slots={1, 2}) == 4  # slot 0's request is gone
     assert a.acquire(2, "c", 3)[0] and a.rows_of(1) != [] and a.free_rows == 1
     a.release(1)
