@@ -33,6 +33,7 @@ import json
 import random
 import shlex
 import shutil
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -58,7 +59,7 @@ def measure(url: str, prompt: str, max_tokens: int, timeout: float = 600.0) -> d
     if not r["ok"]:
         raise RuntimeError(f"streamed request failed: {r['error']}")
     return {"ttft_s": r["ttft_s"], "completion_tokens": r["completion_tokens"], "prompt_tokens": r["prompt_tokens"],
-            "decode_tok_s": 1.0 / r["tpot_s"] if r["tpot_s"] else None, "text_head": r["text"][:80]}
+            "cached_tokens": int(r.get("cached_tokens") or 0), "decode_tok_s": 1.0 / r["tpot_s"] if r["tpot_s"] else None, "text_head": r["text"][:80]}
 
 
 def _events(trace_path: Path) -> list[dict]:
@@ -123,13 +124,18 @@ def profile_mode(a, mode: str, sparse_config: str | None, out: Path, log) -> dic
         # the measured request (a 40-word prompt stays under a sparse mode's min_context: dense)
         measure(srv.url, _prompt(40, a.seed + 1), 8)
         measure(srv.url, _prompt(a.prompt_tokens, a.seed + 2), min(a.max_tokens, 24))
-        rec["unprofiled"] = measure(srv.url, _prompt(a.prompt_tokens, a.seed), a.max_tokens)
+        runs = [measure(srv.url, _prompt(a.prompt_tokens, a.seed + 10 + i), a.max_tokens) for i in range(a.repeats)]
+        rec["unprofiled"] = dict(runs[-1], repeats=len(runs),
+                                 ttft_s_mean=statistics.fmean(r["ttft_s"] for r in runs),
+                                 ttft_s_median=statistics.median(r["ttft_s"] for r in runs),
+                                 decode_tok_s_mean=statistics.fmean(r["decode_tok_s"] for r in runs))
         activities = ["CPU", "GPU"] if a.device == "cuda" else ["CPU"]
         r = requests.post(srv.url + "/start_profile", json={
             "output_dir": str(mdir), "num_steps": a.steps, "activities": activities, "profile_by_stage": True,
             "profile_prefix": mode, "with_stack": False, "record_shapes": False}, timeout=60)
         if r.status_code != 200:
             raise RuntimeError(f"/start_profile -> HTTP {r.status_code}: {r.text[:300]}")
+        # a prompt no earlier request shares: its prefill is profiled whole (not a radix prefix hit)
         rec["profiled"] = measure(srv.url, _prompt(a.prompt_tokens, a.seed), a.max_tokens)
         deadline = time.time() + 120
         while "trace" not in rec:  # the scheduler writes the trace after the last profiled step
@@ -139,6 +145,10 @@ def profile_mode(a, mode: str, sparse_config: str | None, out: Path, log) -> dic
                     rec["trace"] = summarize_trace(traces[-1], a.steps)
             except (EOFError, OSError, ValueError):  # still being written
                 pass
+            if "trace" in rec:  # the request's prefill batches (their trace is flushed when decoding starts)
+                pre = sorted(p for p in mdir.glob("*.trace.json*") if "extend" in p.name.lower()
+                             or "prefill" in p.name.lower())
+                rec["prefill_trace"] = summarize_trace(pre[-1], 1) if pre else None
             if "trace" not in rec:
                 if time.time() > deadline:
                     raise RuntimeError(f"{mode}: no readable decode trace in {mdir} "
@@ -155,15 +165,18 @@ def write_report(out: Path, results: list[dict], meta: dict) -> None:
     lines = ["# Decode step profile per mode", "", f"- command: `{meta['command']}`", f"- device: {meta['device']}",
              f"- request: {meta['prompt_words']} words of prose + a question, {meta['max_tokens']} tokens, greedy, "
              f"ignore_eos; SGLang's torch profiler over {meta['steps']} decode steps (profile_by_stage)", "",
-             "| mode | decode tok/s (unprofiled) | wall us/step (profiled) | GPU kernel us/step | kernels/step | "
-             "launches/step | CUDA runtime calls/step | host syncs/step |", "|---|---|---|---|---|---|---|---|"]
+             "| mode | TTFT ms mean / median (unprofiled) | decode tok/s (unprofiled) | wall us/step (profiled) | "
+             "GPU kernel us/step | kernels/step | launches/step | CUDA runtime calls/step | host syncs/step |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         if "error" in r:
-            lines.append(f"| {r['mode']} | error: {r['error'][:120]} | | | | | | |")
+            lines.append(f"| {r['mode']} | error: {r['error'][:120]} | | | | | | | |")
             continue
         t = r["trace"]
-        tps = r["unprofiled"]["decode_tok_s"]
-        lines.append(f"| {r['mode']} | {tps:.1f} | {t['wall_us_per_step']:.0f} | {t['gpu_kernel_us_per_step']:.0f} | "
+        u = r["unprofiled"]
+        tps = u.get("decode_tok_s_mean", u["decode_tok_s"])
+        ttft = f"{1e3 * u.get('ttft_s_mean', u['ttft_s']):.1f} / {1e3 * u.get('ttft_s_median', u['ttft_s']):.1f}"
+        lines.append(f"| {r['mode']} | {ttft} | {tps:.1f} | {t['wall_us_per_step']:.0f} | {t['gpu_kernel_us_per_step']:.0f} | "
                      f"{t['kernels_per_step']:.0f} | {t['kernel_launches_per_step']:.0f} | "
                      f"{t['cuda_runtime_calls_per_step']:.0f} | {json.dumps(t['host_syncs_per_step'])} |")
     for r in results:
@@ -171,6 +184,19 @@ def write_report(out: Path, results: list[dict], meta: dict) -> None:
             continue
         t = r["trace"]
         lines += ["", f"## {r['mode']}", "", f"server: `{r['server']}`", ""]
+        pt = r.get("prefill_trace")
+        if pt:
+            lines += [f"Prefill of the profiled request (all its prefill batches): wall {pt['wall_us_per_step']:.0f} us, "
+                      f"GPU kernels {pt['gpu_kernel_us_per_step']:.0f} us in {pt['kernels_per_step']:.0f} kernels, "
+                      f"{pt['kernel_launches_per_step']:.0f} launches, host syncs {json.dumps(pt['host_syncs_per_step'])}.",
+                      ""]
+            for key, title in (("top_kernels", "prefill GPU kernels"), ("top_cuda_runtime", "prefill CUDA runtime"),
+                               ("top_cpu_ops", "prefill CPU ops (inclusive)")):
+                lines += [f"{title}:", "", "| name | us | calls |", "|---|---|---|"]
+                lines += [f"| `{x['name'][:90]}` | {x['us_per_step']:.1f} | {x['calls_per_step']:.0f} |" for x in pt[key]]
+                lines.append("")
+        lines.append("Decode steps:")
+        lines.append("")
         for key, title in (("top_cpu_ops", "CPU ops (inclusive)"), ("top_cuda_runtime", "CUDA runtime"),
                            ("top_kernels", "GPU kernels"), ("top_python", "Python functions")):
             if not t[key]:
@@ -193,12 +219,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--steps", type=int, default=48, help="decode steps profiled")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="unprofiled requests measured per mode (fresh prompts; TTFT mean and median)")
     ap.add_argument("--server-args", default="")
     ap.add_argument("--server-timeout", type=float, default=600.0)
     ap.add_argument("--keep-traces", action="store_true")
     ap.add_argument("--out", required=True)
     a = ap.parse_args(argv)
-    for name, v in (("--prompt-tokens", a.prompt_tokens), ("--max-tokens", a.max_tokens), ("--steps", a.steps)):
+    for name, v in (("--prompt-tokens", a.prompt_tokens), ("--max-tokens", a.max_tokens), ("--steps", a.steps),
+                    ("--repeats", a.repeats)):
         if v < 1:
             ap.error(f"{name} must be >= 1, got {v}")
     if a.steps >= a.max_tokens:

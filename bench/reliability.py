@@ -86,6 +86,7 @@ def _fold_one(soak: dict, faults: list[dict], gpu: str, commands: list[str] | No
     runs = [f for f in faults if f]
     tried = sum(int(f.get("faults_tried", 0)) for f in runs)
     survived = sum(int(f.get("faults_survived", 0)) for f in runs)
+    fault_modes = sorted({str(r.get("mode")) for f in runs for r in f.get("faults", [])})
     lost = [{"fault": r.get("fault"), "mode": r.get("mode"), "outcome": r.get("outcome"),
              "checks": r.get("checks"), "details": r.get("details")}
             for f in runs for r in f.get("faults", []) if not r.get("survived")]
@@ -93,8 +94,43 @@ def _fold_one(soak: dict, faults: list[dict], gpu: str, commands: list[str] | No
     return {"gpu": gpu, "modes": modes, "faults_tried": tried, "faults_survived": survived,
             "faults_not_survived": lost, "modes_not_started": not_started, "soak_details": extra,
             "soak_seconds_total": round(total_s, 1), "noise_floor_off_repeat": noise,
-            "fault_devices": sorted({str(f.get("device")) for f in runs}), "targets": TARGETS,
+            "fault_devices": sorted({str(f.get("device")) for f in runs}), "fault_modes_run": fault_modes,
+            "targets": TARGETS,
             "commands": list(commands or [])}
+
+
+def merge_into(base: dict, new: dict, label: str) -> dict:
+    """``base`` (an earlier headline) with the modes soaked in ``new`` replaced: their rows, soak details and run
+    label; ``new``'s ``off`` kept as ``off (LABEL)``. Faults: the modes ``new``'s fault reports ran replace the
+    base's for those modes. A mode's fault count is the number of :data:`bench.faults.FAULTS` entries that apply to
+    it (the base keeps totals only); the base's not-survived faults of those modes are dropped with them."""
+    from bench.faults import FAULTS
+
+    rep = json.loads(json.dumps(base))
+    rep.setdefault("mode_runs", {})
+    for mode, row in new["modes"].items():
+        if mode == "off":
+            rep["soak_details"][f"off ({label})"] = new["soak_details"][mode]
+            continue
+        rep["modes"][mode] = row
+        rep["soak_details"][mode] = new["soak_details"][mode]
+        rep["mode_runs"][mode] = label
+        rep.get("modes_not_started", {}).pop(mode, None)
+        (rep.get("notes") or {}).pop(mode, None)
+    fault_modes = sorted({m for m in new.get("fault_modes_run", [])})
+    if fault_modes:
+        old = sum(sum(1 for _, applies in FAULTS.values() if m in applies) for m in fault_modes)
+        lost_old = [f for f in rep.get("faults_not_survived", []) if f.get("mode") in fault_modes]
+        rep["faults_tried"] = int(rep["faults_tried"]) - old + int(new["faults_tried"])
+        rep["faults_survived"] = int(rep["faults_survived"]) - (old - len(lost_old)) + int(new["faults_survived"])
+        rep["faults_not_survived"] = [f for f in rep.get("faults_not_survived", []) if f not in lost_old] + \
+            new["faults_not_survived"]
+        rep["fault_devices"] = sorted(set(rep.get("fault_devices", [])) | set(new.get("fault_devices", [])))
+    rep["soak_seconds_total"] = round(float(rep.get("soak_seconds_total") or 0) + float(new["soak_seconds_total"]), 1)
+    if new.get("noise_floor_off_repeat"):
+        rep[f"noise_floor_off_repeat ({label})"] = new["noise_floor_off_repeat"]
+    rep["commands"] = list(rep.get("commands", [])) + list(new.get("commands", []))
+    return rep
 
 
 def _flips(rep: dict, off_facts: dict) -> int | None:
@@ -159,6 +195,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--command", action="append", default=[], help="command that produced the reports (repeat)")
     ap.add_argument("--out", required=True)
     ap.add_argument("--md", help="Markdown report path")
+    ap.add_argument("--base", help="an earlier reliability.json: the modes soaked here (and the modes of the fault "
+                    "reports) replace its rows; everything else is kept")
     ap.add_argument("--note", action="append", default=[], metavar="MODE=TEXT",
                     help="a reading of a mode's row (repeat), kept as notes[MODE] and printed under the table")
     a = ap.parse_args(argv)
@@ -166,9 +204,11 @@ def main(argv: list[str] | None = None) -> int:
     soaks = [json.loads(Path(p).read_text()) for p, _ in paths]
     faults = [json.loads(Path(p).read_text()) for p in a.faults if Path(p).is_file()]
     rep = fold(soaks, faults, a.gpu, a.command, labels=[lab for _, lab in paths])
+    if a.base:
+        rep = merge_into(json.loads(Path(a.base).read_text()), rep, paths[0][1] or "run 1")
     notes = dict(x.split("=", 1) for x in a.note if "=" in x)
     if notes:
-        rep["notes"] = notes
+        rep.setdefault("notes", {}).update(notes)
     Path(a.out).write_text(json.dumps(rep, indent=1) + "\n")
     if a.md:
         Path(a.md).write_text(markdown(rep))

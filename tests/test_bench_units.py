@@ -261,3 +261,17 @@ def test_pick_crit_takes_the_fastest_headline_not_slower_elsewhere():
     assert pick_crit(rows + real, ("planar", base)) == dict(meta_layout="planar", crit_tile=dict(
         tile_b=0, heads=1, elements=8192, num_warps=0))
     assert pick_crit([]) is None
+
+
+def test_loopserve_turns_configs_parse_labels_modes_and_json():
+    from bench.loopserve_turns import parse_configs
+
+    got = parse_configs('off, loopserve,eng=loopserve:{"min_context": 4096, "alpha": 0.99},lw=lastwindow')
+    assert got == [("off", "off", None), ("loopserve", "loopserve", None),
+                   ("eng", "loopserve", '{"min_context": 4096, "alpha": 0.99}'), ("lw", "lastwindow", None)]
+    with pytest.raises(ValueError, match="not JSON"):
+        parse_configs("x=loopserve:{bad")
+    with pytest.raises(ValueError, match="duplicate"):
+        parse_configs("off,off")
+    with pytest.raises(ValueError, match="names no mode"):
+        parse_configs("x=")

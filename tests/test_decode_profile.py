@@ -47,7 +47,8 @@ def test_summarize_trace_rejects_an_empty_trace(tmp_path):
 
 @pytest.mark.parametrize("args,msg", [(["--steps", "0"], "--steps must be >= 1"),
                                       (["--steps", "20", "--max-tokens", "20"], "must be below --max-tokens"),
-                                      (["--sparse-config", "loopserve"], "MODE=JSON")])
+                                      (["--sparse-config", "loopserve"], "MODE=JSON"),
+                                      (["--repeats", "0"], "--repeats must be >= 1")])
 def test_bad_arguments_are_refused(tmp_path, capsys, args, msg):
     with pytest.raises(SystemExit) as e:
         dp.main(["--device", "cpu", "--out", str(tmp_path), *args])
@@ -58,12 +59,16 @@ def test_bad_arguments_are_refused(tmp_path, capsys, args, msg):
 def test_driver_profiles_decode_steps_on_a_cpu_server(tmp_path):
     out = tmp_path / "dp"
     rc = dp.main(["--device", "cpu", "--modes", "off", "--prompt-tokens", "60", "--max-tokens", "10", "--steps", "4",
-                  "--port", str(free_port()), "--out", str(out)])
+                  "--repeats", "2", "--port", str(free_port()), "--out", str(out)])
     rep = json.loads((out / "decode_profile.json").read_text())
     assert rc == 0, rep
     (r,) = rep["modes"]
     assert r["mode"] == "off" and r["unprofiled"]["completion_tokens"] == 10 and r["unprofiled"]["decode_tok_s"] > 0
+    assert r["unprofiled"]["repeats"] == 2 and r["unprofiled"]["ttft_s_median"] > 0
+    assert r["profiled"]["cached_tokens"] < r["profiled"]["prompt_tokens"] // 2  # its prefill ran, not a prefix hit
     t = r["trace"]
     assert t["steps"] == 4 and t["wall_us_per_step"] > 0 and t["top_cpu_ops"]
+    p = r["prefill_trace"]  # the profiled request's prefill batches
+    assert p["trace"].endswith(".trace.json.gz") and "EXTEND" in p["trace"] and p["wall_us_per_step"] > 0
     assert not list((out / "off").glob("*.trace.json*"))  # reduced, then removed (no --keep-traces)
     assert "| off |" in (out / "decode_profile.md").read_text()

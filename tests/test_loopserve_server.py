@@ -13,6 +13,8 @@
 from __future__ import annotations
 
 
+import json
+
 import pytest
 import requests
 from pydoc_data.topics import topics
@@ -173,3 +175,26 @@ def test_concurrent_dense_and_sparse_rows_share_batches(ls_server, cpu_server):
         chat(cpu_server, short_msg, 16, ignore_eos=True)["choices"][0]["message"]["content"]
     text = log.read_text(errors="replace").lower()
     assert "traceback" not in text and "leak" not in text
+
+
+def test_turns_bench_reports_lines_reused_from_earlier_turns(ls_server, cpu_server, default_model, tmp_path):
+    """bench.loopserve_turns through both servers: turn 2 is a radix prefix hit, its prefill runs sparsely with
+    lines of turn 1 found on the radix path (reused fraction in (0, 1)); off reports no lines; ratios present."""
+    from bench import loopserve_turns
+
+    server, _ = ls_server
+    rc = loopserve_turns.main(["--model", str(default_model), "--device", "cpu", "--configs", "off,loopserve",
+                               "--url", f"off={cpu_server.url}", "--url", f"loopserve={server.url}",
+                               "--turns", "2", "--turn-tokens", "320", "--conversations", "1",
+                               "--max-new-tokens", "4", "--timeout", "300", "--out", str(tmp_path)])
+    assert rc == 0
+    rep = json.loads((tmp_path / "loopserve_turns.json").read_text())
+    ls, off = rep["configs"]["loopserve"]["turns"], rep["configs"]["off"]["turns"]
+    assert [r["turn"] for r in ls] == [1, 2] and all(r["failed"] == 0 for r in ls + off)
+    assert ls[1]["input_tokens_mean"] == 2 * 320 + 4 and ls[1]["cached_tokens_mean"] >= 320
+    assert ls[0]["sparse_prefill_share"] == 1.0 and ls[0]["reused_lines"] == 0
+    assert ls[1]["sparse_prefill_share"] == 1.0 and ls[1]["reused_lines"] > 0
+    assert 0.0 < ls[1]["reused_fraction"] < 1.0 and 0.0 < ls[1]["line_fraction"] < 1.0
+    assert off[1]["reused_lines"] == 0 and off[1]["reused_fraction"] is None
+    assert ls[0]["ttft_vs_turn1"] == 1.0 and ls[1]["ttft_vs_off"] > 0 and off[1]["ttft_vs_off"] is None
+    assert "| loopserve | 2 |" in (tmp_path / "loopserve_turns.md").read_text()

@@ -75,3 +75,37 @@ def test_a_second_soak_run_judges_its_modes_against_its_own_off(tmp_path):
         paths += ["--soak", f"{tmp_path / name}=triton" if name == "b.json" else str(tmp_path / name)]
     assert main(paths + ["--gpu", "G", "--out", str(tmp_path / "r.json")]) == 0
     assert json.loads((tmp_path / "r.json").read_text())["mode_runs"]["samkv"] == "triton"
+
+
+def test_a_later_run_replaces_the_modes_it_soaked_and_their_faults_in_a_base_headline(tmp_path):
+    from bench.faults import FAULTS
+    from bench.reliability import merge_into
+
+    n_psa = sum(1 for _, applies in FAULTS.values() if "psa" in applies)
+    first = {"device": "cuda", "modes": {"off": _mode(), "psa": _mode(failed=2), "samkv": _mode()}}
+    base_faults = [{"device": "cuda", "faults_tried": n_psa + 2, "faults_survived": n_psa + 1,
+                    "faults": [{"fault": "a", "mode": "psa", "survived": True}] * (n_psa - 1)
+                    + [{"fault": "k", "mode": "psa", "survived": False, "outcome": "crash"},
+                       {"fault": "b", "mode": "samkv", "survived": True},
+                       {"fault": "c", "mode": "samkv", "survived": True}]}]
+    base = fold(first, base_faults, "GPU X", ["first command"])
+    base["notes"] = {"psa": "old reading", "samkv": "kept"}
+    later = {"device": "cuda", "modes": {"off": _mode(), "psa": _mode(slope=0.5)}}
+    new_faults = [{"device": "cuda", "faults_tried": n_psa, "faults_survived": n_psa,
+                   "faults": [{"fault": "a", "mode": "psa", "survived": True}] * n_psa}]
+    rep = merge_into(base, fold(later, new_faults, "GPU X", ["later command"]), "psa run")
+    assert rep["modes"]["psa"]["failed"] == 0 and rep["modes"]["psa"]["rss_slope_mb_per_1k_requests"] == 0.5
+    assert rep["modes"]["samkv"] == base["modes"]["samkv"] and rep["modes"]["off"] == base["modes"]["off"]
+    assert rep["mode_runs"]["psa"] == "psa run" and "off (psa run)" in rep["soak_details"]
+    assert rep["faults_tried"] == n_psa + 2 and rep["faults_survived"] == n_psa + 2
+    assert rep["faults_not_survived"] == []
+    assert rep["notes"] == {"samkv": "kept"} and rep["commands"] == ["first command", "later command"]
+    (tmp_path / "base.json").write_text(json.dumps(base))
+    (tmp_path / "soak.json").write_text(json.dumps(later))
+    (tmp_path / "f.json").write_text(json.dumps(new_faults[0]))
+    assert main(["--soak", f"{tmp_path / 'soak.json'}=psa run", "--faults", str(tmp_path / "f.json"), "--gpu", "GPU X",
+                 "--base", str(tmp_path / "base.json"), "--out", str(tmp_path / "r.json"),
+                 "--md", str(tmp_path / "r.md")]) == 0
+    got = json.loads((tmp_path / "r.json").read_text())
+    assert got["faults_tried"] == n_psa + 2 and got["mode_runs"]["psa"] == "psa run"
+    assert f"{n_psa + 2} of {n_psa + 2} survived" in (tmp_path / "r.md").read_text()

@@ -10,6 +10,9 @@
 #                                        #  TESTBED_MODES=off,psa,loopserve then off,lastwindow,samkv fit a call each)
 #   bash scripts/gpu/testbed.sh reliability-start   # soak (every mode, KV pool 64k tokens) + faults, in the background
 #   bash scripts/gpu/testbed.sh reliability-wait    # wait for them (RELIABILITY_WAIT s at most), fold reliability.json
+#   bash scripts/gpu/testbed.sh turns    # bench.loopserve_turns: off, loopserve, loopserve engaged at 4096 tokens,
+#                                        # 3 turns of 8k: TTFT per turn, lines reused from earlier turns (~4-5 min)
+#   bash scripts/gpu/testbed.sh probeprof  # psa vs off on ~16k-token requests: TTFT, prefill + decode profiles
 #   bash scripts/gpu/testbed.sh realkern # kernel benches on attention captured from the 32k testbed model (issues
 #                                        # 23/24): psa_decode.json real_16k/real_32k, loopserve_prefill.json
 #                                        # real_32k, merged into copies of bench/results' headlines (~2-4 min)
@@ -26,6 +29,9 @@
 # TESTBED_TAG=x puts a part's reports in /tmp/testbed/<part>_x (two runs of a part side by side);
 # LONG_EXTRA_ARGS / SAMKV_EXTRA_ARGS add server arguments to the `long` / `samkv` part's servers (e.g. --enable-deterministic-inference);
 # HARNESS_ARGS adds arguments to its bench.run_harness (e.g. --sparse-config 'psa={"probe_steps":1}').
+# SOAK_MODES picks the main soak's modes; SOAK_REPEAT_OFF=0 skips its second off run (the noise floor);
+# SOAK_LABEL prefixes the run's label; RELIABILITY_BASE=bench/results/reliability.json folds the run into that
+# headline (the modes soaked and the fault modes run replace its rows).
 # SOAK_SERVER_ARGS adds server arguments to every soak server (e.g. --enable-deterministic-inference: batch-invariant
 # results, so a mode's wrong answers against off are its own and not batch noise); give it to reliability-wait too.
 # samkv refuses --enable-deterministic-inference on flashinfer, where SGLang turns the radix cache off, so the soak runs
@@ -35,7 +41,7 @@
 #
 # Reports go to /tmp/testbed/<part>/ and come back packed as $OUT/<part>.tgz.
 set -uo pipefail
-part=${1:?usage: testbed.sh needle|long|samkv|e2e|settings4k|c1ab|realkern|kernwaves|kerncrit|kernprofile|samkvab-start|samkvab-wait|reliability-start|reliability-wait}
+part=${1:?usage: testbed.sh needle|long|samkv|e2e|turns|probeprof|settings4k|c1ab|realkern|kernwaves|kerncrit|kernprofile|samkvab-start|samkvab-wait|reliability-start|reliability-wait}
 out=${OUT:-$PWD/gpu_out}
 name=${part%-*}${TESTBED_TAG:+_$TESTBED_TAG}
 R=/tmp/testbed/$name
@@ -68,6 +74,8 @@ for ctx in 32768 65536; do  # the testbed folders: the kit's converted model + Y
 done
 # servers started beside other parts' servers on the same GPU: small KV pools, a pool check that tolerates them
 SHARED="--mem-fraction-static=0.95"
+repeat_off=--repeat-off; [ "${SOAK_REPEAT_OFF:-1}" = 1 ] || repeat_off=""   # reliability: the noise-floor off run
+samkv_cmd=""; [ "${SAMKV_SOAK:-1}" = 1 ] && samkv_cmd="; then bench.soak --launch off,samkv with ${SAMKV_SOAK_ARGS:---attention-backend=triton --enable-deterministic-inference}"
 case $part in
   needle)
     step needle32k timeout "${NEEDLE_TIMEOUT:-420}" python3 -m bench.run_harness --preset needle_table --modes off \
@@ -97,6 +105,18 @@ case $part in
     step e2e timeout -k 20 "${E2E_TIMEOUT:-560}" python3 -m bench.load --device cuda --python python3 --model $M32 \
         --modes "$MODES" --input-lens 4096,16384,32000 --output-len 256 --concurrency 1,8,32 --parallel-servers auto \
         --port 30010 --time-budget "${E2E_TASK_BUDGET:-450}" --server-args "$SARGS" --out "$R/e2e" ${E2E_ARGS:-}
+    ;;
+  turns)  # bench.loopserve_turns: 3 turns of 8k, TTFT per turn and lines reused across turns (timing: run alone)
+    turns_default='off,loopserve,loopserve_engaged=loopserve:{"min_context": 4096}'
+    step turns timeout -k 20 "${TURNS_TIMEOUT:-420}" python3 -m bench.loopserve_turns --launch --model $M32 \
+        --device cuda --python python3 --configs "${TURNS_CONFIGS:-$turns_default}" --turns 3 --turn-tokens 8192 \
+        --conversations "${TURNS_CONVERSATIONS:-6}" --port 30040 --server-args "$SARGS" --out "$R/turns"
+    ;;
+  probeprof)  # bench.decode_profile, off and psa: TTFT of ~16k-token requests (psa probes them at the end of
+              # their prefill), SGLang's profile of one request's prefill and decode steps (timing: run alone)
+    step probeprof timeout -k 20 "${PROF_TIMEOUT:-420}" python3 -m bench.decode_profile --device cuda --python python3 \
+        --model $M32 --modes "${PROF_MODES:-off,psa}" --prompt-tokens "${PROF_WORDS:-12000}" --max-tokens 64 \
+        --steps 32 --repeats "${PROF_REPEATS:-6}" --port 30050 --server-args "$SARGS" --out "$R/prof"
     ;;
   settings4k)  # timing: run alone on the GPU
     for cfg in "default:" "page16:--page-size 16" "page16_noprefillgraph:--page-size 16 --disable-prefill-cuda-graph" \
@@ -197,7 +217,7 @@ PY
     ( setsid bash -c "
         if [ '${SOAK_MAIN:-1}' = 1 ]; then
           timeout -k 20 ${SOAK_TIMEOUT:-1500} python3 -m bench.soak --launch ${SOAK_MODES:-off,psa,loopserve,lastwindow} \
-            $soak_common --repeat-off --server-arg=--attention-backend=flashinfer \
+            $soak_common $repeat_off --server-arg=--attention-backend=flashinfer \
             $soak_extra --out $R/soak.json > $R/soak.log 2>&1
           echo \$? > $R/soak.rc
         fi
@@ -224,11 +244,12 @@ PY
     say "== reliability-wait: soak rc $(cat "$R/soak.rc" 2>/dev/null || echo running), samkv soak rc $(cat "$R/soak_samkv.rc" 2>/dev/null || echo running), faults $(tr '\n' ' ' < "$R/faults.rc" 2>/dev/null)"
     tail -n 30 "$R/soak.log" "$R/faults.log" 2>/dev/null
     [ -f "$R/soak_samkv.log" ] && tail -n 15 "$R/soak_samkv.log"
-    soaks=(--soak "$R/soak.json=--attention-backend=flashinfer${SOAK_SERVER_ARGS:+ $SOAK_SERVER_ARGS}")
+    soaks=(--soak "$R/soak.json=${SOAK_LABEL:+$SOAK_LABEL: }--attention-backend=flashinfer${SOAK_SERVER_ARGS:+ $SOAK_SERVER_ARGS}")
+    base=(); [ -n "${RELIABILITY_BASE:-}" ] && base=(--base "$RELIABILITY_BASE")
     [ -f "$R/soak_samkv.json" ] && soaks+=(--soak "$R/soak_samkv.json=${SAMKV_SOAK_ARGS:---attention-backend=triton --enable-deterministic-inference}")
-    [ -f "$R/soak.json" ] && python3 -m bench.reliability "${soaks[@]}" --faults "$R"/faults_*.json \
+    [ -f "$R/soak.json" ] && python3 -m bench.reliability "${soaks[@]}" "${base[@]}" --faults "$R"/faults_*.json \
         --gpu "$(cut -d, -f1 "$R/gpu.txt")" --out "$R/reliability.json" --md "$R/reliability.md" \
-        --command "scripts/gpu/testbed.sh reliability-start: bench.soak --launch ${SOAK_MODES:-off,psa,loopserve,lastwindow} --repeat-off on the 32k testbed, --max-total-tokens 65536 --attention-backend flashinfer${SOAK_SERVER_ARGS:+ $SOAK_SERVER_ARGS}, --time-budget ${SOAK_MODE_BUDGET:-125} s per mode; then bench.soak --launch off,samkv with ${SAMKV_SOAK_ARGS:---attention-backend=triton --enable-deterministic-inference}; bench.faults per mode on the 8k model"
+        --command "scripts/gpu/testbed.sh reliability-start: bench.soak --launch ${SOAK_MODES:-off,psa,loopserve,lastwindow} $repeat_off on the 32k testbed, --max-total-tokens 65536 --attention-backend flashinfer${SOAK_SERVER_ARGS:+ $SOAK_SERVER_ARGS}, --time-budget ${SOAK_MODE_BUDGET:-125} s per mode$samkv_cmd; bench.faults for ${RELIABILITY_FAULT_MODES:-psa loopserve samkv lastwindow,off} on the 8k model"
     rm -f "$R"/*.pt 2>/dev/null
     part=reliability
     ;;
