@@ -275,3 +275,24 @@ def test_loopserve_turns_configs_parse_labels_modes_and_json():
         parse_configs("off,off")
     with pytest.raises(ValueError, match="names no mode"):
         parse_configs("x=")
+
+
+def test_host_profile_reduces_folded_stacks_to_self_inclusive_and_idle_shares():
+    from bench.host_profile import reduce_folded
+
+    lines = ["MainThread (1);run_scheduler_process (s.py:1);event_loop (sglang/srt/managers/scheduler.py:10);run_batch (x.py:3);"
+             "begin_batch (sglang_sparse/psa/runner.py:5) 30",
+             "MainThread (1);run_scheduler_process (s.py:1);event_loop (sglang/srt/managers/scheduler.py:10);"
+             "poll (zmq/sugar.py:2) 60",
+             "MainThread (1);run_scheduler_process (s.py:1);event_loop (sglang/srt/managers/scheduler.py:10);"
+             "run_batch (x.py:3) 10",
+             "Watchdog (2);watchdog_once (w.py:1);wait (threading.py:1) 500",
+             "garbage line", ""]
+    r = reduce_folded(lines, top=5)
+    assert r["samples"] == 100 and r["idle_share"] == 0.6
+    assert r["self"][0] == {"frame": "poll (zmq/sugar.py:2)", "share": 0.6}
+    incl = {x["frame"]: x["share"] for x in r["inclusive"]}
+    assert incl["begin_batch (sglang_sparse/psa/runner.py:5)"] == 0.3
+    assert "run_batch (x.py:3)" not in incl and len(incl) == 1
+    assert {x["frame"]: x["share"] for x in r["scheduler"]}["event_loop (sglang/srt/managers/scheduler.py:10)"] == 1.0
+    assert reduce_folded([])["samples"] == 0

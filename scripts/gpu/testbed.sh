@@ -13,6 +13,7 @@
 #   bash scripts/gpu/testbed.sh turns    # bench.loopserve_turns: off, loopserve, loopserve engaged at 4096 tokens,
 #                                        # 3 turns of 8k: TTFT per turn, lines reused from earlier turns (~4-5 min)
 #   bash scripts/gpu/testbed.sh probeprof  # psa vs off on ~16k-token requests: TTFT, prefill + decode profiles
+#   bash scripts/gpu/testbed.sh hostprof  # off and psa at 4k, concurrency 1 and 8: py-spy on each scheduler
 #   bash scripts/gpu/testbed.sh realkern # kernel benches on attention captured from the 32k testbed model (issues
 #                                        # 23/24): psa_decode.json real_16k/real_32k, loopserve_prefill.json
 #                                        # real_32k, merged into copies of bench/results' headlines (~2-4 min)
@@ -41,7 +42,7 @@
 #
 # Reports go to /tmp/testbed/<part>/ and come back packed as $OUT/<part>.tgz.
 set -uo pipefail
-part=${1:?usage: testbed.sh needle|long|samkv|e2e|turns|probeprof|settings4k|c1ab|realkern|kernwaves|kerncrit|kernprofile|samkvab-start|samkvab-wait|reliability-start|reliability-wait}
+part=${1:?usage: testbed.sh needle|long|samkv|e2e|turns|probeprof|hostprof|settings4k|c1ab|realkern|kernwaves|kerncrit|kernprofile|samkvab-start|samkvab-wait|reliability-start|reliability-wait}
 out=${OUT:-$PWD/gpu_out}
 name=${part%-*}${TESTBED_TAG:+_$TESTBED_TAG}
 R=/tmp/testbed/$name
@@ -117,6 +118,16 @@ case $part in
     step probeprof timeout -k 20 "${PROF_TIMEOUT:-420}" python3 -m bench.decode_profile --device cuda --python python3 \
         --model $M32 --modes "${PROF_MODES:-off,psa}" --prompt-tokens "${PROF_WORDS:-12000}" --max-tokens 64 \
         --steps 32 --repeats "${PROF_REPEATS:-6}" --port 30050 --server-args "$SARGS" --out "$R/prof"
+    ;;
+  hostprof)  # bench.host_profile: py-spy on each server's scheduler during a cell (timing: run alone)
+    spy=$(command -v py-spy || echo /tmp/spy/bin/py-spy)
+    if [ ! -x "$spy" ]; then  # a py-spy wheel carried into the checkout (PY_SPY_WHEEL), installed off-line
+      whl=${PY_SPY_WHEEL:-$(ls tmp_pyspy/py_spy-*.whl 2>/dev/null | head -1)}
+      [ -n "$whl" ] && python3 -m pip install -q --no-index --no-deps --target /tmp/spy "$whl" >> "$R/steps.txt" 2>&1
+    fi
+    step hostprof timeout -k 20 "${HP_TIMEOUT:-420}" python3 -m bench.host_profile --model $M32 --python python3 \
+        --modes "${HP_MODES:-off,psa}" --input-len "${HP_LEN:-4096}" --concurrency "${HP_CONC:-1,8}" --prompts "${HP_PROMPTS:-16}" \
+        --py-spy "$spy" --port 30060 --server-args "$SARGS" --out "$R/hp"
     ;;
   settings4k)  # timing: run alone on the GPU
     for cfg in "default:" "page16:--page-size 16" "page16_noprefillgraph:--page-size 16 --disable-prefill-cuda-graph" \
