@@ -34,6 +34,7 @@ import random
 import shlex
 import shutil
 import statistics
+from concurrent.futures import ThreadPoolExecutor
 import sys
 import time
 from pathlib import Path
@@ -136,7 +137,15 @@ def profile_mode(a, mode: str, sparse_config: str | None, out: Path, log) -> dic
         if r.status_code != 200:
             raise RuntimeError(f"/start_profile -> HTTP {r.status_code}: {r.text[:300]}")
         # a prompt no earlier request shares: its prefill is profiled whole (not a radix prefix hit)
-        rec["profiled"] = measure(srv.url, _prompt(a.prompt_tokens, a.seed), a.max_tokens)
+        # (--concurrency N: N such requests at once, so the profiled steps decode a batch of N)
+        if a.concurrency == 1:
+            rec["profiled"] = measure(srv.url, _prompt(a.prompt_tokens, a.seed), a.max_tokens)
+        else:
+            with ThreadPoolExecutor(max_workers=a.concurrency) as pool:
+                futs = [pool.submit(measure, srv.url, _prompt(a.prompt_tokens, a.seed + 100 * j), a.max_tokens)
+                        for j in range(a.concurrency)]
+                got = [f.result() for f in futs]
+            rec["profiled"] = dict(got[0], concurrency=a.concurrency)
         deadline = time.time() + 120
         while "trace" not in rec:  # the scheduler writes the trace after the last profiled step
             traces = sorted(p for p in mdir.glob("*.trace.json*") if "decode" in p.name.lower())
@@ -164,7 +173,8 @@ def write_report(out: Path, results: list[dict], meta: dict) -> None:
     (out / "decode_profile.json").write_text(json.dumps({"meta": meta, "modes": results}, indent=1))
     lines = ["# Decode step profile per mode", "", f"- command: `{meta['command']}`", f"- device: {meta['device']}",
              f"- request: {meta['prompt_words']} words of prose + a question, {meta['max_tokens']} tokens, greedy, "
-             f"ignore_eos; SGLang's torch profiler over {meta['steps']} decode steps (profile_by_stage)", "",
+             f"ignore_eos; SGLang's torch profiler over {meta['steps']} decode steps (profile_by_stage) of "
+             f"{meta.get('concurrency', 1)} such requests decoding together", "",
              "| mode | TTFT ms mean / median (unprofiled) | decode tok/s (unprofiled) | wall us/step (profiled) | "
              "GPU kernel us/step | kernels/step | launches/step | CUDA runtime calls/step | host syncs/step |",
              "|---|---|---|---|---|---|---|---|---|"]
@@ -219,6 +229,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--steps", type=int, default=48, help="decode steps profiled")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--concurrency", type=int, default=1,
+                    help="requests decoding together in the profiled steps (each a fresh prompt)")
     ap.add_argument("--repeats", type=int, default=1,
                     help="unprofiled requests measured per mode (fresh prompts; TTFT mean and median)")
     ap.add_argument("--server-args", default="")
@@ -227,7 +239,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", required=True)
     a = ap.parse_args(argv)
     for name, v in (("--prompt-tokens", a.prompt_tokens), ("--max-tokens", a.max_tokens), ("--steps", a.steps),
-                    ("--repeats", a.repeats)):
+                    ("--repeats", a.repeats), ("--concurrency", a.concurrency)):
         if v < 1:
             ap.error(f"{name} must be >= 1, got {v}")
     if a.steps >= a.max_tokens:
@@ -247,7 +259,8 @@ def main(argv: list[str] | None = None) -> int:
     device = device_name(a.device)
     meta = {"command": " ".join(shlex.quote(x) for x in [sys.executable, "-m", "bench.decode_profile",
                                                           *(argv if argv is not None else sys.argv[1:])]),
-            "device": device, "prompt_words": a.prompt_tokens, "max_tokens": a.max_tokens, "steps": a.steps}
+            "device": device, "prompt_words": a.prompt_tokens, "max_tokens": a.max_tokens, "steps": a.steps,
+            "concurrency": a.concurrency}
     results = []
     for mode in [m for m in a.modes.split(",") if m]:
         log(f"== {mode}")

@@ -59,7 +59,7 @@ def test_bad_arguments_are_refused(tmp_path, capsys, args, msg):
 def test_driver_profiles_decode_steps_on_a_cpu_server(tmp_path):
     out = tmp_path / "dp"
     rc = dp.main(["--device", "cpu", "--modes", "off", "--prompt-tokens", "60", "--max-tokens", "10", "--steps", "4",
-                  "--repeats", "2", "--port", str(free_port()), "--out", str(out)])
+                  "--repeats", "2", "--concurrency", "2", "--port", str(free_port()), "--out", str(out)])
     rep = json.loads((out / "decode_profile.json").read_text())
     assert rc == 0, rep
     (r,) = rep["modes"]

@@ -13,6 +13,7 @@
 #   bash scripts/gpu/testbed.sh turns    # bench.loopserve_turns: off, loopserve, loopserve engaged at 4096 tokens,
 #                                        # 3 turns of 8k: TTFT per turn, lines reused from earlier turns (~4-5 min)
 #   bash scripts/gpu/testbed.sh probeprof  # psa vs off on ~16k-token requests: TTFT, prefill + decode profiles
+#                                          # (PROF_WORDS, PROF_CONC: prompt words, requests decoding together)
 #   bash scripts/gpu/testbed.sh hostprof  # off and psa at 4k, concurrency 1 and 8: py-spy on each scheduler
 #   bash scripts/gpu/testbed.sh realkern # kernel benches on attention captured from the 32k testbed model (issues
 #                                        # 23/24): psa_decode.json real_16k/real_32k, loopserve_prefill.json
@@ -117,7 +118,8 @@ case $part in
               # their prefill), SGLang's profile of one request's prefill and decode steps (timing: run alone)
     step probeprof timeout -k 20 "${PROF_TIMEOUT:-420}" python3 -m bench.decode_profile --device cuda --python python3 \
         --model $M32 --modes "${PROF_MODES:-off,psa}" --prompt-tokens "${PROF_WORDS:-12000}" --max-tokens 64 \
-        --steps 32 --repeats "${PROF_REPEATS:-6}" --port 30050 --server-args "$SARGS" --out "$R/prof"
+        --steps 32 --repeats "${PROF_REPEATS:-6}" --concurrency "${PROF_CONC:-1}" --port 30050 --server-args "$SARGS" \
+        --out "$R/prof"
     ;;
   hostprof)  # bench.host_profile: py-spy on each server's scheduler during a cell (timing: run alone)
     spy=$(command -v py-spy || echo /tmp/spy/bin/py-spy)
