@@ -69,10 +69,11 @@ def e2e_section(e2e: dict | None) -> list[str]:
         return md + ["(missing: run `python -m bench.load` on the testbed)", ""]
     md += [f"GPU: {e2e.get('gpu')}; model: {e2e.get('model')}; output {e2e.get('output_len')} tokens; ratios are "
            "mode / stock `off` in the same cell, measured in the same `bench.load` invocation (throughput > 1 and "
-           "TTFT / TPOT < 1 are better). An invocation that measured all of `off`'s cells before a mode's "
-           "(`--order by-mode`) favours the first server where a step is host-bound: at 4k x 8 psa read 0.77x that "
-           "way and 0.95-1.21x with the two servers measured cell by cell (`bench.load`'s default now; "
-           "`e2e_long.md`, interleaved A/B).", ""]
+           "TTFT / TPOT < 1 are better). Invocations marked `--order interleaved` ran each cell on `off` and the "
+           "mode back to back; the others ran all of `off`'s cells first (`--order by-mode`), so a drift of the "
+           "machine falls on one side. Where a mode serves densely (psa at 4k, every long psa request after its "
+           "prefill probe), its deficit is host time per decode step, not GPU work (`e2e_long.md`, host "
+           "profiles).", ""]
     if e2e.get("mode_sources"):
         md += ["Where each mode comes from (each invocation has its own `off`):", ""]
         md += [f"- `{m}`: {src}" for m, src in e2e["mode_sources"].items()]
