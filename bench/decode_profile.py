@@ -45,7 +45,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from bench import corpus  # noqa: E402
+from bench import corpus, envinfo  # noqa: E402
 from bench.host_tier_concurrency import device_name, stream_chat  # noqa: E402
 from bench.server import Server, ServerSpec  # noqa: E402
 
@@ -60,7 +60,8 @@ def measure(url: str, prompt: str, max_tokens: int, timeout: float = 600.0) -> d
     if not r["ok"]:
         raise RuntimeError(f"streamed request failed: {r['error']}")
     return {"ttft_s": r["ttft_s"], "completion_tokens": r["completion_tokens"], "prompt_tokens": r["prompt_tokens"],
-            "cached_tokens": int(r.get("cached_tokens") or 0), "decode_tok_s": 1.0 / r["tpot_s"] if r["tpot_s"] else None, "text_head": r["text"][:80]}
+            "cached_tokens": int(r.get("cached_tokens") or 0),
+            "decode_tok_s": 1.0 / r["tpot_s"] if r["tpot_s"] else None, "text_head": r["text"][:80]}
 
 
 def _events(trace_path: Path) -> list[dict]:
@@ -136,16 +137,13 @@ def profile_mode(a, mode: str, sparse_config: str | None, out: Path, log) -> dic
             "profile_prefix": mode, "with_stack": False, "record_shapes": False}, timeout=60)
         if r.status_code != 200:
             raise RuntimeError(f"/start_profile -> HTTP {r.status_code}: {r.text[:300]}")
-        # a prompt no earlier request shares: its prefill is profiled whole (not a radix prefix hit)
-        # (--concurrency N: N such requests at once, so the profiled steps decode a batch of N)
-        if a.concurrency == 1:
-            rec["profiled"] = measure(srv.url, _prompt(a.prompt_tokens, a.seed), a.max_tokens)
-        else:
-            with ThreadPoolExecutor(max_workers=a.concurrency) as pool:
-                futs = [pool.submit(measure, srv.url, _prompt(a.prompt_tokens, a.seed + 100 * j), a.max_tokens)
-                        for j in range(a.concurrency)]
-                got = [f.result() for f in futs]
-            rec["profiled"] = dict(got[0], concurrency=a.concurrency)
+        # prompts no earlier request shares: the first one's prefill is profiled whole (not a radix prefix hit);
+        # --concurrency N sends N of them at once, so the profiled steps decode a batch of N
+        with ThreadPoolExecutor(max_workers=a.concurrency) as pool:
+            futs = [pool.submit(measure, srv.url, _prompt(a.prompt_tokens, a.seed + 100 * j), a.max_tokens)
+                    for j in range(a.concurrency)]
+            got = [f.result() for f in futs]
+        rec["profiled"] = dict(got[0], concurrency=a.concurrency)
         deadline = time.time() + 120
         while "trace" not in rec:  # the scheduler writes the trace after the last profiled step
             traces = sorted(p for p in mdir.glob("*.trace.json*") if "decode" in p.name.lower())
@@ -172,6 +170,7 @@ def profile_mode(a, mode: str, sparse_config: str | None, out: Path, log) -> dic
 def write_report(out: Path, results: list[dict], meta: dict) -> None:
     (out / "decode_profile.json").write_text(json.dumps({"meta": meta, "modes": results}, indent=1))
     lines = ["# Decode step profile per mode", "", f"- command: `{meta['command']}`", f"- device: {meta['device']}",
+             f"- versions: {meta.get('versions')}",
              f"- request: {meta['prompt_words']} words of prose + a question, {meta['max_tokens']} tokens, greedy, "
              f"ignore_eos; SGLang's torch profiler over {meta['steps']} decode steps (profile_by_stage) of "
              f"{meta.get('concurrency', 1)} such requests decoding together", "",
@@ -259,7 +258,7 @@ def main(argv: list[str] | None = None) -> int:
     device = device_name(a.device)
     meta = {"command": " ".join(shlex.quote(x) for x in [sys.executable, "-m", "bench.decode_profile",
                                                           *(argv if argv is not None else sys.argv[1:])]),
-            "device": device, "prompt_words": a.prompt_tokens, "max_tokens": a.max_tokens, "steps": a.steps,
+            "device": device, "versions": envinfo.collect(a.python)["versions"], "prompt_words": a.prompt_tokens, "max_tokens": a.max_tokens, "steps": a.steps,
             "concurrency": a.concurrency}
     results = []
     for mode in [m for m in a.modes.split(",") if m]:

@@ -193,7 +193,10 @@ def main(argv: list[str] | None = None) -> int:
     for name in ("input_len", "output_len", "prompts", "rate", "spy_seconds", "top"):
         if getattr(a, name) < 1:
             ap.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(a, name)}")
-    configs = dict(x.split("=", 1) for x in a.sparse_config if "=" in x)
+    bad = [x for x in a.sparse_config if "=" not in x]
+    if bad:
+        ap.error(f"--sparse-config wants MODE=JSON, got {bad[0]!r}")
+    configs = dict(x.split("=", 1) for x in a.sparse_config)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
 

@@ -296,3 +296,13 @@ def test_host_profile_reduces_folded_stacks_to_self_inclusive_and_idle_shares():
     assert "run_batch (x.py:3)" not in incl and len(incl) == 1
     assert {x["frame"]: x["share"] for x in r["scheduler"]}["event_loop (sglang/srt/managers/scheduler.py:10)"] == 1.0
     assert reduce_folded([])["samples"] == 0
+
+
+@pytest.mark.parametrize("args,msg", [(["--sparse-config", "psa"], "MODE=JSON"), (["--concurrency", "1,x"], "integers"),
+                                      (["--concurrency", "0"], ">= 1"), (["--prompts", "0"], "--prompts must be >= 1")])
+def test_host_profile_refuses_bad_arguments(tmp_path, capsys, args, msg):
+    from bench.host_profile import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["--model", "m", "--out", str(tmp_path), *args])
+    assert e.value.code == 2 and msg in capsys.readouterr().err
