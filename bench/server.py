@@ -48,6 +48,7 @@ class ServerSpec:
     sparse_config: str | None = None
     dtype: str = "bfloat16"
     extra_args: list[str] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict)  # variables set for this server on top of this process's
 
     def argv(self) -> list[str]:
         a = [self.python, "-m", "sglang.launch_server", "--model-path", self.model,
@@ -106,6 +107,7 @@ class Server:
         if self.spec.device == "cpu":
             env.setdefault("OMP_NUM_THREADS", "1")
         env.setdefault("HF_HUB_OFFLINE", "1")
+        env.update(self.spec.env)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         argv = self.spec.argv()
         self.log(f"[server] starting mode={self.spec.mode}: {' '.join(argv)} (log: {self.log_path})")

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from sglang_sparse.mode_spec import resolve
 from sglang_sparse.modes import MODES, sparse_context_of
-from sglang_sparse.request_params import normalize_request_options
+from sglang_sparse.request_params import host_ints, normalize_request_options
 
 
 def _step_sources() -> tuple:
@@ -105,7 +105,7 @@ def prefill_reaches(forward_batch, min_context: int) -> bool:
     if lens is None:  # no host copy: ask for the eager path rather than read the device
         return True
     bs = int(getattr(forward_batch, "batch_size", len(lens)) or len(lens))
-    return bool(len(lens)) and int(max(int(x) for x in lens[:bs])) >= min_context
+    return bool(len(lens)) and max(host_ints(lens, bs), default=0) >= min_context
 
 
 def model_forward_hook(result, model_runner, *args, **kwargs):

@@ -107,6 +107,13 @@ def request_epsilon(config: SparseConfig, custom_params: Any) -> float:
     return float(request_values(config, custom_params)["epsilon"])
 
 
+def host_ints(values, n: int | None = None) -> list[int]:
+    """The first ``n`` (all: None) entries of a batch's host lengths as Python ints: ``seq_lens_cpu`` and friends
+    are CPU tensors (one ``tolist``, not a per-element iteration, which costs a tensor per element) or lists."""
+    values = values if n is None else values[:n]
+    return values.tolist() if hasattr(values, "tolist") else [int(x) for x in values]
+
+
 def batch_requests(forward_batch) -> Sequence | None:
     """The ``Req`` objects of a forward batch's rows (set by :func:`sglang_sparse.api_hooks.forward_batch_hook` on
     ``forward_batch.sampling_info.sparse_reqs``), or None (a batch without them: a CUDA-graph replay view, a

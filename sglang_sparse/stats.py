@@ -6,6 +6,8 @@ Prometheus metrics to ``/metrics``.
   first access, which also folds the rows into the server counters (``on_first_read``). A mode declares where
   its rows come from in its spec (:class:`sglang_sparse.mode_spec.StepReport`);
   :mod:`sglang_sparse.api_hooks` carries them for every mode the same way.
+* :class:`DenseRowCache`: the step rows of a batch the mode left to the stock decode (no sparse row), built from
+  host values only and shared between such steps (no tensor, no copy, nothing to fold into the counters).
 * :class:`MetricSet`: Prometheus counters / gauges / histograms of one component, all named
   ``sglang_sparse:<prefix>_<name>`` on one registry (the default registry unless given).
 * :func:`ratio`: ``num / den`` or None when ``den`` is 0 (the derived fields of the counters' ``to_dict``).
@@ -13,7 +15,7 @@ Prometheus metrics to ``/metrics``.
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 
@@ -60,10 +62,16 @@ class StepRows:
     own sync on the sampled tokens, which follows the copy on the same stream.
     """
 
-    def __init__(self, host: torch.Tensor, on_first_read: Callable[[list], None] | None = None):
+    def __init__(self, host: torch.Tensor | None, on_first_read: Callable[[list], None] | None = None,
+                 rows: Sequence[tuple] | None = None):
+        """``host`` ``[bs, cols]`` fp32 (CPU), or ``rows`` (host tuples, already final) instead."""
+        if (host is None) == (rows is None):
+            raise ValueError("StepRows takes exactly one of host (a [bs, cols] CPU tensor) and rows (host tuples)")
         self._host = host
-        self._rows: list | None = None
+        self._rows: list | None = None if rows is None else list(rows)
         self._on_first_read = on_first_read
+        if rows is not None and on_first_read is not None:
+            on_first_read(self._rows)
 
     def _materialize(self) -> list:
         if self._rows is None:
@@ -76,4 +84,33 @@ class StepRows:
         return self._materialize()[i]
 
     def __len__(self) -> int:
-        return int(self._host.shape[0])
+        return len(self._rows) if self._rows is not None else int(self._host.shape[0])
+
+
+class DenseRowCache:
+    """Step rows of decode batches that run the stock decode, shared between steps.
+
+    Such a batch's rows carry only host values the mode already knows (a row kind and the request's option, e.g.
+    psa's epsilon or loopserve's alpha), so a step needs no tensor and no device copy: :meth:`rows` returns one
+    :class:`StepRows` per distinct tuple of rows, built once. Only rows that fold nothing into the server counters
+    may be shared (a kind the counters count needs a fresh :class:`StepRows` with its callback per step). At most
+    ``max_entries`` distinct batches are kept (the oldest is dropped first).
+    """
+
+    def __init__(self, max_entries: int = 256):
+        if max_entries < 1:
+            raise ValueError(f"DenseRowCache max_entries={max_entries} must be >= 1")
+        self.max_entries = max_entries
+        self._cache: dict[tuple, StepRows] = {}
+
+    def rows(self, rows: tuple[tuple[float, ...], ...]) -> StepRows:
+        """The shared :class:`StepRows` of ``rows`` (one tuple per batch row, final values)."""
+        got = self._cache.get(rows)
+        if got is None:
+            if len(self._cache) >= self.max_entries:
+                self._cache.pop(next(iter(self._cache)))
+            got = self._cache[rows] = StepRows(None, rows=rows)
+        return got
+
+    def __len__(self) -> int:
+        return len(self._cache)

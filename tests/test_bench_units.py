@@ -306,3 +306,41 @@ def test_host_profile_refuses_bad_arguments(tmp_path, capsys, args, msg):
     with pytest.raises(SystemExit) as e:
         main(["--model", "m", "--out", str(tmp_path), *args])
     assert e.value.code == 2 and msg in capsys.readouterr().err
+
+
+def test_ab_rounds_ratios_are_per_round_against_the_baseline_servers_mean(tmp_path):
+    from bench import ab_rounds
+
+    def cell(tput, tpot=1.5):
+        return {"output_throughput": tput, "median_tpot_ms": tpot, "median_ttft_ms": 20.0, "failed": 0}
+
+    raw = {"off": {"c1": [cell(100), cell(120)]}, "off2": {"c1": [cell(110), cell(100)]},
+           "psa": {"c1": [cell(95), cell(99)]}}
+    s = ab_rounds.summarize(raw, ["off", "off2"])
+    assert s["psa"]["c1"]["ratio_per_round"] == [round(95 / 105, 4), round(99 / 110, 4)]
+    assert s["psa"]["c1"]["ratio_geomean"] == round(math.sqrt(95 / 105 * 99 / 110), 4)
+    assert s["psa"]["c1"]["ratio_min"] == round(99 / 110, 4) and s["off"]["c1"]["ratio_max"] == round(120 / 110, 4)
+    assert ab_rounds.rotated(["a", "b", "c"], 4) == ["b", "c", "a"] and ab_rounds.rotated([], 3) == []
+    report = {"meta": {"rounds": 2, "gpu": "g", "command": "c", "baseline": ["off", "off2"],
+                       "servers": [{"label": k, "mode": "off", "config": None} for k in raw]}, "summary": s}
+    md = ab_rounds.render_md(report)
+    assert "| psa | 0.9" in md and "mean of off, off2" in md
+
+
+def test_ab_rounds_refuses_bad_server_lists_and_paths(tmp_path, capsys):
+    from bench import ab_rounds
+
+    base = ["--model", "m", "--out", str(tmp_path)]
+    for argv, msg in ((["--servers", "off,off"], "--servers: duplicate labels"),
+                      (["--servers", "off,psa", "--pythonpath", "x=/"], "no server is labelled 'x'"),
+                      (["--servers", "off,psa", "--pythonpath", f"psa={tmp_path}/missing"], "is not a folder"),
+                      (["--servers", "off", "--rounds", "0"], "--rounds must be >= 1"),
+                      (["--servers", 'psa:{"epsilon": ', "--rounds", "1"], "not JSON")):
+        with pytest.raises(SystemExit):
+            ab_rounds.parse_args(base + argv)
+        assert msg in capsys.readouterr().err
+    a = ab_rounds.parse_args(base + ["--servers", "off,psa", "--pythonpath", f"psa={tmp_path}"])
+    assert a.paths == {"psa": str(tmp_path.resolve())}
+    spec = ab_rounds._spec(a, 1, "psa", "psa", None)
+    assert spec.port == 31001 and spec.env["PYTHONPATH"].startswith(str(tmp_path.resolve()))
+    assert "--max-total-tokens" in spec.extra_args and ab_rounds._spec(a, 0, "off", "off", None).env == {}

@@ -165,8 +165,10 @@ def test_a_batch_of_switched_rows_replays_the_stock_graph_and_reports_them():
     runner.begin_batch(None, batch(switched, fresh))
     assert runner._sparse_host.tolist() == [False, True] and runner._probe_host.tolist() == [False, True]
     assert runner.step_rows[:, COL_SPARSE].tolist() == [ROW_ADAPTIVE_DENSE, ROW_PROBE]  # undecided: a probe step
-    runner.begin_batch(None, batch(switched))
-    assert not runner.sparse_batch and runner.step_rows[0, COL_SPARSE] == ROW_ADAPTIVE_DENSE
+    runner.begin_batch(None, batch(switched))  # the stock decode: host rows only, counted (not shared)
+    assert not runner.sparse_batch and runner.step_rows is None
+    rows, plain = runner.dense_rows
+    assert rows[0][COL_SPARSE] == ROW_ADAPTIVE_DENSE and not plain
 
 
 def test_switched_rows_are_counted_and_reported_per_request():

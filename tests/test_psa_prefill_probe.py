@@ -57,12 +57,12 @@ def test_prefill_row_decides_and_steps_before_it_are_stock():
     fb = SimpleNamespace(forward_mode=mode, batch_size=1, seq_lens_cpu=torch.tensor([201]),
                          sampling_info=SimpleNamespace(sparse_reqs=[req]))
     runner.begin_batch(None, fb)  # the decision is not back yet: a stock step, reported as plain dense
-    assert not runner.sparse_batch and runner.step_rows[0, COL_SPARSE] == 0
+    assert not runner.sparse_batch and runner.dense_rows[0][0][COL_SPARSE] == 0
     row = [0.0] * STEP_COLS
     row[COL_SPARSE], row[COL_READ], row[COL_TOTAL], row[COL_UNITS], row[COL_EPS] = ROW_PREFILL_PROBE, 30, 52, 4, 0.95
     req.customized_info[STEP_KEY].append(row)
     runner.begin_batch(None, fb)  # 30 / 52 blocks > 0.5: dense for good
-    assert adaptive_dense(cfg, req) and runner.step_rows[0, COL_SPARSE] == ROW_ADAPTIVE_DENSE
+    assert adaptive_dense(cfg, req) and runner.dense_rows[0][0][COL_SPARSE] == ROW_ADAPTIVE_DENSE
     focused = _req(200, rows=[[ROW_PREFILL_PROBE, 10, 52, 0, 4, 0.95]])
     setattr(focused, _PREFILL_PROBE_ATTR, True)
     fb.sampling_info.sparse_reqs = [focused]

@@ -29,7 +29,7 @@ from sglang_sparse.config import uses_kernels
 from sglang_sparse.loopserve.runner import LoopServeRunner
 from sglang_sparse.loopserve.stats import LoopServeMetrics, LoopServeStats, account_rows
 from sglang_sparse.psa.runner import AttnShape
-from sglang_sparse.stats import StepRows
+from sglang_sparse.stats import DenseRowCache, StepRows
 
 __all__ = ["install", "LoopServeMixin"]
 
@@ -94,7 +94,12 @@ class LoopServeMixin:
     def loopserve_step_rows(self) -> StepRows | None:
         """This forward's per-row statistics as SGLang ``customized_info`` (None when nothing ran)."""
         runner = self._ls_runner
-        if runner.step_rows is None or runner.bs == 0:
+        if runner.bs == 0:
+            return None
+        if runner.dense_rows is not None:  # the stock attention alone: host tuples, shared (nothing to count)
+            rows, runner.dense_rows = runner.dense_rows, None
+            return self._ls_dense_rows.rows(rows)
+        if runner.step_rows is None:
             return None
         runner.finish_extend()
         rows = runner.step_rows[: runner.bs]
@@ -174,6 +179,7 @@ def install(backend, config: LoopServeConfig, page_size: int, enable_metrics: bo
 
             backend.sparse_working_set = WorkingSetSource(ws.tracker, ws.block_size, ws.min_context)
     backend._ls_metrics = metrics
+    backend._ls_dense_rows = DenseRowCache()  # step rows of batches without a sparse row (loopserve_step_rows)
     backend._ls_graphs = None
     if graphs_on:  # steady decode steps replay SGLang's decode graphs (sglang_sparse.loopserve.graph)
         from sglang_sparse.loopserve.graph import LoopServeGraphs

@@ -36,7 +36,7 @@ import torch
 
 from flashinfer_ext.loopserve.decode import VerticalSlashDecode
 from sglang_sparse.loopserve.stats import STEP_COLS
-from sglang_sparse.request_params import batch_requests
+from sglang_sparse.request_params import batch_requests, host_ints
 
 __all__ = ["LoopServeGraphs"]
 
@@ -81,7 +81,7 @@ class LoopServeGraphs:
         needs_init = getattr(forward_batch, "needs_forward_metadata_init", None)
         if needs_init is not None and not needs_init():  # pre-planned elsewhere: plan() would not run
             return False
-        lens = [int(x) for x in lens[:bs]]
+        lens = host_ints(lens, bs)
         wv = ws = wb = tail = 0
         for req, n in zip(reqs, lens):
             st = getattr(req, STATE_ATTR, None)
@@ -127,7 +127,7 @@ class LoopServeGraphs:
             st = getattr(req, STATE_ATTR, None)
             if st is not None and st.prefill_done:
                 return None  # a sparse row that is not steady: eager
-        self._pending = (forward_batch, reqs, [int(x) for x in lens[:bs]], "dense")
+        self._pending = (forward_batch, reqs, host_ints(lens, bs), "dense")
         return "dense"
 
     # ------------------------------------------------------------------ out-of-graph planning
@@ -145,7 +145,7 @@ class LoopServeGraphs:
         fb, reqs, lens, variant = pending
         raw = len(lens)
         view_lens = view.seq_lens_cpu
-        if raw > bs or (view_lens is not None and [int(x) for x in view_lens[:raw]] != lens):
+        if raw > bs or (view_lens is not None and host_ints(view_lens, raw) != lens):
             raise RuntimeError("sglang-sparse loopserve: the replayed batch is not the one can_run_graph saw")
         r = self.runner
         if variant == "dense":  # the stock graph: the eager planning of a batch without sparse rows (statistics)
@@ -189,7 +189,7 @@ class LoopServeGraphs:
         if bs > self.bs_cap or capture_variant() == "dense":
             # the stock decode is recorded: SGLang's stock variant, or a size wants_graph never picks (> max_bs)
             r._commit_ring()
-            r.ext_rows, r.dec, r.bs, r.is_decode, r.step_rows = [], None, bs, True, None
+            r.ext_rows, r.dec, r.bs, r.is_decode, r.step_rows, r.dense_rows = [], None, bs, True, None, None
             return
         if self.max_bs == 0:  # SGLang captures the largest batch size first: size the buffers by it
             self._allocate(backend, bs)
@@ -210,7 +210,7 @@ class LoopServeGraphs:
         r.ext_rows, r.dec, r.bs, r.is_decode = [], d, bs, True
         if r.ws is not None:  # the captured forward records into the tracker's trash row
             r.ws.plan([None] * bs, pad_to=bs)
-        r.step_rows = torch.zeros(bs, STEP_COLS, dtype=torch.float32, device=r.device)
+        r.step_rows, r.dense_rows = torch.zeros(bs, STEP_COLS, dtype=torch.float32, device=r.device), None
 
     def _allocate(self, backend, max_bs: int) -> None:
         r, sh, dev = self.runner, self.runner.shape, self.runner.device

@@ -82,7 +82,7 @@ from sglang_sparse.loopserve.stats import (
     COL_ALPHA, COL_COV, COL_KIND, COL_LTOT, COL_READ, COL_RESEL, COL_REUSED, COL_S, COL_TTOT, COL_UNITS, COL_V,
     KIND_DECODE, KIND_DENSE, KIND_LASTWINDOW, KIND_PREFILL, STEP_COLS,
 )
-from sglang_sparse.request_params import batch_requests, request_values
+from sglang_sparse.request_params import batch_requests, host_ints, request_values
 
 FIRST_RESELECT = 16  # Alg. 3: the first re-selection at the 16th generated token
 # the all-layer list build of a step without re-selection holds ~4 int32 tensors of L x rows x Hk x width
@@ -92,12 +92,22 @@ LISTS_ALL_MAX_ENTRIES = 1 << 26
 STATE_ATTR = "sparse_loopserve"
 
 
+_OPTIONS_ATTR = "_sparse_loopserve_options"  # on a scheduler ``Req``: its (alpha, budget), read once
+
+
 def request_options(cfg: LoopServeConfig, req) -> tuple[float, int]:
     """(alpha, budget) of a request (:func:`sglang_sparse.request_params.request_values`: its validated
     ``custom_params.sparse`` values, else the server's). ``lastwindow`` takes no per-request options and has
-    no alpha: its prefill is dense, reported as alpha 1.0, and its budget is the server's."""
+    no alpha: its prefill is dense, reported as alpha 1.0, and its budget is the server's. Read once per request
+    and kept on the ``Req`` (its options never change; every batch of its life asks again)."""
+    got = getattr(req, _OPTIONS_ATTR, None) if req is not None else None
+    if got is not None:
+        return got
     vals = request_values(cfg, req)
-    return float(vals.get("alpha", getattr(cfg, "alpha", 1.0))), int(vals.get("budget", cfg.budget))
+    got = float(vals.get("alpha", getattr(cfg, "alpha", 1.0))), int(vals.get("budget", cfg.budget))
+    if req is not None:
+        setattr(req, _OPTIONS_ATTR, got)
+    return got
 
 
 @dataclasses.dataclass
@@ -154,6 +164,12 @@ class _ExtRow:
     sel_cfg: VSSelectConfig | None = None    # the request's selection config, built once per batch
 
 
+def _decoding_sparsely(req) -> bool:
+    """Whether a decode row's request decodes through LoopServe (its sparse prefill is done)."""
+    st = getattr(req, STATE_ATTR, None)
+    return st is not None and st.prefill_done
+
+
 class LoopServeRunner:
     def __init__(self, cfg: LoopServeConfig, shape, device: torch.device, *, use_kernels: bool, store=None,
                  max_context: int | None = None):
@@ -166,6 +182,9 @@ class LoopServeRunner:
         self.bs = 0
         self.is_decode = False
         self.step_rows: torch.Tensor | None = None
+        # a batch left to the stock attention (no sparse row): its rows as host tuples instead of ``step_rows``
+        self.dense_rows: tuple | None = None
+        self._dense_row_of: dict[float, tuple] = {}  # alpha -> that row
         self.ext_rows: list[_ExtRow] = []
         self.dec: dict | None = None
         self._pending_ring = None   # (q_buf [L, nS, Hq, D], [(state, ring slot)]) of the last decode step
@@ -213,19 +232,43 @@ class LoopServeRunner:
         bs = int(forward_batch.batch_size) if not mode.is_idle() else 0
         self.bs = bs
         self.is_decode = mode.is_decode()
-        host = torch.zeros(bs, STEP_COLS, dtype=torch.float32)
+        self.dense_rows = None
         reqs = batch_requests(forward_batch)
         if bs == 0 or reqs is None or len(reqs) != bs:
-            self.step_rows = host
+            self.step_rows = torch.zeros(bs, STEP_COLS, dtype=torch.float32)
             return
-        host[:, COL_ALPHA] = torch.tensor([request_options(self.cfg, r)[0] for r in reqs])
+        alphas = [request_options(self.cfg, r)[0] for r in reqs]
+        if self.is_decode and not any(_decoding_sparsely(r) for r in reqs):
+            self._dense_batch(alphas)  # every row on the stock decode: host rows only, no tensor, no copy
+            return
+        if mode.is_extend():
+            self._plan_extend(backend, forward_batch, reqs)
+            if not self.ext_rows:
+                self._dense_batch(alphas)
+                return
+        host = torch.zeros(bs, STEP_COLS, dtype=torch.float32)
+        host[:, COL_ALPHA] = torch.tensor(alphas)
         if self.is_decode:
             self._plan_decode(backend, forward_batch, reqs, host)
-        elif mode.is_extend():
-            self._plan_extend(backend, forward_batch, reqs)
         self.step_rows = _h2d(host, self.device)
         if self.dec is not None and "lists_all" in self.dec:  # tokens read this step, all layers at once
             self.step_rows[self.dec["rows_dev"], COL_READ] += self.dec["lists_all"][1].sum((0, 2), dtype=torch.float32)
+
+    def _dense_batch(self, alphas: list[float]) -> None:
+        """Rows of a batch the stock attention runs alone (no sparse row): ``dense_rows``, one host tuple per row
+        (kind dense, the request's alpha), built once per alpha."""
+        self.step_rows = None
+        rows = []
+        for a in alphas:
+            row = self._dense_row_of.get(a)
+            if row is None:
+                if len(self._dense_row_of) >= 1024:  # per-request alphas: keep the memo bounded
+                    self._dense_row_of.clear()
+                row = [0.0] * STEP_COLS
+                row[COL_KIND], row[COL_ALPHA] = float(KIND_DENSE), a
+                row = self._dense_row_of[a] = tuple(row)
+            rows.append(row)
+        self.dense_rows = tuple(rows)
 
     def _new_state(self, req, alpha, budget, prefix, backend) -> ReqState:
         sh, dev = self.shape, self.device
@@ -294,7 +337,7 @@ class LoopServeRunner:
 
     def _plan_decode(self, backend, fb, reqs, host) -> None:
         cfg, sh = self.cfg, self.shape
-        lens = [int(x) for x in fb.seq_lens_cpu]
+        lens = host_ints(fb.seq_lens_cpu)
         rows, fire, resel = [], [], []
         for i, req in enumerate(reqs):
             st = getattr(req, STATE_ATTR, None)

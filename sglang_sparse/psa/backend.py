@@ -22,7 +22,7 @@ from sglang_sparse.config import PsaConfig
 from sglang_sparse.psa.cuda_runner import PsaCudaRunner
 from sglang_sparse.psa.runner import AttnShape, PsaCpuRunner, kernel_config
 from sglang_sparse.psa.stats import PsaMetrics, PsaStats, account_rows
-from sglang_sparse.stats import StepRows
+from sglang_sparse.stats import DenseRowCache, StepRows
 
 __all__ = ["install", "kernel_config", "PsaDecodeMixin"]
 
@@ -103,11 +103,17 @@ class PsaDecodeMixin:
     def psa_step_rows(self) -> StepRows | None:
         """This forward's per-row statistics as SGLang ``customized_info`` (None when nothing ran)."""
         runner = self._psa_runner
-        if runner.step_rows is None or runner.bs == 0:
+        if runner.bs == 0:
+            return None
+        stats, metrics = self.sparse_stats, self._psa_metrics
+        if runner.dense_rows is not None:  # the stock decode: host tuples, shared while nothing is counted
+            rows, plain = runner.dense_rows
+            return self._psa_dense_rows.rows(rows) if plain else \
+                StepRows(None, lambda r: account_rows(r, stats, metrics), rows=rows)
+        if runner.step_rows is None:
             return None
         rows = runner.step_rows[: runner.bs]
         host = rows if rows.device.type == "cpu" else rows.to("cpu", non_blocking=True)
-        stats, metrics = self.sparse_stats, self._psa_metrics
         return StepRows(host, lambda r: account_rows(r, stats, metrics))
 
 
@@ -179,6 +185,7 @@ def install(backend, config: PsaConfig, page_size: int, enable_metrics: bool = F
 
         backend.sparse_working_set = WorkingSetSource(runner.ws, int(runner.block_size), int(config.min_context))
     backend._psa_metrics = PsaMetrics() if enable_metrics else None
+    backend._psa_dense_rows = DenseRowCache()  # step rows of stock-decode batches (psa_step_rows)
     backend.sparse_stats = PsaStats(reporter=getattr(runner, "meta_report", None))
     backend.sparse_stock_graphs = bool(config.stock_graphs)  # sglang_sparse.graph_variants
     backend.sparse_installed_mode = "psa"

@@ -259,7 +259,8 @@ class PsaCudaRunner(_RunnerBase):
         graph, rows that are not sparse with epsilon 1.0.
         """
         bs = int(forward_batch.batch_size)
-        self._plan_rows(forward_batch, True, state=None if in_capture else self._stashed_state(forward_batch, bs))
+        self._plan_rows(forward_batch, True, state=None if in_capture else self._stashed_state(forward_batch, bs),
+                        tensor_rows=True)
         if self._sparse_host is None:  # no sparse row (a capture, or rows the gate did not expect): every row
             self._row_tensors()        # takes the PSA path in the graph with epsilon 1.0
         self.graph_mode, self.sparse_batch = True, True

@@ -87,6 +87,10 @@ class AttnShape:
         return self.num_layers * self.num_kv_heads
 
 
+# a stock-decode row as a host tuple: (kind, 0, 0, 0, 0, epsilon) (psa.stats' column order)
+if (COL_SPARSE, COL_EPS, STEP_COLS) != (0, 5, 6):
+    raise ImportError("sglang_sparse.psa.runner builds stock-decode rows as (kind, 0, 0, 0, 0, epsilon): "
+                      "update _plan_rows to the step-row columns of sglang_sparse.psa.stats")
 _META_ATTR = "_sparse_psa_meta"    # on a scheduler ``Req``: (retraction_count, tokens its block metadata covers)
 
 
@@ -125,6 +129,9 @@ class _RunnerBase:
         self._probe_host: torch.Tensor | None = None
         self._rows_host: tuple = ((), (), (), ())  # (lens, eps, sparse, probe) host lists of the planned batch
         self.step_rows: torch.Tensor | None = None  # [bs, STEP_COLS] fp32: on self.device in batches with a sparse row, else host
+        # a decode batch on the stock decode (no sparse row, not a sparse-graph plan): its rows as host tuples
+        # ``(rows, plain)`` instead of ``step_rows``; ``plain``: no row the counters count (shared between steps)
+        self.dense_rows: tuple | None = None
         self.graph_mode = False  # the current batch replays (or captures) a decode CUDA graph
         self._replay = ReplayRequests()  # the real batch's requests for a graph replay view (no sampling_info)
         self._gate_state: tuple | None = None  # (eps, switched, probing) per row of the batch wants_graph last kept
@@ -135,7 +142,10 @@ class _RunnerBase:
     def _row_state(self, reqs, bs: int, lens=None) -> tuple[list[float], list[bool], list[bool]]:
         """Per-row ``(epsilon, switched_dense, probing)`` of ``reqs`` (host lists of ``bs``); ``lens``: the rows'
         context lengths (host), so rows below ``min_context`` skip the switch."""
-        return (_epsilons_of(self.cfg, reqs, bs), *switch_state(self.cfg, reqs, bs, lens))
+        eps = _epsilons_of(self.cfg, reqs, bs)
+        if lens is not None and max(lens, default=0) < self.cfg.min_context:  # every row short: no switch state
+            return eps, [False] * bs, [False] * bs
+        return (eps, *switch_state(self.cfg, reqs, bs, lens))
 
     def extend_probe_rows(self, forward_batch) -> list[int]:
         """Rows of an extend batch probed at the end of their prefill (:func:`sglang_sparse.psa.switch.extend_probe_rows`)."""
@@ -215,7 +225,7 @@ class _RunnerBase:
         self._plan_rows(forward_batch, True, state=None if in_capture else self._stashed_state(forward_batch, bs))
         self.graph_mode, self.sparse_batch, self._ws_step = False, False, False
         if in_capture:
-            self.step_rows = None
+            self.step_rows = self.dense_rows = None
 
     def _stashed_rids(self, forward_batch, bs: int) -> list | None:
         """Request ids of a graph replay view's rows, from :meth:`wants_graph`'s kept batch (padding -> None)."""
@@ -248,13 +258,16 @@ class _RunnerBase:
         self.ws.plan_rows(self.ws.assign(rids, release_absent=keyed), num_cols, pad_to=pad_to)
         self.ws.begin_step()
 
-    def _plan_rows(self, forward_batch, decode: bool, state: tuple | None = None) -> None:
+    def _plan_rows(self, forward_batch, decode: bool, state: tuple | None = None, tensor_rows: bool = False) -> None:
         """Host plan of a batch's rows. ``state``: ``(eps, off, probe, reqs)`` of a graph replay view
-        (:meth:`_stashed_state`); otherwise read from the batch's own requests. A batch without a sparse row
-        (the common steady state once requests switched, and every short batch) costs host lists and one
-        small tensor; the sparse path's tensors (:meth:`_row_tensors`) are built only when a row is sparse."""
+        (:meth:`_stashed_state`); otherwise read from the batch's own requests. A decode batch without a sparse
+        row (every short batch, and the steady state once requests switched) costs host lists only: its rows
+        become :attr:`dense_rows` (host tuples, no tensor, no copy), unless ``tensor_rows`` (a sparse-graph plan,
+        whose graph writes into ``step_rows``); the sparse path's tensors (:meth:`_row_tensors`) are built only
+        when a row is sparse."""
         bs = int(forward_batch.batch_size)
         self.bs, self.is_decode, self.graph_mode = bs, decode, False
+        self.dense_rows = None
         lens = None if forward_batch.seq_lens_cpu is None else forward_batch.seq_lens_cpu[:bs].tolist()
         if state is None:
             reqs = list(batch_requests(forward_batch) or ())[:bs]
@@ -262,6 +275,13 @@ class _RunnerBase:
         else:
             eps, off, probe, reqs = state
         self._row_reqs = list(reqs) + [None] * (bs - len(reqs))
+        if decode and not tensor_rows and lens is not None and max(lens, default=0) < self.cfg.min_context:
+            # every row short (the common case below min_context): the stock decode, rows from the epsilons alone
+            self.sparse_batch, self.step_rows, self._ws_step = False, None, False
+            self._rows_host = (lens, eps, [False] * bs, [False] * bs)
+            self._sparse_host = self._eps_host = self._probe_host = None
+            self.dense_rows = (tuple((0.0, 0.0, 0.0, 0.0, 0.0, float(e)) for e in eps), True)  # _DENSE_ROW
+            return
         if decode and lens is not None:
             sparse, switched = self._row_kinds(lens, eps, off)
             sparse = self._admit_rows(sparse, lens, self._row_reqs)
@@ -272,11 +292,17 @@ class _RunnerBase:
         self._rows_host = (lens, eps, sparse, probe)
         self._sparse_host = self._eps_host = self._probe_host = None
         self._ws_step = False
+        # a switched row is reported as such once decided (before: a stock step awaiting its prefill probe)
+        kinds = [float(ROW_ADAPTIVE_DENSE) if switched[i] and _decided(self._row_reqs[i]) else 0.0 for i in range(bs)]
+        if decode and not self.sparse_batch and not tensor_rows:
+            self.step_rows = None
+            self.dense_rows = (tuple((k, 0.0, 0.0, 0.0, 0.0, float(e)) for k, e in zip(kinds, eps)),  # _DENSE_ROW
+                               not any(kinds))
+            return
         rows = [[0.0] * STEP_COLS for _ in range(bs)]
         for i in range(bs):
             rows[i][COL_EPS] = eps[i]
-            # a switched row is reported as such once decided (before: a stock step awaiting its prefill probe)
-            rows[i][COL_SPARSE] = float(ROW_ADAPTIVE_DENSE) if switched[i] and _decided(self._row_reqs[i]) else 0.0
+            rows[i][COL_SPARSE] = kinds[i]
         if not self.sparse_batch:
             # no kernel writes into the rows of a batch without a sparse row: they stay on the host (no copy
             # either way; psa_step_rows hands a host tensor to SGLang as is)

@@ -13,6 +13,7 @@ import torch
 from sglang_sparse import graph_variants
 from sglang_sparse.api_hooks import graph_gate_hook
 from sglang_sparse.loopserve.runner import STATE_ATTR
+from sglang_sparse.loopserve.stats import COL_KIND, KIND_DENSE
 
 from .test_loopserve_graph import _captured, plan_replay
 from .test_loopserve_reselect import STEADY
@@ -37,7 +38,9 @@ def test_a_batch_without_sparse_rows_replays_the_stock_graph(lastwindow):
     assert c.graphs.graph_variant(c.fb) == "dense"
     plan_replay(c)  # the stock graph's planning: no sparse lists, the step's dense statistics
     assert c.runner.dec is None and c.graphs.dense_replays == 1 and c.graphs.replays == 0
-    assert c.runner.step_rows is not None and c.runner.bs == c.fb.batch_size
+    # the step's rows: host tuples only (no tensor, no device copy), dense rows with the requests' alpha
+    assert c.runner.step_rows is None and c.runner.bs == c.fb.batch_size
+    assert len(c.runner.dense_rows) == c.fb.batch_size and all(r[COL_KIND] == KIND_DENSE for r in c.runner.dense_rows)
     # SGLang asks the variant again while loading the batch, after the planning: the same answer
     assert c.graphs.graph_variant(c.fb, peek=True) == "dense"
     assert c.graphs.graph_variant(SimpleNamespace(), peek=True) is None
@@ -100,4 +103,4 @@ def test_psa_variant_follows_min_context_and_epsilon():
     # a long row with epsilon 1.0 decodes densely and keeps no metadata (built at a row's first sparse step): stock graph
     assert runner.graph_variant(batch([150, 40], [1.0, None])) == "dense"
     runner.begin_dense_graph_batch(short, in_capture=False)
-    assert not runner.sparse_batch and not runner.graph_mode and runner.step_rows.shape[0] == 2
+    assert not runner.sparse_batch and not runner.graph_mode and len(runner.dense_rows[0]) == 2

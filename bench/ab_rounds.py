@@ -1,0 +1,234 @@
+"""Repeated, interleaved A/B of servers on one GPU: small throughput gaps measured against their own noise.
+
+    python -m bench.ab_rounds --model /tmp/models/SmolLM2-135M-Instruct --device cuda \\
+        --servers 'off,off2=off,psa,loopserve' --input-len 4096 --output-len 256 --concurrency 1,8 \\
+        --rounds 5 --server-args '--attention-backend flashinfer' --out DIR
+
+Every server of ``--servers`` (``LABEL=MODE[:JSON]`` or ``MODE``, as in :mod:`bench.loopserve_turns`) is started
+at once, each with a capped KV pool (``--max-total-tokens``), and stays up for the whole run. A round runs every
+cell (input length x concurrency, :mod:`bench.load_client`: token-exact prose prompts, ``ignore_eos``, radix cache
+flushed first) on every server back to back, the server order rotating by one each round, so a drift of the
+machine falls on every server alike. Two or more ``off`` servers give the noise floor: identical stock servers
+differ by as much as the machine's noise.
+
+Per server and cell the report gives each round's output throughput and its ratio to the mean of the baseline
+servers (every server of mode ``off``; the first server when there is none) in the same round, the geometric mean
+of those ratios with their min and max, and the median TPOT and TTFT. ``--pythonpath LABEL=DIR`` starts one server
+with ``DIR`` first on its ``PYTHONPATH`` (another checkout of the project: an A/B of two code versions on one
+machine). Outputs in ``--out``: ``ab_rounds.json`` and ``ab_rounds.md``; server logs beside them. Servers are
+stopped by their own process group.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+
+from bench import envinfo
+from bench import load_client as lc
+from bench.loopserve_turns import parse_configs
+from bench.server import Server, ServerSpec
+
+
+def parse_pythonpaths(items: list[str], labels: list[str]) -> dict[str, str]:
+    """``LABEL=DIR`` items -> ``{label: dir}``; a label must be one of ``labels`` and DIR an existing folder."""
+    out = {}
+    for item in items:
+        label, sep, path = item.partition("=")
+        if not sep or not label or not path:
+            raise ValueError(f"--pythonpath '{item}': expected LABEL=DIR")
+        if label not in labels:
+            raise ValueError(f"--pythonpath '{item}': no server is labelled '{label}' (servers: {', '.join(labels)})")
+        if not Path(path).is_dir():
+            raise ValueError(f"--pythonpath '{item}': {path} is not a folder")
+        out[label] = str(Path(path).resolve())
+    return out
+
+
+def rotated(labels: list[str], r: int) -> list[str]:
+    """Server order of round ``r``: the list rotated left by ``r``."""
+    k = r % len(labels) if labels else 0
+    return labels[k:] + labels[:k]
+
+
+def summarize(raw: dict[str, dict[str, list[dict]]], baseline: list[str]) -> dict:
+    """Per server and cell: throughput per round, ratio per round to the baseline servers' mean of that round,
+    their geometric mean / min / max, median TPOT and TTFT. ``raw[label][cell]`` lists the rounds' cell dicts
+    (:func:`bench.load_client.summarize`)."""
+    out: dict[str, dict] = {}
+    for label, cells in raw.items():
+        out[label] = {}
+        for cell, rounds in cells.items():
+            tput = [r.get("output_throughput") for r in rounds]
+            base = []
+            for i in range(len(rounds)):
+                vals = [raw[b][cell][i].get("output_throughput") for b in baseline if i < len(raw[b][cell])]
+                vals = [v for v in vals if v]
+                base.append(statistics.fmean(vals) if vals else None)
+            ratios = [t / b for t, b in zip(tput, base) if t and b]
+            tpot = [r["median_tpot_ms"] for r in rounds if r.get("median_tpot_ms") is not None]
+            ttft = [r["median_ttft_ms"] for r in rounds if r.get("median_ttft_ms") is not None]
+            out[label][cell] = {
+                "throughput_per_round": [None if t is None else round(t, 1) for t in tput],
+                "ratio_per_round": [round(x, 4) for x in ratios],
+                "ratio_geomean": round(statistics.geometric_mean(ratios), 4) if ratios else None,
+                "ratio_min": round(min(ratios), 4) if ratios else None,
+                "ratio_max": round(max(ratios), 4) if ratios else None,
+                "median_tpot_ms": round(statistics.median(tpot), 3) if tpot else None,
+                "median_ttft_ms": round(statistics.median(ttft), 2) if ttft else None,
+                "failed": sum(int(r.get("failed") or 0) for r in rounds),
+            }
+    return out
+
+
+def render_md(report: dict) -> str:
+    meta, summ = report["meta"], report["summary"]
+    cells = list(next(iter(summ.values())).keys()) if summ else []
+    lines = [f"# Interleaved A/B: {meta['rounds']} rounds", "",
+             f"GPU: {meta.get('gpu')}. Command: `{meta['command']}`.", "",
+             f"Baseline of each round: the mean of {', '.join(meta['baseline'])}. Ratio: output throughput / "
+             "baseline (> 1 is faster); geometric mean over the rounds [min, max].", "",
+             "| server | " + " | ".join(f"{c} ratio [min, max]" for c in cells) + " | "
+             + " | ".join(f"{c} TPOT ms" for c in cells) + " |",
+             "|---|" + "---|" * (2 * len(cells))]
+    for label, row in summ.items():
+        def fmt(c):
+            x = row[c]
+            return "-" if x["ratio_geomean"] is None else \
+                f"{x['ratio_geomean']:.3f} [{x['ratio_min']:.2f}, {x['ratio_max']:.2f}]"
+        lines.append(f"| {label} | " + " | ".join(fmt(c) for c in cells) + " | "
+                     + " | ".join(f"{row[c]['median_tpot_ms']}" for c in cells) + " |")
+    lines += ["", "Servers:", ""]
+    for s in meta["servers"]:
+        lines.append(f"- `{s['label']}`: `--sparse {s['mode']}`" + (f" `--sparse-config '{s['config']}'`"
+                                                                    if s["config"] else "")
+                     + (f", code from `{s['pythonpath']}`" if s.get("pythonpath") else ""))
+    return "\n".join(lines) + "\n"
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--servers", required=True, help="LABEL=MODE[:JSON] or MODE items, comma-separated")
+    p.add_argument("--model", required=True)
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cuda")
+    p.add_argument("--python", default=sys.executable)
+    p.add_argument("--input-len", type=int, default=4096)
+    p.add_argument("--output-len", type=int, default=256)
+    p.add_argument("--concurrency", default="1,8", help="comma-separated max concurrencies")
+    p.add_argument("--prompts-per-concurrency", type=int, default=3, help="prompts of a cell = this x concurrency")
+    p.add_argument("--min-prompts", type=int, default=8)
+    p.add_argument("--rounds", type=int, default=4)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--port", type=int, default=31000, help="first port; server i listens on port + i")
+    p.add_argument("--max-total-tokens", type=int, default=None,
+                   help="KV pool cap per server (CUDA; default: the largest cell's need)")
+    p.add_argument("--mem-fraction", type=float, default=0.85, help="--mem-fraction-static of each server (CUDA)")
+    p.add_argument("--server-args", default="", help="extra arguments for every server")
+    p.add_argument("--pythonpath", action="append", default=[], metavar="LABEL=DIR",
+                   help="start server LABEL with DIR first on its PYTHONPATH (repeatable)")
+    p.add_argument("--server-timeout", type=float, default=600.0)
+    p.add_argument("--request-timeout", type=float, default=300.0)
+    p.add_argument("--out", required=True)
+    a = p.parse_args(argv)
+    try:
+        a.items = parse_configs(a.servers)
+        a.conc = [int(x) for x in a.concurrency.split(",") if x.strip()]
+        a.paths = parse_pythonpaths(a.pythonpath, [lab for lab, _, _ in a.items])
+    except ValueError as e:
+        p.error(str(e).replace("--configs", "--servers"))
+    if not a.conc or min(a.conc) < 1:
+        p.error(f"--concurrency must list integers >= 1, got '{a.concurrency}'")
+    for name in ("rounds", "input_len", "output_len", "prompts_per_concurrency", "min_prompts"):
+        if getattr(a, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(a, name)}")
+    return a
+
+
+def _spec(a, i: int, label: str, mode: str, cfg: str | None) -> ServerSpec:
+    extra = a.server_args.split()
+    if a.device == "cuda":
+        need = max(a.conc) * (a.input_len + a.output_len)
+        tokens = a.max_total_tokens or int(-(-need * 1.02 // 1024) * 1024)
+        extra = ["--mem-fraction-static", str(a.mem_fraction), "--max-total-tokens", str(tokens)] + extra
+    env = {}
+    if label in a.paths:
+        old = os.environ.get("PYTHONPATH")
+        env["PYTHONPATH"] = a.paths[label] + (os.pathsep + old if old else "")
+    return ServerSpec(python=a.python, model=a.model, device=a.device, port=a.port + i, mode=mode,
+                      sparse_config=cfg, extra_args=extra, env=env)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    a = parse_args(argv)
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    t0 = time.monotonic()
+
+    def log(msg):
+        print(f"[ab +{time.monotonic() - t0:.0f}s] {msg}", flush=True)
+
+    labels = [lab for lab, _, _ in a.items]
+    servers = {lab: Server(_spec(a, i, lab, mode, cfg), out / f"server_{lab}.log", timeout_s=a.server_timeout,
+                           log=log) for i, (lab, mode, cfg) in enumerate(a.items)}
+    errors: dict[str, str] = {}
+
+    def start(lab):
+        try:
+            servers[lab].start()
+        except Exception as e:  # noqa: BLE001 - reported per server
+            errors[lab] = f"{type(e).__name__}: {e}"
+
+    threads = [threading.Thread(target=start, args=(lab,), daemon=True) for lab in labels]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        if errors:
+            for lab, e in errors.items():
+                log(f"server {lab} failed: {e}")
+            return 1
+        maker = lc.PromptMaker(a.model)
+        cells = {c: maker.cell_prompts(a.seed, a.input_len, c, max(a.min_prompts, a.prompts_per_concurrency * c))
+                 for c in a.conc}
+        for lab in labels:  # warm-up, not counted
+            lc.run_cell(servers[lab].url, cells[a.conc[0]][:1], 16, 1, a.request_timeout)
+        raw = {lab: {f"c{c}": [] for c in a.conc} for lab in labels}
+        for r in range(a.rounds):
+            for c in a.conc:
+                for lab in rotated(labels, r):
+                    url = servers[lab].url
+                    lc.flush_cache(url)
+                    s = lc.run_cell(url, cells[c], a.output_len, c, a.request_timeout)
+                    raw[lab][f"c{c}"].append(s)
+                    log(f"round {r + 1}/{a.rounds} c{c} {lab}: {s['output_throughput'] or 0:.0f} tok/s, "
+                        f"TPOT {s['median_tpot_ms'] or 0:.2f} ms, failed {s['failed']}")
+        baseline = [lab for lab, mode, _ in a.items if mode == "off"] or labels[:1]
+        env = envinfo.collect(a.python, [sys.executable, "-m", "bench.ab_rounds"] + argv)
+        report = {"meta": {"command": " ".join(["python -m bench.ab_rounds"] + argv), "gpu": env.get("gpu"),
+                           "versions": env, "rounds": a.rounds, "input_len": a.input_len,
+                           "output_len": a.output_len, "concurrency": a.conc, "baseline": baseline,
+                           "prompts": {f"c{c}": len(cells[c]) for c in a.conc},
+                           "servers": [{"label": lab, "mode": mode, "config": cfg, "pythonpath": a.paths.get(lab)}
+                                       for lab, mode, cfg in a.items]},
+                  "summary": summarize(raw, baseline), "raw": raw}
+        (out / "ab_rounds.json").write_text(json.dumps(report, indent=1))
+        (out / "ab_rounds.md").write_text(render_md(report))
+        log(f"wrote {out / 'ab_rounds.json'} and ab_rounds.md")
+        print(render_md(report))
+        return 0
+    finally:
+        for s in servers.values():
+            s.stop()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
