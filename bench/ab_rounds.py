@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import statistics
 import sys
 import threading
@@ -213,7 +214,7 @@ def main(argv: list[str] | None = None) -> int:
                         f"TPOT {s['median_tpot_ms'] or 0:.2f} ms, failed {s['failed']}")
         baseline = [lab for lab, mode, _ in a.items if mode == "off"] or labels[:1]
         env = envinfo.collect(a.python, [sys.executable, "-m", "bench.ab_rounds"] + argv)
-        report = {"meta": {"command": " ".join(["python -m bench.ab_rounds"] + argv), "gpu": env.get("gpu"),
+        report = {"meta": {"command": "python -m bench.ab_rounds " + shlex.join(argv), "gpu": env.get("gpu"),
                            "versions": env, "rounds": a.rounds, "input_len": a.input_len,
                            "output_len": a.output_len, "concurrency": a.conc, "baseline": baseline,
                            "prompts": {f"c{c}": len(cells[c]) for c in a.conc},

@@ -72,8 +72,9 @@ def e2e_section(e2e: dict | None) -> list[str]:
            "TTFT / TPOT < 1 are better). Invocations marked `--order interleaved` ran each cell on `off` and the "
            "mode back to back; the others ran all of `off`'s cells first (`--order by-mode`), so a drift of the "
            "machine falls on one side. Where a mode serves densely (psa at 4k, every long psa request after its "
-           "prefill probe), its deficit is host time per decode step, not GPU work (`e2e_long.md`, host "
-           "profiles).", ""]
+           "prefill probe, loopserve below its `min_context`), its decode step is SGLang's stock graph and any "
+           "deficit is host time per step, not GPU work; single 4k cells swing by +-15 % between passes on the "
+           "same machine (`e2e_long.md`: host profiles, invocation L and its rotating A/B `ab_rounds_4k.md`).", ""]
     if e2e.get("mode_sources"):
         md += ["Where each mode comes from (each invocation has its own `off`):", ""]
         md += [f"- `{m}`: {src}" for m, src in e2e["mode_sources"].items()]
