@@ -15,8 +15,9 @@ Per server and cell the report gives each round's output throughput and its rati
 servers (every server of mode ``off``; the first server when there is none) in the same round, the geometric mean
 of those ratios with their min and max, and the median TPOT and TTFT. ``--pythonpath LABEL=DIR`` starts one server
 with ``DIR`` first on its ``PYTHONPATH`` (another checkout of the project: an A/B of two code versions on one
-machine). Outputs in ``--out``: ``ab_rounds.json`` and ``ab_rounds.md``; server logs beside them. Servers are
-stopped by their own process group.
+machine); ``--url LABEL=URL`` uses a server that is already running (not started, not stopped). Outputs in
+``--out``: ``ab_rounds.json`` and ``ab_rounds.md``; server logs beside them. Servers started here are stopped by
+their own process group.
 """
 
 from __future__ import annotations
@@ -50,6 +51,32 @@ def parse_pythonpaths(items: list[str], labels: list[str]) -> dict[str, str]:
             raise ValueError(f"--pythonpath '{item}': {path} is not a folder")
         out[label] = str(Path(path).resolve())
     return out
+
+
+def parse_urls(items: list[str], labels: list[str]) -> dict[str, str]:
+    """``LABEL=URL`` items -> ``{label: url}`` (servers already running); a label must be one of ``labels``."""
+    out = {}
+    for item in items:
+        label, sep, url = item.partition("=")
+        if not sep or not label or not url.startswith(("http://", "https://")):
+            raise ValueError(f"--url '{item}': expected LABEL=http://HOST:PORT")
+        if label not in labels:
+            raise ValueError(f"--url '{item}': no server is labelled '{label}' (servers: {', '.join(labels)})")
+        out[label] = url.rstrip("/")
+    return out
+
+
+class _Running:
+    """A server given by ``--url``: used as is, never started or stopped here."""
+
+    def __init__(self, url: str):
+        self.url = url
+
+    def start(self) -> "_Running":
+        return self
+
+    def stop(self) -> None:
+        return None
 
 
 def rotated(labels: list[str], r: int) -> list[str]:
@@ -134,6 +161,8 @@ def parse_args(argv):
     p.add_argument("--server-args", default="", help="extra arguments for every server")
     p.add_argument("--pythonpath", action="append", default=[], metavar="LABEL=DIR",
                    help="start server LABEL with DIR first on its PYTHONPATH (repeatable)")
+    p.add_argument("--url", action="append", default=[], metavar="LABEL=URL",
+                   help="server LABEL is already running at URL: not started, not stopped (repeatable)")
     p.add_argument("--server-timeout", type=float, default=600.0)
     p.add_argument("--request-timeout", type=float, default=300.0)
     p.add_argument("--out", required=True)
@@ -141,7 +170,12 @@ def parse_args(argv):
     try:
         a.items = parse_configs(a.servers)
         a.conc = [int(x) for x in a.concurrency.split(",") if x.strip()]
-        a.paths = parse_pythonpaths(a.pythonpath, [lab for lab, _, _ in a.items])
+        labels = [lab for lab, _, _ in a.items]
+        a.paths = parse_pythonpaths(a.pythonpath, labels)
+        a.urls = parse_urls(a.url, labels)
+        if set(a.paths) & set(a.urls):
+            raise ValueError(f"--pythonpath and --url both name {', '.join(sorted(set(a.paths) & set(a.urls)))}: "
+                             "a running server's code is already chosen")
     except ValueError as e:
         p.error(str(e).replace("--configs", "--servers"))
     if not a.conc or min(a.conc) < 1:
@@ -177,8 +211,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[ab +{time.monotonic() - t0:.0f}s] {msg}", flush=True)
 
     labels = [lab for lab, _, _ in a.items]
-    servers = {lab: Server(_spec(a, i, lab, mode, cfg), out / f"server_{lab}.log", timeout_s=a.server_timeout,
-                           log=log) for i, (lab, mode, cfg) in enumerate(a.items)}
+    servers = {lab: _Running(a.urls[lab]) if lab in a.urls else
+               Server(_spec(a, i, lab, mode, cfg), out / f"server_{lab}.log", timeout_s=a.server_timeout, log=log)
+               for i, (lab, mode, cfg) in enumerate(a.items)}
     errors: dict[str, str] = {}
 
     def start(lab):
@@ -218,7 +253,8 @@ def main(argv: list[str] | None = None) -> int:
                            "versions": env, "rounds": a.rounds, "input_len": a.input_len,
                            "output_len": a.output_len, "concurrency": a.conc, "baseline": baseline,
                            "prompts": {f"c{c}": len(cells[c]) for c in a.conc},
-                           "servers": [{"label": lab, "mode": mode, "config": cfg, "pythonpath": a.paths.get(lab)}
+                           "servers": [{"label": lab, "mode": mode, "config": cfg, "pythonpath": a.paths.get(lab),
+                                        "url": a.urls.get(lab)}
                                        for lab, mode, cfg in a.items]},
                   "summary": summarize(raw, baseline), "raw": raw}
         (out / "ab_rounds.json").write_text(json.dumps(report, indent=1))

@@ -72,3 +72,25 @@ def test_driver_profiles_decode_steps_on_a_cpu_server(tmp_path):
     assert p["trace"].endswith(".trace.json.gz") and "EXTEND" in p["trace"] and p["wall_us_per_step"] > 0
     assert not list((out / "off").glob("*.trace.json*"))  # reduced, then removed (no --keep-traces)
     assert "| off |" in (out / "decode_profile.md").read_text()
+
+
+def test_ab_rounds_measures_running_servers_round_by_round(cpu_server, default_model, tmp_path):
+    """bench.ab_rounds through a real CPU server given twice by --url (two labels, one stock server): every round
+    measures both, ratios per round against the two off labels, the report written; a --url server is not stopped."""
+    from bench import ab_rounds
+
+    rc = ab_rounds.main(["--model", str(default_model), "--device", "cpu", "--servers", "off,off2=off",
+                         "--url", f"off={cpu_server.url}", "--url", f"off2={cpu_server.url}", "--input-len", "48",
+                         "--output-len", "3", "--concurrency", "1", "--rounds", "2", "--min-prompts", "1",
+                         "--prompts-per-concurrency", "1", "--out", str(tmp_path)])
+    assert rc == 0
+    rep = json.loads((tmp_path / "ab_rounds.json").read_text())
+    assert rep["meta"]["baseline"] == ["off", "off2"] and rep["meta"]["servers"][1]["url"] == cpu_server.url
+    for label in ("off", "off2"):
+        cell = rep["summary"][label]["c1"]
+        assert len(cell["throughput_per_round"]) == 2 and len(cell["ratio_per_round"]) == 2 and cell["failed"] == 0
+        assert all(r["output_tokens_exact"] for r in rep["raw"][label]["c1"])
+    assert "| off2 |" in (tmp_path / "ab_rounds.md").read_text()
+    assert cpu_server.proc.poll() is None  # still serving
+    with pytest.raises(SystemExit):
+        ab_rounds.parse_args(["--model", "m", "--out", str(tmp_path), "--servers", "off", "--url", "off=localhost:1"])
