@@ -28,14 +28,13 @@ import os
 import shlex
 import statistics
 import sys
-import threading
 import time
 from pathlib import Path
 
 from bench import envinfo
 from bench import load_client as lc
 from bench.loopserve_turns import parse_configs
-from bench.server import Server, ServerSpec
+from bench.server import Server, ServerSpec, start_group, stop_all
 
 
 def parse_pythonpaths(items: list[str], labels: list[str]) -> dict[str, str]:
@@ -71,12 +70,6 @@ class _Running:
 
     def __init__(self, url: str):
         self.url = url
-
-    def start(self) -> "_Running":
-        return self
-
-    def stop(self) -> None:
-        return None
 
 
 def rotated(labels: list[str], r: int) -> list[str]:
@@ -214,20 +207,11 @@ def main(argv: list[str] | None = None) -> int:
     servers = {lab: _Running(a.urls[lab]) if lab in a.urls else
                Server(_spec(a, i, lab, mode, cfg), out / f"server_{lab}.log", timeout_s=a.server_timeout, log=log)
                for i, (lab, mode, cfg) in enumerate(a.items)}
+    launch = [s for s in servers.values() if isinstance(s, Server)]
+    label_of = {id(s): lab for lab, s in servers.items()}
     errors: dict[str, str] = {}
-
-    def start(lab):
-        try:
-            servers[lab].start()
-        except Exception as e:  # noqa: BLE001 - reported per server
-            errors[lab] = f"{type(e).__name__}: {e}"
-
-    threads = [threading.Thread(target=start, args=(lab,), daemon=True) for lab in labels]
     try:
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
+        start_group(launch, errors, key=lambda s: label_of[id(s)])
         if errors:
             for lab, e in errors.items():
                 log(f"server {lab} failed: {e}")
@@ -263,8 +247,7 @@ def main(argv: list[str] | None = None) -> int:
         print(render_md(report))
         return 0
     finally:
-        for s in servers.values():
-            s.stop()
+        stop_all(launch)
 
 
 if __name__ == "__main__":

@@ -53,7 +53,7 @@ from pathlib import Path
 
 from bench import corpus, envinfo
 from bench import load_client as lc
-from bench.server import Server, ServerSpec
+from bench.server import Server, ServerSpec, start_group, stop_all
 
 REPO = Path(__file__).resolve().parent.parent
 METRICS = ("output_throughput", "input_throughput", "request_throughput", "mean_ttft_ms", "median_ttft_ms",
@@ -339,46 +339,6 @@ def _plot(out: Path, summary: dict) -> bool:
 
 # ------------------------------------------------------------------------------------------- driver
 
-def _start_group(servers: list[Server], errors: dict, log) -> list[Server]:
-    """Start the group's servers at once; returns those that came up (failures go to ``errors``)."""
-    aborted = threading.Event()
-
-    def go(s):
-        try:
-            s.start()
-        except Exception as e:  # noqa: BLE001 - reported per mode
-            errors[s.spec.mode] = "server start interrupted" if aborted.is_set() else \
-                f"server start: {type(e).__name__}: {e}"
-    threads = [threading.Thread(target=go, args=(s,), daemon=True) for s in servers]
-    try:
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-    except BaseException:
-        aborted.set()
-        _stop_all(servers, threads)
-        raise
-    return [s for s in servers if s.proc is not None and s.startup_s is not None]
-
-
-def _stop_all(servers: list[Server], threads=()) -> None:
-    stoppers = [threading.Thread(target=s.stop) for s in servers]  # each by its own process group, in parallel
-    for t in stoppers:
-        t.start()
-    for t in stoppers:
-        t.join()
-    deadline = time.monotonic() + 120
-    while True:  # a start thread may still be launching: stop until every thread is done
-        for s in servers:
-            s.stop()
-        if not any(t.is_alive() for t in threads) or time.monotonic() > deadline:
-            break
-        time.sleep(0.5)
-    for s in servers:
-        s.stop()
-
-
 def warm_up_server(a, s: Server, maker, summary: dict, log) -> None:
     """Record the server's start-up and pool; one warm-up request per input length (kernels specialised on a length
     compile here, not inside the first cell)."""
@@ -567,7 +527,7 @@ def main(argv=None) -> int:
             servers.append(Server(spec, out / mode / "server.log", timeout, log))
             summary["servers"]["per_mode"][mode] = {"port": a.port + i, "group": groups.index(group)}
         try:
-            up = _start_group(servers, summary["errors"], log)
+            up = start_group(servers, summary["errors"])
             if prep:
                 for t in prep:
                     t.join()
@@ -580,11 +540,11 @@ def main(argv=None) -> int:
                         lambda: write_report(out, summary, e2e_path, plot=False))
         except KeyboardInterrupt:  # Ctrl-C or SIGTERM: stop this group's servers, keep what was measured
             summary["errors"]["interrupted"] = "SIGINT/SIGTERM; later cells not run"
-            _stop_all(servers)
+            stop_all(servers)
             rc = 1
             break
         finally:
-            _stop_all(servers)
+            stop_all(servers)
         write_report(out, summary, e2e_path, plot=False)
     for t in prep:
         t.join(timeout=120)

@@ -15,6 +15,7 @@ import subprocess
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import requests
 
@@ -184,3 +185,46 @@ def add_target_args(ap, *, port: int, mode: str) -> None:
     ap.add_argument("--port", type=int, default=port)
     ap.add_argument("--sparse-config", default=None)
     ap.add_argument("--server-args", default="")
+
+
+def start_group(servers: list[Server], errors: dict, key: Callable[[Server], str] = lambda s: s.spec.mode) -> list[Server]:
+    """Start ``servers`` at once (a thread each) and wait for them; returns those that came up. A failure goes to
+    ``errors[key(server)]``; an interruption (Ctrl-C, SIGTERM) stops every server of the group, then re-raises."""
+    aborted = threading.Event()
+
+    def go(s):
+        try:
+            s.start()
+        except Exception as e:  # noqa: BLE001 - reported per server
+            errors[key(s)] = "server start interrupted" if aborted.is_set() else \
+                f"server start: {type(e).__name__}: {e}"
+    threads = [threading.Thread(target=go, args=(s,), daemon=True) for s in servers]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    except BaseException:
+        aborted.set()
+        stop_all(servers, threads)
+        raise
+    return [s for s in servers if s.proc is not None and s.startup_s is not None]
+
+
+def stop_all(servers: list[Server], threads=()) -> None:
+    """Stop ``servers``, each by its own process group, in parallel; with ``threads`` (start threads that may still
+    be launching), keep stopping until they are done (at most 120 s)."""
+    stoppers = [threading.Thread(target=s.stop) for s in servers]
+    for t in stoppers:
+        t.start()
+    for t in stoppers:
+        t.join()
+    deadline = time.monotonic() + 120
+    while True:
+        for s in servers:
+            s.stop()
+        if not any(t.is_alive() for t in threads) or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    for s in servers:
+        s.stop()
