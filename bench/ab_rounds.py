@@ -30,6 +30,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 from bench import envinfo
 from bench import load_client as lc
@@ -37,32 +38,33 @@ from bench.loopserve_turns import parse_configs
 from bench.server import Server, ServerSpec, start_group, stop_all
 
 
-def parse_pythonpaths(items: list[str], labels: list[str]) -> dict[str, str]:
-    """``LABEL=DIR`` items -> ``{label: dir}``; a label must be one of ``labels`` and DIR an existing folder."""
+def parse_labelled(flag: str, items: list[str], labels: list[str], value: Callable[[str], str | None],
+                   expected: str) -> dict[str, str]:
+    """``LABEL=VALUE`` items of ``--flag`` -> ``{label: value(VALUE)}``; a label must be one of ``labels``;
+    ``value`` returns None for a VALUE it refuses (``expected`` says what was expected)."""
     out = {}
     for item in items:
-        label, sep, path = item.partition("=")
-        if not sep or not label or not path:
-            raise ValueError(f"--pythonpath '{item}': expected LABEL=DIR")
+        label, sep, raw = item.partition("=")
+        got = value(raw) if sep and label and raw else None
+        if got is None:
+            raise ValueError(f"--{flag} '{item}': expected LABEL={expected}")
         if label not in labels:
-            raise ValueError(f"--pythonpath '{item}': no server is labelled '{label}' (servers: {', '.join(labels)})")
-        if not Path(path).is_dir():
-            raise ValueError(f"--pythonpath '{item}': {path} is not a folder")
-        out[label] = str(Path(path).resolve())
+            raise ValueError(f"--{flag} '{item}': no server is labelled '{label}' (servers: {', '.join(labels)})")
+        out[label] = got
     return out
+
+
+def parse_pythonpaths(items: list[str], labels: list[str]) -> dict[str, str]:
+    """``LABEL=DIR`` items -> ``{label: absolute dir}`` (DIR an existing folder)."""
+    return parse_labelled("pythonpath", items, labels, lambda p: str(Path(p).resolve()) if Path(p).is_dir() else None,
+                          "DIR (an existing folder)")
 
 
 def parse_urls(items: list[str], labels: list[str]) -> dict[str, str]:
-    """``LABEL=URL`` items -> ``{label: url}`` (servers already running); a label must be one of ``labels``."""
-    out = {}
-    for item in items:
-        label, sep, url = item.partition("=")
-        if not sep or not label or not url.startswith(("http://", "https://")):
-            raise ValueError(f"--url '{item}': expected LABEL=http://HOST:PORT")
-        if label not in labels:
-            raise ValueError(f"--url '{item}': no server is labelled '{label}' (servers: {', '.join(labels)})")
-        out[label] = url.rstrip("/")
-    return out
+    """``LABEL=URL`` items -> ``{label: url}`` (servers already running)."""
+    return parse_labelled("url", items, labels,
+                          lambda u: u.rstrip("/") if u.startswith(("http://", "https://")) else None,
+                          "http://HOST:PORT")
 
 
 class _Running:

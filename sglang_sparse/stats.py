@@ -58,7 +58,8 @@ class StepRows:
     """One forward's step rows as SGLang's ``customized_info`` value: ``rows[i]`` is row i (a tuple).
 
     ``host`` is a CPU tensor ``[bs, cols]`` fp32 that may still be filling from a non-blocking copy; it is read
-    on first access. SGLang reads ``rows[i]`` per request while it processes the batch result, i.e. after its
+    (and folded into the counters by ``on_first_read``) on first access. ``rows`` instead: host tuples already
+    final, folded at construction. SGLang reads ``rows[i]`` per request while it processes the batch result, i.e. after its
     own sync on the sampled tokens, which follows the copy on the same stream.
     """
 

@@ -333,7 +333,7 @@ def test_ab_rounds_refuses_bad_server_lists_and_paths(tmp_path, capsys):
     base = ["--model", "m", "--out", str(tmp_path)]
     for argv, msg in ((["--servers", "off,off"], "--servers: duplicate labels"),
                       (["--servers", "off,psa", "--pythonpath", "x=/"], "no server is labelled 'x'"),
-                      (["--servers", "off,psa", "--pythonpath", f"psa={tmp_path}/missing"], "is not a folder"),
+                      (["--servers", "off,psa", "--pythonpath", f"psa={tmp_path}/missing"], "expected LABEL=DIR (an existing folder)"),
                       (["--servers", "off", "--rounds", "0"], "--rounds must be >= 1"),
                       (["--servers", 'psa:{"epsilon": ', "--rounds", "1"], "not JSON")):
         with pytest.raises(SystemExit):

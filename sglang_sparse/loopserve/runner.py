@@ -164,6 +164,13 @@ class _ExtRow:
     sel_cfg: VSSelectConfig | None = None    # the request's selection config, built once per batch
 
 
+def _dense_row(alpha: float) -> tuple:
+    """A step row of a request the stock attention served (kind dense, its alpha) as a host tuple."""
+    row = [0.0] * STEP_COLS
+    row[COL_KIND], row[COL_ALPHA] = float(KIND_DENSE), alpha
+    return tuple(row)
+
+
 def _decoding_sparsely(req) -> bool:
     """Whether a decode row's request decodes through LoopServe (its sparse prefill is done)."""
     st = getattr(req, STATE_ATTR, None)
@@ -184,7 +191,6 @@ class LoopServeRunner:
         self.step_rows: torch.Tensor | None = None
         # a batch left to the stock attention (no sparse row): its rows as host tuples instead of ``step_rows``
         self.dense_rows: tuple | None = None
-        self._dense_row_of: dict[float, tuple] = {}  # alpha -> that row
         self.ext_rows: list[_ExtRow] = []
         self.dec: dict | None = None
         self._pending_ring = None   # (q_buf [L, nS, Hq, D], [(state, ring slot)]) of the last decode step
@@ -256,19 +262,9 @@ class LoopServeRunner:
 
     def _dense_batch(self, alphas: list[float]) -> None:
         """Rows of a batch the stock attention runs alone (no sparse row): ``dense_rows``, one host tuple per row
-        (kind dense, the request's alpha), built once per alpha."""
+        (kind dense, the request's alpha)."""
         self.step_rows = None
-        rows = []
-        for a in alphas:
-            row = self._dense_row_of.get(a)
-            if row is None:
-                if len(self._dense_row_of) >= 1024:  # per-request alphas: keep the memo bounded
-                    self._dense_row_of.clear()
-                row = [0.0] * STEP_COLS
-                row[COL_KIND], row[COL_ALPHA] = float(KIND_DENSE), a
-                row = self._dense_row_of[a] = tuple(row)
-            rows.append(row)
-        self.dense_rows = tuple(rows)
+        self.dense_rows = tuple(_dense_row(a) for a in alphas)
 
     def _new_state(self, req, alpha, budget, prefix, backend) -> ReqState:
         sh, dev = self.shape, self.device

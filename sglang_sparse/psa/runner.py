@@ -52,7 +52,7 @@ from sglang_sparse.config import PsaConfig
 from sglang_sparse.psa.stats import (COL_EPS, COL_KEPT, COL_READ, COL_SPARSE, COL_TOTAL, COL_UNITS,
                                      ROW_ADAPTIVE_DENSE, ROW_PREFILL_PROBE, ROW_PROBE, ROW_SPARSE, STEP_COLS)
 from sglang_sparse.psa.switch import _PREFILL_PROBE_ATTR, _decided, _epsilons_of, extend_probe_rows, switch_state
-from sglang_sparse.request_params import ReplayRequests, batch_requests
+from sglang_sparse.request_params import ReplayRequests, batch_requests, host_ints
 
 
 def kernel_config(cfg: PsaConfig) -> PsaDecodeConfig:
@@ -87,10 +87,13 @@ class AttnShape:
         return self.num_layers * self.num_kv_heads
 
 
-# a stock-decode row as a host tuple: (kind, 0, 0, 0, 0, epsilon) (psa.stats' column order)
-if (COL_SPARSE, COL_EPS, STEP_COLS) != (0, 5, 6):
-    raise ImportError("sglang_sparse.psa.runner builds stock-decode rows as (kind, 0, 0, 0, 0, epsilon): "
-                      "update _plan_rows to the step-row columns of sglang_sparse.psa.stats")
+def _dense_row(kind: float, eps: float) -> tuple:
+    """A stock-decode step row as a host tuple: its kind and epsilon, nothing read or kept."""
+    row = [0.0] * STEP_COLS
+    row[COL_SPARSE], row[COL_EPS] = kind, float(eps)
+    return tuple(row)
+
+
 _META_ATTR = "_sparse_psa_meta"    # on a scheduler ``Req``: (retraction_count, tokens its block metadata covers)
 
 
@@ -268,24 +271,17 @@ class _RunnerBase:
         bs = int(forward_batch.batch_size)
         self.bs, self.is_decode, self.graph_mode = bs, decode, False
         self.dense_rows = None
-        lens = None if forward_batch.seq_lens_cpu is None else forward_batch.seq_lens_cpu[:bs].tolist()
+        lens = None if forward_batch.seq_lens_cpu is None else host_ints(forward_batch.seq_lens_cpu, bs)
         if state is None:
             reqs = list(batch_requests(forward_batch) or ())[:bs]
             eps, off, probe = self._row_state(reqs, bs, lens)
         else:
             eps, off, probe, reqs = state
         self._row_reqs = list(reqs) + [None] * (bs - len(reqs))
-        if decode and not tensor_rows and lens is not None and max(lens, default=0) < self.cfg.min_context:
-            # every row short (the common case below min_context): the stock decode, rows from the epsilons alone
-            self.sparse_batch, self.step_rows, self._ws_step = False, None, False
-            self._rows_host = (lens, eps, [False] * bs, [False] * bs)
-            self._sparse_host = self._eps_host = self._probe_host = None
-            self.dense_rows = (tuple((0.0, 0.0, 0.0, 0.0, 0.0, float(e)) for e in eps), True)  # _DENSE_ROW
-            return
-        if decode and lens is not None:
+        if decode and lens is not None and max(lens, default=0) >= self.cfg.min_context:
             sparse, switched = self._row_kinds(lens, eps, off)
             sparse = self._admit_rows(sparse, lens, self._row_reqs)
-        else:
+        else:  # an extend, or every row short (the common case below min_context): no sparse row
             sparse = switched = [False] * bs
         self.sparse_batch = any(sparse)
         probe = [s and p for s, p in zip(sparse, probe)]  # probe steps: exact result, PSA's reads counted
@@ -296,8 +292,7 @@ class _RunnerBase:
         kinds = [float(ROW_ADAPTIVE_DENSE) if switched[i] and _decided(self._row_reqs[i]) else 0.0 for i in range(bs)]
         if decode and not self.sparse_batch and not tensor_rows:
             self.step_rows = None
-            self.dense_rows = (tuple((k, 0.0, 0.0, 0.0, 0.0, float(e)) for k, e in zip(kinds, eps)),  # _DENSE_ROW
-                               not any(kinds))
+            self.dense_rows = tuple(_dense_row(k, e) for k, e in zip(kinds, eps)), not any(kinds)
             return
         rows = [[0.0] * STEP_COLS for _ in range(bs)]
         for i in range(bs):
