@@ -84,17 +84,17 @@ def prefill_graph_gate_hook(result, graph_runner, forward_batch, *args, **kwargs
     """AFTER ``PrefillCudaGraphRunner.can_run_graph``: under loopserve / lastwindow (backends that set
     ``sparse_prefill_graph_below``) an extend batch replays SGLang's prefill graph only when no row reaches the
     mode's ``min_context`` (the whole batch runs the stock prefill, as under ``off``); a batch with a long row
-    (sparse prefill, line reuse) runs eagerly, exactly as with prefill graphs off. A backend with
-    ``sparse_prefill_eager(forward_batch)`` (psa: an extend carrying a prefill probe) runs eagerly where it answers
-    True. Other modes: SGLang's answer."""
+    (sparse prefill, line reuse) runs eagerly, exactly as with prefill graphs off. Other modes (psa, whose prefill
+    probe runs inside the eager attention calls of the breakable prefill graphs): SGLang's answer, told to the
+    backend's ``sparse_note_prefill_graph(forward_batch)`` when it has one (statistics)."""
     if not result:
         return result
     backend = getattr(getattr(graph_runner, "model_runner", None), "attn_backend", None)
-    eager = getattr(backend, "sparse_prefill_eager", None)
-    if callable(eager) and eager(forward_batch):
-        return False
     min_context = getattr(backend, "sparse_prefill_graph_below", None)
     if min_context is None:
+        note = getattr(backend, "sparse_note_prefill_graph", None)
+        if callable(note):
+            note(forward_batch)
         return result
     return not prefill_reaches(forward_batch, int(min_context))
 

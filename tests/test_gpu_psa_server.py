@@ -210,3 +210,37 @@ def test_gpu_psa_switched_requests_finish_on_the_stock_graph_and_keep_the_answer
         assert "4817" in r2["choices"][0]["message"]["content"]
     rep2 = r2["metadata"]["sparse"]
     assert rep2["prefill_probe"]
+
+
+@pytest.fixture(scope="module")
+def eager_prefill_server(tmp_path_factory):
+    """The switch server's settings with SGLang's prefill CUDA graphs off: every prefill probe runs eagerly."""
+    server = _server("psa", tmp_path_factory.mktemp("gpu_psa_eager_prefill") / "psa.log",
+                     sparse_config=f'{{"min_context": {MIN_CONTEXT}}}',
+                     extra=("--page-size", "16", "--disable-prefill-cuda-graph"))
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+def test_gpu_psa_prefill_probe_in_a_prefill_graph_decides_as_the_eager_probe(switch_server, eager_prefill_server):
+    """A long prompt's prefill probe runs inside the replay of SGLang's (breakable) prefill graph, in the eager
+    attention calls between its segments: its reads, the switch's decision and the answer equal those of a server
+    whose prefill runs eagerly."""
+    stats = lambda s: s.server_info()["internal_states"][0]["sparse"]["stats"]  # noqa: E731
+    g0, e0 = stats(switch_server), stats(eager_prefill_server)
+    prompt = "A prefill probe in a prefill graph.\n\n" + _long_prompt(5000)
+    g = chat(switch_server, prompt, 24)
+    e = chat(eager_prefill_server, prompt, 24)
+    g1, e1 = stats(switch_server), stats(eager_prefill_server)
+    rg, re_ = g["metadata"]["sparse"], e["metadata"]["sparse"]
+    print(f"graph prefill: {rg}\neager prefill: {re_}")
+    assert rg["prefill_probe"] and re_["prefill_probe"]
+    assert g1["prefill_probes"] - g0["prefill_probes"] == 1 == e1["prefill_probes"] - e0["prefill_probes"]
+    assert g1["prefill_probe_graph_extends"] - g0["prefill_probe_graph_extends"] == 1
+    assert e1["prefill_probe_graph_extends"] == e0["prefill_probe_graph_extends"]
+    assert abs(rg["probe_read_fraction"] - re_["probe_read_fraction"]) <= 0.02
+    assert (rg["switched_dense_steps"] > 0) == (re_["switched_dense_steps"] > 0)
+    first = lambda r: r["choices"][0]["message"]["content"].strip().split("\n")[0]  # noqa: E731
+    assert first(g) == first(e)

@@ -12,7 +12,7 @@ import torch
 from sglang_sparse.config import PsaConfig
 from sglang_sparse.psa.runner import AttnShape, PsaCpuRunner
 from sglang_sparse.psa.switch import _PREFILL_PROBE_ATTR, adaptive_dense
-from sglang_sparse.psa.stats import (COL_EPS, COL_READ, COL_SPARSE, COL_TOTAL, COL_UNITS, ROW_ADAPTIVE_DENSE,
+from sglang_sparse.psa.stats import (COL_EPS, PsaStats, COL_READ, COL_SPARSE, COL_TOTAL, COL_UNITS, ROW_ADAPTIVE_DENSE,
                                      ROW_PREFILL_PROBE, STEP_COLS, STEP_KEY)
 
 LAYERS, HQ, HK, D, BLOCK = 2, 4, 2, 16, 16
@@ -70,12 +70,20 @@ def test_prefill_row_decides_and_steps_before_it_are_stock():
     assert not adaptive_dense(cfg, focused) and runner.sparse_batch
 
 
-def test_an_extend_with_a_prefill_probe_never_replays_a_prefill_graph():
+def test_an_extend_with_a_prefill_probe_keeps_sglangs_prefill_graph_answer():
+    """The probe runs inside forward_extend, which SGLang's breakable prefill graphs call eagerly between their
+    captured segments: psa never vetoes a prefill graph (SGLang's answer stands, with or without a probe)."""
     from sglang_sparse.api_hooks import prefill_graph_gate_hook
     from sglang_sparse.psa.backend import PsaDecodeMixin
 
     backend = type("PsaBackend", (), dict(vars(PsaDecodeMixin)))()
     backend._psa_runner = PsaCpuRunner(_cfg(), BLOCK, AttnShape(LAYERS, HQ, HK, D), torch.device("cpu"))
+    backend.sparse_stats = PsaStats()
     graph_runner = SimpleNamespace(model_runner=SimpleNamespace(attn_backend=backend))
-    assert prefill_graph_gate_hook(True, graph_runner, _extend([200], [30], [_req(200)])) is False
+    probed = _extend([200], [30], [_req(200)])
+    assert backend._psa_runner.extend_probe_rows(probed) == [0]
+    assert prefill_graph_gate_hook(True, graph_runner, probed) is True
+    assert backend.sparse_stats.prefill_probe_graph_extends == 1  # counted: SGLang replays it
+    assert prefill_graph_gate_hook(False, graph_runner, probed) is False
     assert prefill_graph_gate_hook(True, graph_runner, _extend([60], [60], [_req(60)])) is True
+    assert backend.sparse_stats.prefill_probe_graph_extends == 1  # no probe, or no replay: not counted

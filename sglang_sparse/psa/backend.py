@@ -90,10 +90,11 @@ class PsaDecodeMixin:
         self._psa_runner.after_extend(self, q, layer, forward_batch)
         return o
 
-    def sparse_prefill_eager(self, forward_batch) -> bool:
-        """Prefill-graph gate (``api_hooks.prefill_graph_gate_hook``): an extend with a prefill probe (the adaptive
-        switch's stop test for a long prompt's last query, run per layer) runs eagerly."""
-        return bool(self._psa_runner.extend_probe_rows(forward_batch))
+    def sparse_note_prefill_graph(self, forward_batch) -> None:
+        """Prefill-graph gate (``api_hooks.prefill_graph_gate_hook``): an extend that replays SGLang's prefill graph;
+        one with a prefill probe is counted (``prefill_probe_graph_extends``)."""
+        if self._psa_runner.extend_probe_rows(forward_batch):
+            self.sparse_stats.prefill_probe_graph_extends += 1
 
     def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, *args, **kwargs):
         if args or kwargs:  # a stock call signature this mode does not know: stay exact, stay stock
@@ -189,6 +190,8 @@ def install(backend, config: PsaConfig, page_size: int, enable_metrics: bool = F
     backend.sparse_stats = PsaStats(reporter=getattr(runner, "meta_report", None))
     backend.sparse_stock_graphs = bool(config.stock_graphs)  # sglang_sparse.graph_variants
     backend.sparse_installed_mode = "psa"
-    # no sparse_prefill_graph_below (api_hooks.prefill_graph_gate_hook): PSA leaves extends stock, so an extend batch
-    # may replay SGLang's prefill graphs unless it carries a prefill probe (sparse_prefill_eager)
+    # no sparse_prefill_graph_below (api_hooks.prefill_graph_gate_hook): PSA leaves extends stock, so every extend
+    # batch may replay SGLang's prefill graphs, those with a prefill probe too: under the breakable prefill graphs (the
+    # only prefill graphs a sparse mode keeps, server_args._prefill_graph_requirements) attention runs eagerly between
+    # the captured segments, so the probe in forward_extend runs there, planned by init_forward_metadata beforehand
     return backend

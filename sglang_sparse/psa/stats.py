@@ -51,6 +51,7 @@ class PsaStats:
     switched_dense_rows: int = 0   # (request, decode step) pairs decoded densely by the adaptive switch
     probe_rows: int = 0            # (request, decode step) pairs of the switch's probe steps (exact result)
     prefill_probes: int = 0        # requests probed at the end of their prefill
+    prefill_probe_graph_extends: int = 0  # extend batches with such a probe replayed from SGLang's prefill graph
     probe_blocks_read: int = 0     # blocks PSA's stop test selects on those (what a sparse step would read)
     probe_blocks_total: int = 0
     blocks_read: int = 0           # sum over layers, sparse rows, KV heads
