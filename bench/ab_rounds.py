@@ -15,7 +15,8 @@ Per server and cell the report gives each round's output throughput and its rati
 servers (every server of mode ``off``; the first server when there is none) in the same round, the geometric mean
 of those ratios with their min and max, and the median TPOT and TTFT. ``--pythonpath LABEL=DIR`` starts one server
 with ``DIR`` first on its ``PYTHONPATH`` (another checkout of the project: an A/B of two code versions on one
-machine); ``--url LABEL=URL`` uses a server that is already running (not started, not stopped). Outputs in
+machine); ``--url LABEL=URL`` uses a server that is already running (not started, not stopped). Each server's
+sglang-sparse counters (``/server_info``) are read at the end of the run (``sparse_stats``). Outputs in
 ``--out``: ``ab_rounds.json`` and ``ab_rounds.md``; server logs beside them. Servers started here are stopped by
 their own process group.
 """
@@ -74,6 +75,21 @@ class _Running:
         self.url = url
 
 
+def sparse_stats(url: str, timeout: float = 30.0) -> dict | None:
+    """The server's sglang-sparse counters since start-up (``/server_info`` -> ``internal_states[0].sparse.stats``),
+    or None (a stock server, or no answer): what each mode did over the run (e.g. psa's sparse and switched rows)."""
+    import requests
+
+    try:
+        r = requests.get(url + "/server_info", timeout=timeout)
+        r.raise_for_status()
+        states = r.json().get("internal_states") or [{}]
+        stats = (states[0].get("sparse") or {}).get("stats")
+    except (requests.RequestException, ValueError, AttributeError, IndexError):
+        return None
+    return stats if isinstance(stats, dict) and stats else None
+
+
 def rotated(labels: list[str], r: int) -> list[str]:
     """Server order of round ``r``: the list rotated left by ``r``."""
     k = r % len(labels) if labels else 0
@@ -129,10 +145,23 @@ def render_md(report: dict) -> str:
                      + " | ".join(f"{row[c]['median_tpot_ms']}" for c in cells) + " |")
     lines += ["", "Servers:", ""]
     for s in meta["servers"]:
+        st = (report.get("sparse_stats") or {}).get(s["label"])
+        keys = [k for k in _STAT_KEYS if st and st.get(k) is not None]
         lines.append(f"- `{s['label']}`: `--sparse {s['mode']}`" + (f" `--sparse-config '{s['config']}'`"
                                                                     if s["config"] else "")
-                     + (f", code from `{s['pythonpath']}`" if s.get("pythonpath") else ""))
+                     + (f", code from `{s['pythonpath']}`" if s.get("pythonpath") else "")
+                     + ("; over the run (warm-up included): " + ", ".join(f"{k} {_fmt_stat(st[k])}" for k in keys)
+                        if keys else ""))
     return "\n".join(lines) + "\n"
+
+
+# counters of /server_info shown in the report when a server has them (psa's switch; loopserve's engagement)
+_STAT_KEYS = ("sparse_rows", "switched_dense_rows", "probe_rows", "prefill_probes", "probe_read_fraction",
+              "read_fraction", "sparse_decode_steps", "dense_decode_steps", "dense_graph_steps", "graph_decode_steps")
+
+
+def _fmt_stat(v) -> str:
+    return f"{v:.3f}" if isinstance(v, float) else str(v)
 
 
 def parse_args(argv):
@@ -233,6 +262,7 @@ def main(argv: list[str] | None = None) -> int:
                     raw[lab][f"c{c}"].append(s)
                     log(f"round {r + 1}/{a.rounds} c{c} {lab}: {s['output_throughput'] or 0:.0f} tok/s, "
                         f"TPOT {s['median_tpot_ms'] or 0:.2f} ms, failed {s['failed']}")
+        stats = {lab: sparse_stats(servers[lab].url) for lab in labels}
         baseline = [lab for lab, mode, _ in a.items if mode == "off"] or labels[:1]
         env = envinfo.collect(a.python, [sys.executable, "-m", "bench.ab_rounds"] + argv)
         report = {"meta": {"command": "python -m bench.ab_rounds " + shlex.join(argv), "gpu": env.get("gpu"),
@@ -242,7 +272,7 @@ def main(argv: list[str] | None = None) -> int:
                            "servers": [{"label": lab, "mode": mode, "config": cfg, "pythonpath": a.paths.get(lab),
                                         "url": a.urls.get(lab)}
                                        for lab, mode, cfg in a.items]},
-                  "summary": summarize(raw, baseline), "raw": raw}
+                  "summary": summarize(raw, baseline), "sparse_stats": stats, "raw": raw}
         (out / "ab_rounds.json").write_text(json.dumps(report, indent=1))
         (out / "ab_rounds.md").write_text(render_md(report))
         log(f"wrote {out / 'ab_rounds.json'} and ab_rounds.md")

@@ -324,7 +324,11 @@ def test_ab_rounds_ratios_are_per_round_against_the_baseline_servers_mean(tmp_pa
     report = {"meta": {"rounds": 2, "gpu": "g", "command": "c", "baseline": ["off", "off2"],
                        "servers": [{"label": k, "mode": "off", "config": None} for k in raw]}, "summary": s}
     md = ab_rounds.render_md(report)
-    assert "| psa | 0.9" in md and "mean of off, off2" in md
+    assert "| psa | 0.9" in md and "mean of off, off2" in md and "over the run" not in md
+    report["sparse_stats"] = {"psa": {"sparse_rows": 12, "switched_dense_rows": 500, "probe_read_fraction": 0.91234,
+                                      "unlisted": 3}, "off": None}
+    md = ab_rounds.render_md(report)
+    assert "sparse_rows 12, switched_dense_rows 500, probe_read_fraction 0.912" in md and "unlisted" not in md
 
 
 def test_ab_rounds_refuses_bad_server_lists_and_paths(tmp_path, capsys):

@@ -85,6 +85,7 @@ def test_ab_rounds_measures_running_servers_round_by_round(cpu_server, default_m
                          "--prompts-per-concurrency", "1", "--out", str(tmp_path)])
     assert rc == 0
     rep = json.loads((tmp_path / "ab_rounds.json").read_text())
+    assert set(rep["sparse_stats"]) == {"off", "off2"}  # read from each server at the end (stock: None)
     assert rep["meta"]["baseline"] == ["off", "off2"] and rep["meta"]["servers"][1]["url"] == cpu_server.url
     for label in ("off", "off2"):
         cell = rep["summary"][label]["c1"]
