@@ -50,6 +50,25 @@ def attention_backend_hook(result, model_runner, *args, **kwargs):
             args = model_runner.server_args
             install(backend, ctx.config, args.page_size, bool(args.enable_metrics), model_runner=model_runner)
         backend.sparse_context = ctx
+        backend.sparse_engagement = engagement(ctx, model_runner)
+
+
+def engagement(ctx, model_runner) -> dict | None:
+    """Whether the mode's ``min_context`` is reachable on the served model: ``{"min_context", "context_length",
+    "reachable"}``, or None (a mode without ``min_context``, or no served length known). No request option
+    lowers ``min_context``, so a value above the served context length means the mode never engages: every request
+    is served by the stock attention. Logged as a warning at start-up (a mode that cannot do anything there should
+    say so), reported in ``/server_info`` (``internal_states[0].sparse.engagement``)."""
+    mc = getattr(ctx.config, "min_context", None)
+    served = getattr(getattr(model_runner, "model_config", None), "context_len", None)
+    if mc is None or not served:
+        return None
+    got = {"min_context": int(mc), "context_length": int(served), "reachable": int(mc) <= int(served)}
+    if not got["reachable"]:
+        logger.warning("sglang-sparse %s: min_context %d is above the served context length %d, so no request can "
+                       "reach it and every request is served by the stock attention; set a lower min_context in "
+                       "--sparse-config to engage the mode", ctx.mode, got["min_context"], got["context_length"])
+    return got
 
 
 def internal_state_hook(result, scheduler, *args, **kwargs):
@@ -63,6 +82,7 @@ def internal_state_hook(result, scheduler, *args, **kwargs):
         "config": None if ctx is None else ctx.config.to_dict(),
         "attention_backend": type(backend).__name__,
         "attention_backend_mode": None if backend_ctx is None else backend_ctx.mode,
+        "engagement": getattr(backend, "sparse_engagement", None),
         "stats": stats.to_dict() if (stats := getattr(backend, "sparse_stats", None)) is not None else None,
         "host_tier": tier.report() if (tier := getattr(getattr(scheduler, "tree_cache", None), "tier", None))
         is not None else None,
