@@ -41,6 +41,7 @@ def attention_backend_hook(result, model_runner, *args, **kwargs):
     if ctx.spec.backend_installer:
         install = resolve(ctx.spec.backend_installer)
     seen = set()
+    reach = engagement(ctx, model_runner)  # once (warned once) for the backend(s) below
     for name in ("attn_backend", "decode_attn_backend"):
         backend = getattr(model_runner, name, None)
         if backend is None or id(backend) in seen:
@@ -50,7 +51,7 @@ def attention_backend_hook(result, model_runner, *args, **kwargs):
             args = model_runner.server_args
             install(backend, ctx.config, args.page_size, bool(args.enable_metrics), model_runner=model_runner)
         backend.sparse_context = ctx
-        backend.sparse_engagement = engagement(ctx, model_runner)
+        backend.sparse_engagement = reach
 
 
 def engagement(ctx, model_runner) -> dict | None:

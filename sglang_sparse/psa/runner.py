@@ -22,8 +22,8 @@ Rows of a decode batch below ``min_context``, with epsilon 1.0, or sent dense by
     its last prompt token, per layer, PSA's stop test runs for that token's query over the whole context
     (:meth:`_RunnerBase.extend_probe_rows`; planned in :meth:`begin_batch`, run after each layer's stock attention,
     which SGLang's breakable prefill graphs call eagerly between their captured segments, so such an extend may
-    replay them like any other). Its output is discarded: the prefill is stock. Until the request's decision is read back (one step behind under
-    the overlap scheduler) its decode steps are stock dense steps. A request the switch sends dense therefore
+    replay them like any other). Its output is discarded: the prefill is stock. Until the request's decision is
+    read back (one step behind under the overlap scheduler) its decode steps are stock dense steps. A request the switch sends dense therefore
     decodes exactly as ``--sparse off`` does, every token;
   * a request that reaches ``min_context`` only while decoding runs ``probe_steps`` decode probe steps: the PSA
     kernel at epsilon 1.0 (every block: the exact result up to rounding) while its stop test records, at the
