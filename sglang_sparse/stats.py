@@ -10,6 +10,7 @@ Prometheus metrics to ``/metrics``.
   host values only and shared between such steps (no tensor, no copy, nothing to fold into the counters).
 * :class:`MetricSet`: Prometheus counters / gauges / histograms of one component, all named
   ``sglang_sparse:<prefix>_<name>`` on one registry (the default registry unless given).
+* :func:`host_row`: one step row as a host tuple (the rows :class:`DenseRowCache` shares).
 * :func:`ratio`: ``num / den`` or None when ``den`` is 0 (the derived fields of the counters' ``to_dict``).
 """
 
@@ -18,6 +19,14 @@ from __future__ import annotations
 from typing import Callable, Sequence
 
 import torch
+
+
+def host_row(num_cols: int, values: dict[int, float]) -> tuple:
+    """A step row as a host tuple of ``num_cols`` floats: ``values`` (column -> value) set, every other column 0."""
+    row = [0.0] * num_cols
+    for col, v in values.items():
+        row[col] = float(v)
+    return tuple(row)
 
 
 def ratio(num: float, den: float) -> float | None:
@@ -59,8 +68,8 @@ class StepRows:
 
     ``host`` is a CPU tensor ``[bs, cols]`` fp32 that may still be filling from a non-blocking copy; it is read
     (and folded into the counters by ``on_first_read``) on first access. ``rows`` instead: host tuples already
-    final, folded at construction. SGLang reads ``rows[i]`` per request while it processes the batch result, i.e. after its
-    own sync on the sampled tokens, which follows the copy on the same stream.
+    final, folded at construction. SGLang reads ``rows[i]`` per request while it processes the batch result, i.e.
+    after its own sync on the sampled tokens, which follows the copy on the same stream.
     """
 
     def __init__(self, host: torch.Tensor | None, on_first_read: Callable[[list], None] | None = None,

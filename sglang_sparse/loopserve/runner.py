@@ -83,6 +83,7 @@ from sglang_sparse.loopserve.stats import (
     KIND_DECODE, KIND_DENSE, KIND_LASTWINDOW, KIND_PREFILL, STEP_COLS,
 )
 from sglang_sparse.request_params import batch_requests, host_ints, request_values
+from sglang_sparse.stats import host_row
 
 FIRST_RESELECT = 16  # Alg. 3: the first re-selection at the 16th generated token
 # the all-layer list build of a step without re-selection holds ~4 int32 tensors of L x rows x Hk x width
@@ -162,13 +163,6 @@ class _ExtRow:
     last_chunk: bool
     sample_pos: torch.Tensor | None = None  # [R] their positions (sample + prefix), built once per batch
     sel_cfg: VSSelectConfig | None = None    # the request's selection config, built once per batch
-
-
-def _dense_row(alpha: float) -> tuple:
-    """A step row of a request the stock attention served (kind dense, its alpha) as a host tuple."""
-    row = [0.0] * STEP_COLS
-    row[COL_KIND], row[COL_ALPHA] = float(KIND_DENSE), alpha
-    return tuple(row)
 
 
 def _decoding_sparsely(req) -> bool:
@@ -264,7 +258,7 @@ class LoopServeRunner:
         """Rows of a batch the stock attention runs alone (no sparse row): ``dense_rows``, one host tuple per row
         (kind dense, the request's alpha)."""
         self.step_rows = None
-        self.dense_rows = tuple(_dense_row(a) for a in alphas)
+        self.dense_rows = tuple(host_row(STEP_COLS, {COL_KIND: KIND_DENSE, COL_ALPHA: a}) for a in alphas)
 
     def _new_state(self, req, alpha, budget, prefix, backend) -> ReqState:
         sh, dev = self.shape, self.device

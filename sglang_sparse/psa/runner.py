@@ -23,8 +23,8 @@ Rows of a decode batch below ``min_context``, with epsilon 1.0, or sent dense by
     (:meth:`_RunnerBase.extend_probe_rows`; planned in :meth:`begin_batch`, run after each layer's stock attention,
     which SGLang's breakable prefill graphs call eagerly between their captured segments, so such an extend may
     replay them like any other). Its output is discarded: the prefill is stock. Until the request's decision is
-    read back (one step behind under the overlap scheduler) its decode steps are stock dense steps. A request the switch sends dense therefore
-    decodes exactly as ``--sparse off`` does, every token;
+    read back (one step behind under the overlap scheduler) its decode steps are stock dense steps. A request the
+    switch sends dense therefore decodes exactly as ``--sparse off`` does, every token;
   * a request that reaches ``min_context`` only while decoding runs ``probe_steps`` decode probe steps: the PSA
     kernel at epsilon 1.0 (every block: the exact result up to rounding) while its stop test records, at the
     row's epsilon, how many blocks PSA would read (``PsaDecodeWrapper.probe_nread``; on the CPU the stock output
@@ -54,6 +54,7 @@ from sglang_sparse.psa.stats import (COL_EPS, COL_KEPT, COL_READ, COL_SPARSE, CO
                                      ROW_ADAPTIVE_DENSE, ROW_PREFILL_PROBE, ROW_PROBE, ROW_SPARSE, STEP_COLS)
 from sglang_sparse.psa.switch import _PREFILL_PROBE_ATTR, _decided, _epsilons_of, extend_probe_rows, switch_state
 from sglang_sparse.request_params import ReplayRequests, batch_requests, host_ints
+from sglang_sparse.stats import host_row
 
 
 def kernel_config(cfg: PsaConfig) -> PsaDecodeConfig:
@@ -86,13 +87,6 @@ class AttnShape:
     def units(self) -> int:
         """(layer, KV head) pairs: the unit of blocks-read accounting."""
         return self.num_layers * self.num_kv_heads
-
-
-def _dense_row(kind: float, eps: float) -> tuple:
-    """A stock-decode step row as a host tuple: its kind and epsilon, nothing read or kept."""
-    row = [0.0] * STEP_COLS
-    row[COL_SPARSE], row[COL_EPS] = kind, float(eps)
-    return tuple(row)
 
 
 _META_ATTR = "_sparse_psa_meta"    # on a scheduler ``Req``: (retraction_count, tokens its block metadata covers)
@@ -293,7 +287,8 @@ class _RunnerBase:
         kinds = [float(ROW_ADAPTIVE_DENSE) if switched[i] and _decided(self._row_reqs[i]) else 0.0 for i in range(bs)]
         if decode and not self.sparse_batch and not tensor_rows:
             self.step_rows = None
-            self.dense_rows = tuple(_dense_row(k, e) for k, e in zip(kinds, eps)), not any(kinds)
+            self.dense_rows = tuple(host_row(STEP_COLS, {COL_SPARSE: k, COL_EPS: e}) for k, e in zip(kinds, eps)), \
+                not any(kinds)
             return
         rows = [[0.0] * STEP_COLS for _ in range(bs)]
         for i in range(bs):
