@@ -75,19 +75,25 @@ class _Running:
         self.url = url
 
 
-def sparse_stats(url: str, timeout: float = 30.0) -> dict | None:
-    """The server's sglang-sparse counters since start-up (``/server_info`` -> ``internal_states[0].sparse.stats``),
-    or None (a stock server, or no answer): what each mode did over the run (e.g. psa's sparse and switched rows)."""
+def sparse_section(url: str, key: str, timeout: float = 30.0) -> dict | None:
+    """One field of the server's sglang-sparse report (``/server_info`` -> ``internal_states[0].sparse[key]``), or
+    None (a stock server, a dormant mode's counters, or no answer)."""
     import requests
 
     try:
         r = requests.get(url + "/server_info", timeout=timeout)
         r.raise_for_status()
         states = r.json().get("internal_states") or [{}]
-        stats = (states[0].get("sparse") or {}).get("stats")
+        got = (states[0].get("sparse") or {}).get(key)
     except (requests.RequestException, ValueError, AttributeError, IndexError):
         return None
-    return stats if isinstance(stats, dict) and stats else None
+    return got if isinstance(got, dict) and got else None
+
+
+def sparse_stats(url: str, timeout: float = 30.0) -> dict | None:
+    """The server's sglang-sparse counters since start-up (``stats``), or None: what each mode did over the run
+    (e.g. psa's sparse and switched rows)."""
+    return sparse_section(url, "stats", timeout)
 
 
 def rotated(labels: list[str], r: int) -> list[str]:
@@ -146,10 +152,13 @@ def render_md(report: dict) -> str:
     lines += ["", "Servers:", ""]
     for s in meta["servers"]:
         st = (report.get("sparse_stats") or {}).get(s["label"])
+        eng = (report.get("sparse_engagement") or {}).get(s["label"]) or {}
         keys = [k for k in _STAT_KEYS if st and st.get(k) is not None]
         lines.append(f"- `{s['label']}`: `--sparse {s['mode']}`" + (f" `--sparse-config '{s['config']}'`"
                                                                     if s["config"] else "")
                      + (f", code from `{s['pythonpath']}`" if s.get("pythonpath") else "")
+                     + (f"; dormant (min_context {eng.get('min_context')} above the longest sequence "
+                        f"{eng.get('longest_sequence')}: the stock server)" if eng.get("dormant") else "")
                      + ("; over the run (warm-up included): " + ", ".join(f"{k} {_fmt_stat(st[k])}" for k in keys)
                         if keys else ""))
     return "\n".join(lines) + "\n"
@@ -263,6 +272,7 @@ def main(argv: list[str] | None = None) -> int:
                     log(f"round {r + 1}/{a.rounds} c{c} {lab}: {s['output_throughput'] or 0:.0f} tok/s, "
                         f"TPOT {s['median_tpot_ms'] or 0:.2f} ms, failed {s['failed']}")
         stats = {lab: sparse_stats(servers[lab].url) for lab in labels}
+        engaged = {lab: sparse_section(servers[lab].url, "engagement") for lab in labels}
         baseline = [lab for lab, mode, _ in a.items if mode == "off"] or labels[:1]
         env = envinfo.collect(a.python, [sys.executable, "-m", "bench.ab_rounds"] + argv)
         report = {"meta": {"command": "python -m bench.ab_rounds " + shlex.join(argv), "gpu": env.get("gpu"),
@@ -272,7 +282,8 @@ def main(argv: list[str] | None = None) -> int:
                            "servers": [{"label": lab, "mode": mode, "config": cfg, "pythonpath": a.paths.get(lab),
                                         "url": a.urls.get(lab)}
                                        for lab, mode, cfg in a.items]},
-                  "summary": summarize(raw, baseline), "sparse_stats": stats, "raw": raw}
+                  "summary": summarize(raw, baseline), "sparse_stats": stats,
+                  "sparse_engagement": engaged, "raw": raw}
         (out / "ab_rounds.json").write_text(json.dumps(report, indent=1))
         (out / "ab_rounds.md").write_text(render_md(report))
         log(f"wrote {out / 'ab_rounds.json'} and ab_rounds.md")

@@ -42,33 +42,55 @@ def attention_backend_hook(result, model_runner, *args, **kwargs):
         install = resolve(ctx.spec.backend_installer)
     seen = set()
     reach = engagement(ctx, model_runner)  # once (warned once) for the backend(s) below
+    dormant = install is not None and reach is not None and not reach["reachable"]
+    if dormant:
+        logger.info("sglang-sparse %s: dormant (min_context unreachable): the stock attention backend is left as is, "
+                    "with no per-step work, no extra CUDA graphs and no per-request step rows", ctx.mode)
     for name in ("attn_backend", "decode_attn_backend"):
         backend = getattr(model_runner, name, None)
         if backend is None or id(backend) in seen:
             continue
         seen.add(id(backend))
-        if install is not None:
+        if dormant:  # nothing of the mode could ever run: serve exactly as --sparse off does
+            backend.sparse_installed_mode = ctx.mode
+        elif install is not None:
             args = model_runner.server_args
             install(backend, ctx.config, args.page_size, bool(args.enable_metrics), model_runner=model_runner)
         backend.sparse_context = ctx
-        backend.sparse_engagement = reach
+        backend.sparse_engagement = None if reach is None else {**reach, "dormant": dormant}
+
+
+def longest_sequence(model_runner) -> int | None:
+    """The longest sequence (prompt + output tokens) a request can reach on this server, or None when unknown:
+    SGLang's ``max_req_len``, ``min(context_len, max_total_num_tokens) - 1`` (``TpModelWorker``; the scheduler
+    clamps ``max_new_tokens`` below it, the tokenizer refuses longer prompts)."""
+    served = getattr(getattr(model_runner, "model_config", None), "context_len", None)
+    if not served:
+        return None
+    pool = getattr(model_runner, "max_total_num_tokens", None)
+    longest = int(served) if not isinstance(pool, int) or pool <= 0 else min(int(served), pool)
+    return longest - 1
 
 
 def engagement(ctx, model_runner) -> dict | None:
     """Whether the mode's ``min_context`` is reachable on the served model: ``{"min_context", "context_length",
-    "reachable"}``, or None (a mode without ``min_context``, or no served length known). No request option
-    lowers ``min_context``, so a value above the served context length means the mode never engages: every request
-    is served by the stock attention. Logged as a warning at start-up (a mode that cannot do anything there should
-    say so), reported in ``/server_info`` (``internal_states[0].sparse.engagement``)."""
+    "longest_sequence", "reachable"}``, or None (a mode without ``min_context``, or no served length known). No
+    request option lowers ``min_context``, so a value above the longest sequence a request can reach
+    (:func:`longest_sequence`) means the mode never engages: every request is served by the stock attention. Logged
+    as a warning at start-up (a mode that cannot do anything there should say so), reported in ``/server_info``
+    (``internal_states[0].sparse.engagement``, with ``dormant``: the mode was then left uninstalled)."""
     mc = getattr(ctx.config, "min_context", None)
-    served = getattr(getattr(model_runner, "model_config", None), "context_len", None)
-    if mc is None or not served:
+    longest = longest_sequence(model_runner)
+    if mc is None or longest is None:
         return None
-    got = {"min_context": int(mc), "context_length": int(served), "reachable": int(mc) <= int(served)}
+    served = int(model_runner.model_config.context_len)
+    got = {"min_context": int(mc), "context_length": served, "longest_sequence": longest,
+           "reachable": int(mc) <= longest}
     if not got["reachable"]:
-        logger.warning("sglang-sparse %s: min_context %d is above the served context length %d, so no request can "
-                       "reach it and every request is served by the stock attention; set a lower min_context in "
-                       "--sparse-config to engage the mode", ctx.mode, got["min_context"], got["context_length"])
+        logger.warning("sglang-sparse %s: min_context %d is above the longest sequence a request can reach here (%d "
+                       "tokens; served context length %d), so no request can reach it and every request is served "
+                       "by the stock attention, with nothing of the mode installed; set a lower min_context in "
+                       "--sparse-config to engage the mode", ctx.mode, got["min_context"], longest, served)
     return got
 
 

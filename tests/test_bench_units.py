@@ -329,6 +329,10 @@ def test_ab_rounds_ratios_are_per_round_against_the_baseline_servers_mean(tmp_pa
                                       "unlisted": 3}, "off": None}
     md = ab_rounds.render_md(report)
     assert "sparse_rows 12, switched_dense_rows 500, probe_read_fraction 0.912" in md and "unlisted" not in md
+    assert "dormant" not in md
+    report["sparse_engagement"] = {"off2": {"min_context": 32768, "longest_sequence": 32767, "dormant": True}}
+    md = ab_rounds.render_md(report)
+    assert "`off2`: `--sparse off`; dormant (min_context 32768 above the longest sequence 32767" in md
 
 
 def test_ab_rounds_refuses_bad_server_lists_and_paths(tmp_path, capsys):

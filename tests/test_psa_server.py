@@ -46,7 +46,8 @@ def _stats(server):
 def test_psa_below_min_context_equals_dense(psa_server, cpu_server):
     state = _stats(psa_server)
     assert state["mode"] == "psa" and state["attention_backend"] == "PsaTorchNativeAttnBackend"
-    assert state["engagement"] == {"min_context": MIN_CONTEXT, "context_length": 8192, "reachable": True}
+    assert state["engagement"] == {"min_context": MIN_CONTEXT, "context_length": 8192, "longest_sequence": 8191,
+                                   "reachable": True, "dormant": False}
     before = state["stats"]
     sparse = chat(psa_server, PROMPT[0]["content"], 24)
     dense = chat(cpu_server, PROMPT[0]["content"], 24)
