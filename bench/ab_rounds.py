@@ -36,7 +36,7 @@ from typing import Callable
 from bench import envinfo
 from bench import load_client as lc
 from bench.loopserve_turns import parse_configs
-from bench.server import Server, ServerSpec, start_group, stop_all
+from bench.server import Server, ServerSpec, cpu_groups, start_group, stop_all
 
 
 def parse_labelled(flag: str, items: list[str], labels: list[str], value: Callable[[str], str | None],
@@ -157,6 +157,7 @@ def render_md(report: dict) -> str:
         lines.append(f"- `{s['label']}`: `--sparse {s['mode']}`" + (f" `--sparse-config '{s['config']}'`"
                                                                     if s["config"] else "")
                      + (f", code from `{s['pythonpath']}`" if s.get("pythonpath") else "")
+                     + (f", on CPUs {','.join(map(str, s['cpus']))}" if s.get("cpus") else "")
                      + (f"; dormant (min_context {eng.get('min_context')} above the longest sequence "
                         f"{eng.get('longest_sequence')}: the stock server)" if eng.get("dormant") else "")
                      + ("; over the run (warm-up included): " + ", ".join(f"{k} {_fmt_stat(st[k])}" for k in keys)
@@ -196,6 +197,10 @@ def parse_args(argv):
                    help="start server LABEL with DIR first on its PYTHONPATH (repeatable)")
     p.add_argument("--url", action="append", default=[], metavar="LABEL=URL",
                    help="server LABEL is already running at URL: not started, not stopped (repeatable)")
+    p.add_argument("--pin-cpus", action="store_true",
+                   help="run each started server on its own equal set of physical cores, and this client on one "
+                        "more (without it the OS places processes freely, and a server that shares cores with "
+                        "another stays slower or faster for the whole run, which rounds do not average out)")
     p.add_argument("--server-timeout", type=float, default=600.0)
     p.add_argument("--request-timeout", type=float, default=300.0)
     p.add_argument("--out", required=True)
@@ -219,7 +224,7 @@ def parse_args(argv):
     return a
 
 
-def _spec(a, i: int, label: str, mode: str, cfg: str | None) -> ServerSpec:
+def _spec(a, i: int, label: str, mode: str, cfg: str | None, cpus=None) -> ServerSpec:
     extra = a.server_args.split()
     if a.device == "cuda":
         need = max(a.conc) * (a.input_len + a.output_len)
@@ -230,7 +235,24 @@ def _spec(a, i: int, label: str, mode: str, cfg: str | None) -> ServerSpec:
         old = os.environ.get("PYTHONPATH")
         env["PYTHONPATH"] = a.paths[label] + (os.pathsep + old if old else "")
     return ServerSpec(python=a.python, model=a.model, device=a.device, port=a.port + i, mode=mode,
-                      sparse_config=cfg, extra_args=extra, env=env)
+                      sparse_config=cfg, extra_args=extra, env=env, cpus=cpus)
+
+
+def pin_plan(a, log) -> dict[str, tuple[int, ...]]:
+    """With ``--pin-cpus``: CPUs per started server (:func:`bench.server.cpu_groups`), and this process moved onto
+    the client's core; ``{}`` without it. Refuses (SystemExit) when the machine has too few cores."""
+    if not a.pin_cpus:
+        return {}
+    started = [lab for lab, _, _ in a.items if lab not in a.urls]
+    try:
+        client, groups = cpu_groups(len(started), reserve=1)
+    except ValueError as e:
+        raise SystemExit(f"error: --pin-cpus: {e}")
+    os.sched_setaffinity(0, client)
+    pins = dict(zip(started, groups))
+    log("CPUs: client " + ",".join(map(str, client)) + "; "
+        + "; ".join(f"{lab} {','.join(map(str, g))}" for lab, g in pins.items()))
+    return pins
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -244,8 +266,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[ab +{time.monotonic() - t0:.0f}s] {msg}", flush=True)
 
     labels = [lab for lab, _, _ in a.items]
+    pins = pin_plan(a, log)
     servers = {lab: _Running(a.urls[lab]) if lab in a.urls else
-               Server(_spec(a, i, lab, mode, cfg), out / f"server_{lab}.log", timeout_s=a.server_timeout, log=log)
+               Server(_spec(a, i, lab, mode, cfg, pins.get(lab)), out / f"server_{lab}.log",
+                      timeout_s=a.server_timeout, log=log)
                for i, (lab, mode, cfg) in enumerate(a.items)}
     launch = [s for s in servers.values() if isinstance(s, Server)]
     label_of = {id(s): lab for lab, s in servers.items()}
@@ -280,7 +304,7 @@ def main(argv: list[str] | None = None) -> int:
                            "output_len": a.output_len, "concurrency": a.conc, "baseline": baseline,
                            "prompts": {f"c{c}": len(cells[c]) for c in a.conc},
                            "servers": [{"label": lab, "mode": mode, "config": cfg, "pythonpath": a.paths.get(lab),
-                                        "url": a.urls.get(lab)}
+                                        "url": a.urls.get(lab), "cpus": list(pins[lab]) if lab in pins else None}
                                        for lab, mode, cfg in a.items]},
                   "summary": summarize(raw, baseline), "sparse_stats": stats,
                   "sparse_engagement": engaged, "raw": raw}

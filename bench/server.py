@@ -50,6 +50,7 @@ class ServerSpec:
     dtype: str = "bfloat16"
     extra_args: list[str] = field(default_factory=list)
     env: dict[str, str] = field(default_factory=dict)  # variables set for this server on top of this process's
+    cpus: tuple[int, ...] | None = None  # CPUs the server's processes run on (sched_setaffinity); None: any
 
     def argv(self) -> list[str]:
         a = [self.python, "-m", "sglang.launch_server", "--model-path", self.model,
@@ -67,6 +68,50 @@ class ServerSpec:
         elif self.device != "cuda":
             raise ValueError(f"device must be 'cpu' or 'cuda', got '{self.device}'")
         return a + list(self.extra_args)
+
+
+_PIN = "import os, sys; os.sched_setaffinity(0, [int(c) for c in sys.argv[1].split(',')]); os.execvp(sys.argv[2], sys.argv[2:])"
+
+
+def pinned_argv(argv: list[str], cpus, python: str) -> list[str]:
+    """``argv`` run on ``cpus`` only: a ``python -c`` that sets its CPU affinity and execs ``argv`` (every process
+    the server starts inherits it). Not ``preexec_fn``: servers are started from threads."""
+    cpus = sorted(int(c) for c in cpus)
+    if not cpus:
+        raise ValueError("pinned_argv needs at least one CPU")
+    return [python, "-c", _PIN, ",".join(map(str, cpus)), *argv]
+
+
+def cpu_groups(n: int, reserve: int = 1, cpus=None, core_of: Callable[[int], tuple] | None = None) \
+        -> tuple[tuple[int, ...], list[tuple[int, ...]]]:
+    """Split this process's CPUs into ``reserve`` physical cores for the benchmark client and ``n`` equal groups of
+    whole physical cores, one per server (hyper-threads of a core stay in one group; leftover cores go unused, so
+    every server gets the same share). Returns ``(client_cpus, server_groups)``; raises ValueError when there are
+    fewer than ``n + reserve`` cores. ``cpus`` / ``core_of`` (CPU -> physical core key): tests; default: this
+    process's affinity and ``/sys/devices/system/cpu``."""
+    if n < 1 or reserve < 0:
+        raise ValueError(f"cpu_groups: n={n} must be >= 1 and reserve={reserve} >= 0")
+    cpus = sorted(os.sched_getaffinity(0) if cpus is None else cpus)
+    core_of = core_of or _physical_core
+    cores: dict[tuple, list[int]] = {}
+    for c in cpus:
+        cores.setdefault(core_of(c), []).append(c)
+    order = sorted(cores.values())
+    per = (len(order) - reserve) // n
+    if per < 1:
+        raise ValueError(f"cpu_groups: {len(order)} physical cores cannot give {reserve} to the client and at "
+                         f"least one to each of {n} servers")
+    client = tuple(c for core in order[:reserve] for c in core)
+    groups = [tuple(c for core in order[reserve + i * per: reserve + (i + 1) * per] for c in core) for i in range(n)]
+    return client, groups
+
+
+def _physical_core(cpu: int) -> tuple:
+    base = Path(f"/sys/devices/system/cpu/cpu{cpu}/topology")
+    try:
+        return int((base / "physical_package_id").read_text()), int((base / "core_id").read_text())
+    except (OSError, ValueError):
+        return 0, cpu  # no topology: every CPU its own core
 
 
 def tail(path: Path, n: int = 30) -> str:
@@ -111,6 +156,8 @@ class Server:
         env.update(self.spec.env)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         argv = self.spec.argv()
+        if self.spec.cpus:
+            argv = pinned_argv(argv, self.spec.cpus, self.spec.python)
         self.log(f"[server] starting mode={self.spec.mode}: {' '.join(argv)} (log: {self.log_path})")
         t0 = time.monotonic()
         with open(self.log_path, "w") as fh:

@@ -1,0 +1,39 @@
+"""Contract: ``bench.server`` can run a server on a given set of CPUs (the A/B driver's ``--pin-cpus``): the groups
+are equal, disjoint, made of whole physical cores and leave the client its own core; a pinned command really runs
+with that affinity, and so do the processes it starts."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from bench.server import cpu_groups, pinned_argv
+
+
+def test_groups_are_equal_disjoint_whole_cores_with_one_for_the_client():
+    core_of = lambda c: (0, c % 8)  # 16 CPUs, 8 physical cores: CPU c and c + 8 are hyper-threads of one core
+    client, groups = cpu_groups(3, reserve=1, cpus=range(16), core_of=core_of)
+    assert client == (0, 8)
+    assert groups == [(1, 9, 2, 10), (3, 11, 4, 12), (5, 13, 6, 14)]  # core 7 left over: every server gets 2 cores
+    seen = [c for g in groups for c in g] + list(client)
+    assert len(seen) == len(set(seen))
+
+
+def test_too_few_cores_is_refused_naming_the_counts():
+    with pytest.raises(ValueError, match="2 physical cores cannot give 1 to the client and at least one to each of 2"):
+        cpu_groups(2, reserve=1, cpus=[0, 1], core_of=lambda c: (0, c))
+    with pytest.raises(ValueError, match="n=0 must be >= 1"):
+        cpu_groups(0)
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="needs Linux CPU affinity")
+def test_a_pinned_command_and_its_children_run_on_the_given_cpus():
+    cpu = min(os.sched_getaffinity(0))
+    child = "import os, subprocess, sys; print(sorted(os.sched_getaffinity(0))); sys.stdout.flush(); " \
+            "subprocess.run([sys.executable, '-c', 'import os; print(sorted(os.sched_getaffinity(0)))'])"
+    out = subprocess.run(pinned_argv([sys.executable, "-c", child], [cpu], sys.executable), capture_output=True,
+                         text=True, timeout=60, check=True).stdout.split()
+    assert out == [f"[{cpu}]", f"[{cpu}]"]
