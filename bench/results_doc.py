@@ -71,12 +71,12 @@ def e2e_section(e2e: dict | None) -> list[str]:
            "mode / stock `off` in the same cell, measured in the same `bench.load` invocation (throughput > 1 and "
            "TTFT / TPOT < 1 are better). Invocations marked `--order interleaved` ran each cell on `off` and the "
            "mode back to back; the others ran all of `off`'s cells first (`--order by-mode`), so a drift of the "
-           "machine falls on one side. Where a mode serves densely (psa and loopserve below their `min_context`, "
-           "which no testbed request reaches at their defaults; a long psa request its prefill probe sent dense), "
-           "its decode step is SGLang's stock graph and any deficit is host time per step, not GPU work; single 4k "
-           "cells swing by +-15 % between passes on the same machine, and by +-30 % at concurrency 32 "
-           "(`e2e_long.md`: host profiles, invocations L and M and the rotating A/Bs `ab_rounds_4k.md`, "
-           "`ab_rounds_4k_psa_default.md`, `ab_rounds_16k_psa_probe.md`).", ""]
+           "machine falls on one side. At their defaults psa and loopserve are dormant on the testbed (their "
+           "`min_context` is above the longest sequence a request can reach there, so nothing of them is installed): "
+           "their cells are stock servers, and their spread around 1.0 is the grid's noise between server processes "
+           "of identical code. Single cells swing by +-15 % between passes on the same machine at concurrency 8 and "
+           "32 and by more at 1 (`e2e_long.md`: invocation N; the rotating A/Bs `ab_rounds_4k_dormant.md` and "
+           "`ab_rounds_4k_pinned.md`; psa installed and probing: `ab_rounds_16k_psa_probe.md`).", ""]
     if e2e.get("mode_sources"):
         md += ["Where each mode comes from (each invocation has its own `off`):", ""]
         md += [f"- `{m}`: {src}" for m, src in e2e["mode_sources"].items()]
