@@ -54,7 +54,11 @@ def _config_arg(value: str) -> str:
 def _config_help() -> str:
     per_mode = "; ".join(f"{n}: {s.config_cls.describe()}" for n, s in MODES.items())
     return ("Options of the --sparse mode as a JSON object, or @path/to/file.json. Unknown keys, "
-            f"wrong types and out-of-range values are refused at start-up. Keys per mode: {per_mode}.")
+            "wrong types and out-of-range values are refused at start-up. A mode with min_context engages only from "
+            "that many tokens of context; when it is above the longest sequence the server allows (the context "
+            "length, or the KV pool if smaller, minus one) the mode is dormant: nothing of it is installed and the "
+            "server runs as --sparse off (a start-up warning; /server_info sparse.engagement). "
+            f"Keys per mode: {per_mode}.")
 
 
 @dataclasses.dataclass

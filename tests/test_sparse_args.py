@@ -223,6 +223,7 @@ def test_help_lists_both_flags(default_model):
     assert proc.returncode == 0
     assert "--sparse SPARSE" in proc.stdout and "--sparse-config SPARSE_CONFIG" in proc.stdout
     assert "'off': dense" in proc.stdout
+    assert "the mode is dormant" in " ".join(proc.stdout.split())  # what an unreachable min_context does
 
 
 def test_samkv_mass_layers_must_be_an_increasing_fraction_range_and_map_to_layers():
