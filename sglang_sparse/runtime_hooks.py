@@ -30,6 +30,9 @@ def scheduler_init_hook(result, scheduler, *args, **kwargs):
     if ctx.spec.backend_installer and getattr(backend, "sparse_installed_mode", None) != ctx.mode:
         raise RuntimeError(f"sglang-sparse: mode '{ctx.mode}' was not installed into the attention backend "
                            f"({type(backend).__name__}); refusing to serve it densely")
+    # state a mode keeps on the radix cache, where its RadixCache hooks find it (loopserve's line store)
+    for name, state in (getattr(backend, "sparse_tree_state", None) or {}).items():
+        setattr(scheduler.tree_cache, name, state)
     logger.info("sglang-sparse: scheduler pid %d runs mode=%s config=%s on %s", os.getpid(), ctx.mode,
                 ctx.config.to_json(), type(backend).__name__)
 

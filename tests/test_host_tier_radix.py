@@ -177,13 +177,13 @@ def _as_lists(entries) -> dict:
 
 
 @pytest.mark.parametrize("page", [1, 4])
-def test_loopserve_lines_move_to_host_and_back_with_their_nodes(page, monkeypatch):
+def test_loopserve_lines_move_to_host_and_back_with_their_nodes(page):
     from sglang_sparse.loopserve import radix as loopserve_radix
 
     radix = loopserve_radix.RadixLines(SimpleNamespace(line_store_mb=1),
                                        SimpleNamespace(line_store_bytes=0, stored_turns=0), None)
-    monkeypatch.setattr(loopserve_radix, "_STORE", radix)
     tree, kv, alloc = _make(page, line_budget=1 << 20)
+    setattr(tree, loopserve_radix.LINES_ATTR, radix)  # as runtime_hooks.scheduler_init_hook puts it there
     a = list(range(100, 132))                 # nodes: shared prefix [0, 8), A's tail [8, 32), B's tail
     b = a[:8] + list(range(500, 524))
     _insert(tree, alloc, kv, a, 1)
@@ -239,13 +239,13 @@ def test_loopserve_lines_move_to_host_and_back_with_their_nodes(page, monkeypatc
     tree.tier.close()
 
 
-def test_lines_of_an_unsaved_node_are_dropped_and_counted(monkeypatch):
+def test_lines_of_an_unsaved_node_are_dropped_and_counted():
     from sglang_sparse.loopserve import radix as loopserve_radix
 
     radix = loopserve_radix.RadixLines(SimpleNamespace(line_store_mb=1),
                                        SimpleNamespace(line_store_bytes=0, stored_turns=0), None)
-    monkeypatch.setattr(loopserve_radix, "_STORE", radix)
     tree, kv, alloc = _make(1, line_budget=0)       # no host room for lines: the KV goes, the lines do not
+    setattr(tree, loopserve_radix.LINES_ATTR, radix)
     a = list(range(10, 40))
     _insert(tree, alloc, kv, a, 3)
     node = tree.match_prefix(MatchPrefixParams(key=RadixKey(array("q", a)))).last_device_node

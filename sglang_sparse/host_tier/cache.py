@@ -55,19 +55,13 @@ from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey
 from radix_sparse.host_lines import HostLineConfig, HostLineStore, partition_lines, restore_lines
 from radix_sparse.host_nodes import HostNodeStore
 from radix_sparse.host_pool import HostBlockPool, HostTierConfig, KVShape
+from sglang_sparse.loopserve.radix import lines_of
 from sglang_sparse.loopserve.radix import node_depth as _depth
 
 logger = logging.getLogger("sglang_sparse")
 
 BACKEND_NAME = "sglang_sparse_host_tier"
 _MAX_TRANSFER_MB = 64  # device staging of one save / load chunk
-
-
-def _radix_lines():
-    """The process's LoopServe line store (``--sparse loopserve``), or None."""
-    from sglang_sparse.loopserve.radix import active_lines
-
-    return active_lines()
 
 
 def host_tier_enabled(config) -> bool:
@@ -472,7 +466,7 @@ class HostTierRadixCache(RadixCache):
         if self._evicting is not None and node.value is not None and len(node.key) > 0:
             prefix = _path_tokens(node.parent)
             tokens = list(node.key.raw_token_ids())
-            radix = _radix_lines()
+            radix = lines_of(self)
             lines = radix.take(node, len(prefix)) if radix is not None else None  # before loopserve frees them
             self._evicting.append((node.key.extra_key, prefix, len(prefix), tokens, node.value, lines))
         return super()._delete_leaf(node)
@@ -543,7 +537,7 @@ class HostTierRadixCache(RadixCache):
             self.token_to_kv_pool_allocator.free(slots)
             raise RuntimeError(f"sglang-sparse host tier: insert found {res.prefix_len} cached tokens, expected "
                                f"{matched}")
-        radix = _radix_lines()
+        radix = lines_of(self)
         if radix is not None:
             self.tier.reattach_lines(chain, saved, res.last_device_node, matched, matched + n, radix)
         st = self.tier.stats

@@ -162,7 +162,9 @@ def install(backend, config: LoopServeConfig, page_size: int, enable_metrics: bo
                                                                  "_ls_base": base})
     stats = LoopServeStats()
     metrics = LoopServeMetrics() if enable_metrics else None
-    store = loopserve_radix.install_store(config, stats, metrics) if mode == "loopserve" else None
+    store = loopserve_radix.RadixLines(config, stats, metrics) if mode == "loopserve" else None
+    # the line store lives on the scheduler's radix cache (runtime_hooks.scheduler_init_hook), where its hooks run
+    backend.sparse_tree_state = {} if store is None else {loopserve_radix.LINES_ATTR: store}
     kernels = uses_kernels(config, device.type)
     backend._ls_cfg = config
     shape = AttnShape.of(model_runner)

@@ -29,7 +29,7 @@ from radix_sparse.line_store import LineStore, LineStoreConfig, TurnLines
 
 logger = logging.getLogger("sglang_sparse")
 
-_STORE: "RadixLines | None" = None
+LINES_ATTR = "sparse_radix_lines"  # on SGLang's radix cache: its RadixLines (--sparse loopserve), see lines_of
 
 
 class RadixLines:
@@ -101,9 +101,10 @@ class RadixLines:
         return ok, bad
 
 
-def active_lines() -> "RadixLines | None":
-    """The line store of this process (``--sparse loopserve``), or None."""
-    return _STORE
+def lines_of(tree) -> "RadixLines | None":
+    """The line store kept on radix cache ``tree`` (``--sparse loopserve``), or None: the attention backend builds it
+    (``backend.sparse_tree_state``) and ``runtime_hooks.scheduler_init_hook`` puts it on the scheduler's tree."""
+    return getattr(tree, LINES_ATTR, None)
 
 
 def _node_at(tree, req, pos: int, prompt_len: int):
@@ -135,39 +136,37 @@ def node_depth(node) -> int:
     return d
 
 
-def install_store(config, stats, metrics) -> RadixLines:
-    global _STORE
-    _STORE = RadixLines(config, stats, metrics)
-    return _STORE
-
-
 # ------------------------------------------------------------------------------ RadixCache hooks
 def cache_req_hook(result, tree, req, *args, **kwargs):
     """AFTER ``RadixCache.cache_unfinished_req`` / ``cache_finished_req``."""
-    if _STORE is not None and not getattr(tree, "disable", False):
-        _STORE.attach(tree, req)
+    radix = lines_of(tree)
+    if radix is not None and not getattr(tree, "disable", False):
+        radix.attach(tree, req)
     return result
 
 
 def split_hook(result, tree, key, child, split_len, *args, **kwargs):
     """AFTER ``RadixCache._split_node``: ``result`` is the new parent holding the first ``split_len`` tokens."""
-    if _STORE is not None and result is not None and _STORE.store.entries(child.id):
-        _STORE.store.split(child.id, result.id, node_depth(result))
-        _STORE._report()
+    radix = lines_of(tree)
+    if radix is not None and result is not None and radix.store.entries(child.id):
+        radix.store.split(child.id, result.id, node_depth(result))
+        radix._report()
     return result
 
 
 def delete_leaf_hook(result, tree, node, *args, **kwargs):
     """AFTER ``RadixCache._delete_leaf``."""
-    if _STORE is not None and _STORE.store.entries(node.id):
-        _STORE.store.free(node.id)
-        _STORE._report()
+    radix = lines_of(tree)
+    if radix is not None and radix.store.entries(node.id):
+        radix.store.free(node.id)
+        radix._report()
     return result
 
 
 def reset_hook(result, tree, *args, **kwargs):
     """AFTER ``RadixCache.reset``."""
-    if _STORE is not None:
-        _STORE.store = LineStore(_STORE.store.config)
-        _STORE._report()
+    radix = lines_of(tree)
+    if radix is not None:
+        radix.store = LineStore(radix.store.config)
+        radix._report()
     return result
