@@ -5,7 +5,9 @@
         --rounds 5 --server-args '--attention-backend flashinfer' --out DIR
 
 Every server of ``--servers`` (``LABEL=MODE[:JSON]`` or ``MODE``, as in :mod:`bench.loopserve_turns`) is started
-at once, each with a capped KV pool (``--max-total-tokens``), and stays up for the whole run. A round runs every
+at once, each with a capped KV pool (``--max-total-tokens``), and stays up for the whole run (with
+``--restart-each-round``: a fresh set of servers for every round, since a server process can stay faster or slower
+than an identical one for its whole life, which rotating the order does not average out). A round runs every
 cell (input length x concurrency, :mod:`bench.load_client`: token-exact prose prompts, ``ignore_eos``, radix cache
 flushed first) on every server back to back, the server order rotating by one each round, so a drift of the
 machine falls on every server alike. Two or more ``off`` servers give the noise floor: identical stock servers
@@ -16,7 +18,8 @@ servers (every server of mode ``off``; the first server when there is none) in t
 of those ratios with their min and max, and the median TPOT and TTFT. ``--pythonpath LABEL=DIR`` starts one server
 with ``DIR`` first on its ``PYTHONPATH`` (another checkout of the project: an A/B of two code versions on one
 machine); ``--url LABEL=URL`` uses a server that is already running (not started, not stopped). Each server's
-sglang-sparse counters (``/server_info``) are read at the end of the run (``sparse_stats``). Outputs in
+sglang-sparse counters (``/server_info``) are read at the end of the run (``sparse_stats``; the last round's
+servers when they restart). Outputs in
 ``--out``: ``ab_rounds.json`` and ``ab_rounds.md``; server logs beside them. Servers started here are stopped by
 their own process group.
 """
@@ -138,7 +141,9 @@ def render_md(report: dict) -> str:
     lines = [f"# Interleaved A/B: {meta['rounds']} rounds", "",
              f"GPU: {meta.get('gpu')}. Command: `{meta['command']}`.", "",
              f"Baseline of each round: the mean of {', '.join(meta['baseline'])}. Ratio: output throughput / "
-             "baseline (> 1 is faster); geometric mean over the rounds [min, max].", "",
+             "baseline (> 1 is faster); geometric mean over the rounds [min, max]."
+             + (" Every round ran on freshly started servers (`--restart-each-round`)."
+                if meta.get("restart_each_round") else ""), "",
              "| server | " + " | ".join(f"{c} ratio [min, max]" for c in cells) + " | "
              + " | ".join(f"{c} TPOT ms" for c in cells) + " |",
              "|---|" + "---|" * (2 * len(cells))]
@@ -201,6 +206,10 @@ def parse_args(argv):
                    help="run each started server on its own equal set of physical cores, and this client on one "
                         "more (without it the OS places processes freely, and a server that shares cores with "
                         "another stays slower or faster for the whole run, which rounds do not average out)")
+    p.add_argument("--restart-each-round", action="store_true",
+                   help="start the servers afresh for every round and stop them after it (server logs "
+                        "server_LABEL_rN.log): a server process that is steadily faster or slower than an identical "
+                        "one then counts once per round instead of for the whole run")
     p.add_argument("--server-timeout", type=float, default=600.0)
     p.add_argument("--request-timeout", type=float, default=300.0)
     p.add_argument("--out", required=True)
@@ -255,6 +264,51 @@ def pin_plan(a, log) -> dict[str, tuple[int, ...]]:
     return pins
 
 
+def _make_servers(a, out: Path, pins: dict, log, suffix: str = "") -> dict:
+    """LABEL -> :class:`Server` to start (log ``server_LABEL{suffix}.log``) or :class:`_Running` (``--url``)."""
+    return {lab: _Running(a.urls[lab]) if lab in a.urls else
+            Server(_spec(a, i, lab, mode, cfg, pins.get(lab)), out / f"server_{lab}{suffix}.log",
+                   timeout_s=a.server_timeout, log=log)
+            for i, (lab, mode, cfg) in enumerate(a.items)}
+
+
+class StartFailed(RuntimeError):
+    """A server of the run did not come up (each failure is logged)."""
+
+
+def _start(servers: dict, log) -> list[Server]:
+    """Start the servers to start, all at once; returns them. Raises :class:`StartFailed` naming each server that
+    failed, after stopping the others."""
+    launch = [s for s in servers.values() if isinstance(s, Server)]
+    label_of = {id(s): lab for lab, s in servers.items()}
+    errors: dict[str, str] = {}
+    start_group(launch, errors, key=lambda s: label_of[id(s)])
+    if errors:
+        for lab, e in errors.items():
+            log(f"server {lab} failed: {e}")
+        stop_all(launch)
+        raise StartFailed("servers failed to start: " + ", ".join(sorted(errors)))
+    return launch
+
+
+def _round(a, r: int, servers: dict, cells: dict, raw: dict, log) -> None:
+    """Round ``r``: every cell on every server back to back, the server order rotated by ``r``."""
+    labels = [lab for lab, _, _ in a.items]
+    for c in a.conc:
+        for lab in rotated(labels, r):
+            url = servers[lab].url
+            lc.flush_cache(url)
+            s = lc.run_cell(url, cells[c], a.output_len, c, a.request_timeout)
+            raw[lab][f"c{c}"].append(s)
+            log(f"round {r + 1}/{a.rounds} c{c} {lab}: {s['output_throughput'] or 0:.0f} tok/s, "
+                f"TPOT {s['median_tpot_ms'] or 0:.2f} ms, failed {s['failed']}")
+
+
+def _warm(a, servers: dict, cells: dict) -> None:
+    for s in servers.values():  # warm-up, not counted
+        lc.run_cell(s.url, cells[a.conc[0]][:1], 16, 1, a.request_timeout)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     a = parse_args(argv)
@@ -267,34 +321,20 @@ def main(argv: list[str] | None = None) -> int:
 
     labels = [lab for lab, _, _ in a.items]
     pins = pin_plan(a, log)
-    servers = {lab: _Running(a.urls[lab]) if lab in a.urls else
-               Server(_spec(a, i, lab, mode, cfg, pins.get(lab)), out / f"server_{lab}.log",
-                      timeout_s=a.server_timeout, log=log)
-               for i, (lab, mode, cfg) in enumerate(a.items)}
-    launch = [s for s in servers.values() if isinstance(s, Server)]
-    label_of = {id(s): lab for lab, s in servers.items()}
-    errors: dict[str, str] = {}
+    maker = lc.PromptMaker(a.model)
+    cells = {c: maker.cell_prompts(a.seed, a.input_len, c, max(a.min_prompts, a.prompts_per_concurrency * c))
+             for c in a.conc}
+    raw = {lab: {f"c{c}": [] for c in a.conc} for lab in labels}
+    launch: list[Server] = []
     try:
-        start_group(launch, errors, key=lambda s: label_of[id(s)])
-        if errors:
-            for lab, e in errors.items():
-                log(f"server {lab} failed: {e}")
-            return 1
-        maker = lc.PromptMaker(a.model)
-        cells = {c: maker.cell_prompts(a.seed, a.input_len, c, max(a.min_prompts, a.prompts_per_concurrency * c))
-                 for c in a.conc}
-        for lab in labels:  # warm-up, not counted
-            lc.run_cell(servers[lab].url, cells[a.conc[0]][:1], 16, 1, a.request_timeout)
-        raw = {lab: {f"c{c}": [] for c in a.conc} for lab in labels}
+        # one server set for the run, or a fresh one per round (--restart-each-round)
         for r in range(a.rounds):
-            for c in a.conc:
-                for lab in rotated(labels, r):
-                    url = servers[lab].url
-                    lc.flush_cache(url)
-                    s = lc.run_cell(url, cells[c], a.output_len, c, a.request_timeout)
-                    raw[lab][f"c{c}"].append(s)
-                    log(f"round {r + 1}/{a.rounds} c{c} {lab}: {s['output_throughput'] or 0:.0f} tok/s, "
-                        f"TPOT {s['median_tpot_ms'] or 0:.2f} ms, failed {s['failed']}")
+            if r == 0 or a.restart_each_round:
+                stop_all(launch)
+                servers = _make_servers(a, out, pins, log, f"_r{r + 1}" if a.restart_each_round else "")
+                launch = _start(servers, log)
+                _warm(a, servers, cells)
+            _round(a, r, servers, cells, raw, log)
         stats = {lab: sparse_stats(servers[lab].url) for lab in labels}
         engaged = {lab: sparse_section(servers[lab].url, "engagement") for lab in labels}
         baseline = [lab for lab, mode, _ in a.items if mode == "off"] or labels[:1]
@@ -302,6 +342,7 @@ def main(argv: list[str] | None = None) -> int:
         report = {"meta": {"command": "python -m bench.ab_rounds " + shlex.join(argv), "gpu": env.get("gpu"),
                            "versions": env, "rounds": a.rounds, "input_len": a.input_len,
                            "output_len": a.output_len, "concurrency": a.conc, "baseline": baseline,
+                           "restart_each_round": a.restart_each_round,
                            "prompts": {f"c{c}": len(cells[c]) for c in a.conc},
                            "servers": [{"label": lab, "mode": mode, "config": cfg, "pythonpath": a.paths.get(lab),
                                         "url": a.urls.get(lab), "cpus": list(pins[lab]) if lab in pins else None}
@@ -313,6 +354,9 @@ def main(argv: list[str] | None = None) -> int:
         log(f"wrote {out / 'ab_rounds.json'} and ab_rounds.md")
         print(render_md(report))
         return 0
+    except StartFailed as e:
+        log(str(e))
+        return 1
     finally:
         stop_all(launch)
 

@@ -95,3 +95,20 @@ def test_ab_rounds_measures_running_servers_round_by_round(cpu_server, default_m
     assert cpu_server.proc.poll() is None  # still serving
     with pytest.raises(SystemExit):
         ab_rounds.parse_args(["--model", "m", "--out", str(tmp_path), "--servers", "off", "--url", "off=localhost:1"])
+
+
+def test_ab_rounds_restarts_its_servers_each_round(default_model, tmp_path):
+    """--restart-each-round: a fresh server per round (one log each, the first stopped before the second starts),
+    every round measured, the report says so."""
+    from bench import ab_rounds
+
+    rc = ab_rounds.main(["--model", str(default_model), "--device", "cpu", "--servers", "off",
+                         "--restart-each-round", "--port", str(free_port()), "--input-len", "48", "--output-len", "3",
+                         "--concurrency", "1", "--rounds", "2", "--min-prompts", "1", "--prompts-per-concurrency", "1",
+                         "--out", str(tmp_path)])
+    assert rc == 0
+    rep = json.loads((tmp_path / "ab_rounds.json").read_text())
+    assert rep["meta"]["restart_each_round"] and len(rep["summary"]["off"]["c1"]["throughput_per_round"]) == 2
+    logs = [tmp_path / f"server_off_r{r}.log" for r in (1, 2)]
+    assert all(p.is_file() and p.stat().st_size > 0 for p in logs)
+    assert "freshly started servers" in (tmp_path / "ab_rounds.md").read_text()
