@@ -27,6 +27,8 @@
 #   bash scripts/gpu/testbed.sh settings4k  # psa vs off at 4k under three server settings: which setting costs psa
 #                                           # its fall-back throughput (page 16, prefill CUDA graphs off)
 #   bash scripts/gpu/testbed.sh c1ab     # psa vs off at concurrency 1 (16k, 32k), off on page 1 and on page 16
+#   bash scripts/gpu/testbed.sh ab4k     # psa / loopserve installed below min_context vs two off servers at 4k:
+#                                        # bench.ab_rounds --pin-cpus --restart-each-round
 #
 # TESTBED_TAG=x puts a part's reports in /tmp/testbed/<part>_x (two runs of a part side by side);
 # LONG_EXTRA_ARGS / SAMKV_EXTRA_ARGS add server arguments to the `long` / `samkv` part's servers (e.g. --enable-deterministic-inference);
@@ -43,7 +45,7 @@
 #
 # Reports go to /tmp/testbed/<part>/ and come back packed as $OUT/<part>.tgz.
 set -uo pipefail
-part=${1:?usage: testbed.sh needle|long|samkv|e2e|turns|probeprof|hostprof|settings4k|c1ab|realkern|kernwaves|kerncrit|kernprofile|samkvab-start|samkvab-wait|reliability-start|reliability-wait}
+part=${1:?usage: testbed.sh needle|long|samkv|e2e|turns|probeprof|hostprof|settings4k|c1ab|ab4k|realkern|kernwaves|kerncrit|kernprofile|samkvab-start|samkvab-wait|reliability-start|reliability-wait}
 out=${OUT:-$PWD/gpu_out}
 name=${part%-*}${TESTBED_TAG:+_$TESTBED_TAG}
 R=/tmp/testbed/$name
@@ -155,6 +157,13 @@ for d in sorted(p for p in root.iterdir() if (p / "e2e_long.json").is_file()):
               f"{f(r.get('output_throughput_tok_s'))} | {f(r.get('throughput_ratio_vs_off'))} | "
               f"{f(r.get('ttft_ratio_vs_off'))} | {f(r.get('tpot_ratio_vs_off'))} |")
 PY
+    ;;
+  ab4k)  # timing: run alone on the GPU. The fall-back cost at 4k of psa and loopserve installed below their
+          # min_context, against two off servers: fresh servers every round, each on its own cores (~7 min)
+    step ab4k timeout -k 20 "${AB4K_TIMEOUT:-560}" python3 -m bench.ab_rounds --device cuda --python python3 --model $M32 \
+        --servers 'off,off2=off,psa_live=psa:{"min_context":8192},loopserve_live=loopserve:{"min_context":8192}' \
+        --input-len 4096 --output-len 256 --concurrency 1,8 --rounds "${AB4K_ROUNDS:-4}" --pin-cpus --restart-each-round \
+        --port 30100 --server-args "$SARGS" --out "$R/ab4k"
     ;;
   c1ab)  # timing: run alone on the GPU. psa vs off at concurrency 1 (16k, 32k), off on stock page 1 and on psa's page 16
     for cfg in "page1:" "page16:--page-size 16"; do
