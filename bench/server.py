@@ -67,7 +67,41 @@ class ServerSpec:
             a += ["--device", "cpu", "--max-total-tokens", "16384", "--sleep-on-idle", "--skip-server-warmup"]
         elif self.device != "cuda":
             raise ValueError(f"device must be 'cpu' or 'cuda', got '{self.device}'")
+        if "--nccl-port" not in self.extra_args:
+            a += ["--nccl-port", str(rendezvous_port(self.port))]
         return a + list(self.extra_args)
+
+
+def _ephemeral_low() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+def _bindable(port: int) -> bool:
+    import socket
+
+    with socket.socket() as sock:
+        try:
+            sock.bind(("", port))
+            return True
+        except OSError:
+            return False
+
+
+def rendezvous_port(http_port: int, probe: Callable[[int], bool] = _bindable, low: int | None = None) -> int:
+    """The torch.distributed rendezvous port (``--nccl-port``) of a server on ``http_port``: below the kernel's
+    ephemeral range, derived from ``http_port`` (servers on different ports get different ones), the first free one
+    from there. SGLang's own default is a free ephemeral port picked at start-up and bound seconds later, which any
+    client connection of the machine can take in between (``EADDRINUSE`` in ``init_process_group``)."""
+    low = _ephemeral_low() if low is None else low
+    span = 10000
+    first = max(1024, low - span - 2000) + http_port % span
+    for port in range(first, first + 64):
+        if port < low and probe(port):
+            return port
+    raise RuntimeError(f"no free rendezvous port in [{first}, {first + 64}) below the ephemeral range ({low})")
 
 
 _PIN = "import os, sys; os.sched_setaffinity(0, [int(c) for c in sys.argv[1].split(',')]); os.execvp(sys.argv[2], sys.argv[2:])"

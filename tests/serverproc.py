@@ -55,13 +55,13 @@ def server_env() -> dict[str, str]:
 
 
 def start_cpu_server(model: Path, log_path: Path, *, mode: str = "off", sparse_config: str | None = None,
-                     extra_args: tuple[str, ...] = (), timeout_s: float = 480.0,
-                     ports: tuple[int, int] | None = None) -> Server:
+                     extra_args: tuple[str, ...] = (), timeout_s: float = 480.0, port: int | None = None) -> Server:
     """Start a CPU server (bf16, bounded KV pool) and wait until it serves; raises with the log tail.
-    ``ports``: (HTTP port, torch.distributed rendezvous port ``--nccl-port``); default: free ones."""
-    port, dist_port = ports if ports is not None else free_ports(2)
+    ``port``: the HTTP port (default: a free one); its torch.distributed rendezvous port is derived from it, below the
+    ephemeral range (:func:`bench.server.rendezvous_port`)."""
+    port = port if port is not None else free_port()
     spec = ServerSpec(python=sys.executable, model=str(model), device="cpu", port=port, mode=mode,
-                      sparse_config=sparse_config, extra_args=list(extra_args) + ["--nccl-port", str(dist_port)])
+                      sparse_config=sparse_config, extra_args=list(extra_args))
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     return Server(spec, log_path, timeout_s=timeout_s, log=print).start()
 
@@ -71,16 +71,17 @@ MAX_PARALLEL_STARTS = 2  # a start is mostly single-threaded imports: two overla
 
 def start_cpu_servers(model: Path, *specs: dict) -> list[Server]:
     """Start several CPU servers, at most :data:`MAX_PARALLEL_STARTS` at once (each ``specs`` item: keyword arguments
-    of :func:`start_cpu_server`, with ``log_path``; no ``ports``). A server that exits before it is ready is started
+    of :func:`start_cpu_server`, with ``log_path``; no ``port``). A server that exits before it is ready is started
     once more on its own: SGLang stops a server whose HTTP front end is not up within its warm-up window, which a
     busy 2-core box can exceed; a server that cannot start fails twice. Returns the handles in order; if a start
     still fails, the ones that started are stopped and the first error is raised."""
     from concurrent.futures import ThreadPoolExecutor
 
-    # every server's HTTP and rendezvous ports chosen together: servers started at once never pick the same port
-    ports = free_ports(2 * len(specs))
+    # every server's HTTP port chosen together (its rendezvous port follows from it): servers started at once never
+    # pick the same ports
+    ports = free_ports(len(specs))
     with ThreadPoolExecutor(min(len(specs), MAX_PARALLEL_STARTS)) as pool:
-        futs = [pool.submit(start_cpu_server, model, **spec, ports=(ports[2 * i], ports[2 * i + 1]))
+        futs = [pool.submit(start_cpu_server, model, **spec, port=ports[i])
                 for i, spec in enumerate(specs)]
         done = [(f.result() if f.exception() is None else f.exception()) for f in futs]
     for i, d in enumerate(done):

@@ -1,6 +1,7 @@
-"""Contract: ``bench.server`` can run a server on a given set of CPUs (the A/B driver's ``--pin-cpus``): the groups
-are equal, disjoint, made of whole physical cores and leave the client its own core; a pinned command really runs
-with that affinity, and so do the processes it starts."""
+"""Contract: ``bench.server`` gives each server a rendezvous port outside the ephemeral range, and can run a server
+on a given set of CPUs (the A/B driver's ``--pin-cpus``): the groups are equal, disjoint, made of whole physical
+cores and leave the client its own core; a pinned command really runs with that affinity, and so do the processes
+it starts."""
 
 from __future__ import annotations
 
@@ -37,3 +38,20 @@ def test_a_pinned_command_and_its_children_run_on_the_given_cpus():
     out = subprocess.run(pinned_argv([sys.executable, "-c", child], [cpu], sys.executable), capture_output=True,
                          text=True, timeout=60, check=True).stdout.split()
     assert out == [f"[{cpu}]", f"[{cpu}]"]
+
+
+def test_rendezvous_ports_sit_below_the_ephemeral_range_and_follow_the_http_port():
+    """A server's --nccl-port is not a free ephemeral port picked at start-up (a client connection can take it before
+    SGLang binds it): it is derived from the HTTP port, below the ephemeral range, skipping ports in use."""
+    from bench.server import ServerSpec, rendezvous_port
+
+    taken = {20768 + 4321}
+    got = [rendezvous_port(p, probe=lambda port: port not in taken, low=32768) for p in (30010, 34321, 44321)]
+    assert got[0] == 20768 + 10 and got[1] == 20768 + 4322 and got[2] == 20768 + 4322
+    assert all(g < 32768 for g in got)
+    with pytest.raises(RuntimeError, match="no free rendezvous port"):
+        rendezvous_port(30010, probe=lambda port: False, low=32768)
+    argv = ServerSpec(python="python", model="m", device="cpu", port=31234).argv()
+    assert argv[argv.index("--nccl-port") + 1] == str(rendezvous_port(31234))
+    own = ServerSpec(python="python", model="m", device="cpu", port=31234, extra_args=["--nccl-port", "29000"]).argv()
+    assert own.count("--nccl-port") == 1 and "29000" in own
