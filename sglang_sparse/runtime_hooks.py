@@ -46,9 +46,6 @@ def attention_backend_hook(result, model_runner, *args, **kwargs):
     seen = set()
     reach = engagement(ctx, model_runner)  # once (warned once) for the backend(s) below
     dormant = install is not None and reach is not None and not reach["reachable"]
-    if dormant:
-        logger.info("sglang-sparse %s: dormant (min_context unreachable): the stock attention backend is left as is, "
-                    "with no per-step work, no extra CUDA graphs and no per-request step rows", ctx.mode)
     for name in ("attn_backend", "decode_attn_backend"):
         backend = getattr(model_runner, name, None)
         if backend is None or id(backend) in seen:
@@ -63,37 +60,30 @@ def attention_backend_hook(result, model_runner, *args, **kwargs):
         backend.sparse_engagement = None if reach is None else {**reach, "dormant": dormant}
 
 
-def longest_sequence(model_runner) -> int | None:
-    """The longest sequence (prompt + output tokens) a request can reach on this server, or None when unknown:
-    SGLang's ``max_req_len``, ``min(context_len, max_total_num_tokens) - 1`` (``TpModelWorker``; the scheduler
-    clamps ``max_new_tokens`` below it, the tokenizer refuses longer prompts)."""
+def engagement(ctx, model_runner) -> dict | None:
+    """Whether the mode's ``min_context`` is reachable on this server: ``{"min_context", "context_length",
+    "longest_sequence", "reachable"}``, or None (a mode without ``min_context``, or no served length known).
+
+    The longest sequence (prompt + output tokens) a request can reach is SGLang's ``max_req_len``,
+    ``min(context_len, max_total_num_tokens) - 1`` (``TpModelWorker``; the scheduler clamps ``max_new_tokens`` below
+    it, the tokenizer refuses longer prompts). No request option lowers ``min_context``, so a value above it means the
+    mode never engages: :func:`attention_backend_hook` leaves it dormant (nothing installed, the stock attention
+    serves every request). Logged as a warning at start-up, reported in ``/server_info``
+    (``internal_states[0].sparse.engagement``, with ``dormant``)."""
+    mc = getattr(ctx.config, "min_context", None)
     served = getattr(getattr(model_runner, "model_config", None), "context_len", None)
-    if not served:
+    if mc is None or not served:
         return None
     pool = getattr(model_runner, "max_total_num_tokens", None)
-    longest = int(served) if not isinstance(pool, int) or pool <= 0 else min(int(served), pool)
-    return longest - 1
-
-
-def engagement(ctx, model_runner) -> dict | None:
-    """Whether the mode's ``min_context`` is reachable on the served model: ``{"min_context", "context_length",
-    "longest_sequence", "reachable"}``, or None (a mode without ``min_context``, or no served length known). No
-    request option lowers ``min_context``, so a value above the longest sequence a request can reach
-    (:func:`longest_sequence`) means the mode never engages: every request is served by the stock attention. Logged
-    as a warning at start-up (a mode that cannot do anything there should say so), reported in ``/server_info``
-    (``internal_states[0].sparse.engagement``, with ``dormant``: the mode was then left uninstalled)."""
-    mc = getattr(ctx.config, "min_context", None)
-    longest = longest_sequence(model_runner)
-    if mc is None or longest is None:
-        return None
-    served = int(model_runner.model_config.context_len)
-    got = {"min_context": int(mc), "context_length": served, "longest_sequence": longest,
+    longest = min(int(served), pool if isinstance(pool, int) and pool > 0 else int(served)) - 1
+    got = {"min_context": int(mc), "context_length": int(served), "longest_sequence": longest,
            "reachable": int(mc) <= longest}
     if not got["reachable"]:
         logger.warning("sglang-sparse %s: min_context %d is above the longest sequence a request can reach here (%d "
-                       "tokens; served context length %d), so no request can reach it and every request is served "
-                       "by the stock attention, with nothing of the mode installed; set a lower min_context in "
-                       "--sparse-config to engage the mode", ctx.mode, got["min_context"], longest, served)
+                       "tokens; served context length %d), so the mode is dormant: nothing of it is installed and "
+                       "every request is served by the stock attention, as with --sparse off; set a lower "
+                       "min_context in --sparse-config to engage the mode", ctx.mode, got["min_context"], longest,
+                       got["context_length"])
     return got
 
 

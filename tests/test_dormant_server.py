@@ -32,7 +32,7 @@ def test_a_mode_that_cannot_engage_serves_exactly_as_off(dormant_server, cpu_ser
                                    "reachable": False, "dormant": True}
     assert state["stats"] is None
     text = log.read_text(errors="replace")
-    assert "min_context 32768 is above the longest sequence" in text and "dormant" in text
+    assert "min_context 32768 is above the longest sequence" in text and "so the mode is dormant" in text
     content = _long_prompt()
     got = chat(server, content, 16)
     want = chat(cpu_server, content, 16)
