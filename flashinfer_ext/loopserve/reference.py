@@ -6,6 +6,7 @@ Supports: one request at a time in SGLang's KV layout (``k_buffer[layer]`` is
 
   * :func:`vs_estimate_reference`      vertical / slash line sums of sampled rows (LoopServe Alg. 2 l.4-5)
   * :func:`vs_select_alg2_reference`   Alg. 2's sequential greedy, line by line (a python loop: reference only)
+  * :func:`vs_select_rule_reference`   ``vs_select``'s vectorised rule, one list at a time, kept lines as masks
   * :func:`vs_mask_reference`          the exact ``[num_kv_heads, num_tokens, seq_len]`` mask sparse prefill computes
   * :func:`vs_prefill_reference`       dense masked attention with that mask (o, base-2 lse)
   * :func:`decode_topb_reference`      Alg. 3 / Eq. 7 top-B tokens per KV head from the last n_d queries
@@ -25,7 +26,8 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["gather_keys", "vs_estimate_reference", "vs_select_alg2_reference", "vs_mask_reference",
+__all__ = ["gather_keys", "vs_estimate_reference", "vs_select_alg2_reference", "vs_select_rule_reference",
+           "vs_mask_reference",
            "vs_prefill_reference", "decode_topb_reference", "covered_mass_reference"]
 
 
@@ -132,6 +134,43 @@ def vs_select_alg2_reference(v_sum, v_max, s_sum, s_max, *, seq_len: int, prefix
         out_s.append(sel_s)
         cov.append(acc / total if total > 0 else 1.0)
     return out_v, out_s, cov
+
+
+def vs_select_rule_reference(v_sum, v_max, s_sum, s_max, *, prefix_len: int, alpha: float, sink_tokens: int,
+                             local_window: int, split_candidates: int):
+    """The rule of :func:`flashinfer_ext.loopserve.vs_select.vs_select` (its module docstring) written plainly: each
+    list sorted on its own, the split search in torch (:func:`~flashinfer_ext.loopserve.vs_split_search.split_search_reference`),
+    the kept lines marked in a ``[Hk, n]`` mask and compacted. Inputs ``[Hk, n]`` fp32; returns
+    ``(v_idx, v_cnt, s_idx, s_cnt, covered_lb)`` as :class:`~flashinfer_ext.loopserve.vs_select.VSSelection` holds them
+    (``alpha < 1``)."""
+    from .vs_split_search import split_candidates as candidates, split_search_reference
+
+    hk, n = v_sum.shape
+    ar = torch.arange(n)
+    lens = (n - ar.clamp(min=prefix_len)).to(torch.float32)
+
+    def ordered(wsum, wmax, n_forced):
+        key = torch.where(ar < n_forced, torch.full_like(wsum, float("inf")), wsum / lens)
+        order = torch.sort(key, dim=1, descending=True, stable=True).indices
+        return order, torch.stack([wsum, wmax, lens.expand(hk, n)]).gather(2, order.expand(3, hk, n))
+
+    def compact(mask):
+        idx = torch.where(mask, ar, n).sort(dim=1).values
+        return torch.where(idx >= n, -1, idx).to(torch.int32), mask.sum(1, dtype=torch.int32)
+
+    n_fs, n_fv = min(local_window, n), min(sink_tokens, n)
+    v_order, v_planes = ordered(v_sum.float(), v_max.float(), n_fv)
+    s_order, s_planes = ordered(s_sum.float(), s_max.float(), n_fs)
+    total = v_sum.float().sum(1)
+    cost, n_s_all, n_v_all, cov_all = split_search_reference(
+        torch.stack([s_planes, v_planes], 1), alpha * total, candidates(n, (n_fs, n_fv), split_candidates), (n_fs, n_fv))
+    best = cost.argmin(1, keepdim=True)
+    n_s, n_v = n_s_all.gather(1, best), n_v_all.gather(1, best)
+    cov = cov_all.gather(1, best).squeeze(1)
+    sel_v = torch.zeros(hk, n, dtype=torch.bool).scatter(1, v_order, ar[None] < n_v)
+    sel_s = torch.zeros(hk, n, dtype=torch.bool).scatter(1, s_order, ar[None] < n_s)
+    covered_lb = torch.where(total > 0, cov / total.clamp(min=1e-30), torch.ones_like(total)).clamp(max=1.0)
+    return (*compact(sel_v), *compact(sel_s), covered_lb)
 
 
 def covered_mass_reference(q_rows, q_pos, k_buffer, token_slots, seq_len, sm_scale, v_idx, v_cnt, s_idx, s_cnt):

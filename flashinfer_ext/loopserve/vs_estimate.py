@@ -149,8 +149,7 @@ def vs_estimate(q_rows: torch.Tensor, q_pos: torch.Tensor, k_buffer: torch.Tenso
         raise ValueError(f"q_pos has shape {tuple(q_pos.shape)}, expected ({r},)")
     dev = q_rows.device
     kw = dict(device=dev, dtype=torch.float32)
-    out = VSLineSums(torch.zeros(hk, seq_len, **kw), torch.zeros(hk, seq_len, **kw),
-                     torch.zeros(hk, seq_len, **kw), torch.zeros(hk, seq_len, **kw), group, r)
+    out = VSLineSums(*torch.zeros(4, hk, seq_len, **kw).unbind(0), group, r)  # one fill for the four outputs
     if r == 0 or seq_len == 0:
         return out
     assert q_rows.stride(2) == 1 and k_buffer.stride(2) == 1

@@ -48,7 +48,7 @@ import torch
 from .vs_estimate import VSLineSums
 from .vs_split_search import split_candidates, split_search, split_search_reference
 
-__all__ = ["VSSelectConfig", "VSSelection", "vs_select", "decode_topb"]
+__all__ = ["VSSelectConfig", "VSSelection", "VSSelectPlan", "vs_select", "vs_select_plan", "decode_topb"]
 
 
 @dataclass(frozen=True)
@@ -102,8 +102,41 @@ def _compact(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return idx, mask.sum(1, dtype=torch.int32)
 
 
-def vs_select(lines: VSLineSums, *, prefix_len: int, config: VSSelectConfig = VSSelectConfig(),
-              use_kernel: bool | None = None) -> VSSelection:
+@dataclass(frozen=True)
+class VSSelectPlan:
+    """What :func:`vs_select` needs besides the line sums, for one extend segment (``seq_len``, ``prefix_len``,
+    config, device): built once by :func:`vs_select_plan` and shared by every layer of the segment, so a layer's
+    selection issues only the data-dependent device work."""
+
+    seq_len: int
+    prefix_len: int
+    config: VSSelectConfig
+    n_forced: tuple[int, int]   # forced (slashes, verticals): the local window and the sink tokens
+    lens: torch.Tensor          # [seq_len] fp32 cost of vertical k / slash d: the segment's rows it covers
+    cand: torch.Tensor          # [2, split_candidates] int64 split sizes per list order (device)
+    rank: torch.Tensor          # [1, 1, seq_len] int64 0..seq_len-1 (device)
+    use_kernel: bool            # the split search as one Triton launch (else its torch reference)
+
+
+def vs_select_plan(seq_len: int, prefix_len: int, config: VSSelectConfig, device: torch.device | str,
+                   use_kernel: bool | None = None) -> VSSelectPlan:
+    """The :class:`VSSelectPlan` of a segment at query positions ``[prefix_len, seq_len)`` (host ints; the split
+    sizes reach the device in one pinned, non-blocking copy; no sync). ``use_kernel`` defaults to CUDA."""
+    n = int(seq_len)
+    if not 0 <= prefix_len < max(n, 1):
+        raise ValueError(f"prefix_len={prefix_len} is out of range: expected an integer in [0, {n})")
+    dev = torch.device(device)
+    ar = torch.arange(n, device=dev)
+    lens = (n - ar.clamp(min=prefix_len)).to(torch.float32)
+    n_forced = (min(config.local_window, n), min(config.sink_tokens, n))
+    cand = split_candidates(n, n_forced, config.split_candidates)
+    cand = cand.pin_memory().to(dev, non_blocking=True) if dev.type == "cuda" else cand.to(dev)
+    kernel = dev.type == "cuda" if use_kernel is None else bool(use_kernel)
+    return VSSelectPlan(n, int(prefix_len), config, n_forced, lens, cand, ar.view(1, 1, n), kernel)
+
+
+def vs_select(lines: VSLineSums, *, prefix_len: int | None = None, config: VSSelectConfig = VSSelectConfig(),
+              use_kernel: bool | None = None, plan: VSSelectPlan | None = None) -> VSSelection:
     """Select per KV head the lines covering ``alpha`` of the sampled mass (see the module docstring).
 
     Args:
@@ -112,53 +145,48 @@ def vs_select(lines: VSLineSums, *, prefix_len: int, config: VSSelectConfig = VS
       config: :class:`VSSelectConfig`.
       use_kernel: the split search as one Triton launch (:func:`flashinfer_ext.loopserve.vs_split_search.split_search`)
         or in torch (its reference); default: the kernel on CUDA.
-    Returns :class:`VSSelection`. Torch ops (sorts, gathers, prefix sums) + that launch on ``lines``' device
-    (the split sizes: one pinned host->device copy); no host sync.
+      plan: a :class:`VSSelectPlan` of this segment (:func:`vs_select_plan`, built once for all its layers); it
+        replaces ``prefix_len``, ``config`` and ``use_kernel``.
+    Returns :class:`VSSelection` (``v_idx`` / ``s_idx`` are views of one ``[2, num_kv_heads, seq_len]`` tensor).
+    About 25 torch ops (one sort of both lists, gathers, the split search, one sort of the kept indices) on
+    ``lines``' device; no host sync.
     """
     hk, n = lines.v_sum.shape
-    if not 0 <= prefix_len < max(n, 1):
-        raise ValueError(f"prefix_len={prefix_len} is out of range: expected an integer in [0, {n})")
-    dev = lines.v_sum.device
-    ar = torch.arange(n, device=dev)
-    forced_v = (ar < config.sink_tokens).expand(hk, n)
-    forced_s = (ar < config.local_window).expand(hk, n)
+    if plan is None:
+        if prefix_len is None:
+            raise ValueError("vs_select needs prefix_len (or a plan)")
+        plan = vs_select_plan(n, prefix_len, config, lines.v_sum.device, use_kernel)
+    elif plan.seq_len != n:
+        raise ValueError(f"the plan is for seq_len={plan.seq_len}, the line sums cover {n} positions")
+    config = plan.config
     if config.alpha >= 1.0:
-        ones = torch.ones(hk, n, dtype=torch.bool, device=dev)
+        ones = torch.ones(hk, n, dtype=torch.bool, device=lines.v_sum.device)
         v_idx, v_cnt = _compact(ones)
         s_idx, s_cnt = _compact(ones)
-        return VSSelection(v_idx, v_cnt, s_idx, s_cnt, torch.ones(hk, device=dev))
+        return VSSelection(v_idx, v_cnt, s_idx, s_cnt, torch.ones(hk, device=lines.v_sum.device))
 
-    lens = (n - ar.clamp(min=prefix_len)).to(torch.float32)  # cost of vertical k / slash d
+    n_fs, n_fv = plan.n_forced
     total = lines.v_sum.sum(1)
-    target = config.alpha * total
-    inf = float("inf")
-
-    def ordered(wsum, wmax, forced):
-        """density order ``[Hk, n]`` and the (w, m, l) planes in it ``[3, Hk, n]``"""
-        key = torch.where(forced, torch.full_like(wsum, inf), wsum / lens[None, :])
-        order = torch.sort(key, dim=1, descending=True, stable=True).indices
-        return order, torch.stack([wsum, wmax, lens.expand(hk, n)]).gather(2, order.expand(3, hk, n))
-
-    n_fv = min(config.sink_tokens, n)
-    n_fs = min(config.local_window, n)
-    v_order, v_planes = ordered(lines.v_sum, lines.v_max, forced_v)
-    s_order, s_planes = ordered(lines.s_sum, lines.s_max, forced_s)
-    cand = split_candidates(n, (n_fs, n_fv), config.split_candidates)
-    cand = cand.pin_memory().to(dev, non_blocking=True) if dev.type == "cuda" else cand.to(dev)
-    kernel = dev.type == "cuda" if use_kernel is None else use_kernel
+    # both lists at once, slashes first: density order (forced sink / local lines first) and the (w, m, l) planes
+    w = torch.stack([lines.s_sum, lines.v_sum])
+    key = w / plan.lens
+    key[0, :, :n_fs] = float("inf")
+    key[1, :, :n_fv] = float("inf")
+    order = torch.sort(key, dim=2, descending=True, stable=True).indices  # [2, Hk, n]
+    m = torch.stack([lines.s_max, lines.v_max])
+    planes = torch.stack([w.gather(2, order), m.gather(2, order), plan.lens[order]])  # [3, 2, Hk, n]
     # (cost, slashes, verticals, covered lower bound) per split candidate, slashes-first order then verticals-first
-    cost, n_s_all, n_v_all, cov_all = (split_search if kernel else split_search_reference)(
-        torch.stack([s_planes, v_planes], 1), target, cand, (n_fs, n_fv))
+    cost, n_s_all, n_v_all, cov_all = (split_search if plan.use_kernel else split_search_reference)(
+        planes, config.alpha * total, plan.cand, plan.n_forced)
     best = cost.argmin(1, keepdim=True)
-    n_s, n_v = n_s_all.gather(1, best), n_v_all.gather(1, best)
+    cnt = torch.stack([n_s_all, n_v_all]).gather(2, best.expand(2, hk, 1)).clamp(max=n)  # [2, Hk, 1]
     cov = cov_all.gather(1, best).squeeze(1)
-    rank = torch.arange(n, device=dev)[None, :]
-    sel_v = torch.zeros(hk, n, dtype=torch.bool, device=dev).scatter(1, v_order, rank < n_v)
-    sel_s = torch.zeros(hk, n, dtype=torch.bool, device=dev).scatter(1, s_order, rank < n_s)
-    v_idx, v_cnt = _compact(sel_v)
-    s_idx, s_cnt = _compact(sel_s)
-    covered_lb = torch.where(total > 0, cov / total.clamp(min=1e-30), torch.ones_like(total)).clamp(max=1.0)
-    return VSSelection(v_idx, v_cnt, s_idx, s_cnt, covered_lb.to(torch.float32))
+    # the first cnt lines of each density order, as ascending positions (-1 padded)
+    kept = torch.where(plan.rank < cnt, order, n).sort(dim=2).values
+    idx = torch.where(kept >= n, -1, kept).to(torch.int32)
+    counts = cnt.squeeze(2).to(torch.int32)
+    covered_lb = torch.where(total > 0, cov / total.clamp(min=1e-30), 1.0).clamp(max=1.0)
+    return VSSelection(idx[1], counts[1], idx[0], counts[0], covered_lb.to(torch.float32))
 
 
 def decode_topb(obs_lines: VSLineSums, budget: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -75,7 +75,7 @@ import torch
 from flashinfer_ext.loopserve.decode import VerticalSlashDecode
 from flashinfer_ext.loopserve.vs_estimate import sample_query_rows, target_programs_of
 from flashinfer_ext.loopserve.vs_estimate_batched import MIN_SPLIT_KEYS
-from flashinfer_ext.loopserve.vs_select import VSSelectConfig, _compact, vs_select
+from flashinfer_ext.loopserve.vs_select import VSSelectConfig, VSSelectPlan, _compact, vs_select, vs_select_plan
 from sglang_sparse.config import LoopServeConfig
 from sglang_sparse.loopserve.select import h2d as _h2d, plan_selection, reselect
 from sglang_sparse.loopserve.stats import (
@@ -162,7 +162,8 @@ class _ExtRow:
     sample: torch.Tensor      # [R] int64 local indices of the sampled rows (device)
     last_chunk: bool
     sample_pos: torch.Tensor | None = None  # [R] their positions (sample + prefix), built once per batch
-    sel_cfg: VSSelectConfig | None = None    # the request's selection config, built once per batch
+    sel_plan: VSSelectPlan | None = None     # the segment's selection plan (all layers), built once per batch
+    layers_done: int = 0                     # layers whose sparse prefill ran (host count, for the statistics)
 
 
 def _decoding_sparsely(req) -> bool:
@@ -203,6 +204,7 @@ class LoopServeRunner:
             self.split_width = min(self.split_width, int(max_context))
         # split-list decode (flashinfer_ext.common.split_decode): aim at about two waves of programs per layer
         self.target_programs = target_programs_of(device)
+        self._acc_cols = torch.tensor([COL_V, COL_S, COL_COV], device=device)  # the per-layer prefill statistics
         self.lse_min_split_keys = MIN_SPLIT_KEYS  # re-selection's LSE pass: shortest key span (lse_splits)
         # the decode over the step's token lists: plan() once per step, run() per layer (kernels or reference)
         self.vsd = VerticalSlashDecode(shape.num_qo_heads, shape.num_kv_heads, shape.head_dim, device,
@@ -308,8 +310,9 @@ class LoopServeRunner:
                                              else int(req.req_pool_idx), _h2d(sample, self.device),
                                              seq >= len(req.origin_input_ids),
                                              sample_pos=_h2d(sample + p, self.device),
-                                             sel_cfg=None if sel_base is None
-                                             else dataclasses.replace(sel_base, alpha=st.alpha)))
+                                             sel_plan=None if sel_base is None else vs_select_plan(
+                                                 seq, p, dataclasses.replace(sel_base, alpha=st.alpha), self.device,
+                                                 use_kernel=self.use_kernels and self.device.type == "cuda")))
             q_lo += e
 
     def row_fires(self, st: ReqState, seq_len: int) -> tuple[bool, bool]:
@@ -444,7 +447,7 @@ class LoopServeRunner:
                     self._record_ring(st, lid, q_seg, r)
                 continue
             lines = self._estimate(q_seg[r.sample], r.sample_pos, k_buf, slots, r.seq, layer.scaling)
-            sel = vs_select(lines, prefix_len=r.prefix, config=r.sel_cfg)
+            sel = vs_select(lines, plan=r.sel_plan)
             n = st.vmask.shape[2] - 1
             for idx, mask in ((sel.v_idx, st.vmask[lid]), (sel.s_idx, st.smask[lid])):
                 mask.scatter_(1, torch.where(idx >= 0, idx.long(), n), True)
@@ -452,20 +455,20 @@ class LoopServeRunner:
             # segment (prefix 0: no earlier chunk, no reused turn) uses its selection as it is
             if r.prefix == 0:
                 v_idx, v_cnt, s_idx, s_cnt = sel.v_idx, sel.v_cnt, sel.s_idx, sel.s_cnt
-            else:
-                v_idx, v_cnt = _compact(st.vmask[lid, :, : r.seq])
-                s_idx, s_cnt = _compact(st.smask[lid, :, : r.seq])
+            else:  # both masks compacted in one pass: [2 * Hk, seq] (verticals first)
+                both_idx, both_cnt = _compact(torch.cat([st.vmask[lid, :, : r.seq], st.smask[lid, :, : r.seq]]))
+                v_idx, s_idx = both_idx[:hk], both_idx[hk:]
+                v_cnt, s_cnt = both_cnt[:hk], both_cnt[hk:]
             o_rows = o3[r.q_lo: r.q_lo + r.seq - r.prefix]
             o_seg = self._prefill(q_seg, k_buf, v_buf, slots, r.prefix, r.seq, v_idx, v_cnt, s_idx, s_cnt,
                                   layer.scaling, out=o_rows)
             if o_seg is not o_rows:
                 o_rows.copy_(o_seg)
-            acc = st.acc
-            acc[COL_V] += sel.v_cnt.sum()
-            acc[COL_S] += sel.s_cnt.sum()
-            acc[COL_LTOT] += 2.0 * r.seq * hk
-            acc[COL_COV] += sel.covered_lb.sum()
-            acc[COL_UNITS] += hk
+            # this layer's line counts and covered bound into the request's statistics (one add; the
+            # host-known columns are added once per batch in finish_extend)
+            st.acc.index_add_(0, self._acc_cols, torch.cat([torch.stack([sel.v_cnt, sel.s_cnt]).sum(1, dtype=torch.float32),
+                                                             sel.covered_lb.sum(0, keepdim=True)]))
+            r.layers_done += 1
             if r.last_chunk:  # the prompt's last queries seed Alg. 3's observation window
                 self._record_ring(st, lid, q_seg, r)
 
@@ -480,7 +483,11 @@ class LoopServeRunner:
 
     def finish_extend(self) -> None:
         """After the forward (host bookkeeping only): mark finished prefills, publish cumulative rows."""
+        hk = self.shape.num_kv_heads
         for r in self.ext_rows:
+            if r.layers_done:  # the host-known columns of the layers that ran (one add per row and batch)
+                add = host_row(STEP_COLS, {COL_LTOT: 2.0 * r.seq * hk * r.layers_done, COL_UNITS: hk * r.layers_done})
+                r.state.acc.add_(_h2d(torch.tensor(add, dtype=torch.float32), self.device))
             self.step_rows[r.row] = r.state.acc
             if r.last_chunk:
                 r.state.prefill_done = True

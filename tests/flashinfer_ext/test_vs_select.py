@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from flashinfer_ext.loopserve.reference import (covered_mass_reference, vs_estimate_reference,
-                                                vs_select_alg2_reference)
+                                                vs_select_alg2_reference, vs_select_rule_reference)
 from flashinfer_ext.loopserve.vs_estimate import VSLineSums
-from flashinfer_ext.loopserve.vs_select import VSSelectConfig, vs_select
+from flashinfer_ext.loopserve.vs_select import VSSelectConfig, vs_select, vs_select_plan
 
 from .kv_pool import make_pool
 
@@ -58,6 +58,35 @@ def test_coverage_guarantee_and_forced_lines(alpha, seq_len, prefix_len, hq, hk,
     rv, rs, rcov = vs_select_alg2_reference(lines.v_sum, lines.v_max, lines.s_sum, lines.s_max, seq_len=seq_len,
                                             prefix_len=prefix_len, alpha=alpha, sink_tokens=2, local_window=8)
     assert all(c >= alpha - 1e-9 or (len(a) == seq_len and len(b) == seq_len) for c, a, b in zip(rcov, rv, rs))
+
+
+@pytest.mark.parametrize("n,prefix,hk,alpha,seed", [(4096, 2048, 3, 0.99, 0), (1000, 0, 2, 0.955, 1),
+                                                      (333, 300, 1, 0.5, 2), (70, 69, 4, 0.99, 3)])
+def test_planned_selection_equals_the_rule_reference(n, prefix, hk, alpha, seed):
+    """The fused selection (both lists in one sort, kept indices straight from the density order) with a plan
+    built once per segment selects exactly what the rule does list by list with masks, and the same as without
+    a plan."""
+    g = torch.Generator().manual_seed(seed)
+    w = torch.rand(4, hk, n, generator=g) ** 8
+    lines = VSLineSums(w[0], w[1] / 4, w[2], w[3] / 4, group_size=3, num_rows=64)
+    cfg = VSSelectConfig(alpha=alpha, sink_tokens=4, local_window=16, split_candidates=8)
+    plan = vs_select_plan(n, prefix, cfg, "cpu")
+    a = vs_select(lines, plan=plan)
+    b = vs_select(lines, prefix_len=prefix, config=cfg)
+    ref = vs_select_rule_reference(lines.v_sum, lines.v_max, lines.s_sum, lines.s_max, prefix_len=prefix,
+                                   alpha=alpha, sink_tokens=4, local_window=16, split_candidates=8)
+    for sel in (a, b):
+        got = (sel.v_idx, sel.v_cnt, sel.s_idx, sel.s_cnt, sel.covered_lb)
+        for x, y, name in zip(got, ref, ("v_idx", "v_cnt", "s_idx", "s_cnt", "covered_lb")):
+            assert x.dtype == y.dtype and torch.equal(x, y), name
+
+
+def test_plan_of_another_length_is_refused():
+    lines = VSLineSums(*torch.rand(4, 2, 100), group_size=2, num_rows=8)
+    with pytest.raises(ValueError, match="plan is for seq_len=99"):
+        vs_select(lines, plan=vs_select_plan(99, 0, VSSelectConfig(), "cpu"))
+    with pytest.raises(ValueError, match="prefix_len=100 is out of range"):
+        vs_select_plan(100, 100, VSSelectConfig(), "cpu")
 
 
 def test_planted_columns_are_selected_and_selection_is_sparse():
