@@ -260,13 +260,10 @@ def decode_topb_masks(budgets: torch.Tensor, seq_lens: torch.Tensor, n: int,
     return excluded, (torch.arange(width, device=dev)[None, :] < keep[:, None])[:, None, :]
 
 
-def decode_topb_masked(v_sum: torch.Tensor, excluded: torch.Tensor, valid: torch.Tensor,
-                       inplace: bool = False) -> torch.Tensor:
-    """:func:`decode_topb_batched` with its masks (:func:`decode_topb_masks`) given: ``v_sum [..., num_reqs, Hk, n]``
-    fp32 -> ``lists [..., num_reqs, Hk, width]`` int32 (one masked fill, one ``topk``, one select; leading dims,
-    e.g. layers, broadcast against the masks). ``inplace``: the fill writes into ``v_sum`` (no copy of it)."""
-    masked = v_sum.masked_fill_(excluded, float("-inf")) if inplace else v_sum.masked_fill(excluded, float("-inf"))
-    top = torch.topk(masked, valid.shape[-1], dim=-1, sorted=True).indices
+def decode_topb_masked(v_sum: torch.Tensor, excluded: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """:func:`decode_topb_batched` with its masks (:func:`decode_topb_masks`) given: ``v_sum [num_reqs, Hk, n]``
+    fp32 -> ``lists [num_reqs, Hk, width]`` int32 (one masked fill, one ``topk``, one select)."""
+    top = torch.topk(v_sum.masked_fill(excluded, float("-inf")), valid.shape[2], dim=2, sorted=True).indices
     return torch.where(valid, top, -1).to(torch.int32)
 
 

@@ -28,9 +28,8 @@ Where the host work goes (nothing per layer needs a sync; no ``.item()``):
     runs Alg. 3's re-selection for every layer, before the forward (:mod:`sglang_sparse.loopserve.select`): one
     gather per row of its observation queries (the ``n_d`` queries before the current token) from its ring for
     all layers, the rows' positions, request indices, pool rows, scored lengths and budgets in one host->device
-    copy; then per layer one :func:`~flashinfer_ext.loopserve.vs_estimate_batched.vertical_sums_batched` (two or
-    three launches), and one top-B (mask + topk) over every layer at once with one scatter into the step's top-B
-    tensor. Then every layer's token
+    copy; then per layer one :func:`~flashinfer_ext.loopserve.vs_estimate_batched.vertical_sums_batched` (two
+    launches), one top-B (mask + topk) and one scatter into the step's top-B tensor. Then every layer's token
     lists for ALL sparse rows at once (below ``LISTS_ALL_MAX_ENTRIES`` entries; larger steps build them per layer in
     decode): the candidates that do not depend on top-B (stored lines, slash offsets at the current position, sink,
     tokens since: :func:`flashinfer_ext.common.sparse_decode.decode_union_static`) merged with top-B
@@ -53,7 +52,7 @@ Where the host work goes (nothing per layer needs a sync; no ``.item()``):
   * decode steps whose rows are all sparse and past their first decode step (re-selecting ones included) replay
     SGLang's decode CUDA graph over static buffers planned by :mod:`sglang_sparse.loopserve.graph` (it calls
     :meth:`begin_batch` outside the graph).
-Where the remaining host cost is: a re-selecting step's selection, about 3 launches per layer before the forward;
+Where the remaining host cost is: a re-selecting step's selection, about 8 launches per layer before the forward;
 per request per step the planning copies above (ring gathers, top-B write-back, the padding of the line lists),
 once per step. The prefill side is per request per layer: ``rows x layers`` single-request estimation + selection
 (about 25 small torch ops) + sparse prefill; at short contexts these launches cost more than the attention they
@@ -394,7 +393,9 @@ class LoopServeRunner:
         # step's forward has no selection in it and replays the decode graph like any other step
         selection = plan_selection(self, states, seq_host, fire, rpi)
         if selection is not None:
-            reselect(self, tb, selection, backend.token_to_kv_pool, backend.req_to_token_pool.req_to_token)
+            pool, rtt = backend.token_to_kv_pool, backend.req_to_token_pool.req_to_token
+            for lid in range(sh.num_layers):
+                reselect(self, tb, selection, pool.get_key_buffer(lid), rtt, lid, self.layer_scaling(lid))
             # the new top-B back into the request states at the next begin_batch
             self._pending_topb = (tb, [(states[j], j, w) for j, w in selection["widths"]])
         self.dec = dict(rows=rows, rows_dev=rows_dev, states=states, fire=fire, v=v, s=s_, topb=tb,

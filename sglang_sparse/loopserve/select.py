@@ -1,6 +1,6 @@
 """LoopServe Alg. 3's batched top-B re-selection of a decode step (and lastwindow's one selection), for
 :class:`sglang_sparse.loopserve.runner.LoopServeRunner`: the host planning of the step's observation queries
-(:func:`plan_selection`) and the estimation + top-B of every layer (:func:`reselect`, device work only).
+(:func:`plan_selection`) and the estimation + top-B of one layer (:func:`reselect`, device work only).
 
 Both run in ``LoopServeRunner.begin_batch``, before the step's forward, for every layer: the observation window
 is the last ``n_d`` queries BEFORE the current token (lastwindow: the prompt's last ``window``), all in the
@@ -35,10 +35,8 @@ def plan_selection(runner, states, lens, fire, rpi) -> dict | None:
     for all layers at once into ``obs_buf [L, R_total, Hq, D]``, their positions ``obs_pos [R_total]``, request
     index ``q_req`` / ``qo_indptr``, the scored length per row (``sel_seq``: the keys before the current token;
     lastwindow: the prompt), the budgets and the top-B width (``max_b min(budget, candidates)``); all index
-    tensors in one host->device copy; the kernels' ``vsum_buf [L, F, Hk, max sel_seq]`` fp32 (every layer's scores,
-    ranked together: ``L * F * Hk * max sel_seq * 4`` bytes, ~380 MB for 30 layers x 32 rows x 3 KV heads at 32k) and
-    ``lse_buf [Hq, R_total]`` fp32, reused by every layer. ``lens``: the rows' context lengths (the current token
-    included).
+    tensors in one host->device copy; the kernels' ``vsum_buf [F, Hk, max sel_seq]`` and ``lse_buf [Hq, R_total]``
+    fp32, reused by every layer. ``lens``: the rows' context lengths (the current token included).
     """
     cfg, dev = runner.cfg, runner.device
     fire_j = [j for j, f in enumerate(fire) if f]
@@ -83,7 +81,7 @@ def plan_selection(runner, states, lens, fire, rpi) -> dict | None:
     # top-B's masks are the same at every layer of the step: built once here
     excluded, valid = decode_topb_masks(views[5], views[6], max(sel_seq), max(widths))
     kw = dict(dtype=torch.float32, device=dev)
-    vsum_buf, lse_buf = (torch.empty(runner.shape.num_layers, len(fire_j), runner.shape.num_kv_heads, max(sel_seq), **kw),
+    vsum_buf, lse_buf = (torch.empty(len(fire_j), runner.shape.num_kv_heads, max(sel_seq), **kw),
                          torch.empty(runner.shape.num_qo_heads, r_total, **kw)) if runner.use_kernels else (None, None)
     # long contexts, few rows: the LSE pass walks the keys in spans on separate programs (host ints only)
     num_splits = lse_splits(len(fire_j), runner.shape.num_kv_heads, _row_blocks(runner.shape, max(counts)),
@@ -103,34 +101,24 @@ def _row_blocks(shape, rows: int) -> int:
     return -(-rows // launch_meta(group, shape.head_dim, 16, 64)["BLOCK_R"])
 
 
-def reselect(runner, topb, sel, pool, rtt) -> None:
-    """Alg. 3 / Eq. 7 for all re-selecting rows of this step, every layer: per layer one batched vertical-sum
-    estimation of their observation queries (planned in ``obs_buf``) into ``vsum_buf[layer]`` (two or three
-    launches), then one top-B over every layer's scores at once (mask, ``topk``, select) and one scatter into the
-    step's ``topb [nS, L, Hk, W]``. ``pool``: SGLang's KV pool (``get_key_buffer(layer)``); each layer's softmax
-    scale is ``runner.layer_scaling(layer)``."""
+def reselect(runner, topb, sel, k_buf, rtt, lid, scale) -> None:
+    """Alg. 3 / Eq. 7 for all re-selecting rows of this step, one layer: their observation queries (planned in
+    ``obs_buf``), one batched vertical-sum estimation, one top-B, one scatter into the step's
+    ``topb [nS, L, Hk, W]``."""
     from flashinfer_ext.loopserve.vs_estimate_batched import (decode_topb_masked, vertical_sums_batched,
                                                     vertical_sums_batched_reference)
 
-    n_l = runner.shape.num_layers
-    common = (sel["obs_pos"], sel["q_req"])
-    tail = (rtt, sel["rpi"], sel["sel_seq"], sel["max_len"])
+    args = (sel["obs_buf"][lid], sel["obs_pos"], sel["q_req"], k_buf, rtt, sel["rpi"], sel["sel_seq"], sel["max_len"])
     if runner.use_kernels:
-        v_all = sel["vsum_buf"]
-        for lid in range(n_l):
-            vertical_sums_batched(sel["obs_buf"][lid], *common, pool.get_key_buffer(lid), *tail,
-                                  sm_scale=runner.layer_scaling(lid), out=v_all[lid], lse_buf=sel["lse_buf"],
-                                  qo_indptr=sel["qo_indptr"], max_qo_len=sel["max_qo_len"],
-                                  num_splits=sel["num_splits"], lse_part_buf=sel["lse_part_buf"],
-                                  target_programs=runner.target_programs)
+        v_sum = vertical_sums_batched(*args, sm_scale=scale, out=sel["vsum_buf"], lse_buf=sel["lse_buf"],
+                                      qo_indptr=sel["qo_indptr"], max_qo_len=sel["max_qo_len"],
+                                      num_splits=sel["num_splits"], lse_part_buf=sel["lse_part_buf"],
+                                      target_programs=runner.target_programs)
     else:
-        v_all = torch.stack([vertical_sums_batched_reference(sel["obs_buf"][lid], *common, pool.get_key_buffer(lid),
-                                                             *tail, sm_scale=runner.layer_scaling(lid))
-                             for lid in range(n_l)])
+        v_sum = vertical_sums_batched_reference(*args, sm_scale=scale)
     if runner.lastwindow:  # SnapKV: pool the scores over neighbouring positions, never pick the sink
-        v_all = snapkv_pool(v_all.flatten(0, 1), runner.cfg.pool_kernel, runner.cfg.sink_tokens).view(v_all.shape)
-    lists = decode_topb_masked(v_all, sel["excluded"][None], sel["valid"][None], inplace=True)  # [L, F, Hk, W]
-    topb[sel["fire_dev"], :, :, : sel["width"]] = lists.transpose(0, 1)
+        v_sum = snapkv_pool(v_sum, runner.cfg.pool_kernel, runner.cfg.sink_tokens)
+    topb[sel["fire_dev"], lid, :, : sel["width"]] = decode_topb_masked(v_sum, sel["excluded"], sel["valid"])
 
 
 def snapkv_pool(v_sum: torch.Tensor, kernel: int, sink_tokens: int) -> torch.Tensor:
