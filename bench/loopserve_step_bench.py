@@ -134,8 +134,7 @@ def measure(case, kind: str, dev: torch.device, iters: int) -> dict:
         step()
     _sync(dev)
     assert runner.dec is not None and any(runner.dec["fire"]) == kind.startswith("selecting")
-    sel = runner.dec["selection"]
-    out = {"lse_splits": sel["num_splits"] if sel is not None else None}
+    out = {"lse_splits": runner.dec["sel"]["num_splits"] if runner.dec["sel"] is not None else None}
     for name, fn in (("plan", plan), ("step", step)):
         walls, hosts = [], []
         for _ in range(iters):

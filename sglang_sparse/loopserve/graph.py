@@ -1,12 +1,11 @@
-"""CUDA-graph decode for LoopServe / lastwindow: replay SGLang's decode graphs at every sparse decode step.
+"""CUDA-graph decode for LoopServe / lastwindow: replay SGLang's decode graphs at the steady steps.
 
-A replayable step is a decode step where every row of the batch is a sparse decode row past its first decode step
-(its prefill lines compacted). Alg. 3's re-selection runs before the forward
-(:meth:`sglang_sparse.loopserve.runner.LoopServeRunner.begin_batch`), so a selecting step's per-layer work is the
-same as any other step's: two device operations with no host decision, the copy of the step's queries into the
-ring buffer and the split-list sparse decode over lists planned for all layers before the forward
-(:meth:`sglang_sparse.loopserve.runner.LoopServeRunner.decode`). Those run inside SGLang's captured decode graph over
-static buffers owned here:
+A steady step is a decode step where every row of the batch is a sparse decode row whose prefill is done and
+no row selects top-B (loopserve: 15 of every ``n_d`` = 16 steps after generated token 16; lastwindow: every
+step after its first). Such a step's per-layer work is two device operations with no host decision: the copy
+of the step's queries into the ring buffer and the split-list sparse decode over lists planned for all layers
+before the forward (:meth:`sglang_sparse.loopserve.runner.LoopServeRunner.decode`). Those run inside SGLang's
+captured decode graph over static buffers owned here:
 
   * ``lists_buf [L, max_bs, num_kv_heads, W]`` int32 / ``lens_buf [L, max_bs, num_kv_heads]`` int32: every
     layer's token lists (``W`` = the config's ``graph_list_width``); rows past the real batch have length 0;
@@ -16,13 +15,13 @@ static buffers owned here:
     side outputs and the split-decode partials; split plan fixed per captured
     batch size from ``W``, the same at capture and replay).
 
-Host flow: ``DecodeCudaGraphRunner.can_run_graph`` -> :meth:`LoopServeGraphs.wants_graph` (the real batch: are
-its rows all sparse and past their first step, are its lists at most ``W`` wide? keeps the batch for the replay planning) -> SGLang's
+Host flow: ``DecodeCudaGraphRunner.can_run_graph`` -> :meth:`LoopServeGraphs.wants_graph` (the real batch: is
+it steady, are its lists at most ``W`` wide? keeps the batch for the replay planning) -> SGLang's
 ``load_batch`` -> ``init_forward_metadata_out_graph(view)`` -> :meth:`LoopServeGraphs.plan` (the eager planning
 of the kept batch, then one copy of its lists / lengths / lengths into the static buffers) -> graph replay.
 A step's working set (host tier admission, :mod:`sglang_sparse.loopserve.ws`) is recorded inside the graph from
-``lists_buf`` into the tracker's fixed buffers, planned here before each replay. Every other step (prefill, a row's first decode step, lists wider than ``W``, a batch larger than the captured
-ones) runs eagerly. Batches without a sparse row replay SGLang's stock graph, recorded beside the sparse one
+``lists_buf`` into the tracker's fixed buffers, planned here before each replay. Every other step (prefill, re-selection, lists wider than ``W``, a batch larger than the captured ones)
+runs eagerly. Batches without a sparse row replay SGLang's stock graph, recorded beside the sparse one
 (:mod:`sglang_sparse.graph_variants`). Captured batch sizes above the config's ``graph_max_bs`` record the
 stock decode in both variants. Memory: ``lists_buf`` + ``lens_buf`` take ``L * max_bs * num_kv_heads * (W + 1) * 4`` bytes,
 ``max_bs`` = the largest captured size <= ``graph_max_bs`` (logged at allocation).
@@ -67,7 +66,7 @@ class LoopServeGraphs:
 
     # ------------------------------------------------------------------ host test (can_run_graph)
     def wants_graph(self, forward_batch) -> bool:
-        """True when the batch is a replayable step (see the module docstring) that fits the captured buffers;
+        """True when the batch is a steady step (see the module docstring) that fits the captured buffers;
         then keeps it for :meth:`plan`. Host ints only, no device work."""
         from sglang_sparse.loopserve.runner import STATE_ATTR
 
@@ -86,11 +85,10 @@ class LoopServeGraphs:
         wv = ws = wb = tail = 0
         for req, n in zip(reqs, lens):
             st = getattr(req, STATE_ATTR, None)
-            if st is None or not st.prefill_done or st.lines is None:
-                return False  # not sparse yet, or lines not compacted yet (first decode step)
+            if st is None or not st.prefill_done or st.lines is None or r.row_fires(st, n)[1]:
+                return False  # not sparse yet, lines not compacted yet (first decode step), or selecting
             wv, ws = max(wv, st.lines[0].shape[2]), max(ws, st.lines[2].shape[2])
-            # a selecting row's top-B is chosen before the forward (runner.begin_batch), at most min(budget, n) wide
-            wb = max(wb, min(st.budget, n) if r.row_fires(st, n)[1] else (0 if st.topb is None else st.topb.shape[2]))
+            wb = max(wb, 0 if st.topb is None else st.topb.shape[2])
             tail = max(tail, n - (st.since or st.prompt_len))
         # the planned lists are [L, bs, Hk, summed widths], deduplicated: no list is longer than its context, so
         # the static buffer takes the first min(summed widths, longest context) entries (the rest is padding)
@@ -101,7 +99,7 @@ class LoopServeGraphs:
         return True
 
     def graph_variant(self, forward_batch, peek: bool = False) -> str | None:
-        """Which decode graph this batch replays: ``"sparse"`` (a replayable step, :meth:`wants_graph`), ``"dense"``
+        """Which decode graph this batch replays: ``"sparse"`` (a steady step, :meth:`wants_graph`), ``"dense"``
         (no row is sparse: SGLang's stock graph, :mod:`sglang_sparse.graph_variants`) or None (eager). Keeps the
         batch for :meth:`plan`; ``peek``: answer for the batch already kept, keep nothing new."""
         if peek:  # SGLang asks again while loading the batch, after plan() took the kept batch
@@ -128,7 +126,7 @@ class LoopServeGraphs:
         for req in reqs:
             st = getattr(req, STATE_ATTR, None)
             if st is not None and st.prefill_done:
-                return None  # a sparse row that cannot replay (first step, too wide): eager
+                return None  # a sparse row that is not steady: eager
         self._pending = (forward_batch, reqs, host_ints(lens, bs), "dense")
         return "dense"
 
@@ -164,8 +162,8 @@ class LoopServeGraphs:
         finally:
             r.planning_for_graph = False
         e = r.dec
-        if e is None or "lists_all" not in e or len(e["rows"]) != raw:
-            raise RuntimeError("sglang-sparse loopserve: a graph step planned without every layer's lists")
+        if e is None or "lists_all" not in e or e["sel"] is not None or len(e["rows"]) != raw:
+            raise RuntimeError("sglang-sparse loopserve: a graph step planned as a non-steady step")
         lists, lens_all = e["lists_all"]
         w = min(lists.shape[3], self.width, max(lens))  # entries past a list's length (<= its context) are padding
         self.lists_buf[:, :raw, :, :w].copy_(lists[..., :w])
@@ -203,7 +201,7 @@ class LoopServeGraphs:
         vs = self.vsd.plan(view.req_pool_indices[:bs], self._ones[:bs], max_len=1, list_width=self.width,
                            target_programs=r.target_programs)
         d = dict(rows=list(range(bs)), rows_dev=torch.arange(bs, device=r.device), states=[], fire=[False] * bs,
-                 selection=None, all_rows=True,
+                 sel=None, all_rows=True,
                  lists_all=(self.lists_buf[:, :bs], self.lens_buf[:, :bs]),
                  q_buf=None if r.lastwindow else self.q_buf[:, :bs], rpi=vs.req_pool_indices,
                  seq32=vs.seq_lens, vs=vs, split=vs.split)

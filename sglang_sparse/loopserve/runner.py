@@ -25,38 +25,41 @@ Where the host work goes (nothing per layer needs a sync; no ``.item()``):
     looks earlier turns' lines up in the line store, compacts the line masks of requests whose prefill
     just finished (one device->host read of their counts), and pads the per-row line lists of a decode
     batch into batch tensors (small host->device copies). For the re-selecting rows of a decode step it
-    runs Alg. 3's re-selection for every layer, before the forward (:mod:`sglang_sparse.loopserve.select`): one
-    gather per row of its observation queries (the ``n_d`` queries before the current token) from its ring for
-    all layers, the rows' positions, request indices, pool rows, scored lengths and budgets in one host->device
-    copy; then per layer one :func:`~flashinfer_ext.loopserve.vs_estimate_batched.vertical_sums_batched` (two
-    launches), one top-B (mask + topk) and one scatter into the step's top-B tensor. Then every layer's token
-    lists for ALL sparse rows at once (below ``LISTS_ALL_MAX_ENTRIES`` entries; larger steps build them per layer in
-    decode): the candidates that do not depend on top-B (stored lines, slash offsets at the current position, sink,
-    tokens since: :func:`flashinfer_ext.common.sparse_decode.decode_union_static`) merged with top-B
-    (:func:`~flashinfer_ext.common.sparse_decode.decode_union_merge`: concat + two sorts, O(list width) per row, never
-    a context-wide tensor). So a selecting step's forward does the same work as any other step's.
-  * per layer, extend: estimation + selection (its plan built once per segment,
-    :func:`flashinfer_ext.loopserve.vs_select.vs_select_plan`) + sparse prefill per sparse extend row (one request
-    per kernel call: the kernels are single-request); device work only (the selection's split sizes are built
-    without ``unique`` so that it never syncs).
+    also plans the batched selection (:func:`sglang_sparse.loopserve.select.plan_selection`): one gather per row of its earlier
+    observation queries from its ring for all layers, and the rows' positions, request indices, pool
+    rows, scored lengths and budgets in one host->device copy.
+  * per layer, extend: estimation + selection + sparse prefill per sparse extend row (one request per
+    kernel call: the kernels are single-request); device work only (the selection's split sizes are
+    built without ``unique`` so that it never syncs).
   * per layer, decode: one copy of all sparse rows' queries into the step's query buffer (committed to
-    the per-request rings at the next :meth:`begin_batch`), then one split-list decode over all rows and KV heads
-    (:func:`flashinfer_ext.common.split_decode.sparse_decode_split`: two launches;
-    :func:`~flashinfer_ext.common.sparse_decode.sparse_decode` when one span covers the lists), through
+    the per-request rings at the next :meth:`begin_batch`); at re-selection steps, for ALL re-selecting
+    rows at once: one copy of their current queries into the planned observation buffer, one
+    :func:`~flashinfer_ext.loopserve.vs_estimate_batched.vertical_sums_batched` (two launches), one
+    :func:`~flashinfer_ext.loopserve.vs_estimate_batched.decode_topb_batched` (mask + topk) and one scatter into the
+    step's top-B tensor (top-B's masks planned once per step), then this layer's token lists for ALL sparse
+    rows: the candidates that do not depend on top-B (stored lines, slash offsets at the current position,
+    sink, tokens since: :func:`flashinfer_ext.common.sparse_decode.decode_union_static`) are built for every layer
+    at once in :meth:`begin_batch`, and each layer merges its new top-B into them
+    (:func:`~flashinfer_ext.common.sparse_decode.decode_union_merge`: concat + two sorts, O(list width) per row,
+    never a context-wide tensor); at a step where no row re-selects (every step of lastwindow after its
+    first, and of loopserve between re-selections) the merge too runs once for all layers in
+    :meth:`begin_batch` (below ``LISTS_ALL_MAX_ENTRIES`` entries; larger steps build everything per layer). Then one
+    split-list decode over all rows and KV heads (:func:`flashinfer_ext.common.split_decode.sparse_decode_split`: two
+    launches; :func:`~flashinfer_ext.common.sparse_decode.sparse_decode` when one span covers the lists), through
     :class:`flashinfer_ext.loopserve.decode.VerticalSlashDecode` (planned once per step in :meth:`begin_batch`). The lists
     are cut as if ``graph_list_width`` wide, so eager and graph-replayed steps give the same outputs.
     Statistics are in-place adds into the device step rows. When every row of the batch is sparse (the
     usual case) the queries are read and the output written in place (no gather / scatter), the kernel's side
-    outputs are step buffers and the read counts are added once in :meth:`begin_batch`.
+    outputs are step buffers and a steady step's read counts are added once in :meth:`begin_batch`.
     The host->device planning copies are pinned and non-blocking (:func:`sglang_sparse.loopserve.select.h2d`).
-  * decode steps whose rows are all sparse and past their first decode step (re-selecting ones included) replay
-    SGLang's decode CUDA graph over static buffers planned by :mod:`sglang_sparse.loopserve.graph` (it calls
-    :meth:`begin_batch` outside the graph).
-Where the remaining host cost is: a re-selecting step's selection, about 8 launches per layer before the forward;
-per request per step the planning copies above (ring gathers, top-B write-back, the padding of the line lists),
-once per step. The prefill side is per request per layer: ``rows x layers`` single-request estimation + selection
-(about 25 small torch ops) + sparse prefill; at short contexts these launches cost more than the attention they
-replace.
+  * steady decode steps (no row selects top-B) replay SGLang's decode CUDA graph over static buffers
+    planned by :mod:`sglang_sparse.loopserve.graph` (it calls :meth:`begin_batch` outside the graph).
+Where the remaining host cost is: a re-selection step runs eagerly, about 20 launches per layer; per request
+per step there remain the planning copies above (ring gathers, top-B write-back, the padding of the line
+lists), once per step. The prefill side is still per request per layer: ``rows x layers`` single-request
+estimation + :func:`vs_select` (tens of small torch ops) + sparse prefill; at short contexts these launches
+cost more than the attention they replace (H100 harness, SmolLM2, concurrency 8: loopserve tasks
+175 s vs 14 s dense).
 When every row of a batch is sparse the backend skips the stock attention (K/V written as stock
 writes them); in a mixed batch the stock backend computes all rows first and the sparse rows are
 then overwritten. A mixed batch (``--enable-mixed-chunk``) treats
@@ -202,9 +205,6 @@ class LoopServeRunner:
         # split-list decode (flashinfer_ext.common.split_decode): aim at about two waves of programs per layer
         self.target_programs = target_programs_of(device)
         self._acc_cols = torch.tensor([COL_V, COL_S, COL_COV], device=device)  # the per-layer prefill statistics
-        # each layer's softmax scale, as its attention calls pass it (the re-selection runs before the forward);
-        # until a layer has been called: head_dim ** -0.5
-        self._scaling: dict[int, float] = {}
         self.lse_min_split_keys = MIN_SPLIT_KEYS  # re-selection's LSE pass: shortest key span (lse_splits)
         # the decode over the step's token lists: plan() once per step, run() per layer (kernels or reference)
         self.vsd = VerticalSlashDecode(shape.num_qo_heads, shape.num_kv_heads, shape.head_dim, device,
@@ -388,35 +388,28 @@ class LoopServeRunner:
         # planned for a graph replay takes the captured plan instead)
         vs = self.vsd.plan(rpi, seq_dev, max_len=max(seq_host), list_width=max(width, self.split_width),
                            target_programs=self.target_programs, split=not self.planning_for_graph)
-        # Alg. 3's re-selection of the selecting rows, every layer, before the forward (sglang_sparse.loopserve.select:
-        # the observation window is the queries before the current token, top-B among the keys before it), so the
-        # step's forward has no selection in it and replays the decode graph like any other step
-        selection = plan_selection(self, states, seq_host, fire, rpi)
-        if selection is not None:
-            pool, rtt = backend.token_to_kv_pool, backend.req_to_token_pool.req_to_token
-            for lid in range(sh.num_layers):
-                reselect(self, tb, selection, pool.get_key_buffer(lid), rtt, lid, self.layer_scaling(lid))
-            # the new top-B back into the request states at the next begin_batch
-            self._pending_topb = (tb, [(states[j], j, w) for j, w in selection["widths"]])
         self.dec = dict(rows=rows, rows_dev=rows_dev, states=states, fire=fire, v=v, s=s_, topb=tb,
                         q_buf=q_buf, seq=seq_dev, pos=seq_dev - 1, max_len=max(seq_host),
                         since=since_dev, rpi=rpi, max_since=max_since, all_rows=all_rows, vs=vs, seq32=vs.seq_lens,
-                        selection=selection)
+                        sel=plan_selection(self, states, [lens[i] for i in rows], fire, rpi))
         if vs.split is not None:
             self.dec["split"] = vs.split
-        if self.lists_all_fits(len(rows), width):  # every layer's sets at once, here (over the cap: per layer)
-            self.dec["lists_all"] = self._merge_all_layers(self.dec, self._static_all_layers(self.dec))
+        if self.lists_all_fits(len(rows), width):
+            # every layer's top-B-independent candidates at once, here; no row re-selects at this step: every
+            # layer's sets too (else merged with each layer's new top-B in decode; over the cap: all per layer)
+            self.dec["static_all"] = self._static_all_layers(self.dec)
+            if self.dec["sel"] is None:
+                self.dec["lists_all"] = self._merge_all_layers(self.dec)
+            elif self.use_kernels:  # sorted + deduplicated once here; each layer appends its top-B (one launch)
+                self._plan_union_append(self.dec)
+        if self.dec["sel"] is not None:  # the new top-B back into the request states at the next begin_batch
+            self._pending_topb = (tb, [(states[j], j, w) for j, w in self.dec["sel"]["widths"]])
         units = sh.num_layers * sh.num_kv_heads
         host[rows_t, COL_KIND] = float(KIND_LASTWINDOW if self.lastwindow else KIND_DECODE)
         host[rows_t, COL_TTOT] = torch.tensor(seq_host, dtype=torch.float32) * units
         host[rows_t, COL_RESEL] = torch.tensor(resel, dtype=torch.float32)
         if self.ws is not None and not self.planning_for_graph:  # a replayed step: loopserve.graph plans it
             self.ws.plan([getattr(reqs[i], "rid", None) for i in rows])
-
-    def layer_scaling(self, lid: int) -> float:
-        """The softmax scale layer ``lid``'s attention calls pass (``RadixAttention.scaling``); ``head_dim ** -0.5``
-        before its first call."""
-        return self._scaling.get(lid, self.shape.head_dim ** -0.5)
 
     def lists_all_fits(self, n_rows: int, width: int) -> bool:
         """Whether a decode step of ``n_rows`` sparse rows with lists ``width`` wide (before deduplication) plans
@@ -441,7 +434,6 @@ class LoopServeRunner:
         """Overwrite the sparse rows of ``o3 [T, Hq, D]`` with their vertical/slash sparse prefill."""
         cfg = self.cfg
         lid = layer.layer_id
-        self._scaling[lid] = float(layer.scaling)
         pool = backend.token_to_kv_pool
         k_buf, v_buf = pool.get_key_buffer(lid), pool.get_value_buffer(lid)
         rtt = backend.req_to_token_pool.req_to_token
@@ -505,7 +497,6 @@ class LoopServeRunner:
         """Overwrite the sparse decode rows of ``o3 [bs, Hq, D]`` (the current K/V already written)."""
         d, cfg = self.dec, self.cfg
         lid = layer.layer_id
-        self._scaling[lid] = float(layer.scaling)
         pool = backend.token_to_kv_pool
         k_buf, v_buf = pool.get_key_buffer(lid), pool.get_value_buffer(lid)
         rtt = backend.req_to_token_pool.req_to_token
@@ -513,8 +504,19 @@ class LoopServeRunner:
         q_s = q3 if d["all_rows"] else q3[rows]  # all rows sparse (the usual case): no gather
         if d["q_buf"] is not None:  # this step's queries, one copy for all rows (rings updated next batch)
             d["q_buf"][lid] = q_s.to(d["q_buf"].dtype)
+        if d["sel"] is not None:  # re-selection rows: one batched estimation + one top-B for all of them
+            reselect(self, d, d["sel"], q_s, k_buf, rtt, lid, layer.scaling)
         if "lists_all" in d:  # planned for all layers in begin_batch
             lists, lens = d["lists_all"][0][lid], d["lists_all"][1][lid]
+        elif "static_sorted" in d:  # a re-selection step: this layer's new top-B appended to the planned lists
+            from flashinfer_ext.loopserve.list_union import union_append
+
+            lists, lens = union_append(d["static_sorted"][lid], d["static_lens"][lid], d["topb"][:, lid], d["seq32"],
+                                       out=d["union_buf"], lens_out=d["union_lens_buf"])
+        elif "static_all" in d:  # the same sets on the reference path: merged with this layer's new top-B
+            from flashinfer_ext.common.sparse_decode import decode_union_merge
+
+            lists, lens = decode_union_merge(d["static_all"][lid], d["topb"][:, lid], d["seq32"])
         else:  # over the size cap of the all-layer build: this layer's whole build
             lists, lens = self._union_lists(d, lid)
         if self.ws is not None:  # the working set: this layer's lists into the tracker (one launch, no sync)
@@ -550,12 +552,27 @@ class LoopServeRunner:
                                      max_since=d["max_since"])
         return static.view(n_l, n_s, *static.shape[1:])
 
-    def _merge_all_layers(self, d, static):
-        """Every layer's lists of the step from its top-B-independent candidates ``static [L, nS, Hk, Ws]``, in one
-        call: ``([L, nS, Hk, W], [L, nS, Hk])`` (layer-major, so a layer's slice is contiguous for
-        :func:`sparse_decode`)."""
+    @staticmethod
+    def _plan_union_append(d) -> None:
+        """A re-selection step on the kernel path: every layer's candidates sorted and deduplicated at once
+        (``static_sorted [L, nS, Hk, Ws]`` / ``static_lens [L, nS, Hk]``) and the step's union buffers, reused by
+        every layer (:func:`flashinfer_ext.loopserve.list_union.union_append`)."""
         from flashinfer_ext.common.sparse_decode import decode_union_merge
 
+        static = d["static_all"]
+        n_l, n_s, hk, ws = static.shape
+        no_topb = static.new_empty(n_l * n_s, hk, 0)
+        lists, lens = decode_union_merge(static.view(n_l * n_s, hk, ws), no_topb, d["seq32"].repeat(n_l))
+        d["static_sorted"], d["static_lens"] = lists.view(n_l, n_s, hk, ws), lens.view(n_l, n_s, hk)
+        d["union_buf"] = static.new_empty(n_s, hk, ws + d["topb"].shape[3])
+        d["union_lens_buf"] = static.new_empty(n_s, hk)
+
+    def _merge_all_layers(self, d):
+        """Every layer's lists of a step without re-selection, in one call: ``([L, nS, Hk, W], [L, nS, Hk])``
+        (layer-major, so a layer's slice is contiguous for :func:`sparse_decode`)."""
+        from flashinfer_ext.common.sparse_decode import decode_union_merge
+
+        static = d["static_all"]
         n_l, n_s = static.shape[0], static.shape[1]
         lists, lens = decode_union_merge(static.view(n_l * n_s, *static.shape[2:]), self._by_layer(d["topb"]),
                                          d["seq"].repeat(n_l))

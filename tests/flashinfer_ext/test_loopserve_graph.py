@@ -1,7 +1,6 @@
-"""Contract: a LoopServe / lastwindow decode step planned for a CUDA-graph replay (sglang_sparse.loopserve.graph),
-re-selecting rows included, decodes exactly like the eager step: same outputs for the real rows, zeros for the
-padding rows, same statistics, the same queries committed to the rings, the same new top-B in the request states;
-only steps that fit the captured buffers are replayed.
+"""Contract: a LoopServe / lastwindow steady decode step planned for a CUDA-graph replay (sglang_sparse.loopserve.graph)
+decodes exactly like the eager step: same outputs for the real rows, zeros for the padding rows, same statistics,
+the same queries committed to the rings; only steady steps that fit the captured buffers are replayed.
 
 On the CPU the captured decode is run as Python over the static buffers it would record (Triton interpreter);
 the GPU server test (tests/test_gpu_loopserve_server.py) replays real graphs."""
@@ -88,30 +87,6 @@ def test_replayed_steady_step_decodes_like_the_eager_step(lastwindow):
         assert torch.equal(getattr(r_e, STATE_ATTR).ring, getattr(r_g, STATE_ATTR).ring)
 
 
-def test_replayed_selecting_step_decodes_like_the_eager_step():
-    """Rows at generated tokens 5 and 15 select top-B (initial top-B), the third keeps its own: the selection runs
-    before the forward, so the step replays the graph, with the eager step's outputs and new top-B."""
-    eager_cfg, shape, backend, fb, reqs, q3, _ = _setup(False, *LOOPSERVE, all_topb=False)
-    eager = LoopServeRunner(eager_cfg, shape, torch.device("cpu"), use_kernels=True)
-    eager.begin_batch(backend, fb)
-    assert eager.dec["fire"] == [True, True, False] and "lists_all" in eager.dec
-    o_eager = _decode_layers(eager, backend, q3)
-
-    c = _captured(False, LOOPSERVE, all_topb=False)
-    assert c.graphs.wants_graph(c.fb)
-    o_pad = _replay(c)
-    raw = c.fb.batch_size
-    assert c.graphs.replays == 1
-    torch.testing.assert_close(o_pad[:raw], o_eager, rtol=1e-5, atol=1e-5)
-    assert float(o_pad[raw:].abs().sum()) == 0.0 and float(o_eager.abs().sum()) > 0
-    assert torch.equal(c.runner.step_rows, eager.step_rows)
-    eager._commit_ring()
-    c.runner._commit_ring()
-    for r_e, r_g in zip(reqs, c.reqs):
-        st_e, st_g = getattr(r_e, STATE_ATTR), getattr(r_g, STATE_ATTR)
-        assert torch.equal(st_e.ring, st_g.ring) and torch.equal(st_e.topb, st_g.topb)
-
-
 def _widen_lines(reqs, extra):
     """Pad every request's stored vertical and slash lines with ``extra`` empty (-1) slots: the summed list width
     grows past the context while the sets stay the same."""
@@ -146,8 +121,11 @@ def test_lists_wider_than_the_graph_but_within_the_context_replay_like_the_eager
     assert not c.graphs.wants_graph(c.fb)
 
 
-def test_steps_that_do_not_fit_are_not_replayed():
-    # the lists are wider than the captured width
+def test_steps_that_select_or_do_not_fit_are_not_replayed():
+    # loopserve rows at generated tokens 5 and 15 (initial top-B) and 19: selecting rows -> eager
+    c = _captured(False, LOOPSERVE, all_topb=False)
+    assert not c.graphs.wants_graph(c.fb)
+    # steady, but the lists are wider than the captured width
     c = _captured(False, STEADY[False], width=40)
     assert not c.graphs.wants_graph(c.fb)
     # steady, but larger than the largest captured batch

@@ -1,8 +1,8 @@
 """Contract: LoopServe's batched decode re-selection (LoopServeRunner + sglang_sparse.loopserve.select, Alg. 3 /
 Eq. 7) picks, for every
-re-selecting row and layer, before the step's forward, the top-min(budget, keys) set of the fp32 reference over
-that row's own observation queries (the last n_d queries before the current token, all in the ring, over the
-keys before it; lastwindow: the prompt's last window over the prompt's keys), keeps the other rows' earlier top-B, writes the new top-B back to the request state at
+re-selecting row and layer, the top-min(budget, length) set of the fp32 reference over that row's own
+observation queries (the ring's earlier ones + the current one; lastwindow: the prompt's last window over
+the prompt's keys), keeps the other rows' earlier top-B, writes the new top-B back to the request state at
 the next batch, and the kernel path (Triton under the interpreter on the CPU) decodes like the reference path.
 
 Runs the runner on SGLang-shaped stand-ins (no sglang import): the shapes and names it reads from
@@ -90,7 +90,7 @@ def _check_reselection(lastwindow, use_kernels, device="cpu", split_keys=None):
     runner, _, env = _run(lastwindow, use_kernels, seq_lens, prompt_lens, budgets, device=device,
                           split_keys=split_keys)
     d = runner.dec
-    assert (d["selection"]["num_splits"] > 1) == (split_keys is not None)
+    assert (d["sel"]["num_splits"] > 1) == (split_keys is not None)
     fires = [True, True, lastwindow]
     assert d["fire"] == fires
     pool, reqs = env["pool"], env["reqs"]
@@ -107,10 +107,10 @@ def _check_reselection(lastwindow, use_kernels, device="cpu", split_keys=None):
             if lastwindow:
                 obs_pos = torch.arange(st.ring_lo, plen)
                 q_obs, hi = ring[obs_pos % ring.shape[0]], plen
-            else:  # the current token (position n - 1) is neither observed nor a candidate
-                obs_pos = torch.arange(max(0, n - 1 - 16), n - 1)
-                q_obs = ring[obs_pos % 16]
-                hi = n - 1
+            else:
+                obs_pos = torch.arange(max(0, n - 16), n)
+                q_obs = torch.cat([ring[obs_pos[:-1] % 16], env["q3"][j: j + 1].cpu()])
+                hi = n
             k_buf = env["backend"].token_to_kv_pool.get_key_buffer(lid).cpu()
             want, score = decode_topb_reference(q_obs, obs_pos, k_buf, rtt[rpi[j].long()], hi, D ** -0.5, bud)
             keep = min(bud, hi)
@@ -138,7 +138,7 @@ def _check_reselection(lastwindow, use_kernels, device="cpu", split_keys=None):
     for j, (n, plen, bud) in enumerate(zip(seq_lens, prompt_lens, budgets)):
         if fires[j]:
             st = getattr(reqs[j], STATE_ATTR)
-            assert st.topb.shape == (L, HK, min(bud, st.ring_lo if lastwindow else n - 1))
+            assert st.topb.shape == (L, HK, min(bud, st.ring_lo if lastwindow else n))
             assert torch.equal(st.topb, d["topb"][j, :, :, : st.topb.shape[2]])
 
 
@@ -192,7 +192,7 @@ def _check_steady_step(lastwindow, device="cpu", tol=1e-4, all_layers=True):
         runner, o3, env = _run(lastwindow, use_kernels, seq_lens, prompt_lens, budgets, device=device,
                                all_topb=True)
         d = runner.dec
-        assert d["fire"] == [False] * len(seq_lens) and d["selection"] is None
+        assert d["fire"] == [False] * len(seq_lens) and d["sel"] is None
         assert ("lists_all" in d) == all_layers
         if all_layers:
             lists, lens = d["lists_all"]

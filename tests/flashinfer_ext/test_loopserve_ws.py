@@ -65,12 +65,12 @@ def test_a_steady_step_records_the_blocks_of_the_lists_it_attended(use_kernels, 
 
 
 def test_a_reselection_step_records_the_same_units_on_the_kernel_and_the_reference_path():
-    """Rows re-selecting top-B (chosen in begin_batch, before the forward; every layer's lists planned there)."""
+    """Rows re-selecting top-B (each layer's lists built in decode: union_append / decode_union_merge)."""
     units = []
     for use_kernels in (False, True):
         runner, env = _runner(LOOPSERVE, use_kernels, 16, all_topb=False)
         runner.begin_batch(env.backend, env.fb)
-        assert runner.dec["selection"] is not None
+        assert runner.dec["sel"] is not None
         _decode_layers(runner, env.backend, env.q3)
         units.append([_units(runner.ws.tracker, r.rid) for r in env.reqs])
         sizes = runner.ws.tracker.sizes([r.rid for r in env.reqs])
