@@ -29,6 +29,11 @@
 #   bash scripts/gpu/testbed.sh c1ab     # psa vs off at concurrency 1 (16k, 32k), off on page 1 and on page 16
 #   bash scripts/gpu/testbed.sh ab4k     # psa / loopserve installed below min_context vs two off servers at 4k:
 #                                        # bench.ab_rounds --pin-cpus --restart-each-round
+#   bash scripts/gpu/testbed.sh lsfid    # loopserve ENGAGED (min_context $LS_MIN_CONTEXT, default 24576) against off on
+#                                        # the `long` preset: the 32k bucket is the engaged one (~3-4 min); run it for any
+#                                        # change to LoopServe's decode or selection (it is what a speed change can lose)
+#   bash scripts/gpu/testbed.sh lsspeed  # loopserve engaged against off at 32k: bench.load (concurrency 1/8/32) and
+#                                        # bench.decode_profile (~24k tokens, concurrency 1) (~6 min)
 #
 # TESTBED_TAG=x puts a part's reports in /tmp/testbed/<part>_x (two runs of a part side by side);
 # LONG_EXTRA_ARGS / SAMKV_EXTRA_ARGS add server arguments to the `long` / `samkv` part's servers (e.g. --enable-deterministic-inference);
@@ -45,7 +50,7 @@
 #
 # Reports go to /tmp/testbed/<part>/ and come back packed as $OUT/<part>.tgz.
 set -uo pipefail
-part=${1:?usage: testbed.sh needle|long|samkv|e2e|turns|probeprof|hostprof|settings4k|c1ab|ab4k|realkern|kernwaves|kerncrit|kernprofile|samkvab-start|samkvab-wait|reliability-start|reliability-wait}
+part=${1:?usage: testbed.sh needle|long|samkv|e2e|turns|probeprof|hostprof|settings4k|c1ab|ab4k|lsfid|lsspeed|realkern|kernwaves|kerncrit|kernprofile|samkvab-start|samkvab-wait|reliability-start|reliability-wait}
 out=${OUT:-$PWD/gpu_out}
 name=${part%-*}${TESTBED_TAG:+_$TESTBED_TAG}
 R=/tmp/testbed/$name
@@ -164,6 +169,23 @@ PY
         --servers 'off,off2=off,psa_live=psa:{"min_context":8192},loopserve_live=loopserve:{"min_context":8192}' \
         --input-len 4096 --output-len 256 --concurrency 1,8 --rounds "${AB4K_ROUNDS:-4}" --pin-cpus --restart-each-round \
         --port 30100 --server-args "$SARGS" --out "$R/ab4k"
+    ;;
+  lsfid)  # loopserve engaged on the `long` preset (fidelity of the engaged path; the 32k bucket engages at 24576)
+    step lsfid timeout "${LONG_TIMEOUT:-420}" python3 -m bench.run_harness --preset long --modes off,loopserve --parallel \
+        --concurrency 16 --tasks-time-budget "${LONG_TASK_BUDGET:-320}" --device cuda --python python3 --model $M32 \
+        --port 30000 --out "$R/long" --server-args "$SARGS" \
+        --sparse-config "loopserve={\"min_context\":${LS_MIN_CONTEXT:-24576}}"
+    step lsfid_report python3 -m bench.report_long --run "$R/long" --json "$R/fidelity_engaged.json"
+    ;;
+  lsspeed)  # timing: run alone on the GPU. loopserve engaged against off at 32k, end to end and per decode step
+    step lsload timeout -k 20 "${LSLOAD_TIMEOUT:-300}" python3 -m bench.load --device cuda --python python3 --model $M32 \
+        --modes off,loopserve --sparse-config "loopserve={\"min_context\": ${LS_MIN_CONTEXT:-24576}}" \
+        --input-lens 32000 --output-len 256 --concurrency 1,8,32 --parallel-servers auto --port 30010 \
+        --time-budget 240 --server-args "$SARGS" --out "$R/load"
+    step lsprof timeout -k 20 "${LSPROF_TIMEOUT:-250}" python3 -m bench.decode_profile --device cuda --python python3 \
+        --model $M32 --modes off,loopserve --sparse-config 'loopserve={"min_context": 8192}' --prompt-tokens 18000 \
+        --max-tokens 64 --steps 32 --repeats 2 --concurrency 1 --port 30050 --server-args "$SARGS" --out "$R/prof"
+    rm -f "$R"/prof/*/*.trace.json*
     ;;
   c1ab)  # timing: run alone on the GPU. psa vs off at concurrency 1 (16k, 32k), off on stock page 1 and on psa's page 16
     for cfg in "page1:" "page16:--page-size 16"; do
