@@ -311,8 +311,7 @@ class LoopServeRunner:
                                              seq >= len(req.origin_input_ids),
                                              sample_pos=_h2d(sample + p, self.device),
                                              sel_plan=None if sel_base is None else vs_select_plan(
-                                                 seq, p, dataclasses.replace(sel_base, alpha=st.alpha), self.device,
-                                                 use_kernel=self.use_kernels and self.device.type == "cuda")))
+                                                 seq, p, dataclasses.replace(sel_base, alpha=st.alpha), self.device)))
             q_lo += e
 
     def row_fires(self, st: ReqState, seq_len: int) -> tuple[bool, bool]:
