@@ -498,9 +498,9 @@ def main():
     ap.add_argument("--wave-plan", default=None, metavar="PROGRAMS_PER_SM,GROWTH,MAX_WAVES[,SORTED_PREFIX]",
                     help="the wrapper's wave plan for every case (default: PsaDecodeWrapper's); 'best:SWEEP.json' takes "
                          "the plan pick_wave_plan chooses from a --wave-sweep report")
-    ap.add_argument("--separate-merge", action="store_true",
-                    help="merge each wave in a launch of its own (PsaDecodeWrapper(fuse_merge=False)) for every case "
-                         "(default: merged in the chunk launch); --stage-profile times both anyway")
+    ap.add_argument("--fuse-merge", action="store_true",
+                    help="merge each wave in its chunk launch (PsaDecodeWrapper(fuse_merge=True)) for every case "
+                         "(default: a merge launch per wave); --stage-profile times both anyway")
     ap.add_argument("--stage-profile", action="store_true",
                     help="only the stage times (criticality, ranking, bound suffix, waves + merges) of the headline "
                          "planted cases and the 32k testbed capture: psa_stage_profile.{json,md} in --out")
@@ -512,8 +512,8 @@ def main():
                          "psa_wave_sweep.{json,md} in --out (with --smoke: a tiny case on the CPU)")
     args = ap.parse_args()
     wkw, ckw = psa_plans.wave_plan_arg(args.wave_plan)
-    if args.separate_merge:
-        wkw = dict(wkw or {}, fuse_merge=False)
+    if args.fuse_merge:
+        wkw = dict(wkw or {}, fuse_merge=True)
     slot_tokens = real_capture.parse_tokens(args.real_tokens, REAL_SLOTS)
     real_layers = tuple(int(x) for x in args.real_layers.split(","))
     t0 = time.time()

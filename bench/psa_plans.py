@@ -68,9 +68,9 @@ def _todo(cases, real_pool) -> list:
     return todo
 
 
-# the merge variants a stage profile times side by side: the default (each wave merged in its chunk launch) and
-# the separate merge launch per wave
-MERGE_VARIANTS = (("in the chunk launch", {}), ("separate launch", {"fuse_merge": False}))
+# the merge variants a stage profile times side by side: the default (a merge launch per wave) and each wave
+# merged in its chunk launch (PsaDecodeWrapper(fuse_merge=True))
+MERGE_VARIANTS = (("separate launch", {}), ("in the chunk launch", {"fuse_merge": True}))
 
 
 def run_stage_profile(run_case, out: Path, meta: dict, dev: str, cases=WAVE_SWEEP_CASES, real_pool=None,

@@ -14,8 +14,8 @@ remaining-mass bound suffix (Triton;
 'bound'/'calibrated' estimators only) -> for each *wave* of the host plan: chunk
 attention (:mod:`flashinfer_ext.psa.chunks`, one program per (request, KV head, chunk),
 pairs already done exit at once) + merge with the stop test chunk by chunk
-(:mod:`flashinfer_ext.psa.wave_merge`; by default in the same launch, run by the last program of each
-pair to finish: ``fuse_merge``). The result equals sequential PSA with the chunk
+(:mod:`flashinfer_ext.psa.wave_merge`; or, with ``fuse_merge``, in the same launch by the last program
+of each pair to finish). The result equals sequential PSA with the chunk
 schedule of :meth:`PsaDecodeConfig.ranked_chunk_ends` (reference:
 :func:`flashinfer_ext.common.reference.progressive_decode_reference`), whatever the wave layout.
 No ``.item()``, no host sync, no allocation of its own, launch count fixed by
@@ -73,7 +73,10 @@ class PsaDecodeWrapper:
       max_waves: most waves (the last takes every remaining chunk; default 5).
       fuse_merge: merge each wave in its chunk launch (the last program of a pair to finish folds the pair's
         chunks; :class:`~flashinfer_ext.psa.chunks.WaveMergeArgs`): one launch per wave instead of two, the same
-        result bit for bit. False: the separate :func:`~flashinfer_ext.psa.wave_merge.wave_merge` launch.
+        result. Off by default: measured slower on an H100 (waves + merges 103 against 95 us at 128k batch 8,
+        244 against 216 us at 32k batch 32, 219 against 197 us on the 32k testbed capture;
+        ``bench/results/psa_stage_profile.md``): the merge code inlined in the chunk kernel costs the chunk
+        programs more than the saved launch. False: the separate :func:`~flashinfer_ext.psa.wave_merge.wave_merge`.
       crit_tile: launch shape of the criticality pass (:class:`~flashinfer_ext.psa.criticality.CritTile`;
         default :attr:`CRIT_TILE`, which suits a :class:`BlockMetaPool` of layout :attr:`META_LAYOUT`).
       The wave defaults come from ``bench/psa_decode_bench.py --wave-sweep`` on an H100
@@ -100,7 +103,7 @@ class PsaDecodeWrapper:
                  device: str | torch.device = "cuda", sm_scale: float | None = None,
                  out_dtype: torch.dtype = torch.bfloat16, tile_tokens: int = 64,
                  wave_programs: int | None = None, wave_growth: float | None = None, max_waves: int | None = None,
-                 crit_tile: CritTile | None = None, fuse_merge: bool = True):
+                 crit_tile: CritTile | None = None, fuse_merge: bool = False):
         if not isinstance(config, PsaDecodeConfig):
             raise TypeError(f"config must be a PsaDecodeConfig, got {type(config).__name__}")
         if num_qo_heads % num_kv_heads:
