@@ -7,7 +7,8 @@ attention the backend runs in place of the stock one), for two kinds of step:
 * ``selecting``: every row selects top-B at this step (Alg. 3's re-selection, and every step of the first 16
   with ``initial_topb``): the batched estimation + top-B + list merge run per layer, eagerly;
 * ``steady``: no row selects (15 of every 16 steps after token 16): every layer's lists are built in
-  ``begin_batch``; in a server with decode graphs this step's ``decode`` calls are a graph replay.
+  ``begin_batch`` from the requests' sorted bases; in a server with decode graphs this step's ``decode`` calls are
+  a graph replay. ``steady_sorted``: the same step with the sort-based list build it replaced.
 
 Per kind it reports the median wall time of the step with a device sync at its end (``step_ms``), the host
 time to issue it (``host_ms``: until the last call returns, no sync: the launch-bound part), its planning
@@ -42,11 +43,15 @@ if __package__ in (None, ""):  # run as a script: the repository root on the pat
 CASES = [("smollm2_b1", 30, 9, 3, 64, 1, 2700, 64, 64), ("smollm2_b8", 30, 9, 3, 64, 8, 2700, 64, 64),
          ("llama8b_b8_32k", 32, 32, 8, 128, 8, 32768, 1024, 256),
          ("llama8b_b1_32k", 32, 32, 8, 128, 1, 32768, 1024, 256),
-         ("llama8b_b1_128k", 32, 32, 8, 128, 1, 131072, 1024, 256)]
+         ("llama8b_b1_128k", 32, 32, 8, 128, 1, 131072, 1024, 256),
+         # the 32k testbed's shapes: lines ~16 % of the context at the default alpha (loopserve_prefill.json real_32k)
+         ("smollm2_b8_32k", 30, 9, 3, 64, 8, 32768, 1024, 2560),
+         ("smollm2_b32_32k", 30, 9, 3, 64, 32, 32768, 1024, 2560)]
 # kinds: a re-selecting step (its LSE pass split into key spans where lse_splits says so), the same step with
-# the one-program-per-row-block LSE pass ("selecting_unsplit": the code before the split, for the ratio), and a
-# steady step
-KINDS = ("selecting", "selecting_unsplit", "steady")
+# the one-program-per-row-block LSE pass ("selecting_unsplit": the code before the split, for the ratio), a
+# steady step (lists from the requests' sorted bases, loopserve.lists.steady_lists) and the same step with the
+# sort-based build ("steady_sorted": the code before, for the ratio)
+KINDS = ("selecting", "selecting_unsplit", "steady", "steady_sorted")
 SMOKE = [("smoke", 2, 4, 2, 64, 2, 300, 16, 8)]
 
 
@@ -96,7 +101,7 @@ def build(case, kind: str, dev: torch.device, seed: int = 0):
                       ring=torch.randn(n_l, cfg.n_d, hq, d, device=dev, generator=g, dtype=dt),
                       ring_lo=plen - cfg.n_d, prefill_done=True, lines=(v_idx, v_cnt, s_idx, s_cnt),
                       since=0 if selecting else plen + 16)
-        if kind == "steady":
+        if kind.startswith("steady"):
             st.topb = torch.randint(0, plen, (n_l, hk, budget), device=dev, generator=g, dtype=torch.int32)
         reqs.append(SimpleNamespace(sampling_params=SimpleNamespace(custom_params=None), origin_input_ids=[0] * plen,
                                     req_pool_idx=b, **{STATE_ATTR: st}))
@@ -106,6 +111,8 @@ def build(case, kind: str, dev: torch.device, seed: int = 0):
                              dev, use_kernels=True)
     if kind == "selecting_unsplit":
         runner.lse_min_split_keys = 1 << 62  # never split the LSE pass
+    elif kind == "steady_sorted":
+        runner.steady_from_bases = False
     elif dev.type != "cuda":  # the smoke case: short spans, so that the split path runs under the interpreter
         runner.lse_min_split_keys = 64
     q3 = torch.randn(batch, hq, d, device=dev, generator=g, dtype=dt)
@@ -172,12 +179,20 @@ def main(argv=None) -> int:
     ap.add_argument("--out", required=True, type=Path, help="report folder (loopserve_step.json / .md)")
     ap.add_argument("--smoke", action="store_true", help="tiny CPU case (Triton interpreter); no speed claim")
     ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--cases", default=None,
+                    help="comma-separated case names to run (default: all of " + ", ".join(c[0] for c in CASES) + ")")
     args = ap.parse_args(argv)
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if dev.type != "cuda" and not args.smoke:
         ap.error("no GPU: pass --smoke for the CPU smoke case")
     args.out.mkdir(parents=True, exist_ok=True)
     cases = SMOKE if args.smoke else CASES
+    if args.cases and not args.smoke:
+        names = args.cases.split(",")
+        unknown = sorted(set(names) - {c[0] for c in CASES})
+        if unknown:
+            ap.error(f"--cases: unknown {unknown}; known: {[c[0] for c in CASES]}")
+        cases = [c for c in CASES if c[0] in names]
     rows = []
     for case in cases:
         for kind in KINDS:
@@ -208,6 +223,12 @@ def main(argv=None) -> int:
     if ratios:
         lines += ["", "Re-selecting step, unsplit / split LSE pass (same run): " +
                   ", ".join(f"{name} {x:.2f}x" for name, x in ratios)]
+    steady = [(c[0], by[(c[0], "steady_sorted")], by[(c[0], "steady")]) for c in cases
+              if (c[0], "steady") in by and (c[0], "steady_sorted") in by]
+    if steady:
+        lines += ["", "Steady step, sort-based lists / lists from the sorted bases (same run; step, plan): " +
+                  ", ".join(f"{name} {a['step_ms'] / b['step_ms']:.2f}x, {a['plan_ms'] / b['plan_ms']:.2f}x"
+                            for name, a, b in steady)]
     for r in rows:
         if r.get("top_gpu_us"):
             lines += ["", f"GPU time by kernel, {r['case']} {r['kind']} (us, one step): " +

@@ -1,5 +1,6 @@
 """bench/loopserve_step_bench.py: the --smoke path runs the server's LoopServe runner for a selecting step (its LSE
-pass split into key spans, and not), and a steady decode step on the CPU (Triton interpreter) and writes its report."""
+pass split into key spans, and not), and a steady decode step (lists from the sorted bases, and sort-based) on the
+CPU (Triton interpreter) and writes its report."""
 
 from __future__ import annotations
 
@@ -8,13 +9,14 @@ import json
 from .bench_smoke import run_smoke
 
 
-def test_smoke_times_selecting_steps_split_and_unsplit_and_a_steady_step_and_writes_the_report(tmp_path):
+def test_smoke_times_selecting_steps_split_and_unsplit_and_steady_steps_and_writes_the_report(tmp_path):
     run_smoke("loopserve_step_bench.py", tmp_path)
     js = json.loads((tmp_path / "loopserve_step.json").read_text())
     # the bench asserts each step's kind; the smoke's selecting step splits its LSE pass, the unsplit one does not
-    assert [row["kind"] for row in js["rows"]] == ["selecting", "selecting_unsplit", "steady"]
-    assert [row["lse_splits"] for row in js["rows"]] == [2, 1, None]
+    assert [row["kind"] for row in js["rows"]] == ["selecting", "selecting_unsplit", "steady", "steady_sorted"]
+    assert [row["lse_splits"] for row in js["rows"]] == [2, 1, None, None]
     for row in js["rows"]:
         assert row["step_ms"] > 0 and row["plan_ms"] > 0 and row["host_ms"] > 0
     assert js["meta"]["smoke"] is True and js["meta"]["gpu"] is None
-    assert "| smoke | selecting |" in (tmp_path / "loopserve_step.md").read_text()
+    md = (tmp_path / "loopserve_step.md").read_text()
+    assert "| smoke | selecting |" in md and "Steady step, sort-based lists / lists from the sorted bases" in md

@@ -42,8 +42,10 @@ Where the host work goes (nothing per layer needs a sync; no ``.item()``):
     at once in :meth:`begin_batch`, and each layer merges its new top-B into them
     (:func:`~flashinfer_ext.common.sparse_decode.decode_union_merge`: concat + two sorts, O(list width) per row,
     never a context-wide tensor); at a step where no row re-selects (every step of lastwindow after its
-    first, and of loopserve between re-selections) the merge too runs once for all layers in
-    :meth:`begin_batch` (below ``LISTS_ALL_MAX_ENTRIES`` entries; larger steps build everything per layer). Then one
+    first, and of loopserve between re-selections) every layer's lists come from the requests' sorted bases
+    (lines ∪ top-B ∪ sink, sorted once per selection) plus the slash keys and the tail, in one launch with no
+    sort (:func:`sglang_sparse.loopserve.lists.steady_lists`; the batch's padded bases are kept while the batch
+    is unchanged); below ``LISTS_ALL_MAX_ENTRIES`` entries (larger steps build everything per layer). Then one
     split-list decode over all rows and KV heads (:func:`flashinfer_ext.common.split_decode.sparse_decode_split`: two
     launches; :func:`~flashinfer_ext.common.sparse_decode.sparse_decode` when one span covers the lists), through
     :class:`flashinfer_ext.loopserve.decode.VerticalSlashDecode` (planned once per step in :meth:`begin_batch`). The lists
@@ -55,8 +57,8 @@ Where the host work goes (nothing per layer needs a sync; no ``.item()``):
   * steady decode steps (no row selects top-B) replay SGLang's decode CUDA graph over static buffers
     planned by :mod:`sglang_sparse.loopserve.graph` (it calls :meth:`begin_batch` outside the graph).
 Where the remaining host cost is: a re-selection step runs eagerly, about 20 launches per layer; per request
-per step there remain the planning copies above (ring gathers, top-B write-back, the padding of the line
-lists), once per step. The prefill side is still per request per layer: ``rows x layers`` single-request
+per step there remain the ring commit and, at re-selection steps and whenever the batch changes, the padding
+of the line lists (planning copies, once per step). The prefill side is still per request per layer: ``rows x layers`` single-request
 estimation + :func:`vs_select` (tens of small torch ops) + sparse prefill; at short contexts these launches
 cost more than the attention they replace (H100 harness, SmolLM2, concurrency 8: loopserve tasks
 175 s vs 14 s dense).
@@ -69,6 +71,7 @@ its decode rows as 1-token extend rows.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 
 import torch
 
@@ -77,6 +80,8 @@ from flashinfer_ext.loopserve.vs_estimate import sample_query_rows, target_progr
 from flashinfer_ext.loopserve.vs_estimate_batched import MIN_SPLIT_KEYS
 from flashinfer_ext.loopserve.vs_select import VSSelectConfig, VSSelectPlan, _compact, vs_select, vs_select_plan
 from sglang_sparse.config import LoopServeConfig
+from sglang_sparse.loopserve.lists import (LISTS_ALL_MAX_ENTRIES, BaseRows, merge_all_layers, plan_union_append,
+                                           static_all_layers, steady_lists, steady_width, union_lists)
 from sglang_sparse.loopserve.select import h2d as _h2d, plan_selection, reselect
 from sglang_sparse.loopserve.stats import (
     COL_ALPHA, COL_COV, COL_KIND, COL_LTOT, COL_READ, COL_RESEL, COL_REUSED, COL_S, COL_TTOT, COL_UNITS, COL_V,
@@ -86,9 +91,6 @@ from sglang_sparse.request_params import batch_requests, host_ints, request_valu
 from sglang_sparse.stats import host_row
 
 FIRST_RESELECT = 16  # Alg. 3: the first re-selection at the 16th generated token
-# the all-layer list build of a step without re-selection holds ~4 int32 tensors of L x rows x Hk x width
-# entries at once; above this many entries (~256 MiB each) the lists are built per layer instead
-LISTS_ALL_MAX_ENTRIES = 1 << 26
 
 STATE_ATTR = "sparse_loopserve"
 
@@ -129,6 +131,9 @@ class ReqState:
     topb: torch.Tensor | None = None  # [L, Hk, B] int32 positions (-1 padded) after the first re-selection
     since: int = 0                  # positions >= since are always attended (tokens generated since)
     attached: bool = False          # lines stored on a radix node
+    uid: int = 0                    # unique within the runner (loopserve.lists.BaseRows keys)
+    base: tuple | None = None       # (base [L, Hk, Wa], lens [L, Hk]): lines U top-B U sink, sorted (steady steps)
+    base_version: int = 0           # bumped when top-B changes (the base is then rebuilt)
 
     def finalize(self) -> None:
         """Compact the prefill masks into index lists (one host read of the counts)."""
@@ -149,6 +154,15 @@ def _compact_3d(mask: torch.Tensor):
     ar = torch.arange(n, device=mask.device, dtype=torch.int32)
     idx = torch.where(mask, ar, n).sort(dim=2).values[:, :, :w]
     return torch.where(idx >= n, -1, idx).contiguous(), cnt
+
+
+def _pad(ts, width: int, sh, dev) -> torch.Tensor:
+    """Per-row ``[L, Hk, w]`` int32 tensors (None: none) -> ``[rows, L, Hk, max(width, 1)]``, ``-1`` padded."""
+    out = torch.full((len(ts), sh.num_layers, sh.num_kv_heads, max(width, 1)), -1, dtype=torch.int32, device=dev)
+    for j, t in enumerate(ts):
+        if t is not None and t.shape[2]:
+            out[j, :, :, : t.shape[2]] = t
+    return out
 
 
 @dataclasses.dataclass
@@ -209,6 +223,11 @@ class LoopServeRunner:
         # the decode over the step's token lists: plan() once per step, run() per layer (kernels or reference)
         self.vsd = VerticalSlashDecode(shape.num_qo_heads, shape.num_kv_heads, shape.head_dim, device,
                                        use_kernels=use_kernels)
+        # steady steps: lists from the requests' sorted bases (loopserve.lists.steady_lists); False: the sort-based
+        # build of a re-selection step (bench/loopserve_step_bench.py times both)
+        self.steady_from_bases = True
+        self._uids = itertools.count(1)  # request-state ids (ReqState.uid)
+        self._base_rows = BaseRows()     # a steady step's padded bases / offsets, kept while the batch is unchanged
 
     # ------------------------------------------------------------------ planning (once per batch)
     def _commit_ring(self) -> None:
@@ -224,6 +243,7 @@ class LoopServeRunner:
             topb, targets = pending
             for st, j, w in targets:
                 st.topb = topb[j, :, :, :w].clone()
+                st.base, st.base_version = None, st.base_version + 1
 
     def begin_batch(self, backend, forward_batch) -> None:
         self._commit_ring()
@@ -272,6 +292,7 @@ class LoopServeRunner:
                       acc=torch.zeros(STEP_COLS, dtype=torch.float32, device=dev),
                       ring=torch.zeros(sh.num_layers, ring_len, sh.num_qo_heads, sh.head_dim,
                                        dtype=backend.token_to_kv_pool.get_key_buffer(0).dtype, device=dev))
+        st.uid = next(self._uids)
         st.acc[COL_KIND] = KIND_DENSE if self.lastwindow else KIND_PREFILL
         st.acc[COL_ALPHA] = alpha
         if self.store is not None and prefix > 0:
@@ -346,31 +367,32 @@ class LoopServeRunner:
             return
         dev = self.device
         states = [getattr(reqs[i], STATE_ATTR) for i in rows]
-        bwidth = 0
-        for st, i, f in zip(states, rows, fire):
-            w = min(st.budget, lens[i]) if f else (0 if st.topb is None else st.topb.shape[2])
-            bwidth = max(bwidth, w)
-
-        def pad(ts, width):
-            out = torch.full((len(ts), sh.num_layers, sh.num_kv_heads, max(width, 1)), -1, dtype=torch.int32,
-                             device=dev)
-            for j, t in enumerate(ts):
-                if t is not None and t.shape[2]:
-                    out[j, :, :, : t.shape[2]] = t
-            return out
-
-        v = pad([s.lines[0] for s in states], max(s.lines[0].shape[2] for s in states))
-        s_ = pad([s.lines[2] for s in states], max(s.lines[2].shape[2] for s in states))
-        # a re-selecting row's top-B is rewritten at every layer of this step: start it from -1, not its old one
-        tb = pad([None if f else s.topb for s, f in zip(states, fire)], bwidth)
-        for st, i, f in zip(states, rows, fire):
-            if f:  # lastwindow keeps its observation window too
-                st.since = max(st.prompt_len - self.cfg.window, 0) if self.lastwindow else lens[i] - 1
+        n_s = len(rows)
+        # a steady step (no row selects top-B): every layer's lists from the requests' sorted bases + slash keys +
+        # tail in one launch (loopserve.lists.steady_lists), the padded inputs kept while the batch is unchanged
+        steady_w = None
+        if not any(fire) and self.steady_from_bases:
+            max_since = max(lens[i] - st.since for st, i in zip(states, rows))
+            steady_w = steady_width(self._base_rows, states, cfg.sink_tokens, max_since)
+            if not self.lists_all_fits(n_s, steady_w):
+                steady_w = None
+        v = s_ = tb = None
+        if steady_w is None:
+            bwidth = 0
+            for st, i, f in zip(states, rows, fire):
+                w = min(st.budget, lens[i]) if f else (0 if st.topb is None else st.topb.shape[2])
+                bwidth = max(bwidth, w)
+            v = _pad([s.lines[0] for s in states], max(s.lines[0].shape[2] for s in states), sh, dev)
+            s_ = _pad([s.lines[2] for s in states], max(s.lines[2].shape[2] for s in states), sh, dev)
+            # a re-selecting row's top-B is rewritten at every layer of this step: start it from -1, not its old one
+            tb = _pad([None if f else s.topb for s, f in zip(states, fire)], bwidth, sh, dev)
+            for st, i, f in zip(states, rows, fire):
+                if f:  # lastwindow keeps its observation window too
+                    st.since = max(st.prompt_len - self.cfg.window, 0) if self.lastwindow else lens[i] - 1
         rows_t = torch.tensor(rows)
         seq_host = [lens[i] for i in rows]
         # every per-row int of the step in one pinned, non-blocking host->device copy (a pageable copy
         # blocks the host until the GPU has caught up: one stream sync per copy)
-        n_s = len(rows)
         packed = _h2d(torch.tensor(rows + seq_host + [st.since for st in states], dtype=torch.int64), dev)
         rows_dev, seq_dev, since_dev = packed.split(n_s)
         # the step's queries (committed to the rings at the next batch); a graph-replayed step writes them into
@@ -382,7 +404,8 @@ class LoopServeRunner:
         all_rows = n_s == self.bs
         rpi = fb.req_pool_indices if all_rows else fb.req_pool_indices[rows_dev.to(fb.req_pool_indices.device)]
         max_since = max(lens[i] - st.since for st, i in zip(states, rows))
-        width = v.shape[3] + s_.shape[3] + tb.shape[3] + cfg.sink_tokens + max_since
+        width = steady_w if steady_w is not None else \
+            v.shape[3] + s_.shape[3] + tb.shape[3] + cfg.sink_tokens + max_since
         # the decode wrapper's plan: lengths into its buffers, split plan + partials shared by every layer (a step
         # planned for a graph replay takes the captured plan instead)
         vs = self.vsd.plan(rpi, seq_dev, max_len=max(seq_host), list_width=max(width, self.split_width),
@@ -393,14 +416,17 @@ class LoopServeRunner:
                         sel=plan_selection(self, states, [lens[i] for i in rows], fire, rpi))
         if vs.split is not None:
             self.dec["split"] = vs.split
-        if self.lists_all_fits(len(rows), width):
+        if steady_w is not None:
+            self.dec["lists_all"] = steady_lists(self._base_rows, states, self.dec["pos"], since_dev, seq_dev,
+                                                 sink_tokens=cfg.sink_tokens, max_since=max_since)
+        elif self.lists_all_fits(len(rows), width):
             # every layer's top-B-independent candidates at once, here; no row re-selects at this step: every
             # layer's sets too (else merged with each layer's new top-B in decode; over the cap: all per layer)
-            self.dec["static_all"] = self._static_all_layers(self.dec)
+            self.dec["static_all"] = static_all_layers(self.dec, cfg.sink_tokens)
             if self.dec["sel"] is None:
-                self.dec["lists_all"] = self._merge_all_layers(self.dec)
+                self.dec["lists_all"] = merge_all_layers(self.dec)
             elif self.use_kernels:  # sorted + deduplicated once here; each layer appends its top-B (one launch)
-                self._plan_union_append(self.dec)
+                plan_union_append(self.dec)
         if self.dec["sel"] is not None:  # the new top-B back into the request states at the next begin_batch
             self._pending_topb = (tb, [(states[j], j, w) for j, w in self.dec["sel"]["widths"]])
         units = sh.num_layers * sh.num_kv_heads
@@ -517,7 +543,7 @@ class LoopServeRunner:
 
             lists, lens = decode_union_merge(d["static_all"][lid], d["topb"][:, lid], d["seq32"])
         else:  # over the size cap of the all-layer build: this layer's whole build
-            lists, lens = self._union_lists(d, lid)
+            lists, lens = union_lists(d, lid, self.cfg.sink_tokens)
         if self.ws is not None:  # the working set: this layer's lists into the tracker (one launch, no sync)
             self.ws.record(lid, lists, lens)
         direct = d["all_rows"] and o3.dtype == q_s.dtype and o3.is_contiguous()
@@ -526,56 +552,6 @@ class LoopServeRunner:
             o3[rows] = o_s.to(o3.dtype)
         if "lists_all" not in d:  # else counted once for all layers in begin_batch
             self.step_rows[rows, COL_READ] += lens.sum(1, dtype=torch.float32)
-
-    def _union_lists(self, d, lid):
-        """This layer's decode sets as lists ``([nS, Hk, W] int32, [nS, Hk] int32)`` (``W`` = the summed widths
-        of the line / offset / top-B tensors + sink + the longest tail since the last selection; no
-        context-wide tensor) from the batch tensors planned in begin_batch."""
-        from flashinfer_ext.common.sparse_decode import decode_union_lists
-
-        return decode_union_lists(d["v"][:, lid], d["s"][:, lid], d["topb"][:, lid], d["pos"], d["since"], d["seq"],
-                                  sink_tokens=self.cfg.sink_tokens, max_since=d["max_since"])
-
-    @staticmethod
-    def _by_layer(t):  # [nS, L, ...] -> [L * nS, ...] (layer-major: a layer's slice is contiguous)
-        return t.transpose(0, 1).reshape(t.shape[0] * t.shape[1], *t.shape[2:])
-
-    def _static_all_layers(self, d):
-        """Every layer's top-B-independent candidates (:func:`~flashinfer_ext.common.sparse_decode.decode_union_static`:
-        lines, slash positions, sink, tail) in one call: ``[L, nS, Hk, Ws]`` int32."""
-        from flashinfer_ext.common.sparse_decode import decode_union_static
-
-        n_s, n_l = d["v"].shape[0], d["v"].shape[1]
-        static = decode_union_static(self._by_layer(d["v"]), self._by_layer(d["s"]), d["pos"].repeat(n_l),
-                                     d["since"].repeat(n_l), d["seq"].repeat(n_l), sink_tokens=self.cfg.sink_tokens,
-                                     max_since=d["max_since"])
-        return static.view(n_l, n_s, *static.shape[1:])
-
-    @staticmethod
-    def _plan_union_append(d) -> None:
-        """A re-selection step on the kernel path: every layer's candidates sorted and deduplicated at once
-        (``static_sorted [L, nS, Hk, Ws]`` / ``static_lens [L, nS, Hk]``) and the step's union buffers, reused by
-        every layer (:func:`flashinfer_ext.loopserve.list_union.union_append`)."""
-        from flashinfer_ext.common.sparse_decode import decode_union_merge
-
-        static = d["static_all"]
-        n_l, n_s, hk, ws = static.shape
-        no_topb = static.new_empty(n_l * n_s, hk, 0)
-        lists, lens = decode_union_merge(static.view(n_l * n_s, hk, ws), no_topb, d["seq32"].repeat(n_l))
-        d["static_sorted"], d["static_lens"] = lists.view(n_l, n_s, hk, ws), lens.view(n_l, n_s, hk)
-        d["union_buf"] = static.new_empty(n_s, hk, ws + d["topb"].shape[3])
-        d["union_lens_buf"] = static.new_empty(n_s, hk)
-
-    def _merge_all_layers(self, d):
-        """Every layer's lists of a step without re-selection, in one call: ``([L, nS, Hk, W], [L, nS, Hk])``
-        (layer-major, so a layer's slice is contiguous for :func:`sparse_decode`)."""
-        from flashinfer_ext.common.sparse_decode import decode_union_merge
-
-        static = d["static_all"]
-        n_l, n_s = static.shape[0], static.shape[1]
-        lists, lens = decode_union_merge(static.view(n_l * n_s, *static.shape[2:]), self._by_layer(d["topb"]),
-                                         d["seq"].repeat(n_l))
-        return lists.view(n_l, n_s, *lists.shape[1:]), lens.view(n_l, n_s, lens.shape[1])
 
     # ------------------------------------------------------------------ compute, per path
     def _estimate(self, q_rows, pos, k_buf, slots, seq, scale):

@@ -179,12 +179,14 @@ STEADY = {False: ([300, 140, 90], [270, 100, 71], [32, 200, 8]), True: ([300, 41
 
 
 def _check_steady_step(lastwindow, device="cpu", tol=1e-4, all_layers=True):
-    """A step where no row re-selects plans all layers' token lists in begin_batch (``lists_all``, layer-major);
-    each layer then attends exactly the union of lines, slash offsets, kept top-B, sink and tail (the
-    definition, :func:`decode_union_mask`), on the reference and the kernel path alike (``tol``: the kernel's
-    fp32 dots are tf32 on a GPU)."""
+    """A step where no row re-selects plans all layers' token lists in begin_batch (``lists_all``, layer-major,
+    from the requests' sorted bases with no position twice); each layer then attends exactly the union of lines,
+    slash offsets, kept top-B, sink and tail (the definition, :func:`decode_union_mask`, built from the request
+    states), on the reference and the kernel path alike (``tol``: the kernel's fp32 dots are tf32 on a GPU)."""
     from flashinfer_ext.loopserve.reference import masked_decode_reference
     from flashinfer_ext.common.sparse_decode import decode_union_mask
+    from sglang_sparse.loopserve.lists import union_lists
+    from sglang_sparse.loopserve.runner import _pad
 
     seq_lens, prompt_lens, budgets = STEADY[lastwindow]
     outs = []
@@ -197,13 +199,24 @@ def _check_steady_step(lastwindow, device="cpu", tol=1e-4, all_layers=True):
         if all_layers:
             lists, lens = d["lists_all"]
             assert lists.shape[:3] == (L, len(seq_lens), HK) and lists[0].is_contiguous()
+            assert d["v"] is None  # planned from the requests' sorted bases (loopserve.lists.steady_lists)
+            for lid in range(L):
+                for j in range(len(seq_lens)):
+                    for h in range(HK):
+                        got = lists[lid, j, h, : int(lens[lid, j, h])].tolist()
+                        assert len(got) == len(set(got)), "a position twice"
+            sts = d["states"]
+            v = _pad([st.lines[0] for st in sts], max(st.lines[0].shape[2] for st in sts), runner.shape, device)
+            s_ = _pad([st.lines[2] for st in sts], max(st.lines[2].shape[2] for st in sts), runner.shape, device)
+            tb = _pad([st.topb for st in sts], max(st.topb.shape[2] for st in sts), runner.shape, device)
         else:  # over the size cap: built per layer, the same sets
-            built = [runner._union_lists(d, lid) for lid in range(L)]
+            built = [union_lists(d, lid, runner.cfg.sink_tokens) for lid in range(L)]
             lens = torch.stack([b[1] for b in built])
+            v, s_, tb = d["v"], d["s"], d["topb"]
         pool, q3 = env["pool"], env["q3"]
         read = torch.zeros(len(seq_lens), device=device)
         for lid in range(L):
-            mask = decode_union_mask(d["v"][:, lid], d["s"][:, lid], d["topb"][:, lid], d["pos"], d["since"],
+            mask = decode_union_mask(v[:, lid], s_[:, lid], tb[:, lid], d["pos"], d["since"],
                                      d["seq"], sink_tokens=runner.cfg.sink_tokens, max_len=d["max_len"])
             assert torch.equal(lens[lid], mask.sum(2, dtype=torch.int32))
             read += mask.sum((1, 2)).float()

@@ -1,0 +1,176 @@
+"""LoopServe's decode lists at a step without re-selection, for every layer at once, without a sort (Triton).
+
+A decode row attends, per layer and KV head, the union of its *base* (the stored vertical lines, the current
+top-B and the sink: fixed between two selections, kept sorted and deduplicated), its slash lines taken at the
+current position (key ``pos - s`` for each selected offset ``s``) and its tail (every position from ``since``,
+the last selection, up to the current one). Only the last two move from one step to the next. :func:`lines_union`
+builds the lists from the base and the offsets in one launch: it copies the base, then appends every slash key
+``< since`` and every tail key that the base does not hold (one binary search each, as
+:func:`flashinfer_ext.loopserve.list_union.union_append` does for top-B). A slash key ``>= since`` lies in the tail,
+so the two appended parts are disjoint and no list holds a position twice. The set is exactly
+:func:`flashinfer_ext.common.sparse_decode.decode_union_lists`' (lines, slash keys, sink, tail, top-B, all below the
+row's length); the order differs (the base ascending, then the slash keys in offset order, then the tail), which
+the decode kernels do not care about.
+
+Supports: ``base [R, L, Hk, Wa]`` int32 (ascending and duplicate-free in the first ``base_lens [R, L, Hk]``
+entries, every entry below its row's length), ``s_idx [R, L, Hk, Ws]`` int32 offsets (distinct per (row, layer,
+head), ``-1`` padded), ``pos`` / ``since`` / ``seq_lens`` ``[R]`` int32. Output ``lists [L, R, Hk, W]`` int32
+(layer-major, ``W >= Wa + Ws + max_since``) and ``lens [L, R, Hk]``, zeros after ``lens``. Grid ``[L * R * Hk]``;
+widths and the search depth are runtime ints; no host sync.
+
+Cautions: the base must really be sorted and the offsets distinct (not checked); ``max_since`` (a host int) must
+be ``>= max(seq_lens - since)``.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = ["lines_union", "lines_union_reference", "lines_base"]
+
+
+@triton.jit
+def _in_sorted(base, t, ls, depth, BLOCK: tl.constexpr):
+    """Whether each ``t [BLOCK]`` is among the first ``ls`` entries of the ascending row ``base``."""
+    lo = tl.zeros([BLOCK], tl.int32)
+    hi = tl.zeros([BLOCK], tl.int32) + ls
+    for _ in range(depth):  # lo = first index with base[lo] >= t
+        active = lo < hi
+        mid = (lo + hi) >> 1
+        v = tl.load(base + mid, mask=active, other=0)
+        right = v < t
+        lo = tl.where(active & right, mid + 1, lo)
+        hi = tl.where(active & (~right), mid, hi)
+    return tl.load(base + lo, mask=lo < ls, other=-1) == t
+
+
+@triton.jit
+def _lines_union_kernel(b_ptr, b_sr, b_sl, b_sh, blens_ptr, bl_sr, bl_sl, s_ptr, s_sr, s_sl, s_sh,
+                        pos_ptr, since_ptr, seq_ptr, o_ptr, o_sl, o_sr, o_sh, lens_ptr, ln_sl, ln_sr,
+                        rows, num_kv_heads, wa, ws, wout, depth, BLOCK: tl.constexpr):
+    pid = tl.program_id(0)
+    h = pid % num_kv_heads
+    rl = pid // num_kv_heads
+    r = rl % rows
+    layer = rl // rows
+    r64 = r.to(tl.int64)
+    l64 = layer.to(tl.int64)
+    base = b_ptr + r64 * b_sr + l64 * b_sl + h * b_sh
+    ls = tl.load(blens_ptr + r64 * bl_sr + l64 * bl_sl + h)
+    offs_row = s_ptr + r64 * s_sr + l64 * s_sl + h * s_sh
+    out = o_ptr + l64 * o_sl + r64 * o_sr + h * o_sh
+    pos = tl.load(pos_ptr + r)
+    since = tl.load(since_ptr + r)
+    seq = tl.load(seq_ptr + r)
+    # phase 1: the base, zeros after it
+    for c0 in range(0, wout, BLOCK):
+        i = c0 + tl.arange(0, BLOCK)
+        tl.store(out + i, tl.load(base + i, mask=i < ls, other=0), mask=i < wout)
+    tl.debug_barrier()
+    n = ls
+    # phase 2: slash keys pos - s below since (keys from since on are the tail's) that the base lacks
+    for c0 in range(0, ws, BLOCK):
+        i = c0 + tl.arange(0, BLOCK)
+        s = tl.load(offs_row + i, mask=i < ws, other=-1)
+        t = pos - s
+        valid = (s >= 0) & (t >= 0) & (t < since) & (t < seq)
+        keep = valid & ~_in_sorted(base, t, ls, depth, BLOCK)
+        k = keep.to(tl.int32)
+        tl.store(out + n + tl.cumsum(k, 0) - k, t, mask=keep)
+        n += tl.sum(k, 0)
+    # phase 3: the tail since .. seq - 1 that the base lacks (a top-B chosen at `since` may hold it)
+    for c0 in range(0, seq - since, BLOCK):
+        t = since + c0 + tl.arange(0, BLOCK)
+        keep = (t < seq) & ~_in_sorted(base, t, ls, depth, BLOCK)
+        k = keep.to(tl.int32)
+        tl.store(out + n + tl.cumsum(k, 0) - k, t, mask=keep)
+        n += tl.sum(k, 0)
+    tl.store(lens_ptr + l64 * ln_sl + r64 * ln_sr + h, n)
+
+
+def _check(base, base_lens, s_idx, pos, since, seq_lens):
+    r, n_l, hk, _ = base.shape
+    if base_lens.shape != (r, n_l, hk) or s_idx.shape[:3] != (r, n_l, hk) or any(
+            t.shape != (r,) for t in (pos, since, seq_lens)):
+        raise ValueError(f"shapes do not match: base {tuple(base.shape)}, base_lens {tuple(base_lens.shape)}, s_idx "
+                         f"{tuple(s_idx.shape)}, pos / since / seq_lens {tuple(pos.shape)} / {tuple(since.shape)} / "
+                         f"{tuple(seq_lens.shape)}")
+    for name, t in (("base", base), ("base_lens", base_lens), ("s_idx", s_idx)):
+        if t.dtype != torch.int32:
+            raise ValueError(f"{name} must be int32, got {t.dtype}")
+
+
+def lines_union(base: torch.Tensor, base_lens: torch.Tensor, s_idx: torch.Tensor, pos: torch.Tensor,
+                since: torch.Tensor, seq_lens: torch.Tensor, *, max_since: int, out: torch.Tensor | None = None,
+                lens_out: torch.Tensor | None = None, block: int = 256) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every layer's decode lists of a step without re-selection (module docstring): ``(lists [L, R, Hk, W] int32,
+    lens [L, R, Hk] int32)``, ``W = Wa + Ws + max_since``. ``out`` / ``lens_out``: preallocated outputs (``out``
+    ``[L, R, Hk, >= W]`` with a contiguous last dim; the first ``W`` columns are written). One launch."""
+    _check(base, base_lens, s_idx, pos, since, seq_lens)
+    r, n_l, hk, wa = base.shape
+    ws = s_idx.shape[3]
+    w = wa + ws + max(int(max_since), 0)
+    dev = base.device
+    if out is None:
+        out = torch.empty(n_l, r, hk, w, dtype=torch.int32, device=dev)
+    elif out.dtype != torch.int32 or tuple(out.shape[:3]) != (n_l, r, hk) or out.shape[3] < w or out.stride(3) != 1:
+        raise ValueError(f"out must be [{n_l}, {r}, {hk}, >= {w}] int32 with a contiguous last dim")
+    out = out[..., :w]
+    if lens_out is None:
+        lens_out = torch.empty(n_l, r, hk, dtype=torch.int32, device=dev)
+    elif lens_out.dtype != torch.int32 or tuple(lens_out.shape) != (n_l, r, hk) or lens_out.stride(2) != 1:
+        raise ValueError(f"lens_out must be [{n_l}, {r}, {hk}] int32 with a contiguous last dim")
+    if r * n_l * hk == 0:
+        return out, lens_out
+    assert base.stride(3) == 1 and s_idx.stride(3) == 1 and base_lens.stride(2) == 1
+    i32 = dict(dtype=torch.int32)
+    _lines_union_kernel[(n_l * r * hk,)](
+        base, base.stride(0), base.stride(1), base.stride(2), base_lens, base_lens.stride(0), base_lens.stride(1),
+        s_idx, s_idx.stride(0), s_idx.stride(1), s_idx.stride(2),
+        pos.to(**i32).contiguous(), since.to(**i32).contiguous(), seq_lens.to(**i32).contiguous(),
+        out, out.stride(0), out.stride(1), out.stride(2), lens_out, lens_out.stride(0), lens_out.stride(1),
+        r, hk, wa, ws, w, max(wa, 1).bit_length(), BLOCK=block)
+    return out, lens_out
+
+
+def lines_union_reference(base: torch.Tensor, base_lens: torch.Tensor, s_idx: torch.Tensor, pos: torch.Tensor,
+                          since: torch.Tensor, seq_lens: torch.Tensor, *,
+                          max_since: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pure-torch reference of :func:`lines_union` (same layout and order), a loop over (row, layer, head)."""
+    _check(base, base_lens, s_idx, pos, since, seq_lens)
+    r, n_l, hk, wa = base.shape
+    w = wa + s_idx.shape[3] + max(int(max_since), 0)
+    out = torch.zeros(n_l, r, hk, w, dtype=torch.int32)
+    lens = torch.zeros(n_l, r, hk, dtype=torch.int32)
+    for j in range(r):
+        p, lo, n = int(pos[j]), int(since[j]), int(seq_lens[j])
+        for layer in range(n_l):
+            for h in range(hk):
+                b = base[j, layer, h, : int(base_lens[j, layer, h])].cpu()
+                have = set(b.tolist())
+                slash = [p - s for s in s_idx[j, layer, h].tolist() if s >= 0 and 0 <= p - s < min(lo, n)]
+                tail = list(range(lo, n))
+                new = [t for t in slash + tail if t not in have]
+                got = b.tolist() + new
+                out[layer, j, h, : len(got)] = torch.tensor(got, dtype=torch.int32)
+                lens[layer, j, h] = len(got)
+    return out.to(base.device), lens.to(base.device)
+
+
+def lines_base(v_idx: torch.Tensor, topb: torch.Tensor | None, sink_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """One request's base lists: its vertical lines ``v_idx [L, Hk, Wv]`` ∪ its top-B ``topb [L, Hk, Wb]`` (None:
+    none yet) ∪ the sink ``0 .. sink_tokens - 1``, each ``-1`` padded, as ``(base [L, Hk, Wa] int32 ascending and
+    duplicate-free in the first lens entries (zeros after), lens [L, Hk] int32)``. Once per request and
+    selection (one sort of ``Wv + Wb + sink_tokens`` entries per layer and head)."""
+    from flashinfer_ext.common.sparse_decode import _BIG, decode_union_merge
+
+    n_l, hk, _ = v_idx.shape
+    dev = v_idx.device
+    sink = torch.arange(sink_tokens, dtype=torch.int32, device=dev).expand(n_l, hk, sink_tokens)
+    parts = [v_idx.to(torch.int32), sink] + ([topb.to(torch.int32)] if topb is not None else [])
+    cand = torch.cat(parts, dim=2)
+    static = torch.where(cand >= 0, cand, _BIG)
+    no_more = static.new_empty(n_l, hk, 0)
+    return decode_union_merge(static, no_more, torch.full((n_l,), _BIG, dtype=torch.int32, device=dev))

@@ -1,0 +1,132 @@
+"""The token lists a LoopServe / lastwindow decode step attends, planned once per step for
+:class:`sglang_sparse.loopserve.runner.LoopServeRunner` (device work only, no host sync).
+
+A row's set per layer and KV head is its stored lines (verticals; slash offsets taken at the current position),
+its top-B, the sink and the tail since its last selection. Two plans:
+
+* **steady step** (no row selects top-B: 15 of every ``n_d`` loopserve steps after the first selections, every
+  lastwindow step after its first): :func:`steady_lists`. Each request keeps its *base* (verticals ∪ top-B ∪
+  sink, sorted once per selection: :func:`flashinfer_ext.loopserve.lines_union.lines_base`), and
+  :func:`flashinfer_ext.loopserve.lines_union.lines_union` adds the slash keys and the tail for every layer in one
+  launch, no sort. The batch's padded base / offset tensors are kept between steps while the batch holds the same
+  requests with the same bases (:class:`BaseRows`): a steady step of an unchanged batch copies nothing per row.
+* **re-selection step** (some row selects): the top-B-independent candidates of every layer in one call
+  (:func:`static_all_layers`), then each layer merges its new top-B (:func:`plan_union_append` for the kernel
+  path's per-layer :func:`~flashinfer_ext.loopserve.list_union.union_append`); over
+  ``LISTS_ALL_MAX_ENTRIES`` each layer builds its whole set (:func:`union_lists`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+# the all-layer list build holds ~4 int32 tensors of L x rows x Hk x width entries at once; above this many
+# entries (~256 MiB each) the lists are built per layer instead
+LISTS_ALL_MAX_ENTRIES = 1 << 26
+
+def by_layer(t: torch.Tensor) -> torch.Tensor:
+    """``[nS, L, ...]`` -> ``[L * nS, ...]`` (layer-major: a layer's slice is contiguous)."""
+    return t.transpose(0, 1).reshape(t.shape[0] * t.shape[1], *t.shape[2:])
+
+
+def request_base(st, sink_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A request state's base ``(base [L, Hk, Wa] int32, lens [L, Hk] int32)``: its verticals ∪ top-B ∪ sink,
+    sorted (:func:`~flashinfer_ext.loopserve.lines_union.lines_base`), built when first asked after a selection
+    (the state drops it when its top-B changes)."""
+    if st.base is None:
+        from flashinfer_ext.loopserve.lines_union import lines_base
+
+        st.base = lines_base(st.lines[0], st.topb, sink_tokens)
+    return st.base
+
+
+class BaseRows:
+    """The padded per-row inputs of :func:`steady_lists` (``base [nS, L, Hk, Wa]``, ``base_lens [nS, L, Hk]``,
+    ``s_idx [nS, L, Hk, Ws]``), rebuilt only when the batch's requests or one of their bases changed (keyed by
+    each state's ``uid``, unique within the runner that made it, and ``base_version``). Owned by that runner."""
+
+    def __init__(self):
+        self._key = None
+        self._tensors = None
+
+    def get(self, states, sink_tokens: int):
+        key = tuple((st.uid, st.base_version) for st in states)
+        if key != self._key:
+            bases = [request_base(st, sink_tokens) for st in states]
+            n_l, hk = bases[0][0].shape[:2]
+            dev = bases[0][0].device
+            wa = max(1, max(b.shape[2] for b, _ in bases))
+            ws = max(1, max(st.lines[2].shape[2] for st in states))
+            base = torch.zeros(len(states), n_l, hk, wa, dtype=torch.int32, device=dev)
+            s_idx = torch.full((len(states), n_l, hk, ws), -1, dtype=torch.int32, device=dev)
+            for j, ((b, _), st) in enumerate(zip(bases, states)):
+                base[j, :, :, : b.shape[2]] = b
+                s_idx[j, :, :, : st.lines[2].shape[2]] = st.lines[2]
+            self._tensors = (base, torch.stack([ln for _, ln in bases]), s_idx)
+            self._key = key
+        return self._tensors
+
+
+def steady_lists(rows: BaseRows, states, pos, since, seq, *, sink_tokens: int, max_since: int):
+    """Every layer's lists of a steady step: ``(lists [L, nS, Hk, W], lens [L, nS, Hk])`` int32 with
+    ``W = Wa + Ws + max_since`` (:func:`~flashinfer_ext.loopserve.lines_union.lines_union`); ``pos`` / ``since`` /
+    ``seq`` ``[nS]`` on the device."""
+    from flashinfer_ext.loopserve.lines_union import lines_union
+
+    base, base_lens, s_idx = rows.get(states, sink_tokens)
+    return lines_union(base, base_lens, s_idx, pos, since, seq, max_since=max_since)
+
+
+def steady_width(rows: BaseRows, states, sink_tokens: int, max_since: int) -> int:
+    """``W`` of :func:`steady_lists` for this batch (host ints; builds the padded inputs if needed)."""
+    base, _, s_idx = rows.get(states, sink_tokens)
+    return base.shape[3] + s_idx.shape[3] + max_since
+
+
+def union_lists(d, lid: int, sink_tokens: int):
+    """One layer's decode sets as lists ``([nS, Hk, W] int32, [nS, Hk] int32)`` (``W`` = the summed widths of the
+    line / offset / top-B tensors + sink + the longest tail since the last selection; no context-wide tensor)
+    from the step's padded tensors ``d["v"]``, ``d["s"]``, ``d["topb"]``."""
+    from flashinfer_ext.common.sparse_decode import decode_union_lists
+
+    return decode_union_lists(d["v"][:, lid], d["s"][:, lid], d["topb"][:, lid], d["pos"], d["since"], d["seq"],
+                              sink_tokens=sink_tokens, max_since=d["max_since"])
+
+
+def static_all_layers(d, sink_tokens: int):
+    """Every layer's top-B-independent candidates (:func:`~flashinfer_ext.common.sparse_decode.decode_union_static`:
+    lines, slash positions, sink, tail) in one call: ``[L, nS, Hk, Ws]`` int32."""
+    from flashinfer_ext.common.sparse_decode import decode_union_static
+
+    n_s, n_l = d["v"].shape[0], d["v"].shape[1]
+    static = decode_union_static(by_layer(d["v"]), by_layer(d["s"]), d["pos"].repeat(n_l), d["since"].repeat(n_l),
+                                 d["seq"].repeat(n_l), sink_tokens=sink_tokens, max_since=d["max_since"])
+    return static.view(n_l, n_s, *static.shape[1:])
+
+
+def plan_union_append(d) -> None:
+    """A re-selection step on the kernel path: every layer's candidates sorted and deduplicated at once
+    (``static_sorted [L, nS, Hk, Ws]`` / ``static_lens [L, nS, Hk]``) and the step's union buffers, reused by
+    every layer (:func:`flashinfer_ext.loopserve.list_union.union_append`)."""
+    from flashinfer_ext.common.sparse_decode import decode_union_merge
+
+    static = d["static_all"]
+    n_l, n_s, hk, ws = static.shape
+    no_topb = static.new_empty(n_l * n_s, hk, 0)
+    lists, lens = decode_union_merge(static.view(n_l * n_s, hk, ws), no_topb, d["seq32"].repeat(n_l))
+    d["static_sorted"], d["static_lens"] = lists.view(n_l, n_s, hk, ws), lens.view(n_l, n_s, hk)
+    d["union_buf"] = static.new_empty(n_s, hk, ws + d["topb"].shape[3])
+    d["union_lens_buf"] = static.new_empty(n_s, hk)
+
+
+def merge_all_layers(d):
+    """Every layer's lists from the step's candidates and top-B, sorted: ``([L, nS, Hk, W], [L, nS, Hk])``
+    (layer-major, so a layer's slice is contiguous for the decode kernels). The sort-based form of
+    :func:`steady_lists`, kept as its reference."""
+    from flashinfer_ext.common.sparse_decode import decode_union_merge
+
+    static = d["static_all"]
+    n_l, n_s = static.shape[0], static.shape[1]
+    lists, lens = decode_union_merge(static.view(n_l * n_s, *static.shape[2:]), by_layer(d["topb"]),
+                                     d["seq"].repeat(n_l))
+    return lists.view(n_l, n_s, *lists.shape[1:]), lens.view(n_l, n_s, lens.shape[1])

@@ -1,0 +1,127 @@
+"""Contract: flashinfer_ext.loopserve.lines_union builds a steady decode step's lists for every layer at once with
+exactly its pure-torch reference's lists and lengths, and as sets exactly what the sort-based
+decode_union_lists gives for the same lines, top-B, sink and tail (no position twice); over empty bases, empty
+offset lists, a top-B holding the first tail position, slash keys inside the tail, offsets past the position,
+rows of different lengths, several blocks per list; on the CPU under the Triton interpreter and on the GPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from flashinfer_ext.common.sparse_decode import decode_union_lists
+from flashinfer_ext.loopserve.lines_union import lines_base, lines_union, lines_union_reference
+
+SINK = 4
+
+
+def _padded(rows, width):
+    out = torch.full((len(rows), width), -1, dtype=torch.int32)
+    for i, r in enumerate(rows):
+        out[i, : len(r)] = torch.tensor(r, dtype=torch.int32)
+    return out
+
+
+def _case(n_rows, n_l, hk, wv, ws, wb, seed):
+    """Per row: prompt length, lines (verticals < prompt), slash offsets, top-B (< since + 1), pos/since/seq."""
+    g = torch.Generator().manual_seed(seed)
+    rows = []
+    for j in range(n_rows):
+        prompt = int(torch.randint(60, 400, (1,), generator=g))
+        since = prompt + int(torch.randint(0, 40, (1,), generator=g))
+        seq = since + 1 + int(torch.randint(0, 20, (1,), generator=g))
+        v, s, tb = [], [], []
+        for _ in range(n_l * hk):
+            nv = int(torch.randint(0, wv + 1, (1,), generator=g))
+            v.append(torch.randperm(prompt, generator=g)[:nv].sort().values.tolist())
+            ns = int(torch.randint(0, ws + 1, (1,), generator=g))
+            s.append(torch.randperm(seq + 5, generator=g)[:ns].tolist())  # some offsets past pos
+            nb = int(torch.randint(0, wb + 1, (1,), generator=g))
+            t = torch.randperm(since + 1, generator=g)[:nb].tolist()
+            if nb and j == 0:
+                t[0] = since  # a top-B chosen at the selection step holds the first tail position
+            tb.append(t)
+        if j == 1 and ws:  # slash keys inside the tail: offsets 0 and 1
+            s[0] = [0, 1] + [x for x in s[0] if x > 1][: max(ws - 2, 0)]
+        rows.append(dict(v=_padded(v, wv).view(n_l, hk, wv), s=_padded(s, ws).view(n_l, hk, ws),
+                         tb=_padded(tb, wb).view(n_l, hk, wb), since=since, seq=seq))
+    return rows
+
+
+def _inputs(rows, device):
+    bases = [lines_base(r["v"].to(device), r["tb"].to(device), SINK) for r in rows]
+    wa = max(b.shape[2] for b, _ in bases)
+    base = torch.zeros(len(rows), *bases[0][0].shape[:2], wa, dtype=torch.int32, device=device)
+    for j, (b, _) in enumerate(bases):
+        base[j, :, :, : b.shape[2]] = b
+    lens = torch.stack([ln for _, ln in bases])
+    s_idx = torch.stack([r["s"] for r in rows]).to(device)
+    seq = torch.tensor([r["seq"] for r in rows], dtype=torch.int32, device=device)
+    since = torch.tensor([r["since"] for r in rows], dtype=torch.int32, device=device)
+    return base, lens, s_idx, seq - 1, since, seq, int((seq - since).max())
+
+
+SHAPES = [(1, 1, 1, 4, 3, 2), (3, 2, 3, 40, 30, 16), (2, 3, 2, 300, 200, 90), (2, 1, 1, 0, 0, 0), (1, 2, 2, 5, 0, 7)]
+
+
+def _check(shape, seed, device):
+    rows = _case(*shape, seed)
+    base, lens, s_idx, pos, since, seq, max_since = _inputs(rows, device)
+    got, got_lens = lines_union(base, lens, s_idx, pos, since, seq, max_since=max_since)
+    want, want_lens = lines_union_reference(base, lens, s_idx, pos, since, seq, max_since=max_since)
+    assert torch.equal(got_lens.cpu(), want_lens.cpu())
+    assert torch.equal(got.cpu(), want.cpu())
+    n_l = shape[1]
+    for j, r in enumerate(rows):
+        for layer in range(n_l):
+            old, old_lens = decode_union_lists(r["v"][layer][None], r["s"][layer][None], r["tb"][layer][None],
+                                               pos[j: j + 1].cpu(), since[j: j + 1].cpu(), seq[j: j + 1].cpu(),
+                                               sink_tokens=SINK, max_since=max_since)
+            for h in range(shape[2]):
+                new = got[layer, j, h, : int(got_lens[layer, j, h])].cpu().tolist()
+                assert len(new) == len(set(new)), "a position twice"
+                assert sorted(new) == old[0, h, : int(old_lens[0, h])].tolist()
+                assert not got[layer, j, h, int(got_lens[layer, j, h]):].any()
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+@pytest.mark.parametrize("shape", SHAPES, ids=[f"r{s[0]}l{s[1]}h{s[2]}v{s[3]}s{s[4]}b{s[5]}" for s in SHAPES])
+def test_lines_union_is_the_sorted_union_of_lines_top_b_sink_and_tail(shape, seed):
+    _check(shape, seed, "cpu")
+
+
+def test_lines_union_writes_into_given_buffers_and_validates():
+    rows = _case(2, 2, 2, 20, 10, 8, 5)
+    base, lens, s_idx, pos, since, seq, max_since = _inputs(rows, "cpu")
+    w = base.shape[3] + s_idx.shape[3] + max_since
+    out = torch.full((2, 2, 2, w + 7), 99, dtype=torch.int32)
+    lens_out = torch.empty(2, 2, 2, dtype=torch.int32)
+    got, got_lens = lines_union(base, lens, s_idx, pos, since, seq, max_since=max_since, out=out, lens_out=lens_out)
+    assert got.data_ptr() == out.data_ptr() and got_lens is lens_out
+    want, want_lens = lines_union_reference(base, lens, s_idx, pos, since, seq, max_since=max_since)
+    assert torch.equal(out[..., :w], want) and torch.equal(lens_out, want_lens)
+    assert (out[..., w:] == 99).all()  # columns past W untouched
+    with pytest.raises(ValueError, match="out must be"):
+        lines_union(base, lens, s_idx, pos, since, seq, max_since=max_since, out=out[..., : w - 1])
+    with pytest.raises(ValueError, match="s_idx must be int32"):
+        lines_union(base, lens, s_idx.long(), pos, since, seq, max_since=max_since)
+    with pytest.raises(ValueError, match="shapes do not match"):
+        lines_union(base, lens, s_idx, pos[:1], since, seq, max_since=max_since)
+
+
+def test_lines_base_is_sorted_unique_lines_top_b_and_sink():
+    v = torch.tensor([[[5, 9, -1, -1], [2, 3, 4, -1]]], dtype=torch.int32)
+    tb = torch.tensor([[[9, 1, 40], [-1, -1, -1]]], dtype=torch.int32)
+    base, lens = lines_base(v, tb, 4)
+    assert lens.tolist() == [[7, 5]]
+    assert base[0, 0, :7].tolist() == [0, 1, 2, 3, 5, 9, 40] and not base[0, 0, 7:].any()
+    assert base[0, 1, :5].tolist() == [0, 1, 2, 3, 4]
+    base2, lens2 = lines_base(v, None, 0)
+    assert lens2.tolist() == [[2, 3]] and base2[0, 0, :2].tolist() == [5, 9]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("shape", SHAPES, ids=[f"r{s[0]}l{s[1]}h{s[2]}v{s[3]}s{s[4]}b{s[5]}" for s in SHAPES])
+def test_gpu_lines_union_is_the_sorted_union_of_lines_top_b_sink_and_tail(shape):
+    _check(shape, 3, "cuda")
