@@ -28,22 +28,9 @@ import torch
 import triton
 import triton.language as tl
 
+from flashinfer_ext.loopserve.list_union import in_sorted
+
 __all__ = ["lines_union", "lines_union_reference", "lines_base"]
-
-
-@triton.jit
-def _in_sorted(base, t, ls, depth, BLOCK: tl.constexpr):
-    """Whether each ``t [BLOCK]`` is among the first ``ls`` entries of the ascending row ``base``."""
-    lo = tl.zeros([BLOCK], tl.int32)
-    hi = tl.zeros([BLOCK], tl.int32) + ls
-    for _ in range(depth):  # lo = first index with base[lo] >= t
-        active = lo < hi
-        mid = (lo + hi) >> 1
-        v = tl.load(base + mid, mask=active, other=0)
-        right = v < t
-        lo = tl.where(active & right, mid + 1, lo)
-        hi = tl.where(active & (~right), mid, hi)
-    return tl.load(base + lo, mask=lo < ls, other=-1) == t
 
 
 @triton.jit
@@ -76,14 +63,14 @@ def _lines_union_kernel(b_ptr, b_sr, b_sl, b_sh, blens_ptr, bl_sr, bl_sl, s_ptr,
         s = tl.load(offs_row + i, mask=i < ws, other=-1)
         t = pos - s
         valid = (s >= 0) & (t >= 0) & (t < since) & (t < seq)
-        keep = valid & ~_in_sorted(base, t, ls, depth, BLOCK)
+        keep = valid & ~in_sorted(base, t, ls, depth, BLOCK)
         k = keep.to(tl.int32)
         tl.store(out + n + tl.cumsum(k, 0) - k, t, mask=keep)
         n += tl.sum(k, 0)
     # phase 3: the tail since .. seq - 1 that the base lacks (a top-B chosen at `since` may hold it)
     for c0 in range(0, seq - since, BLOCK):
         t = since + c0 + tl.arange(0, BLOCK)
-        keep = (t < seq) & ~_in_sorted(base, t, ls, depth, BLOCK)
+        keep = (t < seq) & ~in_sorted(base, t, ls, depth, BLOCK)
         k = keep.to(tl.int32)
         tl.store(out + n + tl.cumsum(k, 0) - k, t, mask=keep)
         n += tl.sum(k, 0)

@@ -28,6 +28,22 @@ __all__ = ["union_append", "union_append_reference"]
 
 
 @triton.jit
+def in_sorted(base, t, ls, depth, BLOCK: tl.constexpr):
+    """Whether each ``t [BLOCK]`` is among the first ``ls`` entries of the ascending row at ``base`` (binary search,
+    ``depth >= bit_length(ls)`` steps)."""
+    lo = tl.zeros([BLOCK], tl.int32)
+    hi = tl.zeros([BLOCK], tl.int32) + ls
+    for _ in range(depth):  # lo = first index with base[lo] >= t
+        active = lo < hi
+        mid = (lo + hi) >> 1
+        v = tl.load(base + mid, mask=active, other=0)
+        right = v < t
+        lo = tl.where(active & right, mid + 1, lo)
+        hi = tl.where(active & (~right), mid, hi)
+    return tl.load(base + lo, mask=lo < ls, other=-1) == t
+
+
+@triton.jit
 def _union_append_kernel(s_ptr, s_stride_b, s_stride_h, slens_ptr, e_ptr, e_stride_b, e_stride_h, seq_ptr,
                          o_ptr, o_stride_b, o_stride_h, lens_ptr, num_kv_heads, ws, we, depth,
                          BLOCK: tl.constexpr):
@@ -51,17 +67,7 @@ def _union_append_kernel(s_ptr, s_stride_b, s_stride_h, slens_ptr, e_ptr, e_stri
         offs = e0 + tl.arange(0, BLOCK)
         t = tl.load(e_base + offs, mask=offs < we, other=-1)
         valid = (t >= 0) & (t < seq)
-        lo = tl.zeros([BLOCK], tl.int32)
-        hi = tl.zeros([BLOCK], tl.int32) + ls
-        for _ in range(depth):  # lo = first index with sorted[lo] >= t
-            active = lo < hi
-            mid = (lo + hi) >> 1
-            v = tl.load(s_base + mid, mask=active, other=0)
-            right = v < t
-            lo = tl.where(active & right, mid + 1, lo)
-            hi = tl.where(active & (~right), mid, hi)
-        at = tl.load(s_base + lo, mask=lo < ls, other=-1)
-        keep = valid & (at != t)
+        keep = valid & ~in_sorted(s_base, t, ls, depth, BLOCK)
         k = keep.to(tl.int32)
         dest = n + tl.cumsum(k, 0) - k
         tl.store(o_base + dest, t, mask=keep)
