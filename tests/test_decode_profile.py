@@ -55,11 +55,25 @@ def test_bad_arguments_are_refused(tmp_path, capsys, args, msg):
     assert e.value.code == 2 and msg in capsys.readouterr().err
 
 
+def _profiler_segfault(out) -> bool:
+    """Whether the run's server died in torch's own profiler (the CPU build's ``stop_trace`` has segfaulted there,
+    in a stock ``off`` server, with nothing of sglang-sparse on the path)."""
+    log = out / "off" / "server.log"
+    text = log.read_text(errors="replace") if log.is_file() else ""
+    return "Segmentation fault" in text and "torch/profiler" in text
+
+
 @pytest.mark.server
 def test_driver_profiles_decode_steps_on_a_cpu_server(tmp_path):
+    def run(out):
+        return dp.main(["--device", "cpu", "--modes", "off", "--prompt-tokens", "60", "--max-tokens", "10", "--steps",
+                        "4", "--repeats", "2", "--concurrency", "2", "--port", str(free_port()), "--out", str(out)])
+
     out = tmp_path / "dp"
-    rc = dp.main(["--device", "cpu", "--modes", "off", "--prompt-tokens", "60", "--max-tokens", "10", "--steps", "4",
-                  "--repeats", "2", "--concurrency", "2", "--port", str(free_port()), "--out", str(out)])
+    rc = run(out)
+    if rc != 0 and _profiler_segfault(out):  # the driver reported the crash as the mode's error; one rerun
+        out = tmp_path / "dp_rerun"
+        rc = run(out)
     rep = json.loads((out / "decode_profile.json").read_text())
     assert rc == 0, rep
     (r,) = rep["modes"]
