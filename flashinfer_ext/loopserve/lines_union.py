@@ -150,7 +150,7 @@ def lines_base(v_idx: torch.Tensor, topb: torch.Tensor | None, sink_tokens: int)
     """One request's base lists: its vertical lines ``v_idx [L, Hk, Wv]`` ∪ its top-B ``topb [L, Hk, Wb]`` (None:
     none yet) ∪ the sink ``0 .. sink_tokens - 1``, each ``-1`` padded, as ``(base [L, Hk, Wa] int32 ascending and
     duplicate-free in the first lens entries (zeros after), lens [L, Hk] int32)``. Once per request and
-    selection (one sort of ``Wv + Wb + sink_tokens`` entries per layer and head)."""
+    selection (two sorts of ``Wv + Wb + sink_tokens`` entries per layer and head)."""
     from flashinfer_ext.common.sparse_decode import _BIG, decode_union_merge
 
     n_l, hk, _ = v_idx.shape

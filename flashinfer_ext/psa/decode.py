@@ -36,8 +36,8 @@ Cautions:
   * Measured on an H100 (triton 3.6, one layer, CUDA graph, 128k context, batch 8, 32/8 heads,
     d 128, page 16, planted structure of the benchmark, eps 0.95, 'calibrated', rank_by 'mean'):
     ~300 us against ~1.5 ms for FlashInfer's dense decode. The criticality pass reads kmin, kmax and
-    kmean of every block (~400 MB here: ~160 us at 2.5 TB/s, the copy peak being ~3 TB/s); ranking (~34 us),
-    the bound suffix (~19 us), the waves' launches and merges (~93 us) are the rest
+    kmean of every block (~400 MB here: ~160 us at 2.5 TB/s, the copy peak being ~3 TB/s); ranking (~30 us),
+    the bound suffix (~18 us), the waves' launches and merges (~95 us) are the rest
     (``bench/results/psa_stage_profile.md``).
 """
 
