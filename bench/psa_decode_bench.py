@@ -275,7 +275,7 @@ def run_case(name, batch, ctx, page, planted=True, capture=None, hq=32, hk=8, d=
                kept_ge_eps=float((kept >= eps).float().mean()), kept_est_mean=float(kept_est.mean()),
                max_abs_err_vs_dense=float((o.float() - do.float()).abs().max()),
                wave_programs=w.wave_programs, wave_growth=w.wave_growth, max_waves=w.max_waves,
-               sorted_prefix_blocks=cfg.sorted_prefix_blocks, meta_layout=meta_layout, fuse_merge=w.fuse_merge,
+               sorted_prefix_blocks=cfg.sorted_prefix_blocks, meta_layout=meta_layout,
                crit_tile=dataclasses.asdict(w.crit_tile))
     if stage_profile and g is not None:
         cum = {}
@@ -498,9 +498,6 @@ def main():
     ap.add_argument("--wave-plan", default=None, metavar="PROGRAMS_PER_SM,GROWTH,MAX_WAVES[,SORTED_PREFIX]",
                     help="the wrapper's wave plan for every case (default: PsaDecodeWrapper's); 'best:SWEEP.json' takes "
                          "the plan pick_wave_plan chooses from a --wave-sweep report")
-    ap.add_argument("--fuse-merge", action="store_true",
-                    help="merge each wave in its chunk launch (PsaDecodeWrapper(fuse_merge=True)) for every case "
-                         "(default: a merge launch per wave); --stage-profile times both anyway")
     ap.add_argument("--stage-profile", action="store_true",
                     help="only the stage times (criticality, ranking, bound suffix, waves + merges) of the headline "
                          "planted cases and the 32k testbed capture: psa_stage_profile.{json,md} in --out")
@@ -512,8 +509,6 @@ def main():
                          "psa_wave_sweep.{json,md} in --out (with --smoke: a tiny case on the CPU)")
     args = ap.parse_args()
     wkw, ckw = psa_plans.wave_plan_arg(args.wave_plan)
-    if args.fuse_merge:
-        wkw = dict(wkw or {}, fuse_merge=True)
     slot_tokens = real_capture.parse_tokens(args.real_tokens, REAL_SLOTS)
     real_layers = tuple(int(x) for x in args.real_layers.split(","))
     t0 = time.time()

@@ -68,29 +68,18 @@ def _todo(cases, real_pool) -> list:
     return todo
 
 
-# the merge variants a stage profile times side by side: the default (a merge launch per wave) and each wave
-# merged in its chunk launch (PsaDecodeWrapper(fuse_merge=True))
-MERGE_VARIANTS = (("separate launch", {}), ("in the chunk launch", {"fuse_merge": True}))
-
-
-def run_stage_profile(run_case, out: Path, meta: dict, dev: str, cases=WAVE_SWEEP_CASES, real_pool=None,
-                      variants=MERGE_VARIANTS) -> list:
+def run_stage_profile(run_case, out: Path, meta: dict, dev: str, cases=WAVE_SWEEP_CASES, real_pool=None) -> list:
     """Where a layer's time goes, at the defaults: criticality (the metadata pass), ranking, bound suffix, waves +
-    merges, per planted case and the 32k testbed capture, for each wave-merge variant (``variants``: (label,
-    wrapper keyword arguments); one after the other per case, in one process). Writes
-    ``psa_stage_profile.{json,md}``."""
+    merges, per planted case and the 32k testbed capture. Writes ``psa_stage_profile.{json,md}``."""
     rows = []
     for name, kw in _todo(cases, real_pool):
-        for label, wkw in variants:
-            try:
-                r = run_case(name, dev=dev, with_topk=False, stage_profile=True, wrapper_kw=wkw or None, **kw)
-            except Exception as e:
-                traceback.print_exc()
-                r = dict(case=name, batch=kw["batch"], ctx=kw["ctx"], page=kw["page"],
-                         error=f"{type(e).__name__}: {e}")
-            r["merge"] = label
-            print(json.dumps(r), flush=True)
-            rows.append(r)
+        try:
+            r = run_case(name, dev=dev, with_topk=False, stage_profile=True, **kw)
+        except Exception as e:
+            traceback.print_exc()
+            r = dict(case=name, batch=kw["batch"], ctx=kw["ctx"], page=kw["page"], error=f"{type(e).__name__}: {e}")
+        print(json.dumps(r), flush=True)
+        rows.append(r)
     out.mkdir(parents=True, exist_ok=True)
     (out / "psa_stage_profile.json").write_text(json.dumps(dict(meta=meta, results=rows), indent=1))
     peak = meta.get("peak_bps")
@@ -99,19 +88,17 @@ def run_stage_profile(run_case, out: Path, meta: dict, dev: str, cases=WAVE_SWEE
              f"- versions: {meta['versions']}", "- defaults (eps 0.95, 'calibrated', mean rank order, the wave plan of "
              "PsaDecodeWrapper); each stage = the replay time of a CUDA graph of the run cut after it, minus the one "
              "before; 'waves + merges' = the full run minus the run cut after the bound suffix", "",
-             "| case | batch | ctx | wave merge | t PSA us | criticality us | its TB/s | ranking us | bound suffix us "
-             "| waves + merges us | waves | t dense us | fraction of bytes limit |", "|" + "---|" * 13]
+             "| case | batch | ctx | t PSA us | criticality us | its TB/s | ranking us | bound suffix us | waves + merges us "
+             "| waves | t dense us |", "|" + "---|" * 11]
     for r in rows:
         if "error" in r or "t_stage_us" not in r:
-            lines.append(f"| {r['case']} | {r['batch']} | {r['ctx']} | {r.get('merge', '')} | "
-                         f"{r.get('error', 'no GPU timing')[:120]} |" + " |" * 8)
+            lines.append(f"| {r['case']} | {r['batch']} | {r['ctx']} | {r.get('error', 'no GPU timing')[:120]} |"
+                         + " |" * 7)
             continue
         t = r["t_stage_us"]
-        frac = r["psa_tbps"] * 1e12 / peak if peak and math.isfinite(peak) else float("nan")
-        lines.append(f"| {r['case']} | {r['batch']} | {r['ctx']} | {r.get('merge', '')} | {r['t_psa_us']:.1f} | "
-                     f"{t['criticality']:.1f} | {r['criticality_tbps']:.2f} | {t['ranking']:.1f} | "
-                     f"{t['bound_suffix']:.1f} | {t['waves_and_merges']:.1f} | {r['waves']} | {r['t_dense_us']:.1f} | "
-                     f"{frac:.3f} |")
+        lines.append(f"| {r['case']} | {r['batch']} | {r['ctx']} | {r['t_psa_us']:.1f} | {t['criticality']:.1f} | "
+                     f"{r['criticality_tbps']:.2f} | {t['ranking']:.1f} | {t['bound_suffix']:.1f} | "
+                     f"{t['waves_and_merges']:.1f} | {r['waves']} | {r['t_dense_us']:.1f} |")
     (out / "psa_stage_profile.md").write_text("\n".join(lines) + "\n")
     return rows
 

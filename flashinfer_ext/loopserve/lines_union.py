@@ -2,7 +2,7 @@
 
 A decode row attends, per layer and KV head, the union of its *base* (the stored vertical lines, the current
 top-B and the sink: fixed between two selections, kept sorted and deduplicated), its slash lines taken at the
-current position (key ``pos - s`` for each selected offset ``s``) and its tail (every position from ``since``,
+current position ``pos = seq_len - 1`` (key ``pos - s`` for each selected offset ``s``) and its tail (every position from ``since``,
 the last selection, up to the current one). Only the last two move from one step to the next. :func:`lines_union`
 builds the lists from the base and the offsets in one launch: it copies the base, then appends every slash key
 ``< since`` and every tail key that the base does not hold (one binary search each, as
@@ -14,7 +14,7 @@ the decode kernels do not care about.
 
 Supports: ``base [R, L, Hk, Wa]`` int32 (ascending and duplicate-free in the first ``base_lens [R, L, Hk]``
 entries, every entry below its row's length), ``s_idx [R, L, Hk, Ws]`` int32 offsets (distinct per (row, layer,
-head), ``-1`` padded), ``pos`` / ``since`` / ``seq_lens`` ``[R]`` int32. Output ``lists [L, R, Hk, W]`` int32
+head), ``-1`` padded), ``since`` / ``seq_lens`` ``[R]`` int32 or int64 (contiguous). Output ``lists [L, R, Hk, W]`` int32
 (layer-major, ``W >= Wa + Ws + max_since``) and ``lens [L, R, Hk]``, zeros after ``lens``. Grid ``[L * R * Hk]``;
 widths and the search depth are runtime ints; no host sync.
 
@@ -35,7 +35,7 @@ __all__ = ["lines_union", "lines_union_reference", "lines_base"]
 
 @triton.jit
 def _lines_union_kernel(b_ptr, b_sr, b_sl, b_sh, blens_ptr, bl_sr, bl_sl, s_ptr, s_sr, s_sl, s_sh,
-                        pos_ptr, since_ptr, seq_ptr, o_ptr, o_sl, o_sr, o_sh, lens_ptr, ln_sl, ln_sr,
+                        since_ptr, seq_ptr, o_ptr, o_sl, o_sr, o_sh, lens_ptr, ln_sl, ln_sr,
                         rows, num_kv_heads, wa, ws, wout, depth, BLOCK: tl.constexpr):
     pid = tl.program_id(0)
     h = pid % num_kv_heads
@@ -48,9 +48,9 @@ def _lines_union_kernel(b_ptr, b_sr, b_sl, b_sh, blens_ptr, bl_sr, bl_sl, s_ptr,
     ls = tl.load(blens_ptr + r64 * bl_sr + l64 * bl_sl + h)
     offs_row = s_ptr + r64 * s_sr + l64 * s_sl + h * s_sh
     out = o_ptr + l64 * o_sl + r64 * o_sr + h * o_sh
-    pos = tl.load(pos_ptr + r)
-    since = tl.load(since_ptr + r)
-    seq = tl.load(seq_ptr + r)
+    since = tl.load(since_ptr + r).to(tl.int32)
+    seq = tl.load(seq_ptr + r).to(tl.int32)
+    pos = seq - 1  # the decode step's own position
     # phase 1: the base, zeros after it
     for c0 in range(0, wout, BLOCK):
         i = c0 + tl.arange(0, BLOCK)
@@ -77,25 +77,24 @@ def _lines_union_kernel(b_ptr, b_sr, b_sl, b_sh, blens_ptr, bl_sr, bl_sl, s_ptr,
     tl.store(lens_ptr + l64 * ln_sl + r64 * ln_sr + h, n)
 
 
-def _check(base, base_lens, s_idx, pos, since, seq_lens):
+def _check(base, base_lens, s_idx, since, seq_lens):
     r, n_l, hk, _ = base.shape
     if base_lens.shape != (r, n_l, hk) or s_idx.shape[:3] != (r, n_l, hk) or any(
-            t.shape != (r,) for t in (pos, since, seq_lens)):
+            t.shape != (r,) for t in (since, seq_lens)):
         raise ValueError(f"shapes do not match: base {tuple(base.shape)}, base_lens {tuple(base_lens.shape)}, s_idx "
-                         f"{tuple(s_idx.shape)}, pos / since / seq_lens {tuple(pos.shape)} / {tuple(since.shape)} / "
-                         f"{tuple(seq_lens.shape)}")
+                         f"{tuple(s_idx.shape)}, since / seq_lens {tuple(since.shape)} / {tuple(seq_lens.shape)}")
     for name, t in (("base", base), ("base_lens", base_lens), ("s_idx", s_idx)):
         if t.dtype != torch.int32:
             raise ValueError(f"{name} must be int32, got {t.dtype}")
 
 
-def lines_union(base: torch.Tensor, base_lens: torch.Tensor, s_idx: torch.Tensor, pos: torch.Tensor,
-                since: torch.Tensor, seq_lens: torch.Tensor, *, max_since: int, out: torch.Tensor | None = None,
+def lines_union(base: torch.Tensor, base_lens: torch.Tensor, s_idx: torch.Tensor, since: torch.Tensor,
+                seq_lens: torch.Tensor, *, max_since: int, out: torch.Tensor | None = None,
                 lens_out: torch.Tensor | None = None, block: int = 256) -> tuple[torch.Tensor, torch.Tensor]:
     """Every layer's decode lists of a step without re-selection (module docstring): ``(lists [L, R, Hk, W] int32,
     lens [L, R, Hk] int32)``, ``W = Wa + Ws + max_since``. ``out`` / ``lens_out``: preallocated outputs (``out``
     ``[L, R, Hk, >= W]`` with a contiguous last dim; the first ``W`` columns are written). One launch."""
-    _check(base, base_lens, s_idx, pos, since, seq_lens)
+    _check(base, base_lens, s_idx, since, seq_lens)
     r, n_l, hk, wa = base.shape
     ws = s_idx.shape[3]
     w = wa + ws + max(int(max_since), 0)
@@ -112,27 +111,28 @@ def lines_union(base: torch.Tensor, base_lens: torch.Tensor, s_idx: torch.Tensor
     if r * n_l * hk == 0:
         return out, lens_out
     assert base.stride(3) == 1 and s_idx.stride(3) == 1 and base_lens.stride(2) == 1
-    i32 = dict(dtype=torch.int32)
+    assert since.is_contiguous() and seq_lens.is_contiguous()
     _lines_union_kernel[(n_l * r * hk,)](
         base, base.stride(0), base.stride(1), base.stride(2), base_lens, base_lens.stride(0), base_lens.stride(1),
         s_idx, s_idx.stride(0), s_idx.stride(1), s_idx.stride(2),
-        pos.to(**i32).contiguous(), since.to(**i32).contiguous(), seq_lens.to(**i32).contiguous(),
+        since, seq_lens,
         out, out.stride(0), out.stride(1), out.stride(2), lens_out, lens_out.stride(0), lens_out.stride(1),
         r, hk, wa, ws, w, max(wa, 1).bit_length(), BLOCK=block)
     return out, lens_out
 
 
-def lines_union_reference(base: torch.Tensor, base_lens: torch.Tensor, s_idx: torch.Tensor, pos: torch.Tensor,
-                          since: torch.Tensor, seq_lens: torch.Tensor, *,
+def lines_union_reference(base: torch.Tensor, base_lens: torch.Tensor, s_idx: torch.Tensor, since: torch.Tensor,
+                          seq_lens: torch.Tensor, *,
                           max_since: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Pure-torch reference of :func:`lines_union` (same layout and order), a loop over (row, layer, head)."""
-    _check(base, base_lens, s_idx, pos, since, seq_lens)
+    _check(base, base_lens, s_idx, since, seq_lens)
     r, n_l, hk, wa = base.shape
     w = wa + s_idx.shape[3] + max(int(max_since), 0)
     out = torch.zeros(n_l, r, hk, w, dtype=torch.int32)
     lens = torch.zeros(n_l, r, hk, dtype=torch.int32)
     for j in range(r):
-        p, lo, n = int(pos[j]), int(since[j]), int(seq_lens[j])
+        lo, n = int(since[j]), int(seq_lens[j])
+        p = n - 1
         for layer in range(n_l):
             for h in range(hk):
                 b = base[j, layer, h, : int(base_lens[j, layer, h])].cpu()

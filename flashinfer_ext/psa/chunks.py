@@ -30,21 +30,19 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
 from flashinfer_ext.common.tile_attention import attend_slots, group_query_state, list_tile_slots
-from flashinfer_ext.psa.wave_merge import merge_args, merge_pair
 
-__all__ = ["psa_chunk_attention", "plan_waves", "WaveMergeArgs"]
+__all__ = ["psa_chunk_attention", "plan_waves"]
 
 
 @triton.jit
-def _chunk_program(
-    pid, q_ptr, stride_qb, stride_qh,
+def _chunk_kernel(
+    q_ptr, stride_qb, stride_qh,
     k_ptr, stride_k_slot, stride_k_head, v_ptr, stride_v_slot, stride_v_head,
     rtt_ptr, stride_rtt, rpi_ptr, seq_lens_ptr,
     order_ptr, scores_ptr, stride_ob, stride_oh, list_lens_ptr, n_forced_ptr, ends_ptr, done_ptr,
@@ -54,7 +52,7 @@ def _chunk_program(
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, SUB: tl.constexpr,
     CHECK_DONE: tl.constexpr, DOT_FP32: tl.constexpr,
 ):
-    """One (request, KV head, chunk) program of :func:`psa_chunk_attention` (``pid`` = its program id)."""
+    pid = tl.program_id(0)
     pair = pid // n_chunks
     ci = pid % n_chunks
     r = pair // NUM_KV_HEADS
@@ -110,70 +108,9 @@ def _chunk_program(
         tl.store(pdmax_ptr + base * GROUP + g, dmax, mask=gm)
 
 
-
-@triton.jit
-def _chunk_kernel(
-    q_ptr, stride_qb, stride_qh,
-    k_ptr, stride_k_slot, stride_k_head, v_ptr, stride_v_slot, stride_v_head,
-    rtt_ptr, stride_rtt, rpi_ptr, seq_lens_ptr,
-    order_ptr, scores_ptr, stride_ob, stride_oh, list_lens_ptr, n_forced_ptr, ends_ptr, done_ptr,
-    po_ptr, plse_ptr, pmin_ptr, pdmax_ptr, wmax,
-    chunk0, n_chunks, sm_scale_log2, log2_block,
-    NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, G_PAD: tl.constexpr,
-    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, SUB: tl.constexpr,
-    CHECK_DONE: tl.constexpr, DOT_FP32: tl.constexpr,
-):
-    _chunk_program(tl.program_id(0), q_ptr, stride_qb, stride_qh, k_ptr, stride_k_slot, stride_k_head, v_ptr,
-                   stride_v_slot, stride_v_head, rtt_ptr, stride_rtt, rpi_ptr, seq_lens_ptr, order_ptr, scores_ptr,
-                   stride_ob, stride_oh, list_lens_ptr, n_forced_ptr, ends_ptr, done_ptr, po_ptr, plse_ptr, pmin_ptr,
-                   pdmax_ptr, wmax, chunk0, n_chunks, sm_scale_log2, log2_block, NUM_KV_HEADS, GROUP, G_PAD,
-                   HEAD_DIM, D_PAD, BLOCK_SIZE, SUB, CHECK_DONE, DOT_FP32)
-
-
-@triton.jit
-def _chunk_merge_kernel(
-    q_ptr, stride_qb, stride_qh,
-    k_ptr, stride_k_slot, stride_k_head, v_ptr, stride_v_slot, stride_v_head,
-    rtt_ptr, stride_rtt, rpi_ptr, seq_lens_ptr,
-    order_ptr, scores_ptr, stride_ob, stride_oh, list_lens_ptr, n_forced_ptr, ends_ptr, done_ptr,
-    po_ptr, plse_ptr, pmin_ptr, pdmax_ptr, wmax,
-    chunk0, n_chunks, sm_scale_log2, log2_block, arrive_ptr,
-    # merge_pair's arguments (wave_merge.merge_args) after the partials and the shared ones above
-    eps_ptr, sfx_ptr, stride_sb, stride_sh, st_acc_ptr, st_lse_ptr, st_min_ptr, st_dmax_ptr, nread_ptr, kept_ptr,
-    probe_eps_ptr, probe_lens_ptr, probe_nread_ptr, o_ptr, stride_o_b, stride_o_h, lse_ptr, stride_lb, calib_slack,
-    NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, G_PAD: tl.constexpr,
-    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, SUB: tl.constexpr,
-    CHECK_DONE: tl.constexpr, DOT_FP32: tl.constexpr,
-    M_G_PAD: tl.constexpr, M_D_PAD: tl.constexpr, TC: tl.constexpr, FIRST: tl.constexpr, ESTIMATOR: tl.constexpr,
-):
-    """:func:`_chunk_kernel`, then the wave merge of each pair by the last of its programs to finish: every
-    program stores its partial, a CTA barrier, one acq_rel increment of the pair's arrival count; the program
-    that brings it to ``n_chunks`` resets it to 0 (the next wave / graph replay) and runs
-    :func:`~flashinfer_ext.psa.wave_merge.merge_pair` over the partials the others released."""
-    pid = tl.program_id(0)
-    _chunk_program(pid, q_ptr, stride_qb, stride_qh, k_ptr, stride_k_slot, stride_k_head, v_ptr,
-                   stride_v_slot, stride_v_head, rtt_ptr, stride_rtt, rpi_ptr, seq_lens_ptr, order_ptr, scores_ptr,
-                   stride_ob, stride_oh, list_lens_ptr, n_forced_ptr, ends_ptr, done_ptr, po_ptr, plse_ptr, pmin_ptr,
-                   pdmax_ptr, wmax, chunk0, n_chunks, sm_scale_log2, log2_block, NUM_KV_HEADS, GROUP, G_PAD,
-                   HEAD_DIM, D_PAD, BLOCK_SIZE, SUB, CHECK_DONE, DOT_FP32)
-    pair = pid // n_chunks
-    tl.debug_barrier()  # every thread's partial stores precede the releasing increment
-    arrived = tl.atomic_add(arrive_ptr + pair, 1, sem="acq_rel", scope="gpu")
-    if arrived == n_chunks - 1:
-        tl.store(arrive_ptr + pair, 0)
-        merge_pair(pair, po_ptr, plse_ptr, pmin_ptr, pdmax_ptr, wmax,
-                   seq_lens_ptr, list_lens_ptr, n_forced_ptr, ends_ptr, eps_ptr, sfx_ptr, stride_sb, stride_sh,
-                   st_acc_ptr, st_lse_ptr, st_min_ptr, st_dmax_ptr, done_ptr, nread_ptr, kept_ptr,
-                   probe_eps_ptr, probe_lens_ptr, probe_nread_ptr,
-                   o_ptr, stride_o_b, stride_o_h, lse_ptr, stride_lb,
-                   chunk0, n_chunks, calib_slack,
-                   NUM_KV_HEADS, GROUP, M_G_PAD, HEAD_DIM, M_D_PAD, BLOCK_SIZE, TC, FIRST, ESTIMATOR)
-
-
 def psa_chunk_attention(q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, order, scores,
                         list_lens, n_forced, chunk_ends, done, partials, *, chunk0: int, n_chunks: int,
-                        block_size: int, sm_scale: float, check_done: bool, tile_tokens: int = 64,
-                        merge: "WaveMergeArgs | None" = None) -> None:
+                        block_size: int, sm_scale: float, check_done: bool, tile_tokens: int = 64) -> None:
     """Attend chunks ``[chunk0, chunk0 + n_chunks)`` of every (request, KV head); one launch.
 
     Args:
@@ -186,10 +123,6 @@ def psa_chunk_attention(q, k_buffer, v_buffer, req_to_token, req_pool_indices, s
       done: ``[batch, num_kv_heads]`` int32 (read only when ``check_done``).
       partials: ``(o [P, W, G, D] fp32, lse [P, W, G], as_min [P, W, G], dmax [P, W, G])`` with
         ``P >= batch * num_kv_heads`` pairs and ``W >= n_chunks``; chunk ``chunk0 + i`` goes to slot ``i``.
-      merge: None (the partials are left for :func:`flashinfer_ext.psa.wave_merge.wave_merge`) or a
-        :class:`WaveMergeArgs`: the same launch also merges the wave, the last program of each pair to finish
-        folding the pair's chunks into the state exactly as :func:`wave_merge` does (one launch per wave instead
-        of two; the result is the same bit for bit).
     """
     batch, num_qo_heads, head_dim = q.shape
     num_kv_heads = k_buffer.shape[1]
@@ -201,58 +134,17 @@ def psa_chunk_attention(q, k_buffer, v_buffer, req_to_token, req_pool_indices, s
     assert order.stride() == scores.stride() and order.stride(2) == 1 and list_lens.is_contiguous()
     assert po.shape[1] >= n_chunks and po.shape[2] == group and po.shape[3] == head_dim
     sub = max(1, triton.next_power_of_2(max(tile_tokens, 16)) // block_size)
-    args = (q, q.stride(0), q.stride(1),
-            k_buffer, k_buffer.stride(0), k_buffer.stride(1), v_buffer, v_buffer.stride(0), v_buffer.stride(1),
-            req_to_token, req_to_token.stride(0), req_pool_indices, seq_lens,
-            order, scores, order.stride(0), order.stride(1), list_lens, n_forced, chunk_ends, done,
-            po, plse, pmin, pdmax, po.shape[1],
-            chunk0, n_chunks, float(sm_scale) / math.log(2.0), math.log2(block_size))
-    meta = dict(NUM_KV_HEADS=num_kv_heads, GROUP=group, G_PAD=max(16, triton.next_power_of_2(group)),
-                HEAD_DIM=head_dim, D_PAD=max(16, triton.next_power_of_2(head_dim)), BLOCK_SIZE=block_size,
-                SUB=sub, CHECK_DONE=check_done, DOT_FP32=os.environ.get("TRITON_INTERPRET", "0") == "1")
-    grid = (batch * num_kv_heads * n_chunks,)
-    if merge is None:
-        _chunk_kernel[grid](*args, **meta)
-        return
-    m = merge
-    if m.arrive.shape[0] < batch * num_kv_heads or m.arrive.dtype != torch.int32:
-        raise ValueError(f"merge.arrive must be int32 with >= {batch * num_kv_heads} entries (one per pair), "
-                         f"got {m.arrive.dtype} [{m.arrive.shape[0]}]")
-    margs, mmeta = merge_args(partials, m.state, m.out, m.lse_out, m.nread_out, m.kept_out, seq_lens, list_lens,
-                              n_forced, chunk_ends, m.epsilon, m.suffix, m.probe, block_size=block_size,
-                              estimator=m.estimator)
-    # merge_args' list: partials (4) + wmax, seq_lens, list_lens, n_forced, chunk_ends, done (shared above) skipped
-    (eps, sfx, s_sb, s_sh, st_acc, st_lse, st_min, st_dmax, _done, nread, kept, p_eps, p_lens, p_nread,
-     o, s_ob, s_oh, lse, s_lb) = margs[9:]
-    if _done is not done:
-        raise ValueError("merge.state's done flags must be the tensor passed as done")
-    _chunk_merge_kernel[grid](*args, m.arrive, eps, sfx, s_sb, s_sh, st_acc, st_lse, st_min, st_dmax, nread, kept,
-                              p_eps, p_lens, p_nread, o, s_ob, s_oh, lse, s_lb, float(m.calib_slack), **meta,
-                              M_G_PAD=mmeta["G_PAD"], M_D_PAD=mmeta["D_PAD"],
-                              TC=min(m.tile_chunks, max(2, triton.next_power_of_2(n_chunks))), FIRST=m.first,
-                              ESTIMATOR=mmeta["ESTIMATOR"])
-
-
-@dataclass(frozen=True)
-class WaveMergeArgs:
-    """What :func:`psa_chunk_attention` needs to merge its wave in the same launch: :func:`wave_merge`'s
-    ``state``, outputs (``out``, ``lse_out``, ``nread_out``, ``kept_out``), ``epsilon``, ``suffix``, ``probe``,
-    ``first``, ``estimator``, ``calib_slack`` and ``tile_chunks`` as there, and ``arrive [>= pairs]`` int32 zeros
-    (each pair's arrival count; the merging program leaves it at 0 again)."""
-
-    state: tuple
-    out: torch.Tensor
-    lse_out: torch.Tensor
-    nread_out: torch.Tensor
-    kept_out: torch.Tensor
-    epsilon: torch.Tensor
-    suffix: torch.Tensor
-    probe: tuple
-    arrive: torch.Tensor
-    first: bool
-    estimator: str
-    calib_slack: float
-    tile_chunks: int = 16
+    _chunk_kernel[(batch * num_kv_heads * n_chunks,)](
+        q, q.stride(0), q.stride(1),
+        k_buffer, k_buffer.stride(0), k_buffer.stride(1), v_buffer, v_buffer.stride(0), v_buffer.stride(1),
+        req_to_token, req_to_token.stride(0), req_pool_indices, seq_lens,
+        order, scores, order.stride(0), order.stride(1), list_lens, n_forced, chunk_ends, done,
+        po, plse, pmin, pdmax, po.shape[1],
+        chunk0, n_chunks, float(sm_scale) / math.log(2.0), math.log2(block_size),
+        NUM_KV_HEADS=num_kv_heads, GROUP=group, G_PAD=max(16, triton.next_power_of_2(group)),
+        HEAD_DIM=head_dim, D_PAD=max(16, triton.next_power_of_2(head_dim)), BLOCK_SIZE=block_size,
+        SUB=sub, CHECK_DONE=check_done, DOT_FP32=os.environ.get("TRITON_INTERPRET", "0") == "1",
+    )
 
 
 def plan_waves(chunk_ends: list[int], pairs: int, *, target_programs: int, growth: float = 2.0,

@@ -14,8 +14,7 @@ remaining-mass bound suffix (Triton;
 'bound'/'calibrated' estimators only) -> for each *wave* of the host plan: chunk
 attention (:mod:`flashinfer_ext.psa.chunks`, one program per (request, KV head, chunk),
 pairs already done exit at once) + merge with the stop test chunk by chunk
-(:mod:`flashinfer_ext.psa.wave_merge`; or, with ``fuse_merge``, in the same launch by the last program
-of each pair to finish). The result equals sequential PSA with the chunk
+(:mod:`flashinfer_ext.psa.wave_merge`). The result equals sequential PSA with the chunk
 schedule of :meth:`PsaDecodeConfig.ranked_chunk_ends` (reference:
 :func:`flashinfer_ext.common.reference.progressive_decode_reference`), whatever the wave layout.
 No ``.item()``, no host sync, no allocation of its own, launch count fixed by
@@ -36,8 +35,8 @@ Cautions:
   * Measured on an H100 (triton 3.6, one layer, CUDA graph, 128k context, batch 8, 32/8 heads,
     d 128, page 16, planted structure of the benchmark, eps 0.95, 'calibrated', rank_by 'mean'):
     ~300 us against ~1.5 ms for FlashInfer's dense decode. The criticality pass reads kmin, kmax and
-    kmean of every block (~400 MB here: ~160 us at 2.5 TB/s, the copy peak being ~3 TB/s); ranking (~30 us),
-    the bound suffix (~18 us), the waves' launches and merges (~95 us) are the rest
+    kmean of every block (~400 MB here: ~160 us at 2.5 TB/s, the copy peak being ~3 TB/s); ranking (~34 us),
+    the bound suffix (~19 us), the waves' launches and merges (~93 us) are the rest
     (``bench/results/psa_stage_profile.md``).
 """
 
@@ -48,7 +47,7 @@ import torch
 from .block_meta import update_block_meta
 from .config import PsaDecodeConfig
 from .criticality import CritTile, block_criticality, bound_suffix, rank_blocks, suffix_tiles
-from .chunks import WaveMergeArgs, plan_waves, psa_chunk_attention
+from .chunks import plan_waves, psa_chunk_attention
 from .rank_select import rank_select
 from .wave_merge import wave_merge
 
@@ -71,12 +70,6 @@ class PsaDecodeWrapper:
       wave_programs: programs the first wave should launch (default 2 x SM count on CUDA).
       wave_growth: each next wave covers about this many times the ranks read so far (default 4).
       max_waves: most waves (the last takes every remaining chunk; default 5).
-      fuse_merge: merge each wave in its chunk launch (the last program of a pair to finish folds the pair's
-        chunks; :class:`~flashinfer_ext.psa.chunks.WaveMergeArgs`): one launch per wave instead of two, the same
-        result. Off by default: measured slower on an H100 (waves + merges 103 against 95 us at 128k batch 8,
-        244 against 216 us at 32k batch 32, 219 against 197 us on the 32k testbed capture;
-        ``bench/results/psa_stage_profile.md``): the merge code inlined in the chunk kernel costs the chunk
-        programs more than the saved launch. False: the separate :func:`~flashinfer_ext.psa.wave_merge.wave_merge`.
       crit_tile: launch shape of the criticality pass (:class:`~flashinfer_ext.psa.criticality.CritTile`;
         default :attr:`CRIT_TILE`, which suits a :class:`BlockMetaPool` of layout :attr:`META_LAYOUT`).
       The wave defaults come from ``bench/psa_decode_bench.py --wave-sweep`` on an H100
@@ -103,7 +96,7 @@ class PsaDecodeWrapper:
                  device: str | torch.device = "cuda", sm_scale: float | None = None,
                  out_dtype: torch.dtype = torch.bfloat16, tile_tokens: int = 64,
                  wave_programs: int | None = None, wave_growth: float | None = None, max_waves: int | None = None,
-                 crit_tile: CritTile | None = None, fuse_merge: bool = False):
+                 crit_tile: CritTile | None = None):
         if not isinstance(config, PsaDecodeConfig):
             raise TypeError(f"config must be a PsaDecodeConfig, got {type(config).__name__}")
         if num_qo_heads % num_kv_heads:
@@ -161,8 +154,6 @@ class PsaDecodeWrapper:
         self._st_min_buf = torch.empty(mb * hk * g, **f32)
         self._st_dmax_buf = torch.empty(mb * hk * g, **f32)
         self._done_buf = torch.zeros(mb * hk, **i32)
-        self.fuse_merge = bool(fuse_merge)
-        self._arrive_buf = torch.zeros(mb * hk, **i32)  # per pair: chunk programs done with the wave (fused merge)
         self._o_buf = torch.empty(mb, num_qo_heads, head_dim, dtype=out_dtype, device=dev)
         self._lse_buf = torch.empty(mb, num_qo_heads, **f32)
         self._nread_buf = torch.zeros(mb, hk, **i32)
@@ -312,18 +303,13 @@ class PsaDecodeWrapper:
         rpi = self._req_pool_indices_buf[:bs]
         probe = (self._probe_eps_buf[:bs], self._probe_lens_buf[:bs], self._probe_nread_buf[:bs])
         for k, (chunk0, n_chunks) in enumerate(self._wave_plan):
-            fused = WaveMergeArgs(state, o, lse, nread, kept, self._eps_buf[:bs], suffix, probe, self._arrive_buf,
-                                  first=k == 0, estimator=cfg.estimator, calib_slack=cfg.calib_slack) \
-                if self.fuse_merge else None
             psa_chunk_attention(q, k_buffer, v_buffer, self._req_to_token, rpi, seq_lens, order, scores,
                                 list_lens, n_forced, self._chunk_ends_buf, done, partials, chunk0=chunk0,
                                 n_chunks=n_chunks, block_size=self.block_size, sm_scale=self.sm_scale,
-                                check_done=k > 0, tile_tokens=self.tile_tokens, merge=fused)
-            if fused is None:
-                wave_merge(partials, state, o, lse, nread, kept, seq_lens, list_lens, n_forced,
-                           self._chunk_ends_buf, self._eps_buf[:bs], suffix, probe, chunk0=chunk0, n_chunks=n_chunks,
-                           first=k == 0, block_size=self.block_size, estimator=cfg.estimator,
-                           calib_slack=cfg.calib_slack)
+                                check_done=k > 0, tile_tokens=self.tile_tokens)
+            wave_merge(partials, state, o, lse, nread, kept, seq_lens, list_lens, n_forced, self._chunk_ends_buf,
+                       self._eps_buf[:bs], suffix, probe, chunk0=chunk0, n_chunks=n_chunks, first=k == 0,
+                       block_size=self.block_size, estimator=cfg.estimator, calib_slack=cfg.calib_slack)
         return o, lse, nread
 
     @property

@@ -42,7 +42,7 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["wave_merge", "merge_args", "merge_pair", "ESTIMATOR_IDS"]
+__all__ = ["wave_merge", "ESTIMATOR_IDS"]
 
 ESTIMATOR_IDS = {"paper": 0, "bound": 1, "calibrated": 2, "mean": 3}
 
@@ -58,8 +58,8 @@ def _max_fn(a, b):
 
 
 @triton.jit
-def merge_pair(
-    pair, po_ptr, plse_ptr, pmin_ptr, pdmax_ptr, wmax,
+def _wave_merge_kernel(
+    po_ptr, plse_ptr, pmin_ptr, pdmax_ptr, wmax,
     seq_lens_ptr, list_lens_ptr, n_forced_ptr, ends_ptr, eps_ptr, sfx_ptr, stride_sb, stride_sh,
     st_acc_ptr, st_lse_ptr, st_min_ptr, st_dmax_ptr, done_ptr, nread_ptr, kept_ptr,
     probe_eps_ptr, probe_lens_ptr, probe_nread_ptr,
@@ -69,10 +69,7 @@ def merge_pair(
     D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, TC: tl.constexpr, FIRST: tl.constexpr,
     ESTIMATOR: tl.constexpr,
 ):
-    """Fold the wave's chunks of one (request, KV head) ``pair`` into its running state (the body of
-    :func:`wave_merge`; also run by the last chunk program of a pair when
-    :func:`flashinfer_ext.psa.chunks.psa_chunk_attention` merges in the same launch). The partials are
-    loaded ``.cg`` (L2, not the SM's L1): in the fused launch they were written by other programs."""
+    pair = tl.program_id(0)
     r = pair // NUM_KV_HEADS
     h = pair % NUM_KV_HEADS
     r64 = r.to(tl.int64)
@@ -128,9 +125,9 @@ def merge_pair(
         real = cvalid & (lo < hi)
         poff = (p64 * wmax + c)[:, None] * GROUP + g[None, :]
         pm = real[:, None] & gmask[None, :]
-        lse_c = tl.load(plse_ptr + poff, mask=pm, other=float("-inf"), cache_modifier=".cg")  # [TC, G_PAD]
-        min_c = tl.load(pmin_ptr + poff, mask=pm, other=float("inf"), cache_modifier=".cg")
-        dmx_c = tl.load(pdmax_ptr + poff, mask=pm, other=float("-inf"), cache_modifier=".cg")
+        lse_c = tl.load(plse_ptr + poff, mask=pm, other=float("-inf"))  # [TC, G_PAD]
+        min_c = tl.load(pmin_ptr + poff, mask=pm, other=float("inf"))
+        dmx_c = tl.load(pdmax_ptr + poff, mask=pm, other=float("-inf"))
         # cumulative AS_acc (log2), AS_min and delta after each chunk of the tile
         mx = tl.maximum(tl.max(lse_c, axis=0), run_lse)
         mxs = tl.where(mx == float("-inf"), 0.0, mx)
@@ -179,8 +176,7 @@ def merge_pair(
         nls = tl.where(new_lse == float("-inf"), 0.0, new_lse)
         w_c = tl.where(inc[:, None], tl.exp2(lse_c - nls[None, :]), 0.0)
         o_c = tl.load(po_ptr + poff[:, :, None] * HEAD_DIM + d[None, None, :],
-                      mask=(inc[:, None] & gmask[None, :])[:, :, None] & dmask[None, None, :], other=0.0,
-                      cache_modifier=".cg")
+                      mask=(inc[:, None] & gmask[None, :])[:, :, None] & dmask[None, None, :], other=0.0)
         acc = acc * tl.exp2(run_lse - nls)[:, None] + tl.sum(w_c[:, :, None] * o_c, axis=0)
         run_lse = new_lse
         run_min = tl.minimum(run_min, tl.min(tl.where(inc[:, None], min_c, float("inf")), axis=0))
@@ -204,27 +200,6 @@ def merge_pair(
     tl.store(lse_ptr + r64 * stride_lb + qo, run_lse, mask=sm)
 
 
-@triton.jit
-def _wave_merge_kernel(
-    po_ptr, plse_ptr, pmin_ptr, pdmax_ptr, wmax,
-    seq_lens_ptr, list_lens_ptr, n_forced_ptr, ends_ptr, eps_ptr, sfx_ptr, stride_sb, stride_sh,
-    st_acc_ptr, st_lse_ptr, st_min_ptr, st_dmax_ptr, done_ptr, nread_ptr, kept_ptr,
-    probe_eps_ptr, probe_lens_ptr, probe_nread_ptr,
-    o_ptr, stride_ob, stride_oh, lse_ptr, stride_lb,
-    chunk0, n_chunks, calib_slack,
-    NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, G_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
-    D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, TC: tl.constexpr, FIRST: tl.constexpr,
-    ESTIMATOR: tl.constexpr,
-):
-    merge_pair(tl.program_id(0), po_ptr, plse_ptr, pmin_ptr, pdmax_ptr, wmax,
-               seq_lens_ptr, list_lens_ptr, n_forced_ptr, ends_ptr, eps_ptr, sfx_ptr, stride_sb, stride_sh,
-               st_acc_ptr, st_lse_ptr, st_min_ptr, st_dmax_ptr, done_ptr, nread_ptr, kept_ptr,
-               probe_eps_ptr, probe_lens_ptr, probe_nread_ptr,
-               o_ptr, stride_ob, stride_oh, lse_ptr, stride_lb,
-               chunk0, n_chunks, calib_slack,
-               NUM_KV_HEADS, GROUP, G_PAD, HEAD_DIM, D_PAD, BLOCK_SIZE, TC, FIRST, ESTIMATOR)
-
-
 def wave_merge(partials, state, out, lse_out, nread_out, kept_out, seq_lens, list_lens, n_forced, chunk_ends,
                epsilon, suffix, probe, *, chunk0: int, n_chunks: int, first: bool, block_size: int, estimator: str,
                calib_slack: float, tile_chunks: int = 16) -> None:
@@ -244,34 +219,27 @@ def wave_merge(partials, state, out, lse_out, nread_out, kept_out, seq_lens, lis
       probe: ``(probe_epsilon [batch] fp32, probe_lens [batch] int32, probe_nread [batch, num_kv_heads] int32
         contiguous)``: the probe's threshold and list cap per row, and its output (written like ``nread``).
     """
-    batch = out.shape[0]
-    if batch == 0 or n_chunks == 0:
-        return
-    args, meta = merge_args(partials, state, out, lse_out, nread_out, kept_out, seq_lens, list_lens, n_forced,
-                            chunk_ends, epsilon, suffix, probe, block_size=block_size, estimator=estimator)
-    _wave_merge_kernel[(batch * list_lens.shape[1],)](
-        *args, chunk0, n_chunks, float(calib_slack),
-        TC=min(tile_chunks, max(2, triton.next_power_of_2(n_chunks))), FIRST=first, **meta)
-
-
-def merge_args(partials, state, out, lse_out, nread_out, kept_out, seq_lens, list_lens, n_forced, chunk_ends,
-               epsilon, suffix, probe, *, block_size: int, estimator: str):
-    """The launch arguments :func:`merge_pair` takes before ``chunk0`` (a list) and its compile-time ones but ``TC``
-    and ``FIRST`` (a dict), checked; shared by :func:`wave_merge` and the fused chunk launch."""
     batch, num_qo_heads, head_dim = out.shape
     num_kv_heads = list_lens.shape[1]
     group = num_qo_heads // num_kv_heads
+    if batch == 0 or n_chunks == 0:
+        return
     po, plse, pmin, pdmax = partials
     st_acc, st_lse, st_min, st_dmax, done = state
     assert out.stride(2) == 1 and suffix.stride(2) == 1 and list_lens.is_contiguous()
     assert nread_out.is_contiguous() and kept_out.is_contiguous() and done.is_contiguous()
     probe_eps, probe_lens, probe_nread = probe
     assert probe_nread.is_contiguous() and probe_nread.shape == nread_out.shape
-    args = [po, plse, pmin, pdmax, po.shape[1],
-            seq_lens, list_lens, n_forced, chunk_ends, epsilon, suffix, suffix.stride(0), suffix.stride(1),
-            st_acc, st_lse, st_min, st_dmax, done, nread_out, kept_out,
-            probe_eps, probe_lens, probe_nread,
-            out, out.stride(0), out.stride(1), lse_out, lse_out.stride(0)]
-    meta = dict(NUM_KV_HEADS=num_kv_heads, GROUP=group, G_PAD=triton.next_power_of_2(group), HEAD_DIM=head_dim,
-                D_PAD=triton.next_power_of_2(head_dim), BLOCK_SIZE=block_size, ESTIMATOR=ESTIMATOR_IDS[estimator])
-    return args, meta
+    _wave_merge_kernel[(batch * num_kv_heads,)](
+        po, plse, pmin, pdmax, po.shape[1],
+        seq_lens, list_lens, n_forced, chunk_ends, epsilon, suffix, suffix.stride(0), suffix.stride(1),
+        st_acc, st_lse, st_min, st_dmax, done, nread_out, kept_out,
+        probe_eps, probe_lens, probe_nread,
+        out, out.stride(0), out.stride(1), lse_out, lse_out.stride(0),
+        chunk0, n_chunks, float(calib_slack),
+        NUM_KV_HEADS=num_kv_heads, GROUP=group, G_PAD=triton.next_power_of_2(group), HEAD_DIM=head_dim,
+        D_PAD=triton.next_power_of_2(head_dim), BLOCK_SIZE=block_size,
+        TC=min(tile_chunks, max(2, triton.next_power_of_2(n_chunks))), FIRST=first,
+        ESTIMATOR=ESTIMATOR_IDS[estimator],
+    )
+

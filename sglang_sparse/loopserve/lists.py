@@ -69,14 +69,14 @@ class BaseRows:
         return self._tensors
 
 
-def steady_lists(rows: BaseRows, states, pos, since, seq, *, sink_tokens: int, max_since: int):
+def steady_lists(rows: BaseRows, states, since, seq, *, sink_tokens: int, max_since: int):
     """Every layer's lists of a steady step: ``(lists [L, nS, Hk, W], lens [L, nS, Hk])`` int32 with
-    ``W = Wa + Ws + max_since`` (:func:`~flashinfer_ext.loopserve.lines_union.lines_union`); ``pos`` / ``since`` /
-    ``seq`` ``[nS]`` on the device."""
+    ``W = Wa + Ws + max_since`` (:func:`~flashinfer_ext.loopserve.lines_union.lines_union`); ``since`` / ``seq``
+    ``[nS]`` on the device (the step's position is ``seq - 1``)."""
     from flashinfer_ext.loopserve.lines_union import lines_union
 
     base, base_lens, s_idx = rows.get(states, sink_tokens)
-    return lines_union(base, base_lens, s_idx, pos, since, seq, max_since=max_since)
+    return lines_union(base, base_lens, s_idx, since, seq, max_since=max_since)
 
 
 def steady_width(rows: BaseRows, states, sink_tokens: int, max_since: int) -> int:

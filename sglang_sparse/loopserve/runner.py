@@ -417,7 +417,7 @@ class LoopServeRunner:
         if vs.split is not None:
             self.dec["split"] = vs.split
         if steady_w is not None:
-            self.dec["lists_all"] = steady_lists(self._base_rows, states, self.dec["pos"], since_dev, seq_dev,
+            self.dec["lists_all"] = steady_lists(self._base_rows, states, since_dev, seq_dev,
                                                  sink_tokens=cfg.sink_tokens, max_since=max_since)
         elif self.lists_all_fits(len(rows), width):
             # every layer's top-B-independent candidates at once, here; no row re-selects at this step: every

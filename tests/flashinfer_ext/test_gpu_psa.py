@@ -222,51 +222,6 @@ def test_gpu_cuda_graph_capture_and_replay_matches_eager():
         _check_against_reference(w, pool, cfg, e_o, e_lse, e_nread, 16, epsilon=eps)
 
 
-@pytest.mark.parametrize("estimator", ["calibrated", "paper", "mean"])
-@pytest.mark.parametrize("hq,hk,d,dtype,page,batch", [(32, 8, 128, torch.bfloat16, 16, 8),
-                                                      (9, 3, 64, torch.float16, 1, 16)])
-def test_gpu_merge_in_the_chunk_launch_equals_the_separate_merge(estimator, hq, hk, d, dtype, page, batch):
-    """Compiled, many programs per pair racing: the fused merge (last program of a pair to finish, after an
-    acq_rel arrival count) = the separate wave_merge launch (same stops; values to fp32 rounding, the merge code
-    being inlined in another kernel), eager and over CUDA-graph replays with new queries between them (the
-    arrival counts are back at 0 after every run)."""
-    from flashinfer_ext.psa.config import PsaDecodeConfig
-
-    cfg = PsaDecodeConfig(epsilon=0.9, micro_batch_blocks=4, **(dict(estimator="mean", criticality="mean")
-                                                                 if estimator == "mean" else dict(estimator=estimator)))
-    gen = torch.Generator().manual_seed(3)
-    lens = torch.randint(200, 4000, (batch,), generator=gen).tolist()
-    pool = make_pool(lens, hq, hk, d, dtype, page, seed=29, device="cuda", planted=True, max_context_len=4096)
-    eps = torch.tensor([0.9, 0.95, 1.0, 0.8] * (batch // 4), device="cuda")
-    runs = {}
-    for fuse in (False, True):
-        w, mp, _ = _wrapper(pool, cfg, 16, epsilon=eps, wave_programs=32, fuse_merge=fuse)
-        assert len(w.waves) >= 3
-        meta = mp.layer(0)
-        static_q = pool.q.clone()
-        out = [tuple(t.clone() for t in (*w.run(static_q, pool.k_buffer, pool.v_buffer, *meta), w.kept_est))]
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            w.run(static_q, pool.k_buffer, pool.v_buffer, *meta)
-        torch.cuda.current_stream().wait_stream(s)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            g = w.run(static_q, pool.k_buffer, pool.v_buffer, *meta)
-        gq = torch.Generator(device="cuda").manual_seed(7)
-        for _ in range(4):
-            static_q.copy_(torch.randn(static_q.shape, generator=gq, device="cuda").to(dtype))
-            graph.replay()
-            torch.cuda.synchronize()
-            out.append(tuple(t.clone() for t in (*g, w.kept_est)))
-            assert not w._arrive_buf.any()
-        runs[fuse] = out
-    for a, b in zip(runs[False], runs[True]):
-        assert torch.equal(a[2], b[2])  # the same stop decisions
-        for x, y in (a[0], b[0]), (a[1], b[1]), (a[3], b[3]):  # o, lse, kept: the same merge code (inlined)
-            torch.testing.assert_close(x, y, rtol=1e-6, atol=1e-6)
-
-
 @pytest.mark.parametrize("estimator", ["calibrated", "paper"])
 def test_gpu_kept_mass_on_benchmark_planted_structure_32k(estimator):
     """The benchmark's planted workload (bench.psa_decode_bench.PLANT) at 32k: >= 99 % of (request, qo head)

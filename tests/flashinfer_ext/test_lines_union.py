@@ -67,8 +67,8 @@ SHAPES = [(1, 1, 1, 4, 3, 2), (3, 2, 3, 40, 30, 16), (2, 3, 2, 300, 200, 90), (2
 def _check(shape, seed, device):
     rows = _case(*shape, seed)
     base, lens, s_idx, pos, since, seq, max_since = _inputs(rows, device)
-    got, got_lens = lines_union(base, lens, s_idx, pos, since, seq, max_since=max_since)
-    want, want_lens = lines_union_reference(base, lens, s_idx, pos, since, seq, max_since=max_since)
+    got, got_lens = lines_union(base, lens, s_idx, since, seq, max_since=max_since)
+    want, want_lens = lines_union_reference(base, lens, s_idx, since, seq, max_since=max_since)
     assert torch.equal(got_lens.cpu(), want_lens.cpu())
     assert torch.equal(got.cpu(), want.cpu())
     n_l = shape[1]
@@ -96,17 +96,19 @@ def test_lines_union_writes_into_given_buffers_and_validates():
     w = base.shape[3] + s_idx.shape[3] + max_since
     out = torch.full((2, 2, 2, w + 7), 99, dtype=torch.int32)
     lens_out = torch.empty(2, 2, 2, dtype=torch.int32)
-    got, got_lens = lines_union(base, lens, s_idx, pos, since, seq, max_since=max_since, out=out, lens_out=lens_out)
+    # int64 lengths (the runner's packed per-row ints) are read as they are
+    got, got_lens = lines_union(base, lens, s_idx, since.long(), seq.long(), max_since=max_since, out=out,
+                                lens_out=lens_out)
     assert got.data_ptr() == out.data_ptr() and got_lens is lens_out
-    want, want_lens = lines_union_reference(base, lens, s_idx, pos, since, seq, max_since=max_since)
+    want, want_lens = lines_union_reference(base, lens, s_idx, since, seq, max_since=max_since)
     assert torch.equal(out[..., :w], want) and torch.equal(lens_out, want_lens)
     assert (out[..., w:] == 99).all()  # columns past W untouched
     with pytest.raises(ValueError, match="out must be"):
-        lines_union(base, lens, s_idx, pos, since, seq, max_since=max_since, out=out[..., : w - 1])
+        lines_union(base, lens, s_idx, since, seq, max_since=max_since, out=out[..., : w - 1])
     with pytest.raises(ValueError, match="s_idx must be int32"):
-        lines_union(base, lens, s_idx.long(), pos, since, seq, max_since=max_since)
+        lines_union(base, lens, s_idx.long(), since, seq, max_since=max_since)
     with pytest.raises(ValueError, match="shapes do not match"):
-        lines_union(base, lens, s_idx, pos[:1], since, seq, max_since=max_since)
+        lines_union(base, lens, s_idx, since[:1], seq, max_since=max_since)
 
 
 def test_lines_base_is_sorted_unique_lines_top_b_and_sink():

@@ -202,31 +202,6 @@ def test_wave_layout_does_not_change_the_result():
         torch.testing.assert_close(kept, outs[0][4], rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("estimator,hq,hk,d,dtype,page_size,block_size", [
-    ("calibrated", 32, 8, 128, torch.bfloat16, 16, 16),
-    ("paper", 9, 3, 64, torch.float16, 1, 16),
-])
-def test_merge_in_the_chunk_launch_equals_the_separate_merge(estimator, hq, hk, d, dtype, page_size, block_size):
-    """fuse_merge (the last chunk program of a pair merges its wave) gives the separate wave_merge launch's
-    outputs, reads, estimate and probe bit for bit over several waves, and leaves every arrival count at 0
-    (a graph replay starts from zero). Per-request epsilon rows, a probe threshold and a dense row included."""
-    cfg = PsaDecodeConfig(epsilon=0.9, micro_batch_blocks=2, sink_blocks=1, local_blocks=1, max_blocks=64,
-                          chunk_growth=2, **_est(estimator))
-    pool = make_pool([13 * block_size + 7, 2 * block_size, 9 * block_size + 1], hq, hk, d, dtype, page_size, seed=5,
-                     planted=True)
-    eps = torch.tensor([0.9, 0.8, 1.0])
-    outs = []
-    for fuse in (False, True):
-        w, mp, _ = build(pool, cfg, block_size, max_batch_size=4, wave_programs=2, fuse_merge=fuse, epsilon=eps,
-                         probe_epsilon=torch.tensor([0.9, 0.7, 0.95]))
-        assert len(w.waves) >= 3
-        o, lse, nread = w.run(pool.q, pool.k_buffer, pool.v_buffer, *mp.layer(0))
-        outs.append((o.clone(), lse.clone(), nread.clone(), w.kept_est.clone(), w.probe_nread.clone()))
-        assert not w._arrive_buf.any()
-    for a, b in zip(*outs):
-        assert torch.equal(a, b)
-
-
 @pytest.mark.parametrize("dtype,page_size", [(torch.bfloat16, 16), (torch.float16, 1)])
 def test_epsilon_one_equals_dense(dtype, page_size):
     cfg = PsaDecodeConfig(epsilon=1.0, micro_batch_blocks=4, sink_blocks=1, local_blocks=2)
