@@ -47,11 +47,14 @@ CASES = [("smollm2_b1", 30, 9, 3, 64, 1, 2700, 64, 64), ("smollm2_b8", 30, 9, 3,
          # the 32k testbed's shapes: lines ~16 % of the context at the default alpha (loopserve_prefill.json real_32k)
          ("smollm2_b8_32k", 30, 9, 3, 64, 8, 32768, 1024, 2560),
          ("smollm2_b32_32k", 30, 9, 3, 64, 32, 32768, 1024, 2560)]
-# kinds: a re-selecting step (its LSE pass split into key spans where lse_splits says so), the same step with
-# the one-program-per-row-block LSE pass ("selecting_unsplit": the code before the split, for the ratio), a
+# kinds: a re-selecting step (its LSE pass in key spans of the runner's lse_split_keys), the same step with
+# the LSE pass in one span ("selecting_unsplit", for the ratio), a
 # steady step (lists from the requests' sorted bases, loopserve.lists.steady_lists) and the same step with the
 # sort-based build ("steady_sorted": the code before, for the ratio)
-KINDS = ("selecting", "selecting_unsplit", "steady", "steady_sorted")
+KINDS = ("selecting", "selecting_unsplit", "selecting_sorted", "selecting_graph", "steady", "steady_sorted")
+# "selecting_sorted": a re-selecting step with the sort-based lists (the code before the per-layer lists from the
+# rows' bases, for the ratio); "selecting_graph" (CUDA only): the same step replayed from the re-selecting CUDA
+# graph (loopserve.graph), every row selecting, step = the graph's planning + one replay of every layer
 SMOKE = [("smoke", 2, 4, 2, 64, 2, 300, 16, 8)]
 
 
@@ -110,11 +113,11 @@ def build(case, kind: str, dev: torch.device, seed: int = 0):
     runner = LoopServeRunner(cfg, SimpleNamespace(num_layers=n_l, num_kv_heads=hk, num_qo_heads=hq, head_dim=d),
                              dev, use_kernels=True)
     if kind == "selecting_unsplit":
-        runner.lse_min_split_keys = 1 << 62  # never split the LSE pass
-    elif kind == "steady_sorted":
+        runner.lse_split_keys = 1 << 30  # one key span: the LSE pass unsplit
+    elif kind in ("steady_sorted", "selecting_sorted"):
         runner.steady_from_bases = False
-    elif dev.type != "cuda":  # the smoke case: short spans, so that the split path runs under the interpreter
-        runner.lse_min_split_keys = 64
+    if kind != "selecting_unsplit" and dev.type != "cuda":  # the smoke case: short spans, so that the split path
+        runner.lse_split_keys = 64                          # runs under the interpreter
     q3 = torch.randn(batch, hq, d, device=dev, generator=g, dtype=dt)
     layers = [SimpleNamespace(layer_id=i, scaling=d ** -0.5) for i in range(n_l)]
     o3 = torch.empty_like(q3)
@@ -124,6 +127,47 @@ def build(case, kind: str, dev: torch.device, seed: int = 0):
 def _sync(dev):
     if dev.type == "cuda":
         torch.cuda.synchronize()
+
+
+def _graph_step(runner, backend, fb, q3, o3, layers):
+    """The re-selecting step as a server replays it: :class:`LoopServeGraphs` captures every layer's decode over
+    its static buffers into a CUDA graph (the re-selecting variant); ``(plan, step)`` = the replay's planning
+    alone, planning + replay."""
+    from sglang.srt.model_executor.runner_utils.capture_mode import _set_capture_lora_variant
+
+    from sglang_sparse.graph_variants import SELECT
+    from sglang_sparse.loopserve.graph import LoopServeGraphs
+
+    bs = int(fb.batch_size)
+    graphs = LoopServeGraphs(runner, list_width=runner.split_width, max_bs=bs, select_rows=bs)
+    rpi = fb.req_pool_indices.clone()
+    view = SimpleNamespace(batch_size=bs, forward_mode=DecodeMode(), req_pool_indices=rpi, seq_lens_cpu=fb.seq_lens_cpu)
+    _set_capture_lora_variant(SELECT)
+    try:
+        graphs.plan(backend, view, in_capture=True)
+    finally:
+        _set_capture_lora_variant(None)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for layer in layers:  # warm-up on a side stream, as torch.cuda.graph wants
+            runner.decode(backend, o3, q3, layer)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for layer in layers:
+            runner.decode(backend, o3, q3, layer)
+
+    def plan():
+        if graphs.graph_variant(fb) != "select":
+            raise RuntimeError("the bench step is not a re-selecting graph step")
+        graphs.plan(backend, view, in_capture=False)
+
+    def step():
+        plan()
+        graph.replay()
+
+    return plan, step
 
 
 def measure(case, kind: str, dev: torch.device, iters: int) -> dict:
@@ -137,10 +181,16 @@ def measure(case, kind: str, dev: torch.device, iters: int) -> dict:
         for layer in layers:
             runner.decode(backend, o3, q3, layer)
 
+    if kind == "selecting_graph":
+        step()  # the first decode step: lines compacted, bases built (as a server's first step does eagerly)
+        _sync(dev)
+        plan, step = _graph_step(runner, backend, fb, q3, o3, layers)
+
     for _ in range(3):  # warm-up (Triton compiles, allocator caches)
         step()
     _sync(dev)
     assert runner.dec is not None and any(runner.dec["fire"]) == kind.startswith("selecting")
+    assert ("sel_bases" in runner.dec) == (kind in ("selecting", "selecting_unsplit", "selecting_graph"))
     out = {"lse_splits": runner.dec["sel"]["num_splits"] if runner.dec["sel"] is not None else None}
     for name, fn in (("plan", plan), ("step", step)):
         walls, hosts = [], []
@@ -196,6 +246,8 @@ def main(argv=None) -> int:
     rows = []
     for case in cases:
         for kind in KINDS:
+            if kind == "selecting_graph" and dev.type != "cuda":
+                continue
             t0 = time.time()
             r = measure(case, kind, dev, 2 if args.smoke else args.iters)
             rows.append(dict(case=case[0], layers=case[1], qo_heads=case[2], kv_heads=case[3], head_dim=case[4],
@@ -206,10 +258,10 @@ def main(argv=None) -> int:
                 gpu=torch.cuda.get_device_name() if dev.type == "cuda" else None, torch=torch.__version__,
                 smoke=args.smoke)
     (args.out / "loopserve_step.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
-    lines = ["# LoopServe eager decode step, runner only (bench/loopserve_step_bench.py)", "",
+    lines = ["# LoopServe decode step, runner only (bench/loopserve_step_bench.py)", "",
              f"- command: `{meta['command']}`", f"- device: {meta['gpu'] or 'cpu (smoke, no claim)'}; torch "
              f"{meta['torch']}", "- step = begin_batch + decode of every layer, synced; host = until the last call "
-             "returns; plan = begin_batch alone", "",
+             "returns; plan = begin_batch alone (selecting_graph: the graph's planning, then its replay)", "",
              "| case | kind | layers | batch | context | budget | LSE spans | step ms | host ms | plan ms | launches "
              "| GPU kernel ms |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -223,6 +275,15 @@ def main(argv=None) -> int:
     if ratios:
         lines += ["", "Re-selecting step, unsplit / split LSE pass (same run): " +
                   ", ".join(f"{name} {x:.2f}x" for name, x in ratios)]
+    sel = [(c[0], by[(c[0], "selecting_sorted")], by[(c[0], "selecting")], by.get((c[0], "selecting_graph")))
+           for c in cases if (c[0], "selecting") in by and (c[0], "selecting_sorted") in by]
+    if sel:
+        lines += ["", "Re-selecting step, sort-based lists / lists from the bases, eager (same run; step): " +
+                  ", ".join(f"{name} {a['step_ms'] / b['step_ms']:.2f}x" for name, a, b, _ in sel)]
+        graphed = [(name, b, g) for name, _, b, g in sel if g is not None]
+        if graphed:
+            lines += ["", "Re-selecting step, eager / replayed from the re-selecting CUDA graph (same run; step): " +
+                      ", ".join(f"{name} {b['step_ms'] / g['step_ms']:.2f}x" for name, b, g in graphed)]
     steady = [(c[0], by[(c[0], "steady_sorted")], by[(c[0], "steady")]) for c in cases
               if (c[0], "steady") in by and (c[0], "steady_sorted") in by]
     if steady:

@@ -155,6 +155,19 @@ def tail(path: Path, n: int = 30) -> str:
         return "(no log)"
 
 
+def _kernel_runner(sparse_config: str | None) -> bool:
+    """Whether a ``--sparse-config`` value (JSON, or ``@file``) asks for the Triton kernels (``"runner": "kernel"``)."""
+    if not sparse_config:
+        return False
+    text = sparse_config
+    if text.startswith("@"):
+        try:
+            text = Path(text[1:]).read_text()
+        except OSError:
+            return False
+    return '"runner":"kernel"' in text.replace(" ", "")
+
+
 class Server:
     """Context manager around one launched server."""
 
@@ -186,6 +199,10 @@ class Server:
         env = dict(os.environ)
         if self.spec.device == "cpu":
             env.setdefault("OMP_NUM_THREADS", "1")
+            # a CPU server runs Triton (through its interpreter) only where its config asks for the kernels
+            # (`"runner": "kernel"`); an interpreter switched on in this process (a test session's, for its own
+            # Triton tests) would otherwise reach paths that a CPU server runs in torch
+            env["TRITON_INTERPRET"] = "1" if _kernel_runner(self.spec.sparse_config) else "0"
         env.setdefault("HF_HUB_OFFLINE", "1")
         env.update(self.spec.env)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)

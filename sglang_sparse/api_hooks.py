@@ -72,10 +72,11 @@ def graph_gate_hook(result, graph_runner, forward_batch, *args, **kwargs):
     backend = getattr(getattr(graph_runner, "model_runner", None), "attn_backend", None)
     variant = getattr(backend, "sparse_graph_variant", None)
     if variant is not None:  # sparse graph for sparse batches, stock graph (when recorded) for dense ones
-        from sglang_sparse.graph_variants import dual_capture
+        from sglang_sparse.graph_variants import dual_capture, select_capture
 
         v = variant(forward_batch)
-        return v == "sparse" or (v == "dense" and dual_capture(graph_runner))
+        return v == "sparse" or (v == "dense" and dual_capture(graph_runner)) \
+            or (v == "select" and select_capture(graph_runner))
     wants = getattr(backend, "sparse_wants_graph", None)  # the mode's gate (psa, loopserve, lastwindow)
     return result if wants is None else bool(wants(forward_batch))
 

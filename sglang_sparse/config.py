@@ -260,7 +260,8 @@ def _graph_knobs(width: int, max_bs: int = 16):
     return dict(
         graph_list_width=knob(width, doc="decode CUDA graphs (a server without --disable-cuda-graph): the widest "
                               "per-(row, KV head) token list a graph-replayed step takes (steps with wider lists, "
-                              "selection steps and steps with rows in prefill run eagerly; decode lists are split "
+                              "lastwindow's selection step and steps with rows in prefill run eagerly; decode lists "
+                              "are split "
                               "into spans as if this wide, graphs on or off; capped at the served context length). "
                               "Static buffers of layers x graph_max_bs x KV heads x this many int32",
                               range=Range(1, 1 << 20)),
@@ -300,6 +301,11 @@ class LoopServeConfig(SparseConfig):
                               range=Range(0, 1 << 20))
     initial_topb: bool = knob(True, doc="also select the top-B tokens at every decode step before generated token 16, "
                               "from the last n_d queries (false: Alg. 3 exactly, stored lines only until token 16)")
+    select_graph_rows: int = knob(8, doc="decode CUDA graphs: a step where at most this many rows re-select their "
+                                  "top-B (initial_topb, every n_d) replays a re-selecting graph recorded per batch "
+                                  "size beside the steady one (it scores this many rows over graph_list_width keys "
+                                  "whatever the batch); more selecting rows, or 0, decode eagerly. Needs stock_graphs",
+                                  range=Range(0, 4096))
     # lines of both kinds can reach the context length (at alpha 0.99 a 32k context's decode lists average
     # ~11k tokens per KV head): as wide as the context, up to 32k, unlike lastwindow's budget-bound lists
     graph_list_width: int = _LOOPSERVE_GRAPH["graph_list_width"]

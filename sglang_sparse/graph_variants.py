@@ -7,10 +7,13 @@ than ``min_context``) used to decode eagerly, several times slower than stock. S
 modes reuse that pair when no LoRA adapter is served:
 
 * label ``"lora"`` (:data:`SPARSE`) - the mode's sparse path, as before;
-* label ``"nolora"`` (:data:`DENSE`) - the stock decode, replayed for batches with no sparse row.
+* label ``"nolora"`` (:data:`DENSE`) - the stock decode, replayed for batches with no sparse row;
+* label ``"sparse_select"`` (:data:`SELECT`, loopserve) - the sparse path of a step where some rows re-select
+  their top-B (:func:`capture_one_shape_hook` records it right after the sparse one, with the same forward).
 
 Hooks (registered in :mod:`sglang_sparse.plugin`): :func:`capture_hook` (AROUND ``DecodeCudaGraphRunner.capture``)
-turns the pair on when the backend offers ``sparse_graph_variant``; :func:`resolve_variant_hook` (AROUND
+turns the pair on when the backend offers ``sparse_graph_variant`` (and the third variant when it sets
+``sparse_select_graphs``); :func:`resolve_variant_hook` (AROUND
 ``_resolve_lora_variant``) maps the backend's per-batch answer to the label. The backend learns which variant
 a capture records from :func:`capture_variant`. Memory: the stock graphs add one set of graph outputs per batch
 size (SGLang's shared graph pool).
@@ -24,6 +27,7 @@ logger = logging.getLogger("sglang_sparse")
 
 SPARSE = "lora"
 DENSE = "nolora"
+SELECT = "sparse_select"
 
 
 def _backend(graph_runner):
@@ -40,15 +44,43 @@ def dual_capture(graph_runner) -> bool:
     return bool(getattr(graph_runner, "sparse_dual_graphs", False))
 
 
+def select_capture(graph_runner) -> bool:
+    """True when this runner also records a re-selecting sparse graph per batch size (loopserve)."""
+    return bool(getattr(graph_runner, "sparse_select_graphs", False))
+
+
 def capture_hook(original, graph_runner, *args, **kwargs):
-    """AROUND ``DecodeCudaGraphRunner.capture``: record the stock variant too (see the module docstring)."""
+    """AROUND ``DecodeCudaGraphRunner.capture``: record the stock variant too (see the module docstring), and the
+    re-selecting variant where the backend offers it."""
     backend = _backend(graph_runner)
     if getattr(backend, "sparse_graph_variant", None) is not None and getattr(backend, "sparse_stock_graphs", False) \
             and not _lora_served(graph_runner):
         graph_runner.record_nolora_graph = True
         graph_runner.sparse_dual_graphs = True
-        logger.info("sglang-sparse: decode CUDA graphs recorded twice per batch size (sparse path and stock)")
+        graph_runner.sparse_select_graphs = bool(getattr(backend, "sparse_select_graphs", False))
+        logger.info("sglang-sparse: decode CUDA graphs recorded %s per batch size (%s)",
+                    "three times" if select_capture(graph_runner) else "twice",
+                    "sparse steady, sparse re-selecting and stock" if select_capture(graph_runner)
+                    else "sparse path and stock")
     return original(graph_runner, *args, **kwargs)
+
+
+def capture_one_shape_hook(original, graph_runner, size, forward, stream_idx=None, variant_label=None, *args,
+                           **kwargs):
+    """AROUND ``DecodeCudaGraphRunner.capture_one_shape``: after the sparse variant of a batch size, record the
+    re-selecting one (label :data:`SELECT`) with the same forward, when the runner records it and the size is at
+    most the backend's ``sparse_select_max_bs`` (larger batches never replay it)."""
+    out = original(graph_runner, size, forward, stream_idx, variant_label, *args, **kwargs)
+    max_bs = getattr(_backend(graph_runner), "sparse_select_max_bs", None)
+    if variant_label == SPARSE and select_capture(graph_runner) and (max_bs is None or size <= max_bs):
+        from sglang.srt.model_executor.runner_utils.capture_mode import _set_capture_lora_variant
+
+        _set_capture_lora_variant(SELECT)
+        try:
+            original(graph_runner, size, forward, stream_idx, SELECT, *args, **kwargs)
+        finally:
+            _set_capture_lora_variant(variant_label)
+    return out
 
 
 def resolve_variant_hook(original, graph_runner, forward_batch, *args, **kwargs):
@@ -56,13 +88,16 @@ def resolve_variant_hook(original, graph_runner, forward_batch, *args, **kwargs)
     fn = getattr(_backend(graph_runner), "sparse_graph_variant", None)
     if fn is None or not dual_capture(graph_runner):
         return original(graph_runner, forward_batch, *args, **kwargs)
-    return DENSE if fn(forward_batch, peek=True) == "dense" else SPARSE
+    v = fn(forward_batch, peek=True)
+    if v == "select" and select_capture(graph_runner):
+        return SELECT
+    return DENSE if v == "dense" else SPARSE
 
 
 def capture_variant() -> str | None:
     """During a capture: ``"dense"`` while SGLang records the stock variant, ``"sparse"`` for the sparse one,
-    None when the runner records one variant only."""
+    ``"select"`` for the re-selecting sparse one, None when the runner records one variant only."""
     from sglang.srt.model_executor.runner_utils.capture_mode import get_capture_lora_variant
 
     label = get_capture_lora_variant()
-    return None if label is None else ("dense" if label == DENSE else "sparse")
+    return None if label is None else {DENSE: "dense", SELECT: "select"}.get(label, "sparse")

@@ -33,6 +33,8 @@ _HOOKS = (
      "sglang_sparse.graph_variants:capture_hook"),
     ("sglang.srt.model_executor.runner.decode_cuda_graph_runner.DecodeCudaGraphRunner._resolve_lora_variant", "AROUND",
      "sglang_sparse.graph_variants:resolve_variant_hook"),
+    ("sglang.srt.model_executor.runner.decode_cuda_graph_runner.DecodeCudaGraphRunner.capture_one_shape", "AROUND",
+     "sglang_sparse.graph_variants:capture_one_shape_hook"),
     ("sglang.srt.model_executor.model_runner.ModelRunner.forward", "AFTER", "sglang_sparse.api_hooks:model_forward_hook"),
     ("sglang.srt.sampling.sampling_params.SamplingParams.verify", "AFTER", "sglang_sparse.api_hooks:verify_hook"),
     ("sglang.srt.entrypoints.openai.serving_chat.OpenAIServingChat._build_chat_response", "AFTER",

@@ -132,12 +132,14 @@ def graph_server(tmp_path_factory):
 
 
 def test_gpu_loopserve_graph_replay_gives_the_eager_output(gpu_servers, graph_server):
-    """64 greedy tokens of one long request: steps 1-16, 32 and 48 select top-B (eager), the others replay a
-    captured graph; the text equals the eager server's, the steps replayed are counted, the log stays clean."""
+    """64 greedy tokens of one long request: steps 1-16, 32 and 48 select top-B and replay the re-selecting graph,
+    the others the steady one; the text equals the eager server's, the steps replayed are counted, the log stays
+    clean."""
     _, eager, _ = gpu_servers
     server, d = graph_server
     prompt = "Graph replay. " + _long_prompt()
-    before = server.server_info()["internal_states"][0]["sparse"]["stats"]["graph_decode_steps"]
+    stats = lambda: server.server_info()["internal_states"][0]["sparse"]["stats"]  # noqa: E731
+    before = stats()
     for s in (eager, server):  # no earlier request's prefix (and, loopserve, its stored lines) on either side
         flush_cache(s)
     want = chat(eager, prompt, 64, ignore_eos=True)
@@ -145,8 +147,10 @@ def test_gpu_loopserve_graph_replay_gives_the_eager_output(gpu_servers, graph_se
     assert got["metadata"]["sparse"]["sparse_decode_steps"] == want["metadata"]["sparse"]["sparse_decode_steps"] == 63
     assert got["choices"][0]["message"]["content"] == want["choices"][0]["message"]["content"], (
         got["choices"][0]["message"]["content"], want["choices"][0]["message"]["content"])
-    replayed = server.server_info()["internal_states"][0]["sparse"]["stats"]["graph_decode_steps"] - before
-    assert replayed == 63 - 18  # every steady step: not generated tokens 1-16 (initial top-B), 32, 48
+    after = stats()
+    # every step: the steady ones and the 18 re-selecting ones (generated tokens 1-16 (initial top-B), 32, 48)
+    assert after["graph_decode_steps"] - before["graph_decode_steps"] == 63
+    assert after["graph_select_steps"] - before["graph_select_steps"] == 18
     time.sleep(3)
     text = (d / "loopserve_graph.log").read_text(errors="replace").lower()
     assert "leak" not in text and "traceback" not in text

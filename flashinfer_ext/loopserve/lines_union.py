@@ -36,7 +36,9 @@ __all__ = ["lines_union", "lines_union_reference", "lines_base"]
 @triton.jit
 def _lines_union_kernel(b_ptr, b_sr, b_sl, b_sh, blens_ptr, bl_sr, bl_sl, s_ptr, s_sr, s_sl, s_sh,
                         since_ptr, seq_ptr, o_ptr, o_sl, o_sr, o_sh, lens_ptr, ln_sl, ln_sr,
-                        rows, num_kv_heads, wa, ws, wout, depth, BLOCK: tl.constexpr):
+                        e_ptr, e_sr, e_sl, e_sh, sl_ptr, sl_sr, sl_sl,
+                        rows, num_kv_heads, wa, ws, we, wout, depth, s_depth, BLOCK: tl.constexpr,
+                        HAS_EXTRA: tl.constexpr, ZERO_FILL: tl.constexpr):
     pid = tl.program_id(0)
     h = pid % num_kv_heads
     rl = pid // num_kv_heads
@@ -51,16 +53,35 @@ def _lines_union_kernel(b_ptr, b_sr, b_sl, b_sh, blens_ptr, bl_sr, bl_sl, s_ptr,
     since = tl.load(since_ptr + r).to(tl.int32)
     seq = tl.load(seq_ptr + r).to(tl.int32)
     pos = seq - 1  # the decode step's own position
-    # phase 1: the base, zeros after it
-    for c0 in range(0, wout, BLOCK):
-        i = c0 + tl.arange(0, BLOCK)
-        tl.store(out + i, tl.load(base + i, mask=i < ls, other=0), mask=i < wout)
+    # phase 1: the base (ZERO_FILL: zeros after it, up to wout)
+    if ZERO_FILL:
+        for c0 in range(0, wout, BLOCK):
+            i = c0 + tl.arange(0, BLOCK)
+            tl.store(out + i, tl.load(base + i, mask=i < ls, other=0), mask=i < wout)
+    else:
+        for c0 in range(0, ls, BLOCK):
+            i = c0 + tl.arange(0, BLOCK)
+            tl.store(out + i, tl.load(base + i, mask=i < ls, other=0), mask=i < ls)
     tl.debug_barrier()
     n = ls
+    n_s = ws
+    if HAS_EXTRA:
+        n_s = tl.load(sl_ptr + r64 * sl_sr + l64 * sl_sl + h)
+        # phase 1b: the extra positions (a new top-B) below since that are neither in the base nor slash keys
+        # (pos - t among the ascending offsets); those from since on are the tail's
+        e_row = e_ptr + r64 * e_sr + l64 * e_sl + h * e_sh
+        for c0 in range(0, we, BLOCK):
+            i = c0 + tl.arange(0, BLOCK)
+            t = tl.load(e_row + i, mask=i < we, other=-1)
+            valid = (t >= 0) & (t < since) & (t < seq)
+            keep = valid & ~in_sorted(base, t, ls, depth, BLOCK) & ~in_sorted(offs_row, pos - t, n_s, s_depth, BLOCK)
+            k = keep.to(tl.int32)
+            tl.store(out + n + tl.cumsum(k, 0) - k, t, mask=keep)
+            n += tl.sum(k, 0)
     # phase 2: slash keys pos - s below since (keys from since on are the tail's) that the base lacks
-    for c0 in range(0, ws, BLOCK):
+    for c0 in range(0, n_s, BLOCK):
         i = c0 + tl.arange(0, BLOCK)
-        s = tl.load(offs_row + i, mask=i < ws, other=-1)
+        s = tl.load(offs_row + i, mask=i < n_s, other=-1)
         t = pos - s
         valid = (s >= 0) & (t >= 0) & (t < since) & (t < seq)
         keep = valid & ~in_sorted(base, t, ls, depth, BLOCK)
@@ -90,20 +111,39 @@ def _check(base, base_lens, s_idx, since, seq_lens):
 
 def lines_union(base: torch.Tensor, base_lens: torch.Tensor, s_idx: torch.Tensor, since: torch.Tensor,
                 seq_lens: torch.Tensor, *, max_since: int, out: torch.Tensor | None = None,
-                lens_out: torch.Tensor | None = None, block: int = 256) -> tuple[torch.Tensor, torch.Tensor]:
+                lens_out: torch.Tensor | None = None, block: int = 256, extra: torch.Tensor | None = None,
+                s_lens: torch.Tensor | None = None, zero_fill: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """Every layer's decode lists of a step without re-selection (module docstring): ``(lists [L, R, Hk, W] int32,
     lens [L, R, Hk] int32)``, ``W = Wa + Ws + max_since``. ``out`` / ``lens_out``: preallocated outputs (``out``
-    ``[L, R, Hk, >= W]`` with a contiguous last dim; the first ``W`` columns are written). One launch."""
+    ``[L, R, Hk, >= W]`` with a contiguous last dim; the first ``W`` columns are written). One launch.
+
+    A re-selection step adds its new top-B: ``extra [R, L, Hk, We]`` int32 (``-1`` padded, distinct per list) with
+    ``s_lens [R, L, Hk]`` int32, the number of offsets in each ``s_idx`` row (which must then be ascending in
+    those first entries): each extra position below ``since`` that is neither in the base nor a slash key goes
+    after the base (those from ``since`` on are the tail's), so the list is the union with no position twice;
+    ``W`` grows by ``We``. The offset loop then runs to ``s_lens``, not to ``Ws``.
+
+    ``zero_fill`` False: nothing is written after each list's ``lens`` entries (the consumers read ``lens``), and
+    with ``out`` given its width is the caller's bound on every list's length (a CUDA graph's static width,
+    at least the longest context), not ``W``."""
     _check(base, base_lens, s_idx, since, seq_lens)
     r, n_l, hk, wa = base.shape
     ws = s_idx.shape[3]
-    w = wa + ws + max(int(max_since), 0)
+    we = 0 if extra is None else extra.shape[3]
+    w = wa + ws + we + max(int(max_since), 0)
     dev = base.device
+    if extra is not None and (tuple(extra.shape[:3]) != (r, n_l, hk) or extra.dtype != torch.int32
+                              or s_lens is None or tuple(s_lens.shape) != (r, n_l, hk)
+                              or s_lens.dtype != torch.int32 or extra.stride(3) != 1 or s_lens.stride(2) != 1):
+        raise ValueError(f"extra must be [{r}, {n_l}, {hk}, We] int32 (last dim contiguous) with s_lens "
+                         f"[{r}, {n_l}, {hk}] int32")
     if out is None:
         out = torch.empty(n_l, r, hk, w, dtype=torch.int32, device=dev)
-    elif out.dtype != torch.int32 or tuple(out.shape[:3]) != (n_l, r, hk) or out.shape[3] < w or out.stride(3) != 1:
+    elif out.dtype != torch.int32 or tuple(out.shape[:3]) != (n_l, r, hk) or out.stride(3) != 1 or (
+            zero_fill and out.shape[3] < w):
         raise ValueError(f"out must be [{n_l}, {r}, {hk}, >= {w}] int32 with a contiguous last dim")
-    out = out[..., :w]
+    if zero_fill or out.shape[3] > w:
+        out = out[..., :w]
     if lens_out is None:
         lens_out = torch.empty(n_l, r, hk, dtype=torch.int32, device=dev)
     elif lens_out.dtype != torch.int32 or tuple(lens_out.shape) != (n_l, r, hk) or lens_out.stride(2) != 1:
@@ -112,22 +152,27 @@ def lines_union(base: torch.Tensor, base_lens: torch.Tensor, s_idx: torch.Tensor
         return out, lens_out
     assert base.stride(3) == 1 and s_idx.stride(3) == 1 and base_lens.stride(2) == 1
     assert since.is_contiguous() and seq_lens.is_contiguous()
+    e, sl = (extra, s_lens) if extra is not None else (base, base_lens)  # placeholders when HAS_EXTRA is off
     _lines_union_kernel[(n_l * r * hk,)](
         base, base.stride(0), base.stride(1), base.stride(2), base_lens, base_lens.stride(0), base_lens.stride(1),
         s_idx, s_idx.stride(0), s_idx.stride(1), s_idx.stride(2),
         since, seq_lens,
         out, out.stride(0), out.stride(1), out.stride(2), lens_out, lens_out.stride(0), lens_out.stride(1),
-        r, hk, wa, ws, w, max(wa, 1).bit_length(), BLOCK=block)
+        e, e.stride(0), e.stride(1), e.stride(2), sl, sl.stride(0), sl.stride(1),
+        r, hk, wa, ws, we, out.shape[3], max(wa, 1).bit_length(), max(ws, 1).bit_length(), BLOCK=block,
+        HAS_EXTRA=extra is not None, ZERO_FILL=zero_fill)
     return out, lens_out
 
 
 def lines_union_reference(base: torch.Tensor, base_lens: torch.Tensor, s_idx: torch.Tensor, since: torch.Tensor,
-                          seq_lens: torch.Tensor, *,
-                          max_since: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Pure-torch reference of :func:`lines_union` (same layout and order), a loop over (row, layer, head)."""
+                          seq_lens: torch.Tensor, *, max_since: int,
+                          extra: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pure-torch reference of :func:`lines_union` (same layout and order; zeros after ``lens``), a loop over
+    (row, layer, head)."""
     _check(base, base_lens, s_idx, since, seq_lens)
     r, n_l, hk, wa = base.shape
-    w = wa + s_idx.shape[3] + max(int(max_since), 0)
+    we = 0 if extra is None else extra.shape[3]
+    w = wa + s_idx.shape[3] + we + max(int(max_since), 0)
     out = torch.zeros(n_l, r, hk, w, dtype=torch.int32)
     lens = torch.zeros(n_l, r, hk, dtype=torch.int32)
     for j in range(r):
@@ -137,9 +182,12 @@ def lines_union_reference(base: torch.Tensor, base_lens: torch.Tensor, s_idx: to
             for h in range(hk):
                 b = base[j, layer, h, : int(base_lens[j, layer, h])].cpu()
                 have = set(b.tolist())
-                slash = [p - s for s in s_idx[j, layer, h].tolist() if s >= 0 and 0 <= p - s < min(lo, n)]
+                offs = [s for s in s_idx[j, layer, h].tolist() if s >= 0]
+                slash = [p - s for s in offs if 0 <= p - s < min(lo, n)]
                 tail = list(range(lo, n))
-                new = [t for t in slash + tail if t not in have]
+                top = [] if extra is None else [t for t in extra[j, layer, h].tolist()
+                                                if 0 <= t < min(lo, n) and p - t not in offs]
+                new = [t for t in top + slash + tail if t not in have]
                 got = b.tolist() + new
                 out[layer, j, h, : len(got)] = torch.tensor(got, dtype=torch.int32)
                 lens[layer, j, h] = len(got)

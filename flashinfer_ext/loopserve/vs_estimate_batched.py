@@ -24,7 +24,8 @@ the keys) + ``_lse_merge_kernel``, three launches. The per-row LSE and per-block
 
 Cautions:
   * row positions must be ``< seq_lens`` of their request and distinct; not checked (no host sync).
-  * ``max_len`` (host int) sizes the output and the grid; it must be ``>= max(seq_lens)``;
+  * ``max_len`` (host int) sizes the output and the grid; it must be ``>= max(seq_lens)``; key blocks past a
+    request's ``seq_lens`` only write zeros (a padded ``max_len`` costs launches, not key loads);
     ``max_qo_len`` (host int, optional) bounds the rows of one request (default: all rows, which
     launches idle programs).
   * a row block's key loop runs to the largest position in the block: rows sorted by position per
@@ -98,11 +99,14 @@ def _batched_vsum_kernel(q_ptr, stride_qr, stride_qh, pos_ptr, indptr_ptr, k_ptr
         lse = tl.load(lse_ptr + (h * GROUP + g) * stride_lh + start + r, mask=rvalid, other=float("inf"))
         for kb in range(0, key_blocks):
             kp = n_lo + kb * BLOCK_N + tl.arange(0, BLOCK_N)
-            kvalid = kp < seq_len  # a key block past the request's end only writes zeros
-            slot = tl.load(slots_ptr + kp, mask=kvalid, other=0).to(tl.int64)
-            v = _block_vsum(q, pos, rvalid, lse, k_ptr, stride_ks, stride_kh, h, slot, kp, kvalid, sm_scale_log2,
-                            HEAD_DIM, D_PAD, DOT_FP32)
-            tl.store(o_ptr + kp, v, mask=kp < max_len)
+            kvalid = kp < seq_len
+            if n_lo + kb * BLOCK_N < seq_len:
+                slot = tl.load(slots_ptr + kp, mask=kvalid, other=0).to(tl.int64)
+                v = _block_vsum(q, pos, rvalid, lse, k_ptr, stride_ks, stride_kh, h, slot, kp, kvalid,
+                                sm_scale_log2, HEAD_DIM, D_PAD, DOT_FP32)
+                tl.store(o_ptr + kp, v, mask=kp < max_len)
+            else:  # a key block past the request's end (a padded width) only writes zeros, no key loads
+                tl.store(o_ptr + kp, tl.zeros([BLOCK_N], tl.float32), mask=kp < max_len)
     else:
         for kb in range(0, key_blocks):
             n0 = n_lo + kb * BLOCK_N
@@ -134,7 +138,8 @@ def vertical_sums_batched(q_rows: torch.Tensor, q_pos: torch.Tensor, q_req: torc
                           qo_indptr: torch.Tensor | None = None, max_qo_len: int | None = None,
                           lse_buf: torch.Tensor | None = None, block_r: int = 16, block_n: int = 64,
                           num_splits: int = 1, lse_part_buf: torch.Tensor | None = None,
-                          key_blocks: int | None = None, target_programs: int | None = None) -> torch.Tensor:
+                          key_blocks: int | None = None, target_programs: int | None = None,
+                          split_len: int | None = None) -> torch.Tensor:
     """Per-request, per-KV-head vertical sums of the rows' causal softmax attention (module docstring).
 
     Args:
@@ -155,6 +160,10 @@ def vertical_sums_batched(q_rows: torch.Tensor, q_pos: torch.Tensor, q_req: torc
         merges them (one more launch; :func:`lse_splits` picks it); 1 = one program walks all keys.
       lse_part_buf: optional preallocated ``[2, >= num_splits, num_qo_heads, >= R_total]`` fp32 scratch of
         the spans' running maxima / sums (``num_splits > 1`` only).
+      split_len: host int, a multiple of ``block_n`` (overrides ``num_splits``): the LSE pass always walks
+        the keys in spans of exactly this many keys (``cdiv(max_len, split_len)`` spans, then the merge). The
+        rows' LSE then does not depend on ``max_len``: spans past a request's keys add exactly nothing, so a
+        call padded to a longer ``max_len`` (a CUDA graph's static width) gives the same bits.
       key_blocks: host int >= 1: consecutive ``block_n``-key blocks per program of the sums pass (default
         :func:`vsum_key_blocks` of ``target_programs``, host ints; default
         :func:`~flashinfer_ext.loopserve.vs_estimate.target_programs_of` the device: about 2 x the SM count).
@@ -192,9 +201,13 @@ def vertical_sums_batched(q_rows: torch.Tensor, q_pos: torch.Tensor, q_req: torc
     row_blocks = triton.cdiv(rows, meta["BLOCK_R"])
     if num_splits < 1:
         raise ValueError(f"num_splits={num_splits} is out of range: expected an integer >= 1")
-    split_len = triton.cdiv(triton.cdiv(max_len, num_splits), block_n) * block_n
+    fixed = split_len is not None
+    if fixed and (split_len < block_n or split_len % block_n):
+        raise ValueError(f"split_len={split_len} is out of range: expected a positive multiple of block_n={block_n}")
+    if not fixed:
+        split_len = triton.cdiv(triton.cdiv(max_len, num_splits), block_n) * block_n
     num_splits = triton.cdiv(max_len, split_len)  # spans of whole key blocks; never an empty one
-    if num_splits == 1:
+    if num_splits == 1 and not fixed:
         _batched_lse_kernel[(n_req, hk, row_blocks)](
             q_rows, q_rows.stride(0), q_rows.stride(1), q_pos, qo_indptr, k_buffer, k_buffer.stride(0),
             k_buffer.stride(1), req_to_token, req_to_token.stride(0), req_pool_indices, lse, lse.stride(0), scale,

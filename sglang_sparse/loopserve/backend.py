@@ -61,7 +61,8 @@ class LoopServeMixin:
 
     def sparse_graph_variant(self, forward_batch, peek: bool = False) -> str | None:
         """``can_run_graph`` gate (``api_hooks.graph_gate_hook``, :mod:`sglang_sparse.graph_variants`):
-        ``"sparse"`` for steady steps, ``"dense"`` for batches without a sparse row, None: eager."""
+        ``"sparse"`` for steady steps, ``"select"`` for re-selecting steps that fit the re-selecting graphs,
+        ``"dense"`` for batches without a sparse row, None: eager."""
         return None if self._ls_graphs is None else self._ls_graphs.graph_variant(forward_batch, peek)
 
     def forward_extend(self, q, k, v, layer, forward_batch, *args, **kwargs):
@@ -186,7 +187,11 @@ def install(backend, config: LoopServeConfig, page_size: int, enable_metrics: bo
     if graphs_on:  # steady decode steps replay SGLang's decode graphs (sglang_sparse.loopserve.graph)
         from sglang_sparse.loopserve.graph import LoopServeGraphs
 
-        backend._ls_graphs = LoopServeGraphs(backend._ls_runner, stats=stats, max_bs=config.graph_max_bs)
+        backend._ls_graphs = LoopServeGraphs(backend._ls_runner, stats=stats, max_bs=config.graph_max_bs,
+                                             select_rows=getattr(config, "select_graph_rows", 0))
+    # re-selecting decode steps replay a third graph variant (sglang_sparse.graph_variants.capture_one_shape_hook)
+    backend.sparse_select_graphs = backend._ls_graphs is not None and backend._ls_graphs.select_rows > 0
+    backend.sparse_select_max_bs = int(config.graph_max_bs)
     backend.sparse_stats = stats
     backend.sparse_stock_graphs = bool(config.stock_graphs)  # sglang_sparse.graph_variants
     backend.sparse_installed_mode = mode

@@ -46,8 +46,9 @@ logger = logging.getLogger("sglang_sparse")
 class LoopServeGraphs:
     """Static buffers and planning of the graph-replayed decode steps of one :class:`LoopServeRunner`."""
 
-    def __init__(self, runner, list_width: int | None = None, stats=None, max_bs: int = 16):
-        """``list_width`` defaults to the runner's ``split_width`` (the config's ``graph_list_width``)."""
+    def __init__(self, runner, list_width: int | None = None, stats=None, max_bs: int = 16, select_rows: int = 0):
+        """``list_width`` defaults to the runner's ``split_width`` (the config's ``graph_list_width``);
+        ``select_rows`` > 0 (loopserve): re-selecting steps with up to this many selecting rows replay graphs too."""
         list_width = runner.split_width if list_width is None else list_width
         if list_width < 1:
             raise ValueError(f"graph_list_width={list_width} must be >= 1 to replay decode graphs")
@@ -61,7 +62,10 @@ class LoopServeGraphs:
         self._dicts: dict[int, dict] = {}  # per captured batch size: the decode dict the graph recorded
         self._pending = None               # (forward batch, reqs, lens, variant) kept for plan()
         self._decided = (None, None)       # (forward batch, variant) of the last graph_variant answer
+        self.select_rows = 0 if runner.lastwindow else int(select_rows)
+        self._select: dict[int, dict] = {}  # per captured batch size: the re-selecting decode dict it recorded
         self.replays = 0                   # steps planned for a graph replay (statistics, tests)
+        self.select_replays = 0            # of which re-selecting steps
         self.dense_replays = 0             # steps that replayed the stock graph (no sparse row)
 
     # ------------------------------------------------------------------ host test (can_run_graph)
@@ -109,9 +113,55 @@ class LoopServeGraphs:
         self._decided = (forward_batch, v)
         return v
 
+    def wants_select(self, forward_batch) -> bool:
+        """True when the batch is a re-selecting step that a captured re-selecting graph takes: every row a sparse
+        decode row, at most the graph's ``f_cap`` rows selecting, each observing exactly ``n_d`` queries with a
+        budget <= the graph's top-B width, every context <= the static list width, every kept top-B <= that
+        width. Keeps the batch for :meth:`plan`. Host ints only (a request's first decode step compacts its
+        prefill lines here, one host read, as its eager planning would)."""
+        from sglang_sparse.loopserve.runner import STATE_ATTR
+
+        self._pending = None
+        if not self._select:
+            return False
+        r = self.runner
+        bs = int(forward_batch.batch_size)
+        reqs = batch_requests(forward_batch)
+        lens = forward_batch.seq_lens_cpu
+        if not forward_batch.forward_mode.is_decode() or bs == 0 or reqs is None or len(reqs) != bs or lens is None:
+            return False
+        sizes = [k for k in self._select if k >= bs]
+        if not sizes:
+            return False
+        needs_init = getattr(forward_batch, "needs_forward_metadata_init", None)
+        if needs_init is not None and not needs_init():
+            return False
+        sel = self._select[min(sizes)]["sel"]
+        lens = host_ints(lens, bs)
+        n_fire = 0
+        for req, n in zip(reqs, lens):
+            st = getattr(req, STATE_ATTR, None)
+            if st is None or not st.prefill_done or n > self.width:
+                return False
+            st.finalize()
+            if st.lines is None:
+                return False
+            if r.row_fires(st, n)[1]:
+                n_fire += 1
+                if st.budget > sel["width"] or st.ring_lo > n - r.cfg.n_d:  # n_d observation rows: ring + current
+                    return False
+            elif st.topb is not None and st.topb.shape[2] > sel["width"]:
+                return False
+        if not 0 < n_fire <= sel["f_cap"]:
+            return False
+        self._pending = (forward_batch, reqs, lens, "select")
+        return True
+
     def _decide(self, forward_batch) -> str | None:
         if self.wants_graph(forward_batch):
             return "sparse"
+        if self.wants_select(forward_batch):
+            return "select"
         from sglang_sparse.loopserve.runner import STATE_ATTR
 
         bs = int(forward_batch.batch_size)
@@ -138,7 +188,7 @@ class LoopServeGraphs:
             self._capture(backend, view, bs)
             return
         pending, self._pending = self._pending, None
-        d = self._dicts.get(bs)
+        d = (self._select if pending is not None and pending[3] == "select" else self._dicts).get(bs)
         if pending is None or (d is None and pending[3] != "dense"):
             raise RuntimeError(f"sglang-sparse loopserve: a decode graph of batch size {bs} is replayed without "
                                "a batch planned by wants_graph (can_run_graph hook not applied?)")
@@ -155,6 +205,9 @@ class LoopServeGraphs:
             self.dense_replays += 1
             if self.stats is not None:
                 self.stats.dense_graph_steps += 1
+            return
+        if variant == "select":
+            self._plan_select(backend, d, fb, reqs, raw, bs)
             return
         r.planning_for_graph = True
         try:
@@ -182,11 +235,47 @@ class LoopServeGraphs:
         if self.stats is not None:
             self.stats.graph_decode_steps += 1
 
+    def _plan_select(self, backend, d, fb, reqs, raw: int, bs: int) -> None:
+        """A re-selecting step replayed from the graph of batch size ``bs``: the eager planning written into the
+        captured buffers (selection inputs, the rows' bases and offsets, statistics)."""
+        r = self.runner
+        r.planning_for_graph, r.select_into = True, d
+        try:
+            r.begin_batch(backend, fb)
+        finally:
+            r.planning_for_graph, r.select_into = False, None
+        e = r.dec
+        if e is None or e["sel"] is None or "lists_all" in e or len(e["rows"]) != raw:
+            raise RuntimeError("sglang-sparse loopserve: a re-selecting graph step planned as another kind of step")
+        if "sel_bases" not in e:
+            raise RuntimeError("sglang-sparse loopserve: a re-selecting graph step planned without its bases")
+        # padding rows read nothing: no base, no offsets, no tail (since past any length), top-B -1
+        self.lens_buf[:, raw:bs].zero_()
+        self.s_lens_buf[raw:bs].zero_()
+        self.since_buf[:raw].copy_(e["since"])
+        self.since_buf[raw:bs].fill_(1 << 30)
+        d["vs"].seq_lens[:raw].copy_(e["seq32"])
+        d["step_rows"][:raw].copy_(r.step_rows[:raw])  # the graph adds each layer's tokens read to these rows
+        d["step_rows"][raw:bs].zero_()
+        r.step_rows = d["step_rows"]
+        if r._pending_ring is not None:
+            r._pending_ring = (self.q_buf[:, :raw], r._pending_ring[1])
+        r.dec = {**e, **{k: d[k] for k in _SELECT_STATIC_KEYS}}
+        r.dec["vs"] = dataclasses.replace(d["vs"], max_len=e["max_len"])
+        if r.ws is not None:
+            r.ws.plan([getattr(q, "rid", None) for q in reqs], pad_to=bs)
+        self.replays += 1
+        self.select_replays += 1
+        if self.stats is not None:
+            self.stats.graph_decode_steps += 1
+            self.stats.graph_select_steps += 1
+
     def _capture(self, backend, view, bs: int) -> None:
         r, sh = self.runner, self.runner.shape
         from sglang_sparse.graph_variants import capture_variant
 
-        if bs > self.bs_cap or capture_variant() == "dense":
+        variant = capture_variant()
+        if bs > self.bs_cap or variant == "dense" or (variant == "select" and not self.select_rows):
             # the stock decode is recorded: SGLang's stock variant, or a size wants_graph never picks (> max_bs)
             r._commit_ring()
             r.ext_rows, r.dec, r.bs, r.is_decode, r.step_rows, r.dense_rows = [], None, bs, True, None, None
@@ -205,12 +294,31 @@ class LoopServeGraphs:
                  lists_all=(self.lists_buf[:, :bs], self.lens_buf[:, :bs]),
                  q_buf=None if r.lastwindow else self.q_buf[:, :bs], rpi=vs.req_pool_indices,
                  seq32=vs.seq_lens, vs=vs, split=vs.split)
-        self._dicts[bs] = d
+        step_rows = torch.zeros(bs, STEP_COLS, dtype=torch.float32, device=r.device)
+        if variant == "select":  # a re-selecting step: the selection's and the lists' static buffers too
+            from sglang_sparse.loopserve.select import selection_buffers
+
+            del d["lists_all"]
+            d["fire"] = [True] * bs
+            d.update(sel=selection_buffers(r, min(bs, self.select_rows), self.width, self.topb_buf.shape[3],
+                                           trash_row=self.max_bs, dtype=self.q_buf.dtype),
+                     topb_rows=self.topb_buf, topb=self.topb_buf[:bs],
+                     # the rows' bases live in the steady lists' buffers (row-major views; the two never run at once)
+                     sel_bases=(self.lists_buf.permute(1, 0, 2, 3)[:bs], self.lens_buf.permute(1, 0, 2)[:bs],
+                                self.s_idx_buf[:bs], self.s_lens_buf[:bs]),
+                     since=self.since_buf[:bs], max_since=0, union_buf=self.union_buf[:bs],
+                     union_lens_buf=self.union_lens_buf[:bs], step_rows=step_rows)
+            self.s_lens_buf[:bs].zero_()
+            self.since_buf[:bs].fill_(1 << 30)
+            self.topb_buf.fill_(-1)
+            self._select[bs] = d
+        else:
+            self._dicts[bs] = d
         r._commit_ring()
         r.ext_rows, r.dec, r.bs, r.is_decode = [], d, bs, True
         if r.ws is not None:  # the captured forward records into the tracker's trash row
             r.ws.plan([None] * bs, pad_to=bs)
-        r.step_rows, r.dense_rows = torch.zeros(bs, STEP_COLS, dtype=torch.float32, device=r.device), None
+        r.step_rows, r.dense_rows = step_rows, None
 
     def _allocate(self, backend, max_bs: int) -> None:
         r, sh, dev = self.runner, self.runner.shape, self.runner.device
@@ -222,15 +330,27 @@ class LoopServeGraphs:
         kv_dtype = backend.token_to_kv_pool.get_key_buffer(0).dtype
         self.q_buf = None if r.lastwindow else torch.zeros(sh.num_layers, max_bs, sh.num_qo_heads, sh.head_dim,
                                                             dtype=kv_dtype, device=dev)
+        if self.select_rows:  # re-selecting steps: the kept top-B (one trash row) and the per-layer union
+            topb_w = min(r.cfg.budget, self.width)
+            self.topb_buf = torch.full((max_bs + 1, sh.num_layers, sh.num_kv_heads, topb_w), -1, **i32)
+            self.union_buf = torch.zeros(max_bs, sh.num_kv_heads, self.width + topb_w, **i32)
+            self.union_lens_buf = torch.zeros(max_bs, sh.num_kv_heads, **i32)
+            self.s_idx_buf = torch.full((max_bs, sh.num_layers, sh.num_kv_heads, self.width), -1, **i32)
+            self.s_lens_buf = torch.zeros(max_bs, sh.num_layers, sh.num_kv_heads, **i32)
+            self.since_buf = torch.zeros(max_bs, dtype=torch.int64, device=dev)
         # the decode wrapper's fixed buffers (lengths, side outputs, split partials) for every captured size
         self.vsd = VerticalSlashDecode(sh.num_qo_heads, sh.num_kv_heads, sh.head_dim, dev, use_kernels=r.use_kernels,
                                        list_width=self.width, max_batch=max_bs, target_programs=r.target_programs)
         nbytes = sum(t.numel() * t.element_size() for t in (self.lists_buf, self.lens_buf, self.vsd._partial_o_buf,
                                                              self.vsd._partial_lse_buf)
-                     + ((self.q_buf,) if self.q_buf is not None else ()))
+                     + ((self.q_buf,) if self.q_buf is not None else ())
+                     + ((self.topb_buf, self.union_buf, self.s_idx_buf) if self.select_rows else ()))
         logger.info("sglang-sparse %s: decode graph buffers for batch <= %d, list width %d: %.1f MiB",
                     r.cfg.mode, max_bs, self.width, nbytes / 2**20)
 
 
 # what a replayed step takes from the captured dict: the tensors (and the split plan) the graph recorded
 _STATIC_KEYS = ("lists_all", "q_buf", "rpi", "seq32", "vs", "split", "all_rows")
+# ... and a replayed re-selecting step: the selection, top-B, candidate and union buffers, the statistics rows
+_SELECT_STATIC_KEYS = ("sel", "topb", "topb_rows", "sel_bases", "since", "max_since", "union_buf", "union_lens_buf",
+                       "q_buf", "rpi", "seq32", "vs", "split", "all_rows", "rows_dev")

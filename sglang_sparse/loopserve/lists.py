@@ -132,3 +132,59 @@ def merge_all_layers(d):
     lists, lens = decode_union_merge(static.view(n_l * n_s, *static.shape[2:]), by_layer(d["topb"]),
                                      d["seq"].repeat(n_l))
     return lists.view(n_l, n_s, *lists.shape[1:]), lens.view(n_l, n_s, lens.shape[1])
+
+
+
+def request_base0(st, sink_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A request's base without its top-B ``(base0 [L, Hk, Wa] int32, lens [L, Hk] int32)``: its verticals ∪ sink,
+    sorted; the base of a row that re-selects (its old top-B is replaced). Built once (its lines never change)."""
+    if st.base0 is None:
+        from flashinfer_ext.loopserve.lines_union import lines_base
+
+        st.base0 = lines_base(st.lines[0], None, sink_tokens)
+    return st.base0
+
+
+def select_bases(states, fire, sink_tokens: int, out: tuple | None = None) -> tuple:
+    """The padded inputs of a re-selecting step's per-layer :func:`~flashinfer_ext.loopserve.lines_union.lines_union`
+    (with the new top-B as its ``extra``): ``(base [nS, L, Hk, Wa], base_lens [nS, L, Hk], s_idx [nS, L, Hk, Ws],
+    s_lens [nS, L, Hk])`` int32, a re-selecting row's base without its old top-B (:func:`request_base0`), every
+    other row's with it (:func:`request_base`). ``out``: a CUDA graph's static ``(base, base_lens, s_idx, s_lens)``
+    ``[max_bs, L, Hk, >= width]`` written instead (rows ``nS..`` untouched; a base is copied up to the static
+    width, which bounds its length: the graph's gate checks every context against it)."""
+    bases = [request_base0(st, sink_tokens) if f else request_base(st, sink_tokens) for st, f in zip(states, fire)]
+    n_s = len(states)
+    if out is None:
+        n_l, hk = bases[0][0].shape[:2]
+        dev = bases[0][0].device
+        wa = max(1, max(b.shape[2] for b, _ in bases))
+        ws = max(1, max(st.lines[2].shape[2] for st in states))
+        out = (torch.zeros(n_s, n_l, hk, wa, dtype=torch.int32, device=dev),
+               torch.empty(n_s, n_l, hk, dtype=torch.int32, device=dev),
+               torch.full((n_s, n_l, hk, ws), -1, dtype=torch.int32, device=dev),
+               torch.empty(n_s, n_l, hk, dtype=torch.int32, device=dev))
+    else:
+        out[2][:n_s].fill_(-1)
+    base, base_lens, s_idx, s_lens = out
+    w_base, w_s = base.shape[3], s_idx.shape[3]
+    for j, ((b, _), st) in enumerate(zip(bases, states)):
+        w = min(b.shape[2], w_base)
+        base[j, :, :, :w] = b[..., :w]
+        s_idx[j, :, :, : st.lines[2].shape[2]] = st.lines[2]
+    base_lens[:n_s] = torch.stack([ln for _, ln in bases])
+    s_lens[:n_s] = torch.stack([st.lines[3] for st in states]).to(torch.int32)
+    return tuple(t[:n_s] for t in out)
+
+
+def select_lists(d, lid: int):
+    """One layer's lists of a re-selecting step planned by :func:`select_bases`: its bases, slash keys and tail
+    with the layer's new top-B (``d["topb"][:, lid]``, ``-1`` for rows that keep theirs) in one launch, no sort;
+    ``([nS, Hk, W], [nS, Hk])`` int32 (nothing after ``lens``), into the step's union buffers."""
+    from flashinfer_ext.loopserve.lines_union import lines_union
+
+    base, base_lens, s_idx, s_lens = d["sel_bases"]
+    ly = slice(lid, lid + 1)
+    lists, lens = lines_union(base[:, ly], base_lens[:, ly], s_idx[:, ly], d["since"], d["seq32"],
+                              max_since=d["max_since"], extra=d["topb"][:, ly], s_lens=s_lens[:, ly],
+                              out=d["union_buf"][None], lens_out=d["union_lens_buf"][None], zero_fill=False)
+    return lists[0], lens[0]

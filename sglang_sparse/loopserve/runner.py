@@ -77,12 +77,12 @@ import torch
 
 from flashinfer_ext.loopserve.decode import VerticalSlashDecode
 from flashinfer_ext.loopserve.vs_estimate import sample_query_rows, target_programs_of
-from flashinfer_ext.loopserve.vs_estimate_batched import MIN_SPLIT_KEYS
 from flashinfer_ext.loopserve.vs_select import VSSelectConfig, VSSelectPlan, _compact, vs_select, vs_select_plan
 from sglang_sparse.config import LoopServeConfig
 from sglang_sparse.loopserve.lists import (LISTS_ALL_MAX_ENTRIES, BaseRows, merge_all_layers, plan_union_append,
+                                           select_bases, select_lists,
                                            static_all_layers, steady_lists, steady_width, union_lists)
-from sglang_sparse.loopserve.select import h2d as _h2d, plan_selection, reselect
+from sglang_sparse.loopserve.select import SELECT_SPLIT_KEYS, h2d as _h2d, plan_selection, reselect
 from sglang_sparse.loopserve.stats import (
     COL_ALPHA, COL_COV, COL_KIND, COL_LTOT, COL_READ, COL_RESEL, COL_REUSED, COL_S, COL_TTOT, COL_UNITS, COL_V,
     KIND_DECODE, KIND_DENSE, KIND_LASTWINDOW, KIND_PREFILL, STEP_COLS,
@@ -134,6 +134,7 @@ class ReqState:
     uid: int = 0                    # unique within the runner (loopserve.lists.BaseRows keys)
     base: tuple | None = None       # (base [L, Hk, Wa], lens [L, Hk]): lines U top-B U sink, sorted (steady steps)
     base_version: int = 0           # bumped when top-B changes (the base is then rebuilt)
+    base0: tuple | None = None      # (base0 [L, Hk, Wa], lens [L, Hk]): lines U sink, sorted (re-selecting steps)
 
     def finalize(self) -> None:
         """Compact the prefill masks into index lists (one host read of the counts)."""
@@ -156,9 +157,13 @@ def _compact_3d(mask: torch.Tensor):
     return torch.where(idx >= n, -1, idx).contiguous(), cnt
 
 
-def _pad(ts, width: int, sh, dev) -> torch.Tensor:
-    """Per-row ``[L, Hk, w]`` int32 tensors (None: none) -> ``[rows, L, Hk, max(width, 1)]``, ``-1`` padded."""
-    out = torch.full((len(ts), sh.num_layers, sh.num_kv_heads, max(width, 1)), -1, dtype=torch.int32, device=dev)
+def _pad(ts, width: int, sh, dev, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Per-row ``[L, Hk, w]`` int32 tensors (None: none) -> ``[rows, L, Hk, max(width, 1)]``, ``-1`` padded
+    (``out``: a static ``[>= rows, L, Hk, >= width]`` buffer written instead, every row of it reset)."""
+    if out is None:
+        out = torch.full((len(ts), sh.num_layers, sh.num_kv_heads, max(width, 1)), -1, dtype=torch.int32, device=dev)
+    else:
+        out.fill_(-1)
     for j, t in enumerate(ts):
         if t is not None and t.shape[2]:
             out[j, :, :, : t.shape[2]] = t
@@ -209,6 +214,7 @@ class LoopServeRunner:
         # queries; one top-B selection at the first decode step; no lines, no re-selection
         self.lastwindow = cfg.mode == "lastwindow"
         self.planning_for_graph = False  # set by loopserve.graph while it plans a replayed step
+        self.select_into = None  # loopserve.graph: the captured buffers a replayed re-selecting step is planned into
         self.ws = None  # loopserve.ws.LoopServeWorkingSet: decode steps record what they read (host tier admission)
         # lists are split as if graph_list_width wide, graphs on or off: eager and graph-replayed steps (and
         # servers with and without graphs) cut the same lists into the same spans, so their outputs agree bit
@@ -219,7 +225,8 @@ class LoopServeRunner:
         # split-list decode (flashinfer_ext.common.split_decode): aim at about two waves of programs per layer
         self.target_programs = target_programs_of(device)
         self._acc_cols = torch.tensor([COL_V, COL_S, COL_COV], device=device)  # the per-layer prefill statistics
-        self.lse_min_split_keys = MIN_SPLIT_KEYS  # re-selection's LSE pass: shortest key span (lse_splits)
+        # re-selection's LSE pass: key span (fixed, so eager and graph-replayed steps compute the same bits)
+        self.lse_split_keys = SELECT_SPLIT_KEYS
         # the decode over the step's token lists: plan() once per step, run() per layer (kernels or reference)
         self.vsd = VerticalSlashDecode(shape.num_qo_heads, shape.num_kv_heads, shape.head_dim, device,
                                        use_kernels=use_kernels)
@@ -371,21 +378,34 @@ class LoopServeRunner:
         # a steady step (no row selects top-B): every layer's lists from the requests' sorted bases + slash keys +
         # tail in one launch (loopserve.lists.steady_lists), the padded inputs kept while the batch is unchanged
         steady_w = None
-        if not any(fire) and self.steady_from_bases:
+        selecting = any(fire)
+        static = self.select_into if selecting else None  # a re-selecting step replayed from a graph
+        # a re-selecting step on the kernel path: each layer's lists from the rows' bases (a re-selecting row's
+        # without its old top-B) + its new top-B + slash keys + tail, one launch a layer (loopserve.lists.select_lists)
+        sel_from_bases = selecting and self.use_kernels and self.steady_from_bases and not self.lastwindow
+        if not selecting and self.steady_from_bases and self.use_kernels:  # (Triton: the kernel path only)
             max_since = max(lens[i] - st.since for st, i in zip(states, rows))
             steady_w = steady_width(self._base_rows, states, cfg.sink_tokens, max_since)
             if not self.lists_all_fits(n_s, steady_w):
                 steady_w = None
-        v = s_ = tb = None
+        v = s_ = tb = sel_bases = None
         if steady_w is None:
             bwidth = 0
             for st, i, f in zip(states, rows, fire):
-                w = min(st.budget, lens[i]) if f else (0 if st.topb is None else st.topb.shape[2])
+                w = min(st.budget, lens[i]) if f else (0 if st.topb is None or sel_from_bases else st.topb.shape[2])
                 bwidth = max(bwidth, w)
-            v = _pad([s.lines[0] for s in states], max(s.lines[0].shape[2] for s in states), sh, dev)
-            s_ = _pad([s.lines[2] for s in states], max(s.lines[2].shape[2] for s in states), sh, dev)
-            # a re-selecting row's top-B is rewritten at every layer of this step: start it from -1, not its old one
-            tb = _pad([None if f else s.topb for s, f in zip(states, fire)], bwidth, sh, dev)
+            if sel_from_bases:  # the bases before `since` moves; every row's top-B slot -1 (the old ones are in bases)
+                sel_bases = select_bases(states, fire, cfg.sink_tokens,
+                                         out=None if static is None else static["sel_bases"])
+                tb = static["topb"] if static is not None else \
+                    torch.full((n_s, sh.num_layers, sh.num_kv_heads, max(bwidth, 1)), -1, dtype=torch.int32, device=dev)
+                if static is not None:
+                    static["topb_rows"].fill_(-1)
+            else:
+                v = _pad([s.lines[0] for s in states], max(s.lines[0].shape[2] for s in states), sh, dev)
+                s_ = _pad([s.lines[2] for s in states], max(s.lines[2].shape[2] for s in states), sh, dev)
+                # a re-selecting row's top-B is rewritten at every layer of this step: start it from -1, not its old one
+                tb = _pad([None if f else s.topb for s, f in zip(states, fire)], bwidth, sh, dev)
             for st, i, f in zip(states, rows, fire):
                 if f:  # lastwindow keeps its observation window too
                     st.since = max(st.prompt_len - self.cfg.window, 0) if self.lastwindow else lens[i] - 1
@@ -404,8 +424,12 @@ class LoopServeRunner:
         all_rows = n_s == self.bs
         rpi = fb.req_pool_indices if all_rows else fb.req_pool_indices[rows_dev.to(fb.req_pool_indices.device)]
         max_since = max(lens[i] - st.since for st, i in zip(states, rows))
-        width = steady_w if steady_w is not None else \
-            v.shape[3] + s_.shape[3] + tb.shape[3] + cfg.sink_tokens + max_since
+        if steady_w is not None:
+            width = steady_w
+        elif sel_bases is not None:
+            width = sel_bases[0].shape[3] + sel_bases[2].shape[3] + tb.shape[3] + max_since
+        else:
+            width = v.shape[3] + s_.shape[3] + tb.shape[3] + cfg.sink_tokens + max_since
         # the decode wrapper's plan: lengths into its buffers, split plan + partials shared by every layer (a step
         # planned for a graph replay takes the captured plan instead)
         vs = self.vsd.plan(rpi, seq_dev, max_len=max(seq_host), list_width=max(width, self.split_width),
@@ -413,12 +437,18 @@ class LoopServeRunner:
         self.dec = dict(rows=rows, rows_dev=rows_dev, states=states, fire=fire, v=v, s=s_, topb=tb,
                         q_buf=q_buf, seq=seq_dev, pos=seq_dev - 1, max_len=max(seq_host),
                         since=since_dev, rpi=rpi, max_since=max_since, all_rows=all_rows, vs=vs, seq32=vs.seq_lens,
-                        sel=plan_selection(self, states, [lens[i] for i in rows], fire, rpi))
+                        sel=plan_selection(self, states, [lens[i] for i in rows], fire, rpi,
+                                           into=None if static is None else static["sel"]))
         if vs.split is not None:
             self.dec["split"] = vs.split
         if steady_w is not None:
             self.dec["lists_all"] = steady_lists(self._base_rows, states, since_dev, seq_dev,
                                                  sink_tokens=cfg.sink_tokens, max_since=max_since)
+        elif sel_bases is not None:
+            self.dec["sel_bases"] = sel_bases
+            if static is None:
+                self.dec["union_buf"] = torch.empty(n_s, sh.num_kv_heads, width, dtype=torch.int32, device=dev)
+                self.dec["union_lens_buf"] = torch.empty(n_s, sh.num_kv_heads, dtype=torch.int32, device=dev)
         elif self.lists_all_fits(len(rows), width):
             # every layer's top-B-independent candidates at once, here; no row re-selects at this step: every
             # layer's sets too (else merged with each layer's new top-B in decode; over the cap: all per layer)
@@ -533,6 +563,8 @@ class LoopServeRunner:
             reselect(self, d, d["sel"], q_s, k_buf, rtt, lid, layer.scaling)
         if "lists_all" in d:  # planned for all layers in begin_batch
             lists, lens = d["lists_all"][0][lid], d["lists_all"][1][lid]
+        elif "sel_bases" in d:  # a re-selection step: the rows' bases + this layer's new top-B, one launch
+            lists, lens = select_lists(d, lid)
         elif "static_sorted" in d:  # a re-selection step: this layer's new top-B appended to the planned lists
             from flashinfer_ext.loopserve.list_union import union_append
 

@@ -50,7 +50,8 @@ class LoopServeStats:
     decode_tokens_read: int = 0
     decode_tokens_total: int = 0
     reselections: int = 0
-    graph_decode_steps: int = 0     # decode steps replayed from a CUDA graph (steady steps, loopserve.graph)
+    graph_decode_steps: int = 0     # decode steps replayed from a CUDA graph (steady and re-selecting, loopserve.graph)
+    graph_select_steps: int = 0     # of those, re-selecting steps (the re-selecting graph variant)
     dense_graph_steps: int = 0      # decode steps without a sparse row replayed from SGLang's stock graph
     stored_turns: int = 0           # turns whose lines were attached to a radix node
     line_store_bytes: int = 0       # bytes held by the line store now

@@ -104,3 +104,40 @@ def test_psa_variant_follows_min_context_and_epsilon():
     assert runner.graph_variant(batch([150, 40], [1.0, None])) == "dense"
     runner.begin_dense_graph_batch(short, in_capture=False)
     assert not runner.sparse_batch and not runner.graph_mode and len(runner.dense_rows[0]) == 2
+
+
+def test_select_variant_is_recorded_after_the_sparse_one_and_replayed_for_reselecting_steps():
+    """loopserve (``sparse_select_graphs``): SGLang's per-shape capture of the sparse variant is followed by the
+    re-selecting variant (the same forward, label ``SELECT``, set while it records) for batch sizes up to the
+    backend's ``sparse_select_max_bs``; the gate and the variant hook send re-selecting steps to it."""
+    from sglang.srt.model_executor.runner_utils.capture_mode import get_capture_lora_variant
+
+    answers = {"steady": "sparse", "short": "dense", "selecting": "select", "wide": None}
+    backend = SimpleNamespace(sparse_graph_variant=lambda fb, peek=False: answers[fb], sparse_stock_graphs=True,
+                              sparse_select_graphs=True, sparse_select_max_bs=8)
+    runner = SimpleNamespace(model_runner=SimpleNamespace(attn_backend=backend, server_args=SimpleNamespace()))
+    graph_variants.capture_hook(lambda r: None, runner)
+    assert graph_variants.select_capture(runner)
+    recorded = []
+
+    def capture_one_shape(r, size, forward, stream_idx, label):
+        recorded.append((size, label, get_capture_lora_variant()))
+
+    for size in (16, 8):
+        for label in (graph_variants.SPARSE, graph_variants.DENSE):
+            from sglang.srt.model_executor.runner_utils.capture_mode import _set_capture_lora_variant
+
+            _set_capture_lora_variant(label)
+            graph_variants.capture_one_shape_hook(capture_one_shape, runner, size, "fwd", None, label)
+    _set_capture_lora_variant(None)
+    sp, de, se = graph_variants.SPARSE, graph_variants.DENSE, graph_variants.SELECT
+    assert recorded == [(16, sp, sp), (16, de, de), (8, sp, sp), (8, se, se), (8, de, de)]
+    assert [graph_gate_hook(True, runner, fb) for fb in answers] == [True, True, True, False]
+    stock = lambda r, fb: "stock answer"  # noqa: E731
+    assert [graph_variants.resolve_variant_hook(stock, runner, fb) for fb in answers] == [sp, de, se, sp]
+    # without the backend's offer (psa, lastwindow, select_graph_rows 0): two variants, as before
+    backend.sparse_select_graphs = False
+    plain = SimpleNamespace(model_runner=runner.model_runner)
+    graph_variants.capture_hook(lambda r: None, plain)
+    assert not graph_variants.select_capture(plain)
+    assert graph_gate_hook(True, plain, "selecting") is False

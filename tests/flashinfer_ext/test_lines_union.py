@@ -122,8 +122,79 @@ def test_lines_base_is_sorted_unique_lines_top_b_and_sink():
     assert lens2.tolist() == [[2, 3]] and base2[0, 0, :2].tolist() == [5, 9]
 
 
+def _check_extra(shape, seed, device, zero_fill=True):
+    """A re-selecting step: the bases hold no top-B (lines and sink), the new top-B comes as ``extra`` (some of it
+    on slash keys, in the base or in the tail); the lists are the same sets as the sort-based build's."""
+    rows = _case(*shape, seed)
+    g = torch.Generator().manual_seed(seed + 7)
+    for r in rows:  # ascending offsets (-1 after), and a top-B entry on a slash key where there is one
+        s_sorted = torch.where(r["s"] < 0, 1 << 30, r["s"]).sort(-1).values
+        r["s"] = torch.where(s_sorted == 1 << 30, -1, s_sorted).to(torch.int32)
+        pos = r["seq"] - 1
+        for layer in range(shape[1]):
+            for h in range(shape[2]):
+                offs = [x for x in r["s"][layer, h].tolist() if 0 <= pos - x < r["since"]]
+                if offs and r["tb"].shape[2]:
+                    r["tb"][layer, h, int(torch.randint(0, r["tb"].shape[2], (1,), generator=g))] = pos - offs[0]
+        r["tb"] = torch.stack([torch.stack([_dedup(r["tb"][layer, h]) for h in range(shape[2])])
+                               for layer in range(shape[1])])
+    no_topb = [dict(r, tb=torch.full_like(r["tb"], -1)) for r in rows]
+    base, lens, s_idx, pos, since, seq, max_since = _inputs(no_topb, device)
+    extra = torch.stack([r["tb"] for r in rows]).to(device)
+    s_lens = (s_idx >= 0).sum(-1, dtype=torch.int32)
+    got, got_lens = lines_union(base, lens, s_idx, since, seq, max_since=max_since, extra=extra, s_lens=s_lens,
+                                zero_fill=zero_fill)
+    want, want_lens = lines_union_reference(base, lens, s_idx, since, seq, max_since=max_since, extra=extra)
+    assert torch.equal(got_lens.cpu(), want_lens.cpu())
+    for layer in range(shape[1]):
+        for j, r in enumerate(rows):
+            for h in range(shape[2]):
+                n = int(got_lens[layer, j, h])
+                new = got[layer, j, h, :n].cpu().tolist()
+                assert new == want[layer, j, h, :n].cpu().tolist()
+                old, old_lens = decode_union_lists(r["v"][layer][None], r["s"][layer][None], r["tb"][layer][None],
+                                                   pos[j: j + 1].cpu(), since[j: j + 1].cpu(), seq[j: j + 1].cpu(),
+                                                   sink_tokens=SINK, max_since=max_since)
+                assert len(new) == len(set(new)), "a position twice"
+                assert sorted(new) == old[0, h, : int(old_lens[0, h])].tolist()
+                if zero_fill:
+                    assert not got[layer, j, h, n:].any()
+
+
+def _dedup(t):
+    """A top-B row with no position twice (later duplicates set to -1)."""
+    seen, out = set(), []
+    for x in t.tolist():
+        out.append(-1 if x in seen else x)
+        if x >= 0:
+            seen.add(x)
+    return torch.tensor(out, dtype=torch.int32)
+
+
+@pytest.mark.parametrize("zero_fill", [True, False], ids=["zero_fill", "no_fill"])
+@pytest.mark.parametrize("shape", SHAPES, ids=[f"r{s[0]}l{s[1]}h{s[2]}v{s[3]}s{s[4]}b{s[5]}" for s in SHAPES])
+def test_lines_union_adds_a_new_top_b_once_beside_slash_keys_base_and_tail(shape, zero_fill):
+    _check_extra(shape, 4, "cpu", zero_fill)
+
+
+def test_lines_union_without_zero_fill_takes_the_callers_width_and_leaves_the_rest():
+    rows = _case(2, 2, 2, 20, 10, 8, 6)
+    base, lens, s_idx, pos, since, seq, max_since = _inputs(rows, "cpu")
+    want, want_lens = lines_union_reference(base, lens, s_idx, since, seq, max_since=max_since)
+    width = int(seq.max())  # the longest context bounds every list
+    out = torch.full((2, 2, 2, width), 99, dtype=torch.int32)
+    got, got_lens = lines_union(base, lens, s_idx, since, seq, max_since=max_since, out=out, zero_fill=False)
+    assert got.data_ptr() == out.data_ptr() and torch.equal(got_lens, want_lens)
+    for idx in torch.cartesian_prod(torch.arange(2), torch.arange(2), torch.arange(2)).tolist():
+        n = int(got_lens[tuple(idx)])
+        assert torch.equal(out[tuple(idx)][:n], want[tuple(idx)][:n]) and (out[tuple(idx)][n:] == 99).all()
+    with pytest.raises(ValueError, match="extra must be"):
+        lines_union(base, lens, s_idx, since, seq, max_since=max_since, extra=base)  # no s_lens
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("shape", SHAPES, ids=[f"r{s[0]}l{s[1]}h{s[2]}v{s[3]}s{s[4]}b{s[5]}" for s in SHAPES])
 def test_gpu_lines_union_is_the_sorted_union_of_lines_top_b_sink_and_tail(shape):
     _check(shape, 3, "cuda")
+    _check_extra(shape, 3, "cuda", zero_fill=False)

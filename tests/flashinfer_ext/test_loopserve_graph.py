@@ -190,3 +190,95 @@ def test_can_run_graph_gate_asks_the_modes_backend():
     assert graph_gate_hook(True, runner_with(wants), "selecting") is False
     assert graph_gate_hook(False, runner_with(wants), "steady") is False and seen == ["steady", "selecting"]
     assert graph_gate_hook(True, runner_with(SimpleNamespace()), "any") is True  # a mode without a gate: stock
+
+
+def _captured_select(case, width=512, select_rows=4, budget=256, lines=True):
+    """A loopserve runner whose graphs are captured at batch sizes 4 and 2, each in its steady and its re-selecting
+    variant (as ``graph_variants.capture_one_shape_hook`` records them), with a graph top-B width of ``budget``."""
+    from sglang.srt.model_executor.runner_utils.capture_mode import _set_capture_lora_variant
+
+    from sglang_sparse.graph_variants import SELECT, SPARSE
+
+    cfg, shape, backend, fb, reqs, q3, pool = _setup(False, *case, lines=lines)
+    cfg = dataclasses.replace(cfg, budget=budget)
+    runner = LoopServeRunner(cfg, shape, torch.device("cpu"), use_kernels=True)
+    graphs = LoopServeGraphs(runner, width, max_bs=16, select_rows=select_rows)
+    rpi_buf = torch.zeros(MAX_BS, dtype=torch.int64)
+    try:
+        for bs in (MAX_BS, 2):
+            for label in (SPARSE, SELECT):
+                _set_capture_lora_variant(label)
+                view = SimpleNamespace(batch_size=bs, forward_mode=_Mode(), req_pool_indices=rpi_buf[:bs],
+                                       seq_lens_cpu=torch.ones(bs, dtype=torch.int64))
+                graphs.plan(backend, view, in_capture=True)
+                if runner.dec is not None:  # else the backend records the stock decode under this label
+                    _decode_layers(runner, backend, torch.zeros(bs, HQ, D))
+    finally:
+        _set_capture_lora_variant(None)
+    return SimpleNamespace(runner=runner, graphs=graphs, backend=backend, fb=fb, reqs=reqs, q3=q3, rpi_buf=rpi_buf,
+                           cfg=cfg)
+
+
+def test_replayed_reselecting_step_decodes_and_selects_like_the_eager_step():
+    """A step where rows re-select their top-B, replayed from the re-selecting graph (static selection buffers,
+    padded request slots, a trash row for their top-B, the rows' bases in the steady lists' buffers): the eager
+    step's outputs, statistics, committed top-B and rings; padding rows read nothing. Then a steady step and a
+    second re-selecting step replay over the same buffers, as the eager steps decode."""
+    c = _captured_select(LOOPSERVE)
+    assert set(c.graphs._select) == {MAX_BS, 2}
+    eager_cfg, shape, backend, fb, reqs, q3, _ = _setup(False, *LOOPSERVE, lines=True)
+    eager = LoopServeRunner(c.cfg, shape, torch.device("cpu"), use_kernels=True)
+    eager.begin_batch(backend, fb)
+    assert eager.dec["fire"] == [True, True, False]
+    o_eager = _decode_layers(eager, backend, q3)
+
+    assert c.graphs.graph_variant(c.fb) == "select"
+    assert c.graphs.graph_variant(c.fb, peek=True) == "select"
+    o_pad = _replay(c)
+    raw = c.fb.batch_size
+    assert c.graphs.replays == c.graphs.select_replays == 1 and c.runner.bs == raw
+    torch.testing.assert_close(o_pad[:raw], o_eager, rtol=1e-5, atol=1e-5)
+    assert float(o_pad[raw:].abs().sum()) == 0.0
+    assert float(o_eager.abs().sum()) > 0
+    assert torch.equal(c.runner.step_rows[:raw], eager.step_rows)
+    eager._commit_ring()
+    c.runner._commit_ring()
+    for r_e, r_g in zip(reqs, c.reqs):
+        s_e, s_g = getattr(r_e, STATE_ATTR), getattr(r_g, STATE_ATTR)
+        assert torch.equal(s_e.ring, s_g.ring)
+        assert s_e.topb.shape == s_g.topb.shape
+        # the same sets (top-k order among equal scores may differ between the padded and the eager width)
+        assert torch.equal(s_e.topb.sort(-1).values, s_g.topb.sort(-1).values)
+    # the next steps (rows at generated tokens 5+k, 15+k, 19+k): the graph path keeps decoding like the eager one
+    for step in range(1, 3):
+        q_next = torch.randn(raw, HQ, D, generator=torch.Generator().manual_seed(step))
+        for f in (fb, c.fb):
+            f.seq_lens_cpu = f.seq_lens_cpu + 1
+        eager.begin_batch(backend, fb)
+        o_eager = _decode_layers(eager, backend, q_next)
+        variant = c.graphs.graph_variant(c.fb)
+        assert variant == ("sparse" if not any(eager.dec["fire"]) else "select")
+        c.q3 = q_next
+        o_pad = _replay(c)
+        torch.testing.assert_close(o_pad[:raw], o_eager, rtol=1e-5, atol=1e-5)
+        assert float(o_pad[raw:].abs().sum()) == 0.0
+        eager._commit_ring()
+        c.runner._commit_ring()
+
+
+def test_reselecting_steps_the_graph_cannot_take_decode_eagerly():
+    # two selecting rows, one slot
+    c = _captured_select(LOOPSERVE, select_rows=1)
+    assert c.graphs.graph_variant(c.fb) is None
+    # a selecting row's budget (200) wider than the graph's top-B (16)
+    c = _captured_select(LOOPSERVE, budget=16)
+    assert c.graphs.graph_variant(c.fb) is None
+    # a context (300) longer than the static lists
+    c = _captured_select(LOOPSERVE, width=256)
+    assert c.graphs.graph_variant(c.fb) is None
+    # a steady step still takes the steady graph
+    c = _captured_select(STEADY[False])
+    assert c.graphs.graph_variant(c.fb) == "sparse"
+    # select_rows 0: no re-selecting graph is recorded (the capture records the stock decode under that label)
+    c = _captured_select(LOOPSERVE, select_rows=0)
+    assert c.graphs._select == {} and c.graphs.graph_variant(c.fb) is None

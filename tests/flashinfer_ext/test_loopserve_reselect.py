@@ -29,7 +29,23 @@ L, HQ, HK, D = 2, 4, 2, 64
 _Mode = DecodeMode  # SGLang's ForwardMode of a decode batch (the bench's stand-in)
 
 
-def _setup(lastwindow, seq_lens, prompt_lens, budgets, seed=0, device="cpu", all_topb=False):
+def _random_lines(plen, g, device, nv=12, ns=9):
+    """Stored lines as a finished prefill leaves them: per (layer, KV head) ascending vertical positions and slash
+    offsets below the prompt length, ``-1`` after their counts."""
+    def one(n_max):
+        idx = torch.full((L, HK, n_max), -1, dtype=torch.int32)
+        cnt = torch.zeros(L, HK, dtype=torch.int32)
+        for lid in range(L):
+            for h in range(HK):
+                n = int(torch.randint(0, n_max + 1, (1,), generator=g))
+                idx[lid, h, :n] = torch.randperm(plen, generator=g)[:n].sort().values.to(torch.int32)
+                cnt[lid, h] = n
+        return idx.to(device), cnt.to(device)
+
+    return (*one(nv), *one(ns))
+
+
+def _setup(lastwindow, seq_lens, prompt_lens, budgets, seed=0, device="cpu", all_topb=False, lines=False):
     pool = make_pool(seq_lens, HQ, HK, D, torch.float32, 1, seed=seed, device=device)
     g = torch.Generator().manual_seed(seed + 1)
     k_bufs = [pool.k_buffer, torch.randn(pool.k_buffer.shape, generator=g).to(device)]
@@ -48,7 +64,7 @@ def _setup(lastwindow, seq_lens, prompt_lens, budgets, seed=0, device="cpu", all
                       acc=torch.zeros(STEP_COLS, device=device),
                       ring=torch.randn(L, n_ring, HQ, D, generator=g).to(device),
                       ring_lo=max(plen - n_ring, 0) if lastwindow else 0, prefill_done=True,
-                      lines=(none, cnt, none.clone(), cnt.clone()))
+                      lines=_random_lines(plen, g, device) if lines else (none, cnt, none.clone(), cnt.clone()))
         if all_topb or (b == len(seq_lens) - 1 and not lastwindow):  # rows that do not re-select now
             st.topb = torch.randint(0, plen, (L, HK, 5), generator=g, dtype=torch.int32).to(device)
         reqs.append(SimpleNamespace(sampling_params=SimpleNamespace(custom_params=None), origin_input_ids=[0] * plen,
@@ -61,14 +77,15 @@ def _setup(lastwindow, seq_lens, prompt_lens, budgets, seed=0, device="cpu", all
     return cfg, shape, backend, fb, reqs, q3, pool
 
 
-def _run(lastwindow, use_kernels, seq_lens, prompt_lens, budgets, device="cpu", all_topb=False, split_keys=None):
+def _run(lastwindow, use_kernels, seq_lens, prompt_lens, budgets, device="cpu", all_topb=False, split_keys=None,
+         lines=False):
     cfg, shape, backend, fb, reqs, q3, pool = _setup(lastwindow, seq_lens, prompt_lens, budgets,
-                                                     device=device, all_topb=all_topb)
+                                                     device=device, all_topb=all_topb, lines=lines)
     old_topb = [None if getattr(r, STATE_ATTR).topb is None else getattr(r, STATE_ATTR).topb.clone() for r in reqs]
     rings = [getattr(r, STATE_ATTR).ring.clone() for r in reqs]
     runner = LoopServeRunner(cfg, shape, torch.device(device), use_kernels=use_kernels)
     if split_keys is not None:  # the LSE pass in key spans of this many keys (as long contexts have)
-        runner.lse_min_split_keys, runner.target_programs = split_keys, 1024
+        runner.lse_split_keys = split_keys
     runner.begin_batch(backend, fb)
     o3 = torch.zeros(len(seq_lens), HQ, D, device=device)
     for lid in range(L):
@@ -100,8 +117,14 @@ def _check_reselection(lastwindow, use_kernels, device="cpu", split_keys=None):
         for lid in range(L):
             got = d["topb"][j, lid].cpu()
             if not fires[j]:
-                w = env["old_topb"][j].shape[2]
-                assert torch.equal(got[:, :w], env["old_topb"][j][lid].cpu())
+                old = env["old_topb"][j][lid].cpu()
+                if "sel_bases" in d:  # kernel path: the kept top-B is in the row's base (lines, top-B, sink)
+                    assert (got == -1).all()
+                    base, blens = d["sel_bases"][0][j, lid].cpu(), d["sel_bases"][1][j, lid].cpu()
+                    for h in range(HK):
+                        assert {x for x in old[h].tolist() if x >= 0} <= set(base[h, : int(blens[h])].tolist())
+                else:
+                    assert torch.equal(got[:, : old.shape[1]], old)
                 continue
             ring = env["rings"][j][lid].cpu()
             if lastwindow:
@@ -251,3 +274,36 @@ def test_step_without_reselection_over_the_size_cap_builds_sets_per_layer(lastwi
 @pytest.mark.parametrize("lastwindow", [False, True], ids=["loopserve", "lastwindow"])
 def test_gpu_step_without_reselection_builds_every_layers_sets_once_and_decodes_them(lastwindow):
     _check_steady_step(lastwindow, device="cuda", tol=2e-3)
+
+
+def test_reselecting_step_on_the_kernel_path_attends_lines_slashes_top_b_sink_and_tail():
+    """A re-selecting step on the kernel path builds each layer's lists from the rows' bases (a re-selecting row's
+    without its old top-B) plus the new top-B, slash keys and tail (loopserve.lists.select_lists): every list holds
+    no position twice and is exactly the union the definition gives (decode_union_mask over the stored lines, the
+    new top-B of the re-selecting rows and the kept top-B of the others), and the decode equals the reference
+    path's."""
+    from flashinfer_ext.common.sparse_decode import decode_union_mask
+    from sglang_sparse.loopserve.lists import select_lists
+    from sglang_sparse.loopserve.runner import _pad
+
+    seq_lens, prompt_lens, budgets = LOOPSERVE
+    ref, o_ref, _ = _run(False, False, seq_lens, prompt_lens, budgets, lines=True)
+    ker, o_ker, env = _run(False, True, seq_lens, prompt_lens, budgets, lines=True)
+    d = ker.dec
+    assert "sel_bases" in d and d["fire"] == [True, True, False]
+    sts = d["states"]
+    assert sum(int(st.lines[1].sum() + st.lines[3].sum()) for st in sts) > 0  # lines to merge
+    v = _pad([st.lines[0] for st in sts], max(st.lines[0].shape[2] for st in sts), ker.shape, "cpu")
+    s_ = _pad([st.lines[2] for st in sts], max(st.lines[2].shape[2] for st in sts), ker.shape, "cpu")
+    kept = [None if f else old for f, old in zip(d["fire"], env["old_topb"])]
+    topb = torch.where(d["topb"] >= 0, d["topb"], _pad(kept, d["topb"].shape[3], ker.shape, "cpu"))
+    for lid in range(L):
+        lists, lens = select_lists(d, lid)
+        mask = decode_union_mask(v[:, lid], s_[:, lid], topb[:, lid], d["pos"], d["since"], d["seq"],
+                                 sink_tokens=ker.cfg.sink_tokens, max_len=d["max_len"])
+        for j in range(len(seq_lens)):
+            for h in range(HK):
+                got = lists[j, h, : int(lens[j, h])].tolist()
+                assert len(got) == len(set(got)), "a position twice"
+                assert sorted(got) == torch.nonzero(mask[j, h]).flatten().tolist()
+    torch.testing.assert_close(o_ker, o_ref, rtol=1e-4, atol=1e-4)
