@@ -190,7 +190,7 @@ def measure(case, kind: str, dev: torch.device, iters: int) -> dict:
         step()
     _sync(dev)
     assert runner.dec is not None and any(runner.dec["fire"]) == kind.startswith("selecting")
-    assert ("sel_bases" in runner.dec) == (kind in ("selecting", "selecting_unsplit", "selecting_graph"))
+    assert ("sel_lists" in runner.dec) == (kind in ("selecting", "selecting_unsplit", "selecting_graph"))
     out = {"lse_splits": runner.dec["sel"]["num_splits"] if runner.dec["sel"] is not None else None}
     for name, fn in (("plan", plan), ("step", step)):
         walls, hosts = [], []

@@ -149,8 +149,11 @@ def test_gpu_loopserve_graph_replay_gives_the_eager_output(gpu_servers, graph_se
         got["choices"][0]["message"]["content"], want["choices"][0]["message"]["content"])
     after = stats()
     # every step: the steady ones and the 18 re-selecting ones (generated tokens 1-16 (initial top-B), 32, 48)
-    assert after["graph_decode_steps"] - before["graph_decode_steps"] == 63
-    assert after["graph_select_steps"] - before["graph_select_steps"] == 18
+    # (the overlap scheduler may launch one more step before it sees the end, as for the stock graph below: generated
+    # token 64, itself a re-selecting step)
+    extra = after["graph_decode_steps"] - before["graph_decode_steps"] - 63
+    assert extra in (0, 1)
+    assert after["graph_select_steps"] - before["graph_select_steps"] == 18 + extra
     time.sleep(3)
     text = (d / "loopserve_graph.log").read_text(errors="replace").lower()
     assert "leak" not in text and "traceback" not in text

@@ -18,8 +18,12 @@ head), ``-1`` padded), ``since`` / ``seq_lens`` ``[R]`` int32 or int64 (contiguo
 (layer-major, ``W >= Wa + Ws + max_since``) and ``lens [L, R, Hk]``, zeros after ``lens``. Grid ``[L * R * Hk]``;
 widths and the search depth are runtime ints; no host sync.
 
-Cautions: the base must really be sorted and the offsets distinct (not checked); ``max_since`` (a host int) must
-be ``>= max(seq_lens - since)``.
+A re-selection step's new top-B is added per layer by :func:`lines_append`: a kept top-B position lies below
+``since`` and is neither in the base (ascending: binary search) nor a slash key (ascending offsets make the kept
+slash keys strictly descending: binary search too), so the lists stay duplicate-free without a sort.
+
+Cautions: the base must really be sorted and the offsets distinct (not checked; for :func:`lines_append` also
+ascending); ``max_since`` (a host int) must be ``>= max(seq_lens - since)``.
 """
 
 from __future__ import annotations
@@ -30,15 +34,14 @@ import triton.language as tl
 
 from flashinfer_ext.loopserve.list_union import in_sorted
 
-__all__ = ["lines_union", "lines_union_reference", "lines_base"]
+__all__ = ["lines_union", "lines_union_reference", "lines_append", "lines_append_reference", "lines_base"]
 
 
 @triton.jit
 def _lines_union_kernel(b_ptr, b_sr, b_sl, b_sh, blens_ptr, bl_sr, bl_sl, s_ptr, s_sr, s_sl, s_sh,
-                        since_ptr, seq_ptr, o_ptr, o_sl, o_sr, o_sh, lens_ptr, ln_sl, ln_sr,
-                        e_ptr, e_sr, e_sl, e_sh, sl_ptr, sl_sr, sl_sl,
-                        rows, num_kv_heads, wa, ws, we, wout, depth, s_depth, BLOCK: tl.constexpr,
-                        HAS_EXTRA: tl.constexpr, ZERO_FILL: tl.constexpr):
+                        since_ptr, seq_ptr, o_ptr, o_sl, o_sr, o_sh, lens_ptr, ln_sl, ln_sr, mk_ptr, mk_sl, mk_sr,
+                        rows, num_kv_heads, wa, ws, wout, depth, BLOCK: tl.constexpr, HAS_MARKS: tl.constexpr,
+                        ZERO_FILL: tl.constexpr):
     pid = tl.program_id(0)
     h = pid % num_kv_heads
     rl = pid // num_kv_heads
@@ -64,30 +67,20 @@ def _lines_union_kernel(b_ptr, b_sr, b_sl, b_sh, blens_ptr, bl_sr, bl_sl, s_ptr,
             tl.store(out + i, tl.load(base + i, mask=i < ls, other=0), mask=i < ls)
     tl.debug_barrier()
     n = ls
-    n_s = ws
-    if HAS_EXTRA:
-        n_s = tl.load(sl_ptr + r64 * sl_sr + l64 * sl_sl + h)
-        # phase 1b: the extra positions (a new top-B) below since that are neither in the base nor slash keys
-        # (pos - t among the ascending offsets); those from since on are the tail's
-        e_row = e_ptr + r64 * e_sr + l64 * e_sl + h * e_sh
-        for c0 in range(0, we, BLOCK):
-            i = c0 + tl.arange(0, BLOCK)
-            t = tl.load(e_row + i, mask=i < we, other=-1)
-            valid = (t >= 0) & (t < since) & (t < seq)
-            keep = valid & ~in_sorted(base, t, ls, depth, BLOCK) & ~in_sorted(offs_row, pos - t, n_s, s_depth, BLOCK)
-            k = keep.to(tl.int32)
-            tl.store(out + n + tl.cumsum(k, 0) - k, t, mask=keep)
-            n += tl.sum(k, 0)
     # phase 2: slash keys pos - s below since (keys from since on are the tail's) that the base lacks
-    for c0 in range(0, n_s, BLOCK):
+    for c0 in range(0, ws, BLOCK):
         i = c0 + tl.arange(0, BLOCK)
-        s = tl.load(offs_row + i, mask=i < n_s, other=-1)
+        s = tl.load(offs_row + i, mask=i < ws, other=-1)
         t = pos - s
         valid = (s >= 0) & (t >= 0) & (t < since) & (t < seq)
         keep = valid & ~in_sorted(base, t, ls, depth, BLOCK)
         k = keep.to(tl.int32)
         tl.store(out + n + tl.cumsum(k, 0) - k, t, mask=keep)
         n += tl.sum(k, 0)
+    if HAS_MARKS:  # where the base ends and where the slash keys end (lines_append searches both parts)
+        mk = mk_ptr + l64 * mk_sl + r64 * mk_sr + h * 2
+        tl.store(mk, ls)
+        tl.store(mk + 1, n)
     # phase 3: the tail since .. seq - 1 that the base lacks (a top-B chosen at `since` may hold it)
     for c0 in range(0, seq - since, BLOCK):
         t = since + c0 + tl.arange(0, BLOCK)
@@ -96,6 +89,48 @@ def _lines_union_kernel(b_ptr, b_sr, b_sl, b_sh, blens_ptr, bl_sr, bl_sl, s_ptr,
         tl.store(out + n + tl.cumsum(k, 0) - k, t, mask=keep)
         n += tl.sum(k, 0)
     tl.store(lens_ptr + l64 * ln_sl + r64 * ln_sr + h, n)
+
+
+@triton.jit
+def _in_descending(row, t, n, depth, BLOCK: tl.constexpr):
+    """Whether each ``t [BLOCK]`` is among the first ``n`` entries of the strictly descending row at ``row``."""
+    lo = tl.zeros([BLOCK], tl.int32)
+    hi = tl.zeros([BLOCK], tl.int32) + n
+    for _ in range(depth):  # lo = first index with row[lo] <= t
+        active = lo < hi
+        mid = (lo + hi) >> 1
+        v = tl.load(row + mid, mask=active, other=0)
+        right = v > t
+        lo = tl.where(active & right, mid + 1, lo)
+        hi = tl.where(active & (~right), mid, hi)
+    return tl.load(row + lo, mask=lo < n, other=-1) == t
+
+
+@triton.jit
+def _lines_append_kernel(l_ptr, l_sr, l_sh, lens_ptr, ln_sr, mk_ptr, mk_sr, since_ptr, seq_ptr, e_ptr, e_sr, e_sh,
+                         num_kv_heads, we, depth, BLOCK: tl.constexpr):
+    pid = tl.program_id(0)
+    r = pid // num_kv_heads
+    h = pid % num_kv_heads
+    r64 = r.to(tl.int64)
+    row = l_ptr + r64 * l_sr + h * l_sh
+    n = tl.load(lens_ptr + r64 * ln_sr + h)
+    b_len = tl.load(mk_ptr + r64 * mk_sr + h * 2)
+    s_end = tl.load(mk_ptr + r64 * mk_sr + h * 2 + 1)
+    since = tl.load(since_ptr + r).to(tl.int32)
+    seq = tl.load(seq_ptr + r).to(tl.int32)
+    e_row = e_ptr + r64 * e_sr + h * e_sh
+    for c0 in range(0, we, BLOCK):
+        i = c0 + tl.arange(0, BLOCK)
+        t = tl.load(e_row + i, mask=i < we, other=-1)
+        # below since (from since on: the tail's), neither in the base (ascending) nor a slash key (descending)
+        valid = (t >= 0) & (t < since) & (t < seq)
+        keep = valid & ~in_sorted(row, t, b_len, depth, BLOCK) & ~_in_descending(row + b_len, t, s_end - b_len,
+                                                                                 depth, BLOCK)
+        k = keep.to(tl.int32)
+        tl.store(row + n + tl.cumsum(k, 0) - k, t, mask=keep)
+        n += tl.sum(k, 0)
+    tl.store(lens_ptr + r64 * ln_sr + h, n)
 
 
 def _check(base, base_lens, s_idx, since, seq_lens):
@@ -111,68 +146,99 @@ def _check(base, base_lens, s_idx, since, seq_lens):
 
 def lines_union(base: torch.Tensor, base_lens: torch.Tensor, s_idx: torch.Tensor, since: torch.Tensor,
                 seq_lens: torch.Tensor, *, max_since: int, out: torch.Tensor | None = None,
-                lens_out: torch.Tensor | None = None, block: int = 256, extra: torch.Tensor | None = None,
-                s_lens: torch.Tensor | None = None, zero_fill: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+                lens_out: torch.Tensor | None = None, block: int = 256, marks_out: torch.Tensor | None = None,
+                zero_fill: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """Every layer's decode lists of a step without re-selection (module docstring): ``(lists [L, R, Hk, W] int32,
     lens [L, R, Hk] int32)``, ``W = Wa + Ws + max_since``. ``out`` / ``lens_out``: preallocated outputs (``out``
     ``[L, R, Hk, >= W]`` with a contiguous last dim; the first ``W`` columns are written). One launch.
 
-    A re-selection step adds its new top-B: ``extra [R, L, Hk, We]`` int32 (``-1`` padded, distinct per list) with
-    ``s_lens [R, L, Hk]`` int32, the number of offsets in each ``s_idx`` row (which must then be ascending in
-    those first entries): each extra position below ``since`` that is neither in the base nor a slash key goes
-    after the base (those from ``since`` on are the tail's), so the list is the union with no position twice;
-    ``W`` grows by ``We``. The offset loop then runs to ``s_lens``, not to ``Ws``.
-
-    ``zero_fill`` False: nothing is written after each list's ``lens`` entries (the consumers read ``lens``), and
-    with ``out`` given its width is the caller's bound on every list's length (a CUDA graph's static width,
-    at least the longest context), not ``W``."""
+    ``marks_out [L, R, Hk, 2]`` int32: where each list's base ends and where its slash keys end, for a re-selection
+    step's :func:`lines_append` (which needs the offsets of ``s_idx`` ascending in each row, ``-1`` after them: the
+    slash keys then come out strictly descending). ``zero_fill`` False: nothing is written after each list's
+    ``lens`` entries, and with ``out`` given its width is the caller's bound on every list's length (a CUDA graph's
+    static width, at least the longest context; room for the entries :func:`lines_append` adds), not ``W``."""
     _check(base, base_lens, s_idx, since, seq_lens)
     r, n_l, hk, wa = base.shape
     ws = s_idx.shape[3]
-    we = 0 if extra is None else extra.shape[3]
-    w = wa + ws + we + max(int(max_since), 0)
+    w = wa + ws + max(int(max_since), 0)
     dev = base.device
-    if extra is not None and (tuple(extra.shape[:3]) != (r, n_l, hk) or extra.dtype != torch.int32
-                              or s_lens is None or tuple(s_lens.shape) != (r, n_l, hk)
-                              or s_lens.dtype != torch.int32 or extra.stride(3) != 1 or s_lens.stride(2) != 1):
-        raise ValueError(f"extra must be [{r}, {n_l}, {hk}, We] int32 (last dim contiguous) with s_lens "
-                         f"[{r}, {n_l}, {hk}] int32")
     if out is None:
         out = torch.empty(n_l, r, hk, w, dtype=torch.int32, device=dev)
     elif out.dtype != torch.int32 or tuple(out.shape[:3]) != (n_l, r, hk) or out.stride(3) != 1 or (
             zero_fill and out.shape[3] < w):
         raise ValueError(f"out must be [{n_l}, {r}, {hk}, >= {w}] int32 with a contiguous last dim")
-    if zero_fill or out.shape[3] > w:
+    if zero_fill:
         out = out[..., :w]
     if lens_out is None:
         lens_out = torch.empty(n_l, r, hk, dtype=torch.int32, device=dev)
     elif lens_out.dtype != torch.int32 or tuple(lens_out.shape) != (n_l, r, hk) or lens_out.stride(2) != 1:
         raise ValueError(f"lens_out must be [{n_l}, {r}, {hk}] int32 with a contiguous last dim")
+    if marks_out is not None and (marks_out.dtype != torch.int32 or tuple(marks_out.shape) != (n_l, r, hk, 2)
+                                  or marks_out.stride(3) != 1 or marks_out.stride(2) != 2):
+        raise ValueError(f"marks_out must be [{n_l}, {r}, {hk}, 2] int32 with contiguous last two dims")
     if r * n_l * hk == 0:
         return out, lens_out
     assert base.stride(3) == 1 and s_idx.stride(3) == 1 and base_lens.stride(2) == 1
     assert since.is_contiguous() and seq_lens.is_contiguous()
-    e, sl = (extra, s_lens) if extra is not None else (base, base_lens)  # placeholders when HAS_EXTRA is off
+    mk = marks_out if marks_out is not None else lens_out.view(n_l, r, hk, 1)  # placeholder when not written
     _lines_union_kernel[(n_l * r * hk,)](
         base, base.stride(0), base.stride(1), base.stride(2), base_lens, base_lens.stride(0), base_lens.stride(1),
         s_idx, s_idx.stride(0), s_idx.stride(1), s_idx.stride(2),
         since, seq_lens,
         out, out.stride(0), out.stride(1), out.stride(2), lens_out, lens_out.stride(0), lens_out.stride(1),
-        e, e.stride(0), e.stride(1), e.stride(2), sl, sl.stride(0), sl.stride(1),
-        r, hk, wa, ws, we, out.shape[3], max(wa, 1).bit_length(), max(ws, 1).bit_length(), BLOCK=block,
-        HAS_EXTRA=extra is not None, ZERO_FILL=zero_fill)
+        mk, mk.stride(0), mk.stride(1),
+        r, hk, wa, ws, out.shape[3], max(wa, 1).bit_length(), BLOCK=block, HAS_MARKS=marks_out is not None,
+        ZERO_FILL=zero_fill)
     return out, lens_out
 
 
+def lines_append(lists: torch.Tensor, lens: torch.Tensor, marks: torch.Tensor, since: torch.Tensor,
+                 seq_lens: torch.Tensor, extra: torch.Tensor, *, block: int = 256) -> None:
+    """A re-selection step, one layer: appends to each list of :func:`lines_union` (built with ``marks_out``) the
+    positions of its new top-B ``extra [R, Hk, We]`` int32 (``-1`` padded, distinct per list) that it lacks: below
+    ``since`` (the tail holds the rest), not in the base (ascending, ``marks[..., 0]`` entries), not a slash key
+    (the next ``marks[..., 1] - marks[..., 0]`` entries, descending). In place: ``lists [R, Hk, W]`` int32 (room
+    for ``We`` more entries per list), ``lens [R, Hk]`` int32; ``marks [R, Hk, 2]`` int32; ``since`` / ``seq_lens``
+    ``[R]`` int32 or int64. One launch of ``R * Hk`` programs, no host sync; the set is the union with no position
+    twice (the order: the list's, then the new entries in ``extra``'s order)."""
+    r, hk, w = lists.shape
+    we = extra.shape[2]
+    if lens.shape != (r, hk) or marks.shape != (r, hk, 2) or extra.shape[:2] != (r, hk) or any(
+            t.dtype != torch.int32 for t in (lists, lens, marks, extra)) or since.shape != (r,) or seq_lens.shape != (r,):
+        raise ValueError(f"shapes / dtypes do not match: lists {tuple(lists.shape)}, lens {tuple(lens.shape)}, marks "
+                         f"{tuple(marks.shape)}, extra {tuple(extra.shape)} (int32), since / seq_lens "
+                         f"{tuple(since.shape)} / {tuple(seq_lens.shape)}")
+    if r * hk * we == 0:
+        return
+    assert lists.stride(2) == 1 and extra.stride(2) == 1 and lens.stride(1) == 1 and marks.stride(2) == 1
+    assert marks.stride(1) == 2 and since.is_contiguous() and seq_lens.is_contiguous()
+    _lines_append_kernel[(r * hk,)](lists, lists.stride(0), lists.stride(1), lens, lens.stride(0), marks,
+                                    marks.stride(0), since, seq_lens, extra, extra.stride(0), extra.stride(1), hk, we,
+                                    max(w, 1).bit_length(), BLOCK=block)
+
+
+def lines_append_reference(lists: torch.Tensor, lens: torch.Tensor, since: torch.Tensor, seq_lens: torch.Tensor,
+                           extra: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pure-torch reference of :func:`lines_append` (returns new tensors; the same order)."""
+    out, new_lens = lists.clone().cpu(), lens.clone().cpu()
+    for j in range(lists.shape[0]):
+        lo, n = int(since[j]), int(seq_lens[j])
+        for h in range(lists.shape[1]):
+            m = int(new_lens[j, h])
+            have = set(out[j, h, :m].tolist())
+            add = [t for t in extra[j, h].tolist() if 0 <= t < min(lo, n) and t not in have]
+            out[j, h, m: m + len(add)] = torch.tensor(add, dtype=torch.int32)
+            new_lens[j, h] = m + len(add)
+    return out.to(lists.device), new_lens.to(lists.device)
+
+
 def lines_union_reference(base: torch.Tensor, base_lens: torch.Tensor, s_idx: torch.Tensor, since: torch.Tensor,
-                          seq_lens: torch.Tensor, *, max_since: int,
-                          extra: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                          seq_lens: torch.Tensor, *, max_since: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Pure-torch reference of :func:`lines_union` (same layout and order; zeros after ``lens``), a loop over
     (row, layer, head)."""
     _check(base, base_lens, s_idx, since, seq_lens)
     r, n_l, hk, wa = base.shape
-    we = 0 if extra is None else extra.shape[3]
-    w = wa + s_idx.shape[3] + we + max(int(max_since), 0)
+    w = wa + s_idx.shape[3] + max(int(max_since), 0)
     out = torch.zeros(n_l, r, hk, w, dtype=torch.int32)
     lens = torch.zeros(n_l, r, hk, dtype=torch.int32)
     for j in range(r):
@@ -182,12 +248,9 @@ def lines_union_reference(base: torch.Tensor, base_lens: torch.Tensor, s_idx: to
             for h in range(hk):
                 b = base[j, layer, h, : int(base_lens[j, layer, h])].cpu()
                 have = set(b.tolist())
-                offs = [s for s in s_idx[j, layer, h].tolist() if s >= 0]
-                slash = [p - s for s in offs if 0 <= p - s < min(lo, n)]
+                slash = [p - s for s in s_idx[j, layer, h].tolist() if s >= 0 and 0 <= p - s < min(lo, n)]
                 tail = list(range(lo, n))
-                top = [] if extra is None else [t for t in extra[j, layer, h].tolist()
-                                                if 0 <= t < min(lo, n) and p - t not in offs]
-                new = [t for t in top + slash + tail if t not in have]
+                new = [t for t in slash + tail if t not in have]
                 got = b.tolist() + new
                 out[layer, j, h, : len(got)] = torch.tensor(got, dtype=torch.int32)
                 lens[layer, j, h] = len(got)

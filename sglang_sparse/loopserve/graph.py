@@ -237,7 +237,7 @@ class LoopServeGraphs:
 
     def _plan_select(self, backend, d, fb, reqs, raw: int, bs: int) -> None:
         """A re-selecting step replayed from the graph of batch size ``bs``: the eager planning written into the
-        captured buffers (selection inputs, the rows' bases and offsets, statistics)."""
+        captured buffers (selection inputs, every layer's lists before the new top-B, statistics)."""
         r = self.runner
         r.planning_for_graph, r.select_into = True, d
         try:
@@ -247,11 +247,11 @@ class LoopServeGraphs:
         e = r.dec
         if e is None or e["sel"] is None or "lists_all" in e or len(e["rows"]) != raw:
             raise RuntimeError("sglang-sparse loopserve: a re-selecting graph step planned as another kind of step")
-        if "sel_bases" not in e:
-            raise RuntimeError("sglang-sparse loopserve: a re-selecting graph step planned without its bases")
-        # padding rows read nothing: no base, no offsets, no tail (since past any length), top-B -1
+        if "sel_lists" not in e:
+            raise RuntimeError("sglang-sparse loopserve: a re-selecting graph step planned without its lists")
+        # padding rows read nothing: empty lists, no tail (since past any length), top-B -1
         self.lens_buf[:, raw:bs].zero_()
-        self.s_lens_buf[raw:bs].zero_()
+        self.marks_buf[:, raw:bs].zero_()
         self.since_buf[:raw].copy_(e["since"])
         self.since_buf[raw:bs].fill_(1 << 30)
         d["vs"].seq_lens[:raw].copy_(e["seq32"])
@@ -303,12 +303,10 @@ class LoopServeGraphs:
             d.update(sel=selection_buffers(r, min(bs, self.select_rows), self.width, self.topb_buf.shape[3],
                                            trash_row=self.max_bs, dtype=self.q_buf.dtype),
                      topb_rows=self.topb_buf, topb=self.topb_buf[:bs],
-                     # the rows' bases live in the steady lists' buffers (row-major views; the two never run at once)
-                     sel_bases=(self.lists_buf.permute(1, 0, 2, 3)[:bs], self.lens_buf.permute(1, 0, 2)[:bs],
-                                self.s_idx_buf[:bs], self.s_lens_buf[:bs]),
-                     since=self.since_buf[:bs], max_since=0, union_buf=self.union_buf[:bs],
-                     union_lens_buf=self.union_lens_buf[:bs], step_rows=step_rows)
-            self.s_lens_buf[:bs].zero_()
+                     # every layer's lists in the steady lists' buffers (the two variants never run at once)
+                     sel_lists=(self.lists_buf[:, :bs], self.lens_buf[:, :bs], self.marks_buf[:, :bs]),
+                     since=self.since_buf[:bs], step_rows=step_rows)
+            self.marks_buf[:, :bs].zero_()
             self.since_buf[:bs].fill_(1 << 30)
             self.topb_buf.fill_(-1)
             self._select[bs] = d
@@ -333,10 +331,7 @@ class LoopServeGraphs:
         if self.select_rows:  # re-selecting steps: the kept top-B (one trash row) and the per-layer union
             topb_w = min(r.cfg.budget, self.width)
             self.topb_buf = torch.full((max_bs + 1, sh.num_layers, sh.num_kv_heads, topb_w), -1, **i32)
-            self.union_buf = torch.zeros(max_bs, sh.num_kv_heads, self.width + topb_w, **i32)
-            self.union_lens_buf = torch.zeros(max_bs, sh.num_kv_heads, **i32)
-            self.s_idx_buf = torch.full((max_bs, sh.num_layers, sh.num_kv_heads, self.width), -1, **i32)
-            self.s_lens_buf = torch.zeros(max_bs, sh.num_layers, sh.num_kv_heads, **i32)
+            self.marks_buf = torch.zeros(sh.num_layers, max_bs, sh.num_kv_heads, 2, **i32)
             self.since_buf = torch.zeros(max_bs, dtype=torch.int64, device=dev)
         # the decode wrapper's fixed buffers (lengths, side outputs, split partials) for every captured size
         self.vsd = VerticalSlashDecode(sh.num_qo_heads, sh.num_kv_heads, sh.head_dim, dev, use_kernels=r.use_kernels,
@@ -344,7 +339,7 @@ class LoopServeGraphs:
         nbytes = sum(t.numel() * t.element_size() for t in (self.lists_buf, self.lens_buf, self.vsd._partial_o_buf,
                                                              self.vsd._partial_lse_buf)
                      + ((self.q_buf,) if self.q_buf is not None else ())
-                     + ((self.topb_buf, self.union_buf, self.s_idx_buf) if self.select_rows else ()))
+                     + ((self.topb_buf, self.marks_buf) if self.select_rows else ()))
         logger.info("sglang-sparse %s: decode graph buffers for batch <= %d, list width %d: %.1f MiB",
                     r.cfg.mode, max_bs, self.width, nbytes / 2**20)
 
@@ -352,5 +347,5 @@ class LoopServeGraphs:
 # what a replayed step takes from the captured dict: the tensors (and the split plan) the graph recorded
 _STATIC_KEYS = ("lists_all", "q_buf", "rpi", "seq32", "vs", "split", "all_rows")
 # ... and a replayed re-selecting step: the selection, top-B, candidate and union buffers, the statistics rows
-_SELECT_STATIC_KEYS = ("sel", "topb", "topb_rows", "sel_bases", "since", "max_since", "union_buf", "union_lens_buf",
-                       "q_buf", "rpi", "seq32", "vs", "split", "all_rows", "rows_dev")
+_SELECT_STATIC_KEYS = ("sel", "topb", "topb_rows", "sel_lists", "since", "q_buf", "rpi", "seq32", "vs", "split",
+                       "all_rows", "rows_dev")

@@ -145,46 +145,51 @@ def request_base0(st, sink_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
     return st.base0
 
 
-def select_bases(states, fire, sink_tokens: int, out: tuple | None = None) -> tuple:
-    """The padded inputs of a re-selecting step's per-layer :func:`~flashinfer_ext.loopserve.lines_union.lines_union`
-    (with the new top-B as its ``extra``): ``(base [nS, L, Hk, Wa], base_lens [nS, L, Hk], s_idx [nS, L, Hk, Ws],
-    s_lens [nS, L, Hk])`` int32, a re-selecting row's base without its old top-B (:func:`request_base0`), every
-    other row's with it (:func:`request_base`). ``out``: a CUDA graph's static ``(base, base_lens, s_idx, s_lens)``
-    ``[max_bs, L, Hk, >= width]`` written instead (rows ``nS..`` untouched; a base is copied up to the static
-    width, which bounds its length: the graph's gate checks every context against it)."""
+def select_bases(states, fire, sink_tokens: int) -> tuple:
+    """The padded bases of a re-selecting step: ``(base [nS, L, Hk, Wa], base_lens [nS, L, Hk], s_idx [nS, L, Hk,
+    Ws])`` int32, a re-selecting row's base without its old top-B (:func:`request_base0`), every other row's with it
+    (:func:`request_base`); the offsets ascending per row (as the prefill compacts them), ``-1`` after."""
     bases = [request_base0(st, sink_tokens) if f else request_base(st, sink_tokens) for st, f in zip(states, fire)]
-    n_s = len(states)
-    if out is None:
-        n_l, hk = bases[0][0].shape[:2]
-        dev = bases[0][0].device
-        wa = max(1, max(b.shape[2] for b, _ in bases))
-        ws = max(1, max(st.lines[2].shape[2] for st in states))
-        out = (torch.zeros(n_s, n_l, hk, wa, dtype=torch.int32, device=dev),
-               torch.empty(n_s, n_l, hk, dtype=torch.int32, device=dev),
-               torch.full((n_s, n_l, hk, ws), -1, dtype=torch.int32, device=dev),
-               torch.empty(n_s, n_l, hk, dtype=torch.int32, device=dev))
-    else:
-        out[2][:n_s].fill_(-1)
-    base, base_lens, s_idx, s_lens = out
-    w_base, w_s = base.shape[3], s_idx.shape[3]
+    n_l, hk = bases[0][0].shape[:2]
+    dev = bases[0][0].device
+    wa = max(1, max(b.shape[2] for b, _ in bases))
+    ws = max(1, max(st.lines[2].shape[2] for st in states))
+    base = torch.zeros(len(states), n_l, hk, wa, dtype=torch.int32, device=dev)
+    s_idx = torch.full((len(states), n_l, hk, ws), -1, dtype=torch.int32, device=dev)
     for j, ((b, _), st) in enumerate(zip(bases, states)):
-        w = min(b.shape[2], w_base)
-        base[j, :, :, :w] = b[..., :w]
+        base[j, :, :, : b.shape[2]] = b
         s_idx[j, :, :, : st.lines[2].shape[2]] = st.lines[2]
-    base_lens[:n_s] = torch.stack([ln for _, ln in bases])
-    s_lens[:n_s] = torch.stack([st.lines[3] for st in states]).to(torch.int32)
-    return tuple(t[:n_s] for t in out)
+    return base, torch.stack([ln for _, ln in bases]), s_idx
+
+
+def plan_select_lists(d, bases, out: tuple | None = None) -> None:
+    """A re-selecting step: every layer's lists before its new top-B (bases, slash keys, tail: one
+    :func:`~flashinfer_ext.loopserve.lines_union.lines_union` launch, with the marks :func:`select_lists` needs) into
+    ``d["sel_lists"] = (lists [L, nS, Hk, W], lens [L, nS, Hk], marks [L, nS, Hk, 2])`` int32, ``W`` with room for the
+    step's top-B width; ``out``: a CUDA graph's static ``(lists, lens, marks)`` ``[L, >= nS, ...]`` (its width bounds
+    every list: the graph's gate checks every context against it) written instead, nothing after a list's length."""
+    from flashinfer_ext.loopserve.lines_union import lines_union
+
+    base, base_lens, s_idx = bases
+    n_s, n_l, hk = base.shape[:3]
+    if out is None:
+        w = base.shape[3] + s_idx.shape[3] + d["max_since"] + d["topb"].shape[3]
+        dev = base.device
+        out = (torch.empty(n_l, n_s, hk, w, dtype=torch.int32, device=dev),
+               torch.empty(n_l, n_s, hk, dtype=torch.int32, device=dev),
+               torch.empty(n_l, n_s, hk, 2, dtype=torch.int32, device=dev))
+    lists, lens, marks = (t[:, :n_s] for t in out)
+    lines_union(base, base_lens, s_idx, d["since"], d["seq"], max_since=d["max_since"], out=lists, lens_out=lens,
+                marks_out=marks, zero_fill=False)
+    d["sel_lists"] = (lists, lens, marks)
 
 
 def select_lists(d, lid: int):
-    """One layer's lists of a re-selecting step planned by :func:`select_bases`: its bases, slash keys and tail
-    with the layer's new top-B (``d["topb"][:, lid]``, ``-1`` for rows that keep theirs) in one launch, no sort;
-    ``([nS, Hk, W], [nS, Hk])`` int32 (nothing after ``lens``), into the step's union buffers."""
-    from flashinfer_ext.loopserve.lines_union import lines_union
+    """One layer's lists of a re-selecting step (:func:`plan_select_lists`) with the layer's new top-B
+    (``d["topb"][:, lid]``, ``-1`` for rows that keep theirs: it is in their bases) appended in place where missing:
+    one :func:`~flashinfer_ext.loopserve.lines_union.lines_append` launch, no sort; ``([nS, Hk, W], [nS, Hk])``."""
+    from flashinfer_ext.loopserve.lines_union import lines_append
 
-    base, base_lens, s_idx, s_lens = d["sel_bases"]
-    ly = slice(lid, lid + 1)
-    lists, lens = lines_union(base[:, ly], base_lens[:, ly], s_idx[:, ly], d["since"], d["seq32"],
-                              max_since=d["max_since"], extra=d["topb"][:, ly], s_lens=s_lens[:, ly],
-                              out=d["union_buf"][None], lens_out=d["union_lens_buf"][None], zero_fill=False)
-    return lists[0], lens[0]
+    lists, lens, marks = d["sel_lists"]
+    lines_append(lists[lid], lens[lid], marks[lid], d["since"], d["seq32"], d["topb"][:, lid])
+    return lists[lid], lens[lid]

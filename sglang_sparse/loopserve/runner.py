@@ -80,7 +80,7 @@ from flashinfer_ext.loopserve.vs_estimate import sample_query_rows, target_progr
 from flashinfer_ext.loopserve.vs_select import VSSelectConfig, VSSelectPlan, _compact, vs_select, vs_select_plan
 from sglang_sparse.config import LoopServeConfig
 from sglang_sparse.loopserve.lists import (LISTS_ALL_MAX_ENTRIES, BaseRows, merge_all_layers, plan_union_append,
-                                           select_bases, select_lists,
+                                           plan_select_lists, select_bases, select_lists,
                                            static_all_layers, steady_lists, steady_width, union_lists)
 from sglang_sparse.loopserve.select import SELECT_SPLIT_KEYS, h2d as _h2d, plan_selection, reselect
 from sglang_sparse.loopserve.stats import (
@@ -395,8 +395,7 @@ class LoopServeRunner:
                 w = min(st.budget, lens[i]) if f else (0 if st.topb is None or sel_from_bases else st.topb.shape[2])
                 bwidth = max(bwidth, w)
             if sel_from_bases:  # the bases before `since` moves; every row's top-B slot -1 (the old ones are in bases)
-                sel_bases = select_bases(states, fire, cfg.sink_tokens,
-                                         out=None if static is None else static["sel_bases"])
+                sel_bases = select_bases(states, fire, cfg.sink_tokens)
                 tb = static["topb"] if static is not None else \
                     torch.full((n_s, sh.num_layers, sh.num_kv_heads, max(bwidth, 1)), -1, dtype=torch.int32, device=dev)
                 if static is not None:
@@ -427,7 +426,7 @@ class LoopServeRunner:
         if steady_w is not None:
             width = steady_w
         elif sel_bases is not None:
-            width = sel_bases[0].shape[3] + sel_bases[2].shape[3] + tb.shape[3] + max_since
+            width = sel_bases[0].shape[3] + sel_bases[2].shape[3] + tb.shape[3] + max_since  # plan_select_lists' W
         else:
             width = v.shape[3] + s_.shape[3] + tb.shape[3] + cfg.sink_tokens + max_since
         # the decode wrapper's plan: lengths into its buffers, split plan + partials shared by every layer (a step
@@ -444,11 +443,8 @@ class LoopServeRunner:
         if steady_w is not None:
             self.dec["lists_all"] = steady_lists(self._base_rows, states, since_dev, seq_dev,
                                                  sink_tokens=cfg.sink_tokens, max_since=max_since)
-        elif sel_bases is not None:
-            self.dec["sel_bases"] = sel_bases
-            if static is None:
-                self.dec["union_buf"] = torch.empty(n_s, sh.num_kv_heads, width, dtype=torch.int32, device=dev)
-                self.dec["union_lens_buf"] = torch.empty(n_s, sh.num_kv_heads, dtype=torch.int32, device=dev)
+        elif sel_bases is not None:  # every layer's lists but the new top-B, in one launch (each layer appends its own)
+            plan_select_lists(self.dec, sel_bases, out=None if static is None else static["sel_lists"])
         elif self.lists_all_fits(len(rows), width):
             # every layer's top-B-independent candidates at once, here; no row re-selects at this step: every
             # layer's sets too (else merged with each layer's new top-B in decode; over the cap: all per layer)
@@ -563,7 +559,7 @@ class LoopServeRunner:
             reselect(self, d, d["sel"], q_s, k_buf, rtt, lid, layer.scaling)
         if "lists_all" in d:  # planned for all layers in begin_batch
             lists, lens = d["lists_all"][0][lid], d["lists_all"][1][lid]
-        elif "sel_bases" in d:  # a re-selection step: the rows' bases + this layer's new top-B, one launch
+        elif "sel_lists" in d:  # a re-selection step: the planned lists + this layer's new top-B, one launch
             lists, lens = select_lists(d, lid)
         elif "static_sorted" in d:  # a re-selection step: this layer's new top-B appended to the planned lists
             from flashinfer_ext.loopserve.list_union import union_append

@@ -107,7 +107,7 @@ def plan_selection(runner, states, lens, fire, rpi, into: dict | None = None) ->
 
 # the re-selection's LSE pass walks the keys in spans of this many (vertical_sums_batched's split_len): eager and
 # graph-replayed steps (whose key width is padded to the captured one) then compute the same bits
-SELECT_SPLIT_KEYS = 4096
+SELECT_SPLIT_KEYS = 1024
 
 
 def selection_buffers(runner, f_cap: int, key_width: int, topb_width: int, trash_row: int,

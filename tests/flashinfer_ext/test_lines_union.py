@@ -123,8 +123,11 @@ def test_lines_base_is_sorted_unique_lines_top_b_and_sink():
 
 
 def _check_extra(shape, seed, device, zero_fill=True):
-    """A re-selecting step: the bases hold no top-B (lines and sink), the new top-B comes as ``extra`` (some of it
-    on slash keys, in the base or in the tail); the lists are the same sets as the sort-based build's."""
+    """A re-selecting step: the bases hold no top-B (lines and sink); lines_union (with marks) builds every layer's
+    lists, lines_append adds each layer's new top-B (some of it on slash keys, in the base or in the tail); the lists
+    are the same sets as the sort-based build's, in the reference's order."""
+    from flashinfer_ext.loopserve.lines_union import lines_append, lines_append_reference
+
     rows = _case(*shape, seed)
     g = torch.Generator().manual_seed(seed + 7)
     for r in rows:  # ascending offsets (-1 after), and a top-B entry on a slash key where there is one
@@ -140,25 +143,30 @@ def _check_extra(shape, seed, device, zero_fill=True):
                                for layer in range(shape[1])])
     no_topb = [dict(r, tb=torch.full_like(r["tb"], -1)) for r in rows]
     base, lens, s_idx, pos, since, seq, max_since = _inputs(no_topb, device)
-    extra = torch.stack([r["tb"] for r in rows]).to(device)
-    s_lens = (s_idx >= 0).sum(-1, dtype=torch.int32)
-    got, got_lens = lines_union(base, lens, s_idx, since, seq, max_since=max_since, extra=extra, s_lens=s_lens,
+    extra = torch.stack([r["tb"] for r in rows]).to(device)  # [R, L, Hk, We]
+    n_l, hk = shape[1], shape[2]
+    w = base.shape[3] + s_idx.shape[3] + max_since + extra.shape[3]
+    out = torch.full((n_l, len(rows), hk, w), 77, dtype=torch.int32, device=device)
+    marks = torch.empty(n_l, len(rows), hk, 2, dtype=torch.int32, device=device)
+    got, got_lens = lines_union(base, lens, s_idx, since, seq, max_since=max_since, out=out, marks_out=marks,
                                 zero_fill=zero_fill)
-    want, want_lens = lines_union_reference(base, lens, s_idx, since, seq, max_since=max_since, extra=extra)
+    want, want_lens = lines_union_reference(base, lens, s_idx, since, seq, max_since=max_since)
     assert torch.equal(got_lens.cpu(), want_lens.cpu())
-    for layer in range(shape[1]):
+    assert torch.equal(marks[..., 0].cpu(), lens.transpose(0, 1).cpu())  # the base ends where its lens says
+    for layer in range(n_l):
+        want_l, want_n = lines_append_reference(want[layer], want_lens[layer], since, seq, extra[:, layer])
+        lines_append(out[layer], got_lens[layer], marks[layer], since, seq, extra[:, layer].contiguous())
+        assert torch.equal(got_lens[layer].cpu(), want_n.cpu())
         for j, r in enumerate(rows):
-            for h in range(shape[2]):
+            old, old_lens = decode_union_lists(r["v"][layer][None], r["s"][layer][None], r["tb"][layer][None],
+                                               pos[j: j + 1].cpu(), since[j: j + 1].cpu(), seq[j: j + 1].cpu(),
+                                               sink_tokens=SINK, max_since=max_since)
+            for h in range(hk):
                 n = int(got_lens[layer, j, h])
-                new = got[layer, j, h, :n].cpu().tolist()
-                assert new == want[layer, j, h, :n].cpu().tolist()
-                old, old_lens = decode_union_lists(r["v"][layer][None], r["s"][layer][None], r["tb"][layer][None],
-                                                   pos[j: j + 1].cpu(), since[j: j + 1].cpu(), seq[j: j + 1].cpu(),
-                                                   sink_tokens=SINK, max_since=max_since)
+                new = out[layer, j, h, :n].cpu().tolist()
+                assert new == want_l[j, h, :n].cpu().tolist()
                 assert len(new) == len(set(new)), "a position twice"
                 assert sorted(new) == old[0, h, : int(old_lens[0, h])].tolist()
-                if zero_fill:
-                    assert not got[layer, j, h, n:].any()
 
 
 def _dedup(t):
@@ -178,6 +186,8 @@ def test_lines_union_adds_a_new_top_b_once_beside_slash_keys_base_and_tail(shape
 
 
 def test_lines_union_without_zero_fill_takes_the_callers_width_and_leaves_the_rest():
+    from flashinfer_ext.loopserve.lines_union import lines_append
+
     rows = _case(2, 2, 2, 20, 10, 8, 6)
     base, lens, s_idx, pos, since, seq, max_since = _inputs(rows, "cpu")
     want, want_lens = lines_union_reference(base, lens, s_idx, since, seq, max_since=max_since)
@@ -188,8 +198,11 @@ def test_lines_union_without_zero_fill_takes_the_callers_width_and_leaves_the_re
     for idx in torch.cartesian_prod(torch.arange(2), torch.arange(2), torch.arange(2)).tolist():
         n = int(got_lens[tuple(idx)])
         assert torch.equal(out[tuple(idx)][:n], want[tuple(idx)][:n]) and (out[tuple(idx)][n:] == 99).all()
-    with pytest.raises(ValueError, match="extra must be"):
-        lines_union(base, lens, s_idx, since, seq, max_since=max_since, extra=base)  # no s_lens
+    with pytest.raises(ValueError, match="marks_out must be"):
+        lines_union(base, lens, s_idx, since, seq, max_since=max_since, marks_out=torch.empty(2, 2, 2, dtype=torch.int32))
+    with pytest.raises(ValueError, match="shapes / dtypes do not match"):
+        lines_append(out[0], got_lens[0], torch.zeros(2, 2, 2, dtype=torch.int32), since, seq,
+                     torch.zeros(2, 2, 4, dtype=torch.int64))
 
 
 @pytest.mark.gpu

@@ -249,11 +249,10 @@ def test_replayed_reselecting_step_decodes_and_selects_like_the_eager_step():
         assert s_e.topb.shape == s_g.topb.shape
         # the same sets (top-k order among equal scores may differ between the padded and the eager width)
         assert torch.equal(s_e.topb.sort(-1).values, s_g.topb.sort(-1).values)
-    # the next steps (rows at generated tokens 5+k, 15+k, 19+k): the graph path keeps decoding like the eager one
+    # two more steps over the same buffers (the same lengths: the pool holds no later position), each after the
+    # previous step's commit: the graph path keeps decoding like the eager one
     for step in range(1, 3):
         q_next = torch.randn(raw, HQ, D, generator=torch.Generator().manual_seed(step))
-        for f in (fb, c.fb):
-            f.seq_lens_cpu = f.seq_lens_cpu + 1
         eager.begin_batch(backend, fb)
         o_eager = _decode_layers(eager, backend, q_next)
         variant = c.graphs.graph_variant(c.fb)

@@ -118,11 +118,11 @@ def _check_reselection(lastwindow, use_kernels, device="cpu", split_keys=None):
             got = d["topb"][j, lid].cpu()
             if not fires[j]:
                 old = env["old_topb"][j][lid].cpu()
-                if "sel_bases" in d:  # kernel path: the kept top-B is in the row's base (lines, top-B, sink)
+                if "sel_lists" in d:  # kernel path: the kept top-B came with the row's base (lines, top-B, sink)
                     assert (got == -1).all()
-                    base, blens = d["sel_bases"][0][j, lid].cpu(), d["sel_bases"][1][j, lid].cpu()
+                    lists, lens = d["sel_lists"][0][lid, j].cpu(), d["sel_lists"][1][lid, j].cpu()
                     for h in range(HK):
-                        assert {x for x in old[h].tolist() if x >= 0} <= set(base[h, : int(blens[h])].tolist())
+                        assert {x for x in old[h].tolist() if x >= 0} <= set(lists[h, : int(lens[h])].tolist())
                 else:
                     assert torch.equal(got[:, : old.shape[1]], old)
                 continue
@@ -222,7 +222,9 @@ def _check_steady_step(lastwindow, device="cpu", tol=1e-4, all_layers=True):
         if all_layers:
             lists, lens = d["lists_all"]
             assert lists.shape[:3] == (L, len(seq_lens), HK) and lists[0].is_contiguous()
-            assert d["v"] is None  # planned from the requests' sorted bases (loopserve.lists.steady_lists)
+            # the kernel path plans from the requests' sorted bases (loopserve.lists.steady_lists, a Triton kernel);
+            # the reference path (a CPU server) sorts every layer's candidates in torch
+            assert (d["v"] is None) == use_kernels
             for lid in range(L):
                 for j in range(len(seq_lens)):
                     for h in range(HK):
@@ -277,20 +279,19 @@ def test_gpu_step_without_reselection_builds_every_layers_sets_once_and_decodes_
 
 
 def test_reselecting_step_on_the_kernel_path_attends_lines_slashes_top_b_sink_and_tail():
-    """A re-selecting step on the kernel path builds each layer's lists from the rows' bases (a re-selecting row's
-    without its old top-B) plus the new top-B, slash keys and tail (loopserve.lists.select_lists): every list holds
-    no position twice and is exactly the union the definition gives (decode_union_mask over the stored lines, the
-    new top-B of the re-selecting rows and the kept top-B of the others), and the decode equals the reference
-    path's."""
+    """A re-selecting step on the kernel path builds every layer's lists from the rows' bases (a re-selecting row's
+    without its old top-B), slash keys and tail, and each layer appends its new top-B (loopserve.lists.select_lists):
+    every list holds no position twice and is exactly the union the definition gives (decode_union_mask over the
+    stored lines, the new top-B of the re-selecting rows and the kept top-B of the others), and the decode equals
+    the reference path's."""
     from flashinfer_ext.common.sparse_decode import decode_union_mask
-    from sglang_sparse.loopserve.lists import select_lists
     from sglang_sparse.loopserve.runner import _pad
 
     seq_lens, prompt_lens, budgets = LOOPSERVE
     ref, o_ref, _ = _run(False, False, seq_lens, prompt_lens, budgets, lines=True)
     ker, o_ker, env = _run(False, True, seq_lens, prompt_lens, budgets, lines=True)
     d = ker.dec
-    assert "sel_bases" in d and d["fire"] == [True, True, False]
+    assert "sel_lists" in d and d["fire"] == [True, True, False]
     sts = d["states"]
     assert sum(int(st.lines[1].sum() + st.lines[3].sum()) for st in sts) > 0  # lines to merge
     v = _pad([st.lines[0] for st in sts], max(st.lines[0].shape[2] for st in sts), ker.shape, "cpu")
@@ -298,7 +299,7 @@ def test_reselecting_step_on_the_kernel_path_attends_lines_slashes_top_b_sink_an
     kept = [None if f else old for f, old in zip(d["fire"], env["old_topb"])]
     topb = torch.where(d["topb"] >= 0, d["topb"], _pad(kept, d["topb"].shape[3], ker.shape, "cpu"))
     for lid in range(L):
-        lists, lens = select_lists(d, lid)
+        lists, lens = d["sel_lists"][0][lid], d["sel_lists"][1][lid]  # after the forward: with the new top-B
         mask = decode_union_mask(v[:, lid], s_[:, lid], topb[:, lid], d["pos"], d["since"], d["seq"],
                                  sink_tokens=ker.cfg.sink_tokens, max_len=d["max_len"])
         for j in range(len(seq_lens)):
