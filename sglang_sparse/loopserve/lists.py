@@ -54,19 +54,24 @@ class BaseRows:
     def get(self, states, sink_tokens: int):
         key = tuple((st.uid, st.base_version) for st in states)
         if key != self._key:
-            bases = [request_base(st, sink_tokens) for st in states]
-            n_l, hk = bases[0][0].shape[:2]
-            dev = bases[0][0].device
-            wa = max(1, max(b.shape[2] for b, _ in bases))
-            ws = max(1, max(st.lines[2].shape[2] for st in states))
-            base = torch.zeros(len(states), n_l, hk, wa, dtype=torch.int32, device=dev)
-            s_idx = torch.full((len(states), n_l, hk, ws), -1, dtype=torch.int32, device=dev)
-            for j, ((b, _), st) in enumerate(zip(bases, states)):
-                base[j, :, :, : b.shape[2]] = b
-                s_idx[j, :, :, : st.lines[2].shape[2]] = st.lines[2]
-            self._tensors = (base, torch.stack([ln for _, ln in bases]), s_idx)
+            self._tensors = pad_bases([request_base(st, sink_tokens) for st in states], states)
             self._key = key
         return self._tensors
+
+
+def pad_bases(bases, states) -> tuple:
+    """Per-row bases ``[(base [L, Hk, w], lens [L, Hk])]`` and the rows' slash offsets, padded: ``(base [nS, L, Hk,
+    Wa] (zeros after), base_lens [nS, L, Hk], s_idx [nS, L, Hk, Ws] (-1 after))`` int32."""
+    n_l, hk = bases[0][0].shape[:2]
+    dev = bases[0][0].device
+    wa = max(1, max(b.shape[2] for b, _ in bases))
+    ws = max(1, max(st.lines[2].shape[2] for st in states))
+    base = torch.zeros(len(states), n_l, hk, wa, dtype=torch.int32, device=dev)
+    s_idx = torch.full((len(states), n_l, hk, ws), -1, dtype=torch.int32, device=dev)
+    for j, ((b, _), st) in enumerate(zip(bases, states)):
+        base[j, :, :, : b.shape[2]] = b
+        s_idx[j, :, :, : st.lines[2].shape[2]] = st.lines[2]
+    return base, torch.stack([ln for _, ln in bases]), s_idx
 
 
 def steady_lists(rows: BaseRows, states, since, seq, *, sink_tokens: int, max_since: int):
@@ -149,17 +154,8 @@ def select_bases(states, fire, sink_tokens: int) -> tuple:
     """The padded bases of a re-selecting step: ``(base [nS, L, Hk, Wa], base_lens [nS, L, Hk], s_idx [nS, L, Hk,
     Ws])`` int32, a re-selecting row's base without its old top-B (:func:`request_base0`), every other row's with it
     (:func:`request_base`); the offsets ascending per row (as the prefill compacts them), ``-1`` after."""
-    bases = [request_base0(st, sink_tokens) if f else request_base(st, sink_tokens) for st, f in zip(states, fire)]
-    n_l, hk = bases[0][0].shape[:2]
-    dev = bases[0][0].device
-    wa = max(1, max(b.shape[2] for b, _ in bases))
-    ws = max(1, max(st.lines[2].shape[2] for st in states))
-    base = torch.zeros(len(states), n_l, hk, wa, dtype=torch.int32, device=dev)
-    s_idx = torch.full((len(states), n_l, hk, ws), -1, dtype=torch.int32, device=dev)
-    for j, ((b, _), st) in enumerate(zip(bases, states)):
-        base[j, :, :, : b.shape[2]] = b
-        s_idx[j, :, :, : st.lines[2].shape[2]] = st.lines[2]
-    return base, torch.stack([ln for _, ln in bases]), s_idx
+    return pad_bases([request_base0(st, sink_tokens) if f else request_base(st, sink_tokens)
+                      for st, f in zip(states, fire)], states)
 
 
 def plan_select_lists(d, bases, out: tuple | None = None) -> None:
