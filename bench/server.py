@@ -193,18 +193,23 @@ class Server:
         except requests.RequestException:
             return False
 
-    def start(self) -> "Server":
-        if self._port_busy():
-            raise ServerError(f"port {self.spec.port} already serves something; pick another --port")
+    def environment(self) -> dict[str, str]:
+        """The server process's environment: this process's, offline, with the spec's ``env`` on top. A CPU server
+        runs Triton (through its interpreter) only where its config asks for the kernels (``"runner": "kernel"``):
+        an interpreter switched on in this process (a test session's, for its own Triton tests) would otherwise
+        reach paths that a CPU server runs in torch."""
         env = dict(os.environ)
         if self.spec.device == "cpu":
             env.setdefault("OMP_NUM_THREADS", "1")
-            # a CPU server runs Triton (through its interpreter) only where its config asks for the kernels
-            # (`"runner": "kernel"`); an interpreter switched on in this process (a test session's, for its own
-            # Triton tests) would otherwise reach paths that a CPU server runs in torch
             env["TRITON_INTERPRET"] = "1" if _kernel_runner(self.spec.sparse_config) else "0"
         env.setdefault("HF_HUB_OFFLINE", "1")
         env.update(self.spec.env)
+        return env
+
+    def start(self) -> "Server":
+        if self._port_busy():
+            raise ServerError(f"port {self.spec.port} already serves something; pick another --port")
+        env = self.environment()
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         argv = self.spec.argv()
         if self.spec.cpus:

@@ -55,3 +55,23 @@ def test_rendezvous_ports_sit_below_the_ephemeral_range_and_follow_the_http_port
     assert argv[argv.index("--nccl-port") + 1] == str(rendezvous_port(31234))
     own = ServerSpec(python="python", model="m", device="cpu", port=31234, extra_args=["--nccl-port", "29000"]).argv()
     assert own.count("--nccl-port") == 1 and "29000" in own
+
+
+def test_a_cpu_server_gets_the_triton_interpreter_only_when_its_config_asks_for_the_kernels(tmp_path, monkeypatch):
+    """A test session runs with TRITON_INTERPRET=1 (tests/flashinfer_ext/conftest.py); a CPU server started from it must
+    not inherit it, or Triton kernels would run where a real CPU server runs torch (a steady LoopServe decode step
+    once crashed a real CPU server, hidden that way). `"runner": "kernel"` turns it on; the spec's env wins."""
+    from bench.server import Server, ServerSpec
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+
+    def env_of(**kw):
+        return Server(ServerSpec(python="python", model="m", port=31235, **kw), tmp_path / "s.log").environment()
+
+    assert env_of(device="cpu", mode="loopserve", sparse_config='{"min_context": 256}')["TRITON_INTERPRET"] == "0"
+    assert env_of(device="cpu", mode="psa", sparse_config='{"runner": "kernel"}')["TRITON_INTERPRET"] == "1"
+    cfg = tmp_path / "cfg.json"
+    cfg.write_text('{"loopserve": {"runner" : "kernel"}}')
+    assert env_of(device="cpu", mode="loopserve", sparse_config=f"@{cfg}")["TRITON_INTERPRET"] == "1"
+    assert env_of(device="cpu", env={"TRITON_INTERPRET": "1"})["TRITON_INTERPRET"] == "1"
+    assert env_of(device="cuda")["TRITON_INTERPRET"] == "1"  # a GPU server is left as it is
