@@ -71,8 +71,10 @@ def test_driver_profiles_decode_steps_on_a_cpu_server(tmp_path):
 
     out = tmp_path / "dp"
     rc = run(out)
-    if rc != 0 and _profiler_segfault(out):  # the driver reported the crash as the mode's error; one rerun
-        out = tmp_path / "dp_rerun"
+    for k in range(2):  # the driver reported torch's profiler crash as the mode's error: up to two reruns (a busy
+        if rc == 0 or not _profiler_segfault(out):  # 2-core CI box has seen it twice in a row; alone it passes)
+            break
+        out = tmp_path / f"dp_rerun{k}"
         rc = run(out)
     rep = json.loads((out / "decode_profile.json").read_text())
     assert rc == 0, rep
