@@ -222,12 +222,18 @@ class LoopServeGraphs:
         self.lists_buf[:, :raw, :, :w].copy_(lists[..., :w])
         self.lens_buf[:, :raw].copy_(lens_all)
         self.lens_buf[:, raw:bs].zero_()
+        self._bind(e, d, _STATIC_KEYS, reqs, raw, bs)
+
+    def _bind(self, e, d, keys, reqs, raw: int, bs: int) -> None:
+        """A replayed step's runner dict: the eager plan ``e``'s per-row facts (statistics, rows) with the static
+        tensors ``keys`` of the captured dict ``d``; the step's lengths, queries and working set in the graph's
+        fixed buffers."""
+        r = self.runner
         d["vs"].seq_lens[:raw].copy_(e["seq32"])
         if r._pending_ring is not None:  # this step's queries land in the static buffer: commit from there
             # (planning_for_graph left the eager plan without a query buffer of its own)
             r._pending_ring = (self.q_buf[:, :raw], r._pending_ring[1])
-        # the eager plan's per-row facts (statistics, rows) with the static tensors the graph recorded
-        r.dec = {**e, **{k: d[k] for k in _STATIC_KEYS}}
+        r.dec = {**e, **{k: d[k] for k in keys}}
         r.dec["vs"] = dataclasses.replace(d["vs"], max_len=e["max_len"])  # the reference path's mask width
         if r.ws is not None:  # the graph records into the tracker's fixed buffers: plan them (padding rows -> trash)
             r.ws.plan([getattr(q, "rid", None) for q in reqs], pad_to=bs)
@@ -254,20 +260,12 @@ class LoopServeGraphs:
         self.marks_buf[:, raw:bs].zero_()
         self.since_buf[:raw].copy_(e["since"])
         self.since_buf[raw:bs].fill_(1 << 30)
-        d["vs"].seq_lens[:raw].copy_(e["seq32"])
         d["step_rows"][:raw].copy_(r.step_rows[:raw])  # the graph adds each layer's tokens read to these rows
         d["step_rows"][raw:bs].zero_()
         r.step_rows = d["step_rows"]
-        if r._pending_ring is not None:
-            r._pending_ring = (self.q_buf[:, :raw], r._pending_ring[1])
-        r.dec = {**e, **{k: d[k] for k in _SELECT_STATIC_KEYS}}
-        r.dec["vs"] = dataclasses.replace(d["vs"], max_len=e["max_len"])
-        if r.ws is not None:
-            r.ws.plan([getattr(q, "rid", None) for q in reqs], pad_to=bs)
-        self.replays += 1
+        self._bind(e, d, _SELECT_STATIC_KEYS, reqs, raw, bs)
         self.select_replays += 1
         if self.stats is not None:
-            self.stats.graph_decode_steps += 1
             self.stats.graph_select_steps += 1
 
     def _capture(self, backend, view, bs: int) -> None:
@@ -328,7 +326,7 @@ class LoopServeGraphs:
         kv_dtype = backend.token_to_kv_pool.get_key_buffer(0).dtype
         self.q_buf = None if r.lastwindow else torch.zeros(sh.num_layers, max_bs, sh.num_qo_heads, sh.head_dim,
                                                             dtype=kv_dtype, device=dev)
-        if self.select_rows:  # re-selecting steps: the kept top-B (one trash row) and the per-layer union
+        if self.select_rows:  # re-selecting steps: the new top-B (one trash row), list marks, since
             topb_w = min(r.cfg.budget, self.width)
             self.topb_buf = torch.full((max_bs + 1, sh.num_layers, sh.num_kv_heads, topb_w), -1, **i32)
             self.marks_buf = torch.zeros(sh.num_layers, max_bs, sh.num_kv_heads, 2, **i32)
@@ -346,6 +344,6 @@ class LoopServeGraphs:
 
 # what a replayed step takes from the captured dict: the tensors (and the split plan) the graph recorded
 _STATIC_KEYS = ("lists_all", "q_buf", "rpi", "seq32", "vs", "split", "all_rows")
-# ... and a replayed re-selecting step: the selection, top-B, candidate and union buffers, the statistics rows
+# ... and a replayed re-selecting step: the selection, top-B and list buffers, the rows and statistics rows
 _SELECT_STATIC_KEYS = ("sel", "topb", "topb_rows", "sel_lists", "since", "q_buf", "rpi", "seq32", "vs", "split",
                        "all_rows", "rows_dev")

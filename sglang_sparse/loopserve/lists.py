@@ -139,7 +139,6 @@ def merge_all_layers(d):
     return lists.view(n_l, n_s, *lists.shape[1:]), lens.view(n_l, n_s, lens.shape[1])
 
 
-
 def request_base0(st, sink_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
     """A request's base without its top-B ``(base0 [L, Hk, Wa] int32, lens [L, Hk] int32)``: its verticals ∪ sink,
     sorted; the base of a row that re-selects (its old top-B is replaced). Built once (its lines never change)."""

@@ -157,13 +157,9 @@ def _compact_3d(mask: torch.Tensor):
     return torch.where(idx >= n, -1, idx).contiguous(), cnt
 
 
-def _pad(ts, width: int, sh, dev, out: torch.Tensor | None = None) -> torch.Tensor:
-    """Per-row ``[L, Hk, w]`` int32 tensors (None: none) -> ``[rows, L, Hk, max(width, 1)]``, ``-1`` padded
-    (``out``: a static ``[>= rows, L, Hk, >= width]`` buffer written instead, every row of it reset)."""
-    if out is None:
-        out = torch.full((len(ts), sh.num_layers, sh.num_kv_heads, max(width, 1)), -1, dtype=torch.int32, device=dev)
-    else:
-        out.fill_(-1)
+def _pad(ts, width: int, sh, dev) -> torch.Tensor:
+    """Per-row ``[L, Hk, w]`` int32 tensors (None: none) -> ``[rows, L, Hk, max(width, 1)]``, ``-1`` padded."""
+    out = torch.full((len(ts), sh.num_layers, sh.num_kv_heads, max(width, 1)), -1, dtype=torch.int32, device=dev)
     for j, t in enumerate(ts):
         if t is not None and t.shape[2]:
             out[j, :, :, : t.shape[2]] = t
@@ -230,8 +226,8 @@ class LoopServeRunner:
         # the decode over the step's token lists: plan() once per step, run() per layer (kernels or reference)
         self.vsd = VerticalSlashDecode(shape.num_qo_heads, shape.num_kv_heads, shape.head_dim, device,
                                        use_kernels=use_kernels)
-        # steady steps: lists from the requests' sorted bases (loopserve.lists.steady_lists); False: the sort-based
-        # build of a re-selection step (bench/loopserve_step_bench.py times both)
+        # steady and (kernel path) re-selecting steps: lists from the requests' sorted bases (loopserve.lists);
+        # False: the sort-based builds (bench/loopserve_step_bench.py times both)
         self.steady_from_bases = True
         self._uids = itertools.count(1)  # request-state ids (ReqState.uid)
         self._base_rows = BaseRows()     # a steady step's padded bases / offsets, kept while the batch is unchanged
@@ -380,8 +376,9 @@ class LoopServeRunner:
         steady_w = None
         selecting = any(fire)
         static = self.select_into if selecting else None  # a re-selecting step replayed from a graph
-        # a re-selecting step on the kernel path: each layer's lists from the rows' bases (a re-selecting row's
-        # without its old top-B) + its new top-B + slash keys + tail, one launch a layer (loopserve.lists.select_lists)
+        # a re-selecting step on the kernel path: every layer's lists from the rows' bases (a re-selecting row's
+        # without its old top-B) + slash keys + tail in one launch here, then each layer appends its new top-B
+        # (loopserve.lists.plan_select_lists / select_lists)
         sel_from_bases = selecting and self.use_kernels and self.steady_from_bases and not self.lastwindow
         if not selecting and self.steady_from_bases and self.use_kernels:  # (Triton: the kernel path only)
             max_since = max(lens[i] - st.since for st, i in zip(states, rows))

@@ -81,9 +81,8 @@ def plan_selection(runner, states, lens, fire, rpi, into: dict | None = None) ->
     # window (the window, the sink and the generated tokens are attended anyway); loopserve from all
     cand = [max(lo, 1) for lo, _, _ in spans] if runner.lastwindow else sel_seq
     widths = [min(b, n) for b, n in zip(budgets, cand)]
-    fire_q = list(fire_j)
-    if into is not None:
-        return _fill_static(into, fire_j, widths, [obs_pos, q_req, indptr, cur_rows, fire_q, list(fire_j), sel_seq,
+    if into is not None:  # the query rows and the top-B rows are the batch rows (padding slots differ)
+        return _fill_static(into, fire_j, widths, [obs_pos, q_req, indptr, cur_rows, fire_j, fire_j, sel_seq,
                                                    budgets, cand], rpi)
     parts = [obs_pos, q_req, indptr, cur_rows, fire_j, sel_seq, budgets, cand]
     packed = h2d(torch.tensor([x for part in parts for x in part], dtype=torch.int64), dev)
@@ -114,8 +113,8 @@ def selection_buffers(runner, f_cap: int, key_width: int, topb_width: int, trash
                       dtype: torch.dtype) -> dict:
     """The static selection of a captured re-selecting decode graph (:func:`plan_selection` ``into``): fixed
     buffers for ``f_cap`` re-selecting requests of ``n_d`` observation queries each, scored over up to
-    ``key_width`` keys, top-B ``topb_width`` wide, observation queries in ``dtype``; padding slots write their top-B into row ``trash_row`` of the
-    step's top-B buffer. Filled as padding (no rows, length 0) until a step is planned into it. Memory: the
+    ``key_width`` keys, top-B ``topb_width`` wide, observation queries in ``dtype``; padding slots write their
+    top-B into row ``trash_row`` of the step's top-B buffer. Filled as padding (no rows, length 0) until a step is planned into it. Memory: the
     observation queries ``L x (f_cap * n_d + 1) x Hq x D`` in the KV dtype, scores ``f_cap x Hk x key_width``
     fp32 and the masks."""
     cfg, sh, dev = runner.cfg, runner.shape, runner.device
