@@ -16,6 +16,8 @@ keys (the lists are random distinct positions: the kernels' cost does not depend
 
     python bench/sparse_decode_bench.py --out DIR          # GPU: DIR/sparse_decode.{json,md}
     python bench/sparse_decode_bench.py --out DIR --smoke  # CPU (Triton interpreter): one tiny case
+    python bench/sparse_decode_bench.py --out DIR --sweep  # GPU: DIR/split_sweep.{json,md}, the split kernel's
+                                                           # tile / warps / stages on testbed shapes
 """
 
 from __future__ import annotations
@@ -44,6 +46,12 @@ CASES = [("smollm2", 1, 2700, 1100), ("smollm2", 1, 2700, 200), ("smollm2", 8, 8
          ("llama8b", 1, 32768, 2048), ("llama8b", 8, 32768, 2048), ("llama8b", 32, 32768, 1100),
          ("llama8b", 8, 131072, 4096)]
 SMOKE = [("smoke", 2, 300, 140)]
+# --sweep: the 32k testbed's decode (SmolLM2 at 32k, lists of ~5.5k / ~12.8k tokens per KV head); "graph" plans
+# the spans as LoopServe's decode graphs do (for a graph_list_width of 32768 and one row), "eager" for the batch
+SWEEP_CASES = [("smollm2", 1, 32768, 5500, "graph"), ("smollm2", 8, 32768, 5500, "graph"),
+               ("smollm2", 32, 32768, 5500, "graph"), ("smollm2", 8, 32768, 12800, "graph"),
+               ("smollm2", 8, 32768, 5500, "eager")]
+SWEEP_TILES, SWEEP_WARPS, SWEEP_STAGES = (32, 64, 128), (2, 4, 8), (1, 2, 3)
 
 
 def random_lists(batch, hk, ctx, width, dev, seed=0):
@@ -101,6 +109,78 @@ def run_case(shape, batch, ctx, width, dev, peak_bps, sm_count):
     return res
 
 
+def sweep_case(shape, batch, ctx, width, kind, dev, peak_bps, sm_count, configs) -> list[dict]:
+    """The split decode of one case under every ``(tile_tokens, num_warps, num_stages)`` config: us
+    (CUDA-graph replays), TB/s of the listed K and V rows, and the max difference from the first config."""
+    from dataclasses import replace
+
+    from flashinfer_ext.common.split_decode import alloc_split_buffers, plan_splits, sparse_decode_split
+
+    hq, hk, d = SHAPES[shape]
+    q, k, v, rtt, rpi = build_pool(batch, ctx, hq, hk, d, 16, planted=False, dev=dev)
+    seq = torch.full((batch,), ctx, dtype=torch.int32, device=dev)
+    lists, lens = random_lists(batch, hk, ctx, width, dev)
+    lists = torch.sort(lists, dim=2).values.contiguous()  # LoopServe's lists come in runs of ascending positions
+    read_bytes = 2 * batch * hk * width * d * k.element_size()
+    rows, ref = [], None
+    for tile, warps, stages in configs:
+        base = plan_splits(ctx if kind == "graph" else width, hk if kind == "graph" else batch * hk, block_size=1,
+                           target_programs=2 * sm_count, tile_tokens=tile)
+        plan = replace(base, num_warps=warps, num_stages=stages)
+        po, plse = alloc_split_buffers(batch, hq, d, plan.num_splits, dev)
+        out = torch.empty_like(q)
+
+        def fn():
+            sparse_decode_split(q, k, v, rtt, rpi, seq, lists, lens, plan, block_size=1, sm_scale=d ** -0.5,
+                                partial_o_buf=po, partial_lse_buf=plse, out=out)
+        try:
+            g = graph_of(fn)
+            t = timed((lambda: g.replay()) if g is not None else fn, iters=50)
+        except Exception as e:  # a config that does not compile (shared memory) is reported, not fatal
+            rows.append(dict(tile=tile, num_warps=warps, num_stages=stages, error=f"{type(e).__name__}: {e}"[:200]))
+            continue
+        ref = out.float().clone() if ref is None else ref
+        rows.append(dict(tile=tile, num_warps=warps, num_stages=stages, num_splits=plan.num_splits,
+                         chunk=plan.chunk, us=1e6 * t, tbps=read_bytes / t / 1e12, fraction_of_peak=read_bytes / t / peak_bps,
+                         max_abs_diff=float((out.float() - ref).abs().max())))
+    return [dict(shape=shape, batch=batch, context=ctx, list_width=width, plan=kind, **r) for r in rows]
+
+
+def run_sweep(out: Path, meta: dict, dev: str) -> int:
+    import inspect
+
+    from flashinfer_ext.common.split_decode import SplitPlan, plan_splits
+
+    default = SplitPlan(1, 64, 64)
+    default_tile = inspect.signature(plan_splits).parameters["tile_tokens"].default
+    configs = [(t, w, st) for t in SWEEP_TILES for w in SWEEP_WARPS for st in SWEEP_STAGES]
+    configs.sort(key=lambda c: c != (default_tile, default.num_warps, default.num_stages))  # default first
+    results = []
+    for case in SWEEP_CASES:
+        rows = sweep_case(*case, dev, meta["peak_bps"], meta["sm_count"], configs)
+        results += rows
+        ok = [r for r in rows if "error" not in r]
+        best = min(ok, key=lambda r: r["us"]) if ok else None
+        print(json.dumps(dict(case=case, default_us=ok[0]["us"] if ok else None, best=best)), flush=True)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "split_sweep.json").write_text(json.dumps(dict(meta=meta, results=results), indent=1))
+    lines = ["# Split-list decode: tile / warps / stages sweep", "", f"- GPU: {meta['gpu']}",
+             f"- versions: {meta['versions']}", f"- command: `{meta['command']}`",
+             f"- measured peak (1 GiB device copy): {meta['peak_bps'] / 1e12:.2f} TB/s; SMs {meta['sm_count']}",
+             "- split + merge replayed from a CUDA graph, median of 50; bf16; sorted random distinct positions", "",
+             "| case | plan | config (tile, warps, stages) | splits | us | TB/s (of peak) |", "|---|---|---|---|---|---|"]
+    for case in SWEEP_CASES:
+        rows = [r for r in results if (r["shape"], r["batch"], r["context"], r["list_width"], r["plan"]) == case
+                and "error" not in r]
+        for tag, r in (("default", rows[0] if rows else None), ("best", min(rows, key=lambda r: r["us"]) if rows else None)):
+            if r is not None:
+                lines.append(f"| {case[0]} b{case[1]} ctx {case[2]} lists {case[3]} | {case[4]} | {tag}: "
+                             f"{r['tile']}, {r['num_warps']}, {r['num_stages']} | {r['num_splits']} | "
+                             f"{r['us']:.1f} | {r['tbps']:.2f} ({r['fraction_of_peak']:.2f}) |")
+    (out / "split_sweep.md").write_text("\n".join(lines) + "\n")
+    return 0
+
+
 def write_report(out: Path, meta: dict, results: list) -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / "sparse_decode.json").write_text(json.dumps(dict(meta=meta, results=results), indent=1))
@@ -132,6 +212,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True, type=Path)
     ap.add_argument("--smoke", action="store_true", help="one tiny case on the CPU (Triton interpreter)")
+    ap.add_argument("--sweep", action="store_true", help="GPU: the split kernel's launch configs on testbed shapes")
     args = ap.parse_args(argv)
     import triton
 
@@ -149,6 +230,10 @@ def main(argv=None) -> int:
                          f"python {platform.python_version()}",
                 peak_bps=measure_peak_bw() if dev == "cuda" else float("nan"),
                 sm_count=torch.cuda.get_device_properties(0).multi_processor_count if dev == "cuda" else 4)
+    if args.sweep:
+        if dev != "cuda":
+            ap.error("--sweep needs a CUDA device")
+        return run_sweep(args.out, meta, dev)
     results, t0 = [], time.time()
     for shape, batch, ctx, width in (SMOKE if args.smoke else CASES):
         try:

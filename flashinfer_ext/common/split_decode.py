@@ -11,8 +11,10 @@ them once per step and share them across layers (CUDA-graph capturable at a fixe
   1. grid ``[batch * num_kv_heads, num_splits]``: program ``(pair, s)`` attends list entries
      ``[s * chunk, min((s + 1) * chunk, list_len))`` and writes a normalised fp32 partial ``o`` and its
      base-2 ``lse`` (``-inf`` for an empty span) into ``partial_o_buf`` / ``partial_lse_buf``;
-  2. grid ``[batch * num_kv_heads]``: the partials of a pair merged in split order (the base-2 online
-     softmax of ``flashinfer.merge_state``), written in the output dtype.
+  2. grid ``[batch * num_qo_heads]``: a row's partials merged with the spans as a tensor dimension (the max
+     of the span LSEs, then the base-2 weighted sums of ``flashinfer.merge_state``), written in the output
+     dtype. A graph's split count is planned for its widest list (up to ~90 spans at 32k), so a merge that
+     walked the spans one after another was latency-bound (~20 us a layer on an H100).
 
 Why: :func:`~flashinfer_ext.common.sparse_decode.sparse_decode` runs one program per (request, KV head); at
 SmolLM2's 3 KV heads and one request that is 3 programs walking ~1k list entries each, latency-bound
@@ -43,17 +45,24 @@ __all__ = ["SplitPlan", "plan_splits", "sparse_decode_split", "alloc_split_buffe
 @dataclass(frozen=True)
 class SplitPlan:
     """How lists of width ``list_width`` are cut: ``num_splits`` spans of ``chunk`` entries (a multiple of
-    the tile's ``sub`` entries); ``num_splits * chunk >= list_width``."""
+    the tile's ``sub`` entries); ``num_splits * chunk >= list_width``. ``num_warps`` / ``num_stages`` are the
+    span kernel's launch."""
 
     num_splits: int
     chunk: int
     sub: int
+    num_warps: int = 4
+    num_stages: int = 2
 
     def __post_init__(self):
         if self.num_splits < 1:
             raise ValueError(f"num_splits={self.num_splits} must be >= 1")
         if self.sub < 1 or self.chunk < self.sub or self.chunk % self.sub:
             raise ValueError(f"chunk={self.chunk} must be a positive multiple of sub={self.sub}")
+        if self.num_warps not in (1, 2, 4, 8, 16):
+            raise ValueError(f"num_warps={self.num_warps} must be one of 1, 2, 4, 8, 16")
+        if not 1 <= self.num_stages <= 6:
+            raise ValueError(f"num_stages={self.num_stages} must be in [1, 6]")
 
 
 def _sub_entries(block_size: int, tile_tokens: int) -> int:
@@ -61,10 +70,15 @@ def _sub_entries(block_size: int, tile_tokens: int) -> int:
 
 
 def plan_splits(list_width: int, num_pairs: int, *, block_size: int, target_programs: int,
-                tile_tokens: int = 64, min_chunk_tiles: int = 1) -> SplitPlan:
+                tile_tokens: int = 128, min_chunk_tiles: int = 1) -> SplitPlan:
     """Split count for lists of ``list_width`` entries over ``num_pairs`` (request, KV head) pairs: enough
     spans that ``num_pairs * num_splits`` reaches ``target_programs`` (about two waves of SMs), never a span
-    shorter than ``min_chunk_tiles`` tiles. Host ints only (the width is a tensor shape: no sync)."""
+    shorter than ``min_chunk_tiles`` tiles. Host ints only (the width is a tensor shape: no sync).
+
+    ``tile_tokens`` 128 with 4 warps and 2 stages (the :class:`SplitPlan` defaults): on an H200, SmolLM2's shape
+    at 32k with lists of 5.5k-12.8k tokens at batch 1 / 8 / 32, the best average of a sweep of tiles 32 / 64 /
+    128, warps 2 / 4 / 8 and stages 1 / 2 / 3 (``bench/sparse_decode_bench.py --sweep``: 0.79-1.02x the time of
+    64-token tiles with Triton's default 3 stages)."""
     if list_width < 0 or num_pairs < 0 or target_programs < 1:
         raise ValueError(f"list_width={list_width}, num_pairs={num_pairs} must be >= 0 and "
                          f"target_programs={target_programs} >= 1")
@@ -130,38 +144,44 @@ def _merge_kernel(
     po_ptr, stride_po_row, stride_po_s, plse_ptr, stride_plse_row, list_lens_ptr, stride_llb,
     o_ptr, stride_ob, stride_oh, lse_ptr, stride_lseb, nread_ptr, stride_nb,
     num_splits,
-    NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, G_PAD: tl.constexpr,
-    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
+    NUM_QO_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
+    S_TILE: tl.constexpr,
 ):
-    pair = tl.program_id(0)
-    r = pair // NUM_KV_HEADS
-    h = pair % NUM_KV_HEADS
+    """Program ``row = r * NUM_QO_HEADS + qo``: the row's span partials merged as a tensor over ``S_TILE`` spans
+    at a time (two passes: the max of the span LSEs, then the weighted sums), not one span after another."""
+    row = tl.program_id(0)
+    r = row // NUM_QO_HEADS
+    qo = row % NUM_QO_HEADS
     r64 = r.to(tl.int64)
-    g = tl.arange(0, G_PAD)
+    row64 = row.to(tl.int64)
+    sp = tl.arange(0, S_TILE)
     d = tl.arange(0, D_PAD)
-    gmask = g < GROUP
-    gd_mask = gmask[:, None] & (d < HEAD_DIM)[None, :]
-    row = (r64 * NUM_KV_HEADS + h) * GROUP + g
-    m = tl.full([G_PAD], float("-inf"), tl.float32)
-    l = tl.zeros([G_PAD], tl.float32)
-    acc = tl.zeros([G_PAD, D_PAD], tl.float32)
-    for s in range(0, num_splits):
-        ls = tl.load(plse_ptr + row * stride_plse_row + s, mask=gmask, other=float("-inf"))
-        m_new = tl.maximum(m, ls)
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        w_old = tl.exp2(m - m_safe)
-        w_s = tl.exp2(ls - m_safe)
-        os_ = tl.load(po_ptr + row[:, None] * stride_po_row + s * stride_po_s + d[None, :], mask=gd_mask, other=0.0)
-        acc = acc * w_old[:, None] + os_ * w_s[:, None]
-        l = l * w_old + w_s
-        m = m_new
-    has = l > 0.0
-    l_safe = tl.where(has, l, 1.0)
-    qo = h * GROUP + g
-    tl.store(o_ptr + r64 * stride_ob + qo[:, None] * stride_oh + d[None, :],
-             (acc / l_safe[:, None]).to(o_ptr.dtype.element_ty), mask=gd_mask)
-    tl.store(lse_ptr + r64 * stride_lseb + qo, tl.where(has, m + tl.log2(l_safe), float("-inf")), mask=gmask)
-    tl.store(nread_ptr + r64 * stride_nb + h, tl.load(list_lens_ptr + r64 * stride_llb + h))
+    dmask = d < HEAD_DIM
+    m = tl.full([S_TILE], float("-inf"), tl.float32)
+    for s0 in range(0, num_splits, S_TILE):
+        ls = tl.load(plse_ptr + row64 * stride_plse_row + s0 + sp, mask=s0 + sp < num_splits, other=float("-inf"))
+        m = tl.maximum(m, ls)
+    m_row = tl.max(m, axis=0)
+    m_safe = tl.where(m_row == float("-inf"), 0.0, m_row)
+    l = tl.zeros([S_TILE], tl.float32)
+    acc = tl.zeros([S_TILE, D_PAD], tl.float32)
+    for s0 in range(0, num_splits, S_TILE):
+        smask = s0 + sp < num_splits
+        ls = tl.load(plse_ptr + row64 * stride_plse_row + s0 + sp, mask=smask, other=float("-inf"))
+        w = tl.exp2(ls - m_safe)
+        os_ = tl.load(po_ptr + row64 * stride_po_row + (s0 + sp)[:, None] * stride_po_s + d[None, :],
+                      mask=smask[:, None] & dmask[None, :], other=0.0)
+        acc += os_ * w[:, None]
+        l += w
+    l_row = tl.sum(l, axis=0)
+    has = l_row > 0.0
+    l_safe = tl.where(has, l_row, 1.0)
+    tl.store(o_ptr + r64 * stride_ob + qo * stride_oh + d, (tl.sum(acc, axis=0) / l_safe).to(o_ptr.dtype.element_ty),
+             mask=dmask)
+    tl.store(lse_ptr + r64 * stride_lseb + qo, tl.where(has, m_row + tl.log2(l_safe), float("-inf")))
+    if qo % GROUP == 0:
+        h = qo // GROUP
+        tl.store(nread_ptr + r64 * stride_nb + h, tl.load(list_lens_ptr + r64 * stride_llb + h))
 
 
 def sparse_decode_split(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor,
@@ -215,12 +235,14 @@ def sparse_decode_split(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch
         plan.chunk, float(sm_scale) / math.log(2.0),
         NUM_KV_HEADS=num_kv_heads, GROUP=group, G_PAD=g_pad, HEAD_DIM=head_dim, D_PAD=d_pad,
         BLOCK_SIZE=block_size, SUB=plan.sub, DOT_FP32=os.environ.get("TRITON_INTERPRET", "0") == "1",
+        num_warps=plan.num_warps, num_stages=plan.num_stages,
     )
-    _merge_kernel[(pairs,)](
+    _merge_kernel[(batch * num_qo_heads,)](
         partial_o_buf, partial_o_buf.stride(0), partial_o_buf.stride(1), partial_lse_buf, partial_lse_buf.stride(0),
         list_lens, list_lens.stride(0),
         out, out.stride(0), out.stride(1), lse_out, lse_out.stride(0), nread_out, nread_out.stride(0),
         plan.num_splits,
-        NUM_KV_HEADS=num_kv_heads, GROUP=group, G_PAD=g_pad, HEAD_DIM=head_dim, D_PAD=d_pad,
+        NUM_QO_HEADS=num_qo_heads, GROUP=group, HEAD_DIM=head_dim, D_PAD=d_pad,
+        S_TILE=min(64, max(16, triton.next_power_of_2(plan.num_splits))), num_warps=2,
     )
     return out, lse_out, nread_out

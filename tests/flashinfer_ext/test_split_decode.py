@@ -80,13 +80,38 @@ def test_split_decode_equals_one_program_sparse_decode():
     so, slse, sn = sparse_decode(pool.q, pool.k_buffer, pool.v_buffer, pool.req_to_token, pool.req_pool_indices,
                                  pool.seq_lens, lists, lens, torch.zeros(2, dtype=torch.int32), block_size=1,
                                  sm_scale=pool.sm_scale, epsilon=1.0)
-    plan = plan_splits(180, 2 * 3, block_size=1, target_programs=24)
+    plan = plan_splits(180, 2 * 3, block_size=1, target_programs=24, tile_tokens=64)
     assert plan.num_splits == 3  # 180 entries = 3 tiles of 64: one span each
     o, lse, n = sparse_decode_split(pool.q, pool.k_buffer, pool.v_buffer, pool.req_to_token, pool.req_pool_indices,
                                     pool.seq_lens, lists, lens, plan, block_size=1, sm_scale=pool.sm_scale)
     assert torch.equal(n, sn)
     torch.testing.assert_close(o.float(), so.float(), rtol=2e-2, atol=2e-2)
     torch.testing.assert_close(lse, slse, rtol=1e-4, atol=1e-3)
+
+
+def test_split_decode_merges_more_spans_than_one_merge_tile():
+    """A graph plans its spans for its widest list (~90 at 32k): the merge walks them in tiles of at most 64
+    spans; 70 spans (two tiles, the second partly masked, many spans empty) equal the fp32 reference."""
+    seq_lens = [4600, 300]
+    pool = make_pool(seq_lens, 4, 2, 16, torch.bfloat16, 1, seed=31)
+    lists, lens = _lists(seq_lens, 2, 1, 4480, seed=32)
+    _check(pool, lists, lens, 1, 70, torch.bfloat16)
+
+
+def test_split_decode_launch_parameters_do_not_change_outputs():
+    """A plan's ``num_warps`` / ``num_stages`` change how the span kernel runs, never what it computes."""
+    seq_lens = [300, 90]
+    pool = make_pool(seq_lens, 9, 3, 64, torch.bfloat16, 1, seed=33)
+    lists, lens = _lists(seq_lens, 3, 1, 260, seed=34)
+    outs = []
+    for num_warps, num_stages in ((2, 1), (8, 3)):
+        plan = SplitPlan(num_splits=2, chunk=192, sub=64, num_warps=num_warps, num_stages=num_stages)
+        o, lse, _ = sparse_decode_split(pool.q, pool.k_buffer, pool.v_buffer, pool.req_to_token,
+                                        pool.req_pool_indices, pool.seq_lens, lists, lens, plan, block_size=1,
+                                        sm_scale=pool.sm_scale)
+        outs.append((o, lse))
+    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+    _check(pool, lists, lens, 1, 2, torch.bfloat16)
 
 
 @pytest.mark.parametrize("width,pairs,block_size,target", [
@@ -108,6 +133,10 @@ def test_bad_arguments_name_the_field():
         SplitPlan(num_splits=0, chunk=64, sub=64)
     with pytest.raises(ValueError, match="chunk"):
         SplitPlan(num_splits=1, chunk=96, sub=64)
+    with pytest.raises(ValueError, match="num_warps"):
+        SplitPlan(num_splits=1, chunk=64, sub=64, num_warps=3)
+    with pytest.raises(ValueError, match="num_stages"):
+        SplitPlan(num_splits=1, chunk=64, sub=64, num_stages=0)
     with pytest.raises(ValueError, match="target_programs"):
         plan_splits(10, 1, block_size=1, target_programs=0)
     pool = make_pool([20], 9, 3, 64, torch.float16, 1, seed=1)
