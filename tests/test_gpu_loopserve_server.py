@@ -28,7 +28,8 @@ ARGS = ["--attention-backend", "flashinfer", "--mem-fraction-static", "0.2", "--
 GRAPH_ARGS = ["--attention-backend", "flashinfer", "--mem-fraction-static", "0.2", "--cuda-graph-max-bs", "4"]
 # graph_list_width 8192: the default budget (1024) + the prompt's lines fit, so the steady steps replay; both
 # servers have it (it also fixes how the decode lists are split, eager or replayed)
-SPARSE_CONFIG = f'{{"min_context": {MIN_CONTEXT}, "alpha": 0.97, "graph_list_width": 8192}}'
+# prefill "lines": the sparse prefill kernel (vs_prefill) in the server; the default dense prefill is the stock one
+SPARSE_CONFIG = f'{{"min_context": {MIN_CONTEXT}, "alpha": 0.97, "graph_list_width": 8192, "prefill": "lines"}}'
 
 
 def _server(mode, log, sparse_config=None, args=ARGS):

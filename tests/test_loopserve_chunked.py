@@ -1,6 +1,7 @@
-"""Contract (CPU): `--sparse loopserve` with SGLang's chunked prefill — every chunk of a long prompt
-selects lines over all earlier keys of the request (prefix included) and runs sparse; the request's
-report adds the chunks up (one cumulative prefill row), and the answer still retrieves the fact."""
+"""Contract (CPU): `--sparse loopserve` with SGLang's chunked prefill and `prefill: "lines"` — every chunk of a
+long prompt selects lines over all earlier keys of the request (prefix included) and runs sparse over the lines
+of all its chunks so far; the request's report adds the chunks up (one cumulative prefill row), and the answer
+still retrieves the fact."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ LAYERS, KV_HEADS = 30, 3  # SmolLM2-135M
 def chunked_server(default_model, tmp_path_factory):
     log = tmp_path_factory.mktemp("loopserve_chunked") / "server.log"
     handle = start_cpu_server(default_model, log, mode="loopserve",
-                              sparse_config='{"min_context": 200, "alpha": 0.99}',
+                              sparse_config='{"min_context": 200, "alpha": 0.99, "prefill": "lines"}',
                               extra_args=("--chunked-prefill-size", "256"))
     try:
         yield handle

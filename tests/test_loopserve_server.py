@@ -1,8 +1,10 @@
 """Contract (CPU): `--sparse loopserve` serves through the stock server.
 
 * below `min_context`, and with alpha = 1.0 at any context, the greedy output equals `--sparse off`;
-* above it, prefill runs on the selected vertical/slash lines (fewer lines than dense, covered mass
-  >= the selection's bound), decode attends the lines of all turns + top-B re-selected every n_d
+* above it, prefill selects vertical/slash lines (fewer lines than dense, covered mass >= the selection's
+  bound) while the stock attention computes it (`prefill: "dense"`, the default: the first token equals
+  `--sparse off`'s; `prefill: "lines"`, the sparse prefill, is tested with chunked prefill in
+  test_loopserve_chunked.py), decode attends the lines of all turns + top-B re-selected every n_d
   tokens (Alg. 3), and the answer still retrieves a fact planted in real text;
 * a multi-turn `@sgl.function` program: turn 2's radix prefix hit reuses turn 1's lines, read from
   /metrics (`sglang_sparse:loopserve_reused_lines_total`);
@@ -96,6 +98,20 @@ def test_sparse_prefill_and_decode_above_min_context_retrieve_the_fact(ls_server
     assert "sglang_sparse:loopserve_covered_mass_count" in m
     text = log.read_text(errors="replace").lower()
     assert "traceback" not in text and "leak" not in text
+
+
+def test_default_dense_prefill_selects_lines_and_answers_its_first_token_as_off(ls_server, cpu_server):
+    """prefill "dense" (default): the stock attention computes an engaged prefill, so the token it yields is
+    off's; LoopServe still selects the lines the decode reads, and the decode after it runs sparse."""
+    server, _ = ls_server
+    content = "Dense prefill. " + _long_prompt()
+    one = chat(server, content, 1)
+    assert one["usage"]["prompt_tokens"] > MIN_CONTEXT
+    assert one["choices"][0]["message"]["content"] == chat(cpu_server, content, 1)["choices"][0]["message"]["content"]
+    rep = one["metadata"]["sparse"]
+    assert rep["sparse_prefill"] is True and rep["vertical_lines"] > 0 and 0 < rep["line_fraction"] < 1.0
+    more = chat(server, content, 6, ignore_eos=True)["metadata"]["sparse"]
+    assert more["sparse_decode_steps"] == 5 and more["decode_tokens_read"] < more["decode_tokens_total"]
 
 
 def test_progressive_decode_reselects_top_b_every_n_d_tokens(ls_server):

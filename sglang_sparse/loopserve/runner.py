@@ -31,41 +31,26 @@ Where the host work goes (nothing per layer needs a sync; no ``.item()``):
   * per layer, extend: estimation + selection + sparse prefill per sparse extend row (one request per
     kernel call: the kernels are single-request); device work only (the selection's split sizes are
     built without ``unique`` so that it never syncs).
-  * per layer, decode: one copy of all sparse rows' queries into the step's query buffer (committed to
-    the per-request rings at the next :meth:`begin_batch`); at re-selection steps, for ALL re-selecting
-    rows at once: one copy of their current queries into the planned observation buffer, one
-    :func:`~flashinfer_ext.loopserve.vs_estimate_batched.vertical_sums_batched` (two launches), one
-    :func:`~flashinfer_ext.loopserve.vs_estimate_batched.decode_topb_batched` (mask + topk) and one scatter into the
-    step's top-B tensor (top-B's masks planned once per step), then this layer's token lists for ALL sparse
-    rows: the candidates that do not depend on top-B (stored lines, slash offsets at the current position,
-    sink, tokens since: :func:`flashinfer_ext.common.sparse_decode.decode_union_static`) are built for every layer
-    at once in :meth:`begin_batch`, and each layer merges its new top-B into them
-    (:func:`~flashinfer_ext.common.sparse_decode.decode_union_merge`: concat + two sorts, O(list width) per row,
-    never a context-wide tensor); at a step where no row re-selects (every step of lastwindow after its
-    first, and of loopserve between re-selections) every layer's lists come from the requests' sorted bases
-    (lines ∪ top-B ∪ sink, sorted once per selection) plus the slash keys and the tail, in one launch with no
-    sort (:func:`sglang_sparse.loopserve.lists.steady_lists`; the batch's padded bases are kept while the batch
-    is unchanged); below ``LISTS_ALL_MAX_ENTRIES`` entries (larger steps build everything per layer). Then one
-    split-list decode over all rows and KV heads (:func:`flashinfer_ext.common.split_decode.sparse_decode_split`: two
-    launches; :func:`~flashinfer_ext.common.sparse_decode.sparse_decode` when one span covers the lists), through
-    :class:`flashinfer_ext.loopserve.decode.VerticalSlashDecode` (planned once per step in :meth:`begin_batch`). The lists
-    are cut as if ``graph_list_width`` wide, so eager and graph-replayed steps give the same outputs.
-    Statistics are in-place adds into the device step rows. When every row of the batch is sparse (the
-    usual case) the queries are read and the output written in place (no gather / scatter), the kernel's side
-    outputs are step buffers and a steady step's read counts are added once in :meth:`begin_batch`.
-    The host->device planning copies are pinned and non-blocking (:func:`sglang_sparse.loopserve.select.h2d`).
+  * per layer, decode: one copy of all sparse rows' queries into the step's query buffer (committed to the
+    per-request rings at the next :meth:`begin_batch`); at re-selection steps, for ALL re-selecting rows at once,
+    :func:`~flashinfer_ext.loopserve.vs_estimate_batched.vertical_sums_batched` and
+    :func:`~flashinfer_ext.loopserve.vs_estimate_batched.decode_topb_batched` (mask + topk), then this layer's
+    token lists for all sparse rows (:mod:`sglang_sparse.loopserve.lists`: on the kernel path every layer's
+    lines ∪ sink ∪ slash keys ∪ tail in one launch per step, to which each re-selecting layer appends its new
+    top-B; at steps without re-selection the lists come from the requests' sorted bases, no sort), then one
+    split-list decode over all rows and KV heads (:func:`flashinfer_ext.common.split_decode.sparse_decode_split`)
+    through :class:`flashinfer_ext.loopserve.decode.VerticalSlashDecode` (planned once per step). The lists are
+    cut as if ``graph_list_width`` wide, so eager and graph-replayed steps give the same outputs. Statistics are
+    in-place adds into the device step rows; the planning copies are pinned and non-blocking.
   * steady decode steps (no row selects top-B) replay SGLang's decode CUDA graph over static buffers
     planned by :mod:`sglang_sparse.loopserve.graph` (it calls :meth:`begin_batch` outside the graph).
-Where the remaining host cost is: a re-selection step runs eagerly, about 20 launches per layer; per request
-per step there remain the ring commit and, at re-selection steps and whenever the batch changes, the padding
-of the line lists (planning copies, once per step). The prefill side is still per request per layer: ``rows x layers`` single-request
-estimation + :func:`vs_select` (tens of small torch ops) + sparse prefill; at short contexts these launches
-cost more than the attention they replace (H100 harness, SmolLM2, concurrency 8: loopserve tasks
-175 s vs 14 s dense).
-When every row of a batch is sparse the backend skips the stock attention (K/V written as stock
-writes them); in a mixed batch the stock backend computes all rows first and the sparse rows are
-then overwritten. A mixed batch (``--enable-mixed-chunk``) treats
-its decode rows as 1-token extend rows.
+  * re-selecting decode steps replay the re-selecting graph variant when they fit it (``select_graph_rows``).
+The prefill side stays per request per layer: single-request estimation + :func:`vs_select` (tens of small torch
+ops), then with ``prefill: "lines"`` the sparse prefill; with ``prefill: "dense"`` (default) the stock attention
+computes the rows and the lines are only selected. When every row of a decode batch (or, with ``"lines"``, of an
+extend batch) is sparse the backend skips the stock attention (K/V written as stock writes them); in a mixed
+batch the stock backend computes all rows first and the sparse rows are then overwritten. A mixed batch
+(``--enable-mixed-chunk``) treats its decode rows as 1-token extend rows.
 """
 
 from __future__ import annotations
@@ -209,6 +194,9 @@ class LoopServeRunner:
         # lastwindow (SnapKV-like baseline): dense prefill that only records the prompt's last `window`
         # queries; one top-B selection at the first decode step; no lines, no re-selection
         self.lastwindow = cfg.mode == "lastwindow"
+        # loopserve prefill: Alg. 2's sparse attention over the lines ("lines"), or the stock dense attention with
+        # the lines only estimated and selected ("dense"); lastwindow's prefill is always dense
+        self.sparse_prefill = not self.lastwindow and getattr(cfg, "prefill", "lines") == "lines"
         self.planning_for_graph = False  # set by loopserve.graph while it plans a replayed step
         self.select_into = None  # loopserve.graph: the captured buffers a replayed re-selecting step is planned into
         self.ws = None  # loopserve.ws.LoopServeWorkingSet: decode steps record what they read (host tier admission)
@@ -472,7 +460,7 @@ class LoopServeRunner:
     @property
     def all_rows_sparse(self) -> bool:
         """Every row of this batch takes the sparse path (the backend may then skip the stock compute)."""
-        if self.bs == 0 or (self.lastwindow and self.dec is None):  # lastwindow prefill is dense
+        if self.bs == 0 or (self.dec is None and not self.sparse_prefill):  # a dense prefill: the stock compute
             return False
         if self.dec is not None:
             return len(self.dec["rows"]) == self.bs
@@ -499,19 +487,8 @@ class LoopServeRunner:
             n = st.vmask.shape[2] - 1
             for idx, mask in ((sel.v_idx, st.vmask[lid]), (sel.s_idx, st.smask[lid])):
                 mask.scatter_(1, torch.where(idx >= 0, idx.long(), n), True)
-            # lines used: this chunk's selection U earlier chunks U earlier turns (reused); a first
-            # segment (prefix 0: no earlier chunk, no reused turn) uses its selection as it is
-            if r.prefix == 0:
-                v_idx, v_cnt, s_idx, s_cnt = sel.v_idx, sel.v_cnt, sel.s_idx, sel.s_cnt
-            else:  # both masks compacted in one pass: [2 * Hk, seq] (verticals first)
-                both_idx, both_cnt = _compact(torch.cat([st.vmask[lid, :, : r.seq], st.smask[lid, :, : r.seq]]))
-                v_idx, s_idx = both_idx[:hk], both_idx[hk:]
-                v_cnt, s_cnt = both_cnt[:hk], both_cnt[hk:]
-            o_rows = o3[r.q_lo: r.q_lo + r.seq - r.prefix]
-            o_seg = self._prefill(q_seg, k_buf, v_buf, slots, r.prefix, r.seq, v_idx, v_cnt, s_idx, s_cnt,
-                                  layer.scaling, out=o_rows)
-            if o_seg is not o_rows:
-                o_rows.copy_(o_seg)
+            if self.sparse_prefill:  # else the stock attention's rows stay in o3 (prefill "dense")
+                self._prefill_lines(st, r, sel, lid, hk, q_seg, o3, k_buf, v_buf, slots, layer.scaling)
             # this layer's line counts and covered bound into the request's statistics (one add; the
             # host-known columns are added once per batch in finish_extend)
             st.acc.index_add_(0, self._acc_cols, torch.cat([torch.stack([sel.v_cnt, sel.s_cnt]).sum(1, dtype=torch.float32),
@@ -519,6 +496,22 @@ class LoopServeRunner:
             r.layers_done += 1
             if r.last_chunk:  # the prompt's last queries seed Alg. 3's observation window
                 self._record_ring(st, lid, q_seg, r)
+
+    def _prefill_lines(self, st, r, sel, lid, hk, q_seg, o3, k_buf, v_buf, slots, scale) -> None:
+        """Alg. 2's sparse attention of row ``r``'s segment into its rows of ``o3``. Lines used: this chunk's
+        selection U earlier chunks U earlier turns (reused); a first segment (prefix 0: no earlier chunk, no reused
+        turn) uses its selection as it is."""
+        if r.prefix == 0:
+            v_idx, v_cnt, s_idx, s_cnt = sel.v_idx, sel.v_cnt, sel.s_idx, sel.s_cnt
+        else:  # both masks compacted in one pass: [2 * Hk, seq] (verticals first)
+            both_idx, both_cnt = _compact(torch.cat([st.vmask[lid, :, : r.seq], st.smask[lid, :, : r.seq]]))
+            v_idx, s_idx = both_idx[:hk], both_idx[hk:]
+            v_cnt, s_cnt = both_cnt[:hk], both_cnt[hk:]
+        o_rows = o3[r.q_lo: r.q_lo + r.seq - r.prefix]
+        o_seg = self._prefill(q_seg, k_buf, v_buf, slots, r.prefix, r.seq, v_idx, v_cnt, s_idx, s_cnt, scale,
+                              out=o_rows)
+        if o_seg is not o_rows:
+            o_rows.copy_(o_seg)
 
     @staticmethod
     def _record_ring(st, lid, q_seg, r) -> None:
