@@ -288,7 +288,7 @@ class LoopServeConfig(SparseConfig):
     sampled_rows: int = knob(64, doc="query rows sampled for line estimation", range=Range(1, 8192))
     min_context: int = knob(65536, doc="segments over contexts shorter than this run dense (prefill and decode). "
                             "End to end on the 32k testbed (SmolLM2, YaRN) no length engaged pays: at 32k the "
-                            "engaged mode ran at 0.24-0.48x stock throughput, so the default engages only past "
+                            "engaged mode ran at 0.28-0.58x stock throughput, so the default engages only past "
                             "that context; lower it for models whose dense attention costs more per token "
                             "(docs/loopserve.md)", range=Range(0, 1 << 24))
     sink_tokens: int = knob(4, doc="first key positions always attended (vertical lines)", range=Range(0, 1 << 20))
@@ -302,8 +302,8 @@ class LoopServeConfig(SparseConfig):
     prefill: str = knob("dense", doc="attention of an engaged prefill segment: dense = the stock attention computes it "
                         "and LoopServe only estimates and selects the segment's lines (for the decode lists and the "
                         "turns after), lines = Alg. 2's sparse attention over the lines. End to end at 32k on the "
-                        "testbed the lines prefill made TTFT 2.6x stock's (its kernel ran at 0.15x of FlashInfer's "
-                        "dense prefill), so dense is the default", choices=("dense", "lines"))
+                        "testbed the lines prefill made TTFT 2.4-3.3x stock's against 1.8x with dense (its kernel ran "
+                        "at 0.15x of FlashInfer's dense prefill), so dense is the default", choices=("dense", "lines"))
     initial_topb: bool = knob(True, doc="also select the top-B tokens at every decode step before generated token 16, "
                               "from the last n_d queries (false: Alg. 3 exactly, stored lines only until token 16)")
     select_graph_rows: int = knob(8, doc="decode CUDA graphs: a step where at most this many rows re-select their "
