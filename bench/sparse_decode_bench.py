@@ -147,14 +147,11 @@ def sweep_case(shape, batch, ctx, width, kind, dev, peak_bps, sm_count, configs)
 
 
 def run_sweep(out: Path, meta: dict, dev: str) -> int:
-    import inspect
+    from flashinfer_ext.common.split_decode import plan_splits
 
-    from flashinfer_ext.common.split_decode import SplitPlan, plan_splits
-
-    default = SplitPlan(1, 64, 64)
-    default_tile = inspect.signature(plan_splits).parameters["tile_tokens"].default
+    default = plan_splits(1, 1, block_size=1, target_programs=1)  # at block size 1 its tile is `sub` entries
     configs = [(t, w, st) for t in SWEEP_TILES for w in SWEEP_WARPS for st in SWEEP_STAGES]
-    configs.sort(key=lambda c: c != (default_tile, default.num_warps, default.num_stages))  # default first
+    configs.sort(key=lambda c: c != (default.sub, default.num_warps, default.num_stages))  # default first
     results = []
     for case in SWEEP_CASES:
         rows = sweep_case(*case, dev, meta["peak_bps"], meta["sm_count"], configs)
