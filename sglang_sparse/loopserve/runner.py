@@ -315,16 +315,25 @@ class LoopServeRunner:
                 if st is None or st.prefill_done:
                     st = self._new_state(req, alpha, budget, p, backend)
                     setattr(req, STATE_ATTR, st)
-                sample = torch.zeros(0, dtype=torch.long) if self.lastwindow else \
-                    sample_query_rows(e, cfg.sampled_rows)
+                last = seq >= len(req.origin_input_ids)
+                selects = sel_base is not None and self._chunk_selects(last)
+                if last and sel_base is not None and cfg.line_chunks == "none":  # the always-attended lines only
+                    st.vmask[:, :, : min(cfg.sink_tokens, seq)] = True
+                    st.smask[:, :, : min(cfg.local_window, seq)] = True
+                sample = sample_query_rows(e, cfg.sampled_rows) if selects else torch.zeros(0, dtype=torch.long)
                 self.ext_rows.append(_ExtRow(i, st, q_lo, p, seq, int(fb.req_pool_indices_cpu[i])
                                              if getattr(fb, "req_pool_indices_cpu", None) is not None
-                                             else int(req.req_pool_idx), _h2d(sample, self.device),
-                                             seq >= len(req.origin_input_ids),
+                                             else int(req.req_pool_idx), _h2d(sample, self.device), last,
                                              sample_pos=_h2d(sample + p, self.device),
-                                             sel_plan=None if sel_base is None else vs_select_plan(
-                                                 seq, p, dataclasses.replace(sel_base, alpha=st.alpha), self.device)))
+                                             sel_plan=vs_select_plan(
+                                                 seq, p, dataclasses.replace(sel_base, alpha=st.alpha), self.device)
+                                             if selects else None))
             q_lo += e
+
+    def _chunk_selects(self, last_chunk: bool) -> bool:
+        """Whether an engaged prefill chunk estimates and selects lines (``line_chunks``; a sparse prefill always)."""
+        which = self.cfg.line_chunks
+        return self.sparse_prefill or which == "all" or (which == "last" and last_chunk)
 
     def row_fires(self, st: ReqState, seq_len: int) -> tuple[bool, bool]:
         """``(re-selects by Alg. 3, selects top-B at this step)`` of a decode row whose prefill is done, at
@@ -478,7 +487,7 @@ class LoopServeRunner:
             st = r.state
             slots = rtt[r.rpi]
             q_seg = q3[r.q_lo: r.q_lo + r.seq - r.prefix]
-            if self.lastwindow:  # dense prefill (stock): only record the prompt's last queries
+            if r.sel_plan is None:  # a dense chunk that selects no lines (lastwindow, line_chunks): the ring only
                 if r.last_chunk:
                     self._record_ring(st, lid, q_seg, r)
                 continue
