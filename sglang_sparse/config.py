@@ -304,11 +304,14 @@ class LoopServeConfig(SparseConfig):
                         "turns after), lines = Alg. 2's sparse attention over the lines. End to end at 32k on the "
                         "testbed the lines prefill made TTFT 2.4-3.3x stock's against 1.8x with dense (its kernel ran "
                         "at 0.15x of FlashInfer's dense prefill), so dense is the default", choices=("dense", "lines"))
-    line_chunks: str = knob("all", doc="with prefill dense: which chunks of an engaged prompt estimate and select lines "
-                            "for the decode lists and the turns after. all = every prefill chunk; last = the prompt's "
-                            "last chunk only (its sampled rows see the whole prompt; earlier chunks cost nothing over "
-                            "stock); none = no lines (decode lists = sink, local window, generated tokens and the "
-                            "re-selected top-B). prefill lines needs all", choices=("all", "last", "none"))
+    line_chunks: str = knob("auto", doc="which chunks of an engaged prompt estimate and select lines for the decode "
+                            "lists and the turns after. auto = last with prefill dense, all with prefill lines; last = "
+                            "the prompt's last chunk only (its sampled rows see the whole prompt; earlier chunks cost "
+                            "nothing over stock): on the 32k testbed as close to dense as all, with TTFT 1.35x stock's "
+                            "against 1.67x; all = every prefill chunk; none = no lines (decode lists = sink, local "
+                            "window, generated tokens and the re-selected top-B: fastest, but it lost answers to "
+                            "questions at the start of a turn). prefill lines needs auto or all",
+                            choices=("auto", "all", "last", "none"))
     initial_topb: bool = knob(True, doc="also select the top-B tokens at every decode step before generated token 16, "
                               "from the last n_d queries (false: Alg. 3 exactly, stored lines only until token 16)")
     select_graph_rows: int = knob(8, doc="decode CUDA graphs: a step where at most this many rows re-select their "
@@ -331,10 +334,10 @@ class LoopServeConfig(SparseConfig):
 
     def __post_init__(self):
         super().__post_init__()
-        if self.prefill == "lines" and self.line_chunks != "all":
+        if self.prefill == "lines" and self.line_chunks not in ("auto", "all"):
             raise SparseConfigError(f"--sparse-config: field 'line_chunks' of mode 'loopserve' = "
                                     f"{json_text(self.line_chunks)} is not allowed with prefill \"lines\" (its sparse "
-                                    "attention needs every chunk's lines); allowed: \"all\"")
+                                    "attention needs every chunk's lines); allowed: \"auto\", \"all\"")
 
 
 @dataclass(frozen=True)

@@ -332,8 +332,8 @@ class LoopServeRunner:
 
     def _chunk_selects(self, last_chunk: bool) -> bool:
         """Whether an engaged prefill chunk estimates and selects lines (``line_chunks``; a sparse prefill always)."""
-        which = self.cfg.line_chunks
-        return self.sparse_prefill or which == "all" or (which == "last" and last_chunk)
+        which = self.cfg.line_chunks  # auto: last (a sparse prefill always selects)
+        return self.sparse_prefill or which == "all" or (which in ("last", "auto") and last_chunk)
 
     def row_fires(self, st: ReqState, seq_len: int) -> tuple[bool, bool]:
         """``(re-selects by Alg. 3, selects top-B at this step)`` of a decode row whose prefill is done, at

@@ -6,7 +6,8 @@ estimate and select lines (CPU reference path, SGLang-shaped stand-ins, no sglan
   of ``all``'s union); earlier chunks carry no sampled rows and no selection plan;
 * ``none``: no chunk selects; the decode lists start from the sink and local-window lines alone;
 * every setting records the prompt's last queries in the observation ring;
-* ``prefill: "lines"`` with anything but ``all`` is a config error naming the field.
+* ``auto`` (the default) is ``last`` with the dense prefill and ``all`` with the sparse one;
+* ``prefill: "lines"`` with ``last`` or ``none`` is a config error naming the field.
 """
 
 from __future__ import annotations
@@ -109,8 +110,19 @@ def test_every_line_chunks_setting_records_the_prompts_last_queries_in_the_ring(
 
 
 @pytest.mark.parametrize("line_chunks", ["last", "none"])
-def test_prefill_lines_with_line_chunks_other_than_all_names_the_field(line_chunks):
+def test_prefill_lines_with_line_chunks_last_or_none_names_the_field(line_chunks):
     with pytest.raises(SparseConfigError, match="line_chunks"):
         LoopServeConfig.from_dict({"prefill": "lines", "line_chunks": line_chunks})
     with pytest.raises(SparseConfigError, match="line_chunks"):
         LoopServeConfig.from_dict({"line_chunks": "some"})
+
+
+def test_line_chunks_auto_is_last_with_the_dense_prefill_and_all_with_the_sparse_one():
+    assert LoopServeConfig().line_chunks == "auto" and LoopServeConfig().prefill == "dense"
+    st_auto, v_auto, s_auto, _, planned, _ = _prefill("auto")
+    _, v_last, s_last, _, _, _ = _prefill("last")
+    assert [p[0] for p in planned] == [False, False, True]
+    assert torch.equal(v_auto, v_last) and torch.equal(s_auto, s_last)
+    shape = SimpleNamespace(num_layers=L, num_kv_heads=HK, num_qo_heads=HQ, head_dim=D)
+    lines = LoopServeRunner(LoopServeConfig(prefill="lines"), shape, torch.device("cpu"), use_kernels=False)
+    assert lines._chunk_selects(False) and lines._chunk_selects(True)
