@@ -288,7 +288,7 @@ class LoopServeConfig(SparseConfig):
     sampled_rows: int = knob(64, doc="query rows sampled for line estimation", range=Range(1, 8192))
     min_context: int = knob(65536, doc="segments over contexts shorter than this run dense (prefill and decode). "
                             "End to end on the 32k testbed (SmolLM2, YaRN) no length engaged pays: at 32k the "
-                            "engaged mode ran at 0.28-0.58x stock throughput, so the default engages only past "
+                            "engaged mode ran at 0.36-0.67x stock throughput, so the default engages only past "
                             "that context; lower it for models whose dense attention costs more per token "
                             "(docs/loopserve.md)", range=Range(0, 1 << 24))
     sink_tokens: int = knob(4, doc="first key positions always attended (vertical lines)", range=Range(0, 1 << 20))
