@@ -55,6 +55,19 @@ class VSLineSums:
     num_rows: int
 
 
+def stack_line_sums(parts: "list[VSLineSums]") -> VSLineSums:
+    """The line sums of several layers (same request, rows and length) as one ``[sum of num_kv_heads, seq_len]``
+    :class:`VSLineSums`: :func:`flashinfer_ext.loopserve.vs_select.vs_select` then selects every layer's lines in
+    one call (its work is per head row, so each layer gets the lines it would get alone)."""
+    if not parts:
+        raise ValueError("stack_line_sums needs at least one VSLineSums")
+    g, r = parts[0].group_size, parts[0].num_rows
+    if any(p.group_size != g or p.num_rows != r for p in parts):
+        raise ValueError("stack_line_sums: the parts differ in group_size or num_rows")
+    return VSLineSums(*(torch.cat([getattr(p, f) for p in parts]) for f in ("v_sum", "v_max", "s_sum", "s_max")),
+                      g, r)
+
+
 def sample_query_rows(extend_len: int, num_rows: int) -> torch.Tensor:
     """Local indices (int64, ascending, CPU) of the rows of an extend segment sampled for estimation.
 

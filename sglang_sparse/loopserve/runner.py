@@ -28,9 +28,11 @@ Where the host work goes (nothing per layer needs a sync; no ``.item()``):
     also plans the batched selection (:func:`sglang_sparse.loopserve.select.plan_selection`): one gather per row of its earlier
     observation queries from its ring for all layers, and the rows' positions, request indices, pool
     rows, scored lengths and budgets in one host->device copy.
-  * per layer, extend: estimation + selection + sparse prefill per sparse extend row (one request per
-    kernel call: the kernels are single-request); device work only (the selection's split sizes are
-    built without ``unique`` so that it never syncs).
+  * per layer, extend: with ``prefill: "lines"`` estimation + selection + sparse prefill per sparse extend row (one
+    request per kernel call: the kernels are single-request); with ``prefill: "dense"`` one gather of the sampled
+    query rows, the lines of every layer then selected after the forward in one batched selection
+    (:mod:`sglang_sparse.loopserve.prefill_lines`, from :meth:`finish_extend`). Device work only (the selection's
+    split sizes are built without ``unique`` so that it never syncs).
   * per layer, decode: one copy of all sparse rows' queries into the step's query buffer (committed to the
     per-request rings at the next :meth:`begin_batch`); at re-selection steps, for ALL re-selecting rows at once,
     :func:`~flashinfer_ext.loopserve.vs_estimate_batched.vertical_sums_batched` and
@@ -45,9 +47,9 @@ Where the host work goes (nothing per layer needs a sync; no ``.item()``):
   * steady decode steps (no row selects top-B) replay SGLang's decode CUDA graph over static buffers
     planned by :mod:`sglang_sparse.loopserve.graph` (it calls :meth:`begin_batch` outside the graph).
   * re-selecting decode steps replay the re-selecting graph variant when they fit it (``select_graph_rows``).
-The prefill side stays per request per layer: single-request estimation + :func:`vs_select` (tens of small torch
-ops), then with ``prefill: "lines"`` the sparse prefill; with ``prefill: "dense"`` (default) the stock attention
-computes the rows and the lines are only selected. When every row of a decode batch (or, with ``"lines"``, of an
+The prefill side stays per request: with ``prefill: "lines"`` estimation + :func:`vs_select` and the sparse prefill in
+each layer; with ``prefill: "dense"`` (default) the stock attention computes the rows and the lines are selected
+after the forward for all layers at once (``line_chunks``: in which chunks). When every row of a decode batch (or, with ``"lines"``, of an
 extend batch) is sparse the backend skips the stock attention (K/V written as stock writes them); in a mixed
 batch the stock backend computes all rows first and the sparse rows are then overwritten. A mixed batch
 (``--enable-mixed-chunk``) treats its decode rows as 1-token extend rows.
@@ -67,6 +69,7 @@ from sglang_sparse.config import LoopServeConfig
 from sglang_sparse.loopserve.lists import (LISTS_ALL_MAX_ENTRIES, BaseRows, merge_all_layers, plan_union_append,
                                            plan_select_lists, select_bases, select_lists,
                                            static_all_layers, steady_lists, steady_width, union_lists)
+from sglang_sparse.loopserve.prefill_lines import record_queries, select_all_layers
 from sglang_sparse.loopserve.select import SELECT_SPLIT_KEYS, h2d as _h2d, plan_selection, reselect
 from sglang_sparse.loopserve.stats import (
     COL_ALPHA, COL_COV, COL_KIND, COL_LTOT, COL_READ, COL_RESEL, COL_REUSED, COL_S, COL_TTOT, COL_UNITS, COL_V,
@@ -163,7 +166,9 @@ class _ExtRow:
     last_chunk: bool
     sample_pos: torch.Tensor | None = None  # [R] their positions (sample + prefix), built once per batch
     sel_plan: VSSelectPlan | None = None     # the segment's selection plan (all layers), built once per batch
-    layers_done: int = 0                     # layers whose sparse prefill ran (host count, for the statistics)
+    layers_done: int = 0                     # layers whose lines were selected (host count, for the statistics)
+    q_obs: torch.Tensor | None = None        # [L, R, Hq, D] the sampled rows per layer (dense prefill: deferred lines)
+    scale: float = 0.0                       # the layers' softmax scale (deferred lines)
 
 
 def _decoding_sparsely(req) -> bool:
@@ -197,6 +202,7 @@ class LoopServeRunner:
         # loopserve prefill: Alg. 2's sparse attention over the lines ("lines"), or the stock dense attention with
         # the lines only estimated and selected ("dense"); lastwindow's prefill is always dense
         self.sparse_prefill = not self.lastwindow and getattr(cfg, "prefill", "lines") == "lines"
+        self._kv = None  # (token_to_kv_pool, req_to_token) of the current extend batch (deferred line selection)
         self.planning_for_graph = False  # set by loopserve.graph while it plans a replayed step
         self.select_into = None  # loopserve.graph: the captured buffers a replayed re-selecting step is planned into
         self.ws = None  # loopserve.ws.LoopServeWorkingSet: decode steps record what they read (host tier admission)
@@ -483,26 +489,25 @@ class LoopServeRunner:
         k_buf, v_buf = pool.get_key_buffer(lid), pool.get_value_buffer(lid)
         rtt = backend.req_to_token_pool.req_to_token
         hk = k_buf.shape[1]
+        self._kv = (pool, rtt)  # the deferred selection (finish_extend) reads every layer's keys from the pool
         for r in self.ext_rows:
             st = r.state
-            slots = rtt[r.rpi]
             q_seg = q3[r.q_lo: r.q_lo + r.seq - r.prefix]
-            if r.sel_plan is None:  # a dense chunk that selects no lines (lastwindow, line_chunks): the ring only
-                if r.last_chunk:
-                    self._record_ring(st, lid, q_seg, r)
-                continue
-            lines = self._estimate(q_seg[r.sample], r.sample_pos, k_buf, slots, r.seq, layer.scaling)
-            sel = vs_select(lines, plan=r.sel_plan)
-            n = st.vmask.shape[2] - 1
-            for idx, mask in ((sel.v_idx, st.vmask[lid]), (sel.s_idx, st.smask[lid])):
-                mask.scatter_(1, torch.where(idx >= 0, idx.long(), n), True)
-            if self.sparse_prefill:  # else the stock attention's rows stay in o3 (prefill "dense")
+            if r.sel_plan is not None and self.sparse_prefill:  # Alg. 2: this layer's lines, then its sparse rows
+                slots = rtt[r.rpi]
+                sel = vs_select(self._estimate(q_seg[r.sample], r.sample_pos, k_buf, slots, r.seq, layer.scaling),
+                                plan=r.sel_plan)
+                n = st.vmask.shape[2] - 1
+                for idx, mask in ((sel.v_idx, st.vmask[lid]), (sel.s_idx, st.smask[lid])):
+                    mask.scatter_(1, torch.where(idx >= 0, idx.long(), n), True)
                 self._prefill_lines(st, r, sel, lid, hk, q_seg, o3, k_buf, v_buf, slots, layer.scaling)
-            # this layer's line counts and covered bound into the request's statistics (one add; the
-            # host-known columns are added once per batch in finish_extend)
-            st.acc.index_add_(0, self._acc_cols, torch.cat([torch.stack([sel.v_cnt, sel.s_cnt]).sum(1, dtype=torch.float32),
-                                                             sel.covered_lb.sum(0, keepdim=True)]))
-            r.layers_done += 1
+                # this layer's line counts and covered bound into the request's statistics (one add; the
+                # host-known columns are added once per batch in finish_extend)
+                st.acc.index_add_(0, self._acc_cols, torch.cat([torch.stack([sel.v_cnt, sel.s_cnt]).sum(1, dtype=torch.float32),
+                                                                 sel.covered_lb.sum(0, keepdim=True)]))
+                r.layers_done += 1
+            elif r.sel_plan is not None:  # prefill "dense": the stock rows stay; lines selected after the forward
+                record_queries(r, lid, q_seg, layer.scaling, self.shape.num_layers)
             if r.last_chunk:  # the prompt's last queries seed Alg. 3's observation window
                 self._record_ring(st, lid, q_seg, r)
 
@@ -532,9 +537,12 @@ class LoopServeRunner:
         st.ring[lid, ring_pos % n_ring] = q_seg[t - k:].to(st.ring.dtype)
 
     def finish_extend(self) -> None:
-        """After the forward (host bookkeeping only): mark finished prefills, publish cumulative rows."""
+        """After the forward: the dense prefill's deferred line selection (device work, no sync), then host
+        bookkeeping: mark finished prefills, publish cumulative rows."""
         hk = self.shape.num_kv_heads
         for r in self.ext_rows:
+            if r.q_obs is not None:  # prefill "dense": every layer's lines in one batched selection
+                select_all_layers(r, self._estimate, self._kv[0], self._kv[1][r.rpi], self._acc_cols)
             if r.layers_done:  # the host-known columns of the layers that ran (one add per row and batch)
                 add = host_row(STEP_COLS, {COL_LTOT: 2.0 * r.seq * hk * r.layers_done, COL_UNITS: hk * r.layers_done})
                 r.state.acc.add_(_h2d(torch.tensor(add, dtype=torch.float32), self.device))
