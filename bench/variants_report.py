@@ -22,7 +22,7 @@ import json
 import sys
 from pathlib import Path
 
-from bench import report_long
+from bench import report, report_long
 
 KEEP = ("scored_turns", "accuracy_ratio_by_position", "paired_ci95_by_position", "accuracy_by_position",
         "dense_accuracy_same_turns_by_position", "n_by_position", "accuracy_ratio_by_length", "n_by_length",
@@ -59,6 +59,28 @@ def parse_args(argv=None):
     return a
 
 
+def split_by_engagement(dense: dict, other: dict, preset) -> dict:
+    """Output agreement and right answers on the same scored turns, split by whether the turn's request engaged the
+    mode (its own report: a sparse prefill, assembled documents or sparse decode steps). The not-engaged side shows
+    what the server changes for requests the mode never touched (batching, eager against graph-replayed steps)."""
+    d = {r["task_id"]: r for r in report.headline_rows(dense, preset)}
+    m = {r["task_id"]: r for r in report.headline_rows(other, preset)}
+    out = {}
+    for side in ("engaged", "not_engaged"):
+        ids = [t for t in sorted(d) if t in m and _engaged(m[t]) == (side == "engaged")]
+        out[side] = {"turns": len(ids),
+                     "output_agreement": (sum(d[t].get("token_ids") == m[t].get("token_ids") for t in ids) / len(ids)
+                                          if ids else None),
+                     "dense_right": sum(float(d[t]["score"]) for t in ids),
+                     "mode_right": sum(float(m[t]["score"]) for t in ids)}
+    return out
+
+
+def _engaged(row: dict) -> bool:
+    s = report_long._summary(row)
+    return bool(s.get("sparse_prefill") or s.get("assembled") or int(s.get("sparse_decode_steps") or 0) > 0)
+
+
 def _load(run_dir: Path, mode: str):
     run, results, preset = report_long.load_run(run_dir)
     if not results.get("off", {}).get("tasks") or not results.get(mode, {}).get("tasks"):
@@ -79,7 +101,8 @@ def build(a) -> dict:
         fig = report_long.mode_figures(results["off"], results[a.mode], a.mode, preset)
         out["fidelity"].setdefault(group, {})[label] = {
             "command": meta.get("command"), "server_args": meta.get("extra server args"),
-            **{k: fig.get(k) for k in KEEP}}
+            **{k: fig.get(k) for k in KEEP},
+            "by_engagement": split_by_engagement(results["off"], results[a.mode], preset)}
         offs.setdefault(group, []).append((label, results["off"], preset))
     for group in a.floor:
         for (la, ra, preset), (lb, rb, _) in itertools.combinations(offs[group], 2):
@@ -121,6 +144,14 @@ def render_md(rep: dict) -> str:
     for group, runs in rep["fidelity"].items():
         lines += [f"## Fidelity, runs `{group}`", "", head]
         lines += [_row(label, m) for label, m in runs.items()]
+        lines += ["", "Split by whether the turn's request engaged the mode (same turns, its own report):", "",
+                  "| config | engaged turns | agreement | right (mode / off) | not engaged turns | agreement | "
+                  "right (mode / off) |", "|---|---|---|---|---|---|---|"]
+        for label, m in runs.items():
+            e, ne = m["by_engagement"]["engaged"], m["by_engagement"]["not_engaged"]
+            lines.append(f"| {label} | {e['turns']} | {_f(e['output_agreement'])} | {e['mode_right']:g} / "
+                         f"{e['dense_right']:g} | {ne['turns']} | {_f(ne['output_agreement'])} | "
+                         f"{ne['mode_right']:g} / {ne['dense_right']:g} |")
         for label, m in runs.items():
             lines.append(f"\n- `{label}`: `{m['command']}`")
         if rep["off_vs_off"].get(group):

@@ -23,21 +23,22 @@ def _task(i: int, pos: str, right: bool, reply: str, tokens: int = 9000, sparse:
             "docs": 0, "tokens": tokens, "depth": 0.5, "turns": [turn], "error": None}
 
 
-def _run(tmp_path, name: str, off_right: list[bool], mode_right: list[bool]):
+def _run(tmp_path, name: str, off_right: list[bool], mode_right: list[bool], engaged=None):
     d = tmp_path / name
     (d / "raw").mkdir(parents=True)
     (d / "run.json").write_text(json.dumps({"preset": "long", "modes": ["off", "loopserve"], "errors": {},
                                             "meta": {"gpu": "G", "versions": "v", "model_name": "m",
                                                      "command": f"cmd {name}", "extra server args": "--x"}}))
     for mode, rights in (("off", off_right), ("loopserve", mode_right)):
-        tasks = [_task(i, POSITIONS[i % 3], r, "yes" if r else "no") for i, r in enumerate(rights)]
+        tasks = [_task(i, POSITIONS[i % 3], r, "yes" if r else "no",
+                       sparse=mode == "loopserve" and (engaged is None or engaged[i])) for i, r in enumerate(rights)]
         (d / "raw" / f"{mode}.json").write_text(json.dumps({"server": {}, "tasks": tasks}))
     return d
 
 
 def test_each_run_is_paired_with_its_own_off_and_off_records_give_the_floor(tmp_path):
     # 6 turns (2 per position): the mode misses begin turn 0 in run a; run b's off misses middle turn 1
-    a = _run(tmp_path, "a", [True] * 6, [False] + [True] * 5)
+    a = _run(tmp_path, "a", [True] * 6, [False] + [True] * 5, engaged=[False, True, True, True, True, True])
     b = _run(tmp_path, "b", [True, False] + [True] * 4, [True] * 6)
     ab = tmp_path / "ab.json"
     ab.write_text(json.dumps({"meta": {"command": "ab cmd", "gpu": "G", "input_len": 32000, "rounds": 1},
@@ -54,6 +55,10 @@ def test_each_run_is_paired_with_its_own_off_and_off_records_give_the_floor(tmp_
     assert fa["accuracy_ratio_by_position"]["middle"] == pytest.approx(1.0)
     assert fa["output_agreement"] == pytest.approx(5 / 6)
     assert fb["accuracy_ratio_by_position"]["middle"] == pytest.approx(2.0)  # b's off missed it, its mode did not
+    # run a's miss is on its one not-engaged turn: the split shows it there
+    assert fa["by_engagement"]["not_engaged"] == {"turns": 1, "output_agreement": 0.0, "dense_right": 1.0,
+                                                  "mode_right": 0.0}
+    assert fa["by_engagement"]["engaged"]["turns"] == 5 and fa["by_engagement"]["engaged"]["output_agreement"] == 1.0
     floor = rep["off_vs_off"]["g"]["a~b"]
     assert floor["accuracy_ratio_by_position"]["middle"] == pytest.approx(0.5)
     assert floor["output_agreement"] == pytest.approx(5 / 6)
