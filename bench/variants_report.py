@@ -110,6 +110,9 @@ def build(a) -> dict:
             out["off_vs_off"].setdefault(group, {})[f"{la}~{lb}"] = {k: fig.get(k) for k in KEEP}
     if a.ab:
         ab = json.loads(Path(a.ab).read_text())
+        out.setdefault("gpu", ab["meta"].get("gpu"))
+        out.setdefault("versions", (ab["meta"].get("versions") or {}).get("versions")
+                       if isinstance(ab["meta"].get("versions"), dict) else ab["meta"].get("versions"))
         out["speed"] = {"command": ab["meta"].get("command"), "gpu": ab["meta"].get("gpu"),
                         "input_len": ab["meta"].get("input_len"), "rounds": ab["meta"].get("rounds"),
                         "servers": {lab: {c: {"throughput_ratio": v.get("ratio_geomean"),
@@ -136,7 +139,8 @@ def render_md(rep: dict) -> str:
     head = ("| config | turns | begin | middle | end | 8k | 16k | 32k | diff CI95 begin / middle / end (points) "
             "| engaged | output agreement |\n|---|---|---|---|---|---|---|---|---|---|---|")
     lines = [f"# {rep['mode']}: configurations on the long-context testbed", "",
-             f"- GPU: {rep.get('gpu')}; model: {rep.get('model')}; preset `{rep.get('preset')}`",
+             f"- GPU: {rep.get('gpu')}" + (f"; model: {rep['model']}; preset `{rep.get('preset')}`"
+                                           if rep.get("model") else ""),
              f"- versions: {rep.get('versions')}",
              "- accuracy ratio to `off` on the same scored turns, by question position and by prompt length "
              "(8k <= 12288, 16k <= 24576, 32k above); paired 95 % interval of the difference in points; output "
