@@ -5,42 +5,23 @@ and the decode after it runs sparse over fewer tokens than dense."""
 
 from __future__ import annotations
 
-import sys
-
 import pytest
 
-from bench.server import Server, ServerSpec
-from tests.serverproc import DEFAULT_MODEL, chat, free_port
+from tests.serverproc import chat
+from tests.test_gpu_loopserve_server import ARGS as EAGER_ARGS, off_and_loopserve
 from tests.test_gpu_psa_server import _long_prompt
 
 pytestmark = [pytest.mark.gpu, pytest.mark.server]
 
 LAYERS, KV_HEADS = 30, 3  # SmolLM2-135M
 MIN_CONTEXT, CHUNK = 512, 256
-ARGS = ["--attention-backend", "flashinfer", "--mem-fraction-static", "0.2", "--disable-cuda-graph",
-        "--chunked-prefill-size", str(CHUNK)]
-
-
-def _server(mode, log, sparse_config=None):
-    spec = ServerSpec(python=sys.executable, model=str(DEFAULT_MODEL), device="cuda", port=free_port(),
-                      mode=mode, sparse_config=sparse_config, extra_args=list(ARGS))
-    return Server(spec, log, timeout_s=600).start()
 
 
 @pytest.fixture(scope="module")
 def servers(tmp_path_factory):
-    d = tmp_path_factory.mktemp("gpu_loopserve_dense")
-    dense = _server("off", d / "off.log")
-    try:
-        sparse = _server("loopserve", d / "loopserve.log", sparse_config=f'{{"min_context": {MIN_CONTEXT}}}')
-    except Exception:
-        dense.stop()
-        raise
-    try:
-        yield dense, sparse
-    finally:
-        sparse.stop()
-        dense.stop()
+    with off_and_loopserve(tmp_path_factory.mktemp("gpu_loopserve_dense"), f'{{"min_context": {MIN_CONTEXT}}}',
+                           args=EAGER_ARGS + ["--chunked-prefill-size", str(CHUNK)]) as pair:
+        yield pair
 
 
 def test_gpu_default_dense_prefill_first_token_is_offs_and_only_the_last_chunk_selects(servers):

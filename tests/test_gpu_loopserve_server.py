@@ -8,6 +8,7 @@ replay SGLang's decode graphs and the greedy output equals the eager server's to
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import time
 
@@ -38,20 +39,27 @@ def _server(mode, log, sparse_config=None, args=ARGS):
     return Server(spec, log, timeout_s=600).start()
 
 
-@pytest.fixture(scope="module")
-def gpu_servers(tmp_path_factory):
-    d = tmp_path_factory.mktemp("gpu_loopserve")
-    dense = _server("off", d / "off.log")
+@contextlib.contextmanager
+def off_and_loopserve(d, sparse_config: str, args=ARGS):
+    """An `off` and a `loopserve` server (``sparse_config``) with the same arguments, both stopped on exit."""
+    dense = _server("off", d / "off.log", args=args)
     try:
-        sparse = _server("loopserve", d / "loopserve.log", sparse_config=SPARSE_CONFIG)
+        sparse = _server("loopserve", d / "loopserve.log", sparse_config=sparse_config, args=args)
     except Exception:
         dense.stop()
         raise
     try:
-        yield dense, sparse, d
+        yield dense, sparse
     finally:
         sparse.stop()
         dense.stop()
+
+
+@pytest.fixture(scope="module")
+def gpu_servers(tmp_path_factory):
+    d = tmp_path_factory.mktemp("gpu_loopserve")
+    with off_and_loopserve(d, SPARSE_CONFIG) as (dense, sparse):
+        yield dense, sparse, d
 
 
 def _metrics(server):
