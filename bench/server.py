@@ -52,7 +52,8 @@ class ServerSpec:
     env: dict[str, str] = field(default_factory=dict)  # variables set for this server on top of this process's
     cpus: tuple[int, ...] | None = None  # CPUs the server's processes run on (sched_setaffinity); None: any
 
-    def argv(self) -> list[str]:
+    def argv(self, avoid: frozenset[int] = frozenset()) -> list[str]:
+        """The launch command; ``avoid``: rendezvous ports not to pick (ones a failed start found taken)."""
         a = [self.python, "-m", "sglang.launch_server", "--model-path", self.model,
              "--dtype", self.dtype, "--port", str(self.port), "--host", "127.0.0.1",
              "--sparse", self.mode]
@@ -68,7 +69,7 @@ class ServerSpec:
         elif self.device != "cuda":
             raise ValueError(f"device must be 'cpu' or 'cuda', got '{self.device}'")
         if "--nccl-port" not in self.extra_args:
-            a += ["--nccl-port", str(rendezvous_port(self.port))]
+            a += ["--nccl-port", str(rendezvous_port(self.port, probe=lambda p: p not in avoid and _bindable(p)))]
         return a + list(self.extra_args)
 
 
@@ -148,6 +149,11 @@ def _physical_core(cpu: int) -> tuple:
         return 0, cpu  # no topology: every CPU its own core
 
 
+def _flag_value(argv: list[str], flag: str) -> str | None:
+    """The value after ``flag`` in ``argv`` (None when absent)."""
+    return argv[argv.index(flag) + 1] if flag in argv and argv.index(flag) + 1 < len(argv) else None
+
+
 def tail(path: Path, n: int = 30) -> str:
     try:
         return "\n".join(path.read_text(errors="replace").splitlines()[-n:])
@@ -207,11 +213,29 @@ class Server:
         return env
 
     def start(self) -> "Server":
+        """Launch and wait until a real generation answers. A start whose rendezvous port was taken between the probe
+        and SGLang's bind (another process starting in the same seconds: ``EADDRINUSE``) is started once more on
+        another port; any other early exit raises :class:`ServerError` with the log tail."""
         if self._port_busy():
             raise ServerError(f"port {self.spec.port} already serves something; pick another --port")
+        avoid: frozenset[int] = frozenset()
+        for attempt in (1, 2):
+            argv = self.spec.argv(avoid)
+            try:
+                return self._start(argv)
+            except ServerError as e:
+                port = _flag_value(argv, "--nccl-port")
+                if attempt == 2 or "--nccl-port" in self.spec.extra_args or port is None \
+                        or "EADDRINUSE" not in str(e):
+                    raise
+                self.log(f"[server] rendezvous port {port} was taken before the server bound it; starting once more "
+                         "on another")
+                avoid = avoid | {int(port)}
+        raise AssertionError("unreachable")
+
+    def _start(self, argv: list[str]) -> "Server":
         env = self.environment()
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        argv = self.spec.argv()
         if self.spec.cpus:
             argv = pinned_argv(argv, self.spec.cpus, self.spec.python)
         self.log(f"[server] starting mode={self.spec.mode}: {' '.join(argv)} (log: {self.log_path})")

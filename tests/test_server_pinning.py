@@ -1,4 +1,5 @@
-"""Contract: ``bench.server`` gives each server a rendezvous port outside the ephemeral range, and can run a server
+"""Contract: ``bench.server`` gives each server a rendezvous port outside the ephemeral range (a start that loses it
+to another process before binding it is started once more on another), and can run a server
 on a given set of CPUs (the A/B driver's ``--pin-cpus``): the groups are equal, disjoint, made of whole physical
 cores and leave the client its own core; a pinned command really runs with that affinity, and so do the processes
 it starts."""
@@ -75,3 +76,42 @@ def test_a_cpu_server_gets_the_triton_interpreter_only_when_its_config_asks_for_
     assert env_of(device="cpu", mode="loopserve", sparse_config=f"@{cfg}")["TRITON_INTERPRET"] == "1"
     assert env_of(device="cpu", env={"TRITON_INTERPRET": "1"})["TRITON_INTERPRET"] == "1"
     assert env_of(device="cuda")["TRITON_INTERPRET"] == "1"  # a GPU server is left as it is
+
+
+@pytest.mark.server
+def test_a_start_whose_rendezvous_port_is_taken_before_the_bind_starts_once_more_on_another(default_model, tmp_path,
+                                                                                             monkeypatch):
+    """Two servers starting in the same seconds can race for a rendezvous port: free when probed, bound by the other
+    before SGLang binds it (EADDRINUSE, the server exits). Reproduced with a real CPU server: the port is held by a
+    socket while the probe is told it is free; the start logs the collision and comes up on another port."""
+    import socket
+
+    from bench import server as srv
+    from tests.serverproc import free_port
+
+    port = free_port()
+    held = srv.rendezvous_port(port)
+    real = srv._bindable
+    lied = []
+
+    def probe(p):
+        if p == held and not lied:
+            lied.append(p)
+            return True  # free when probed ...
+        return real(p)
+
+    monkeypatch.setattr(srv, "_bindable", probe)
+    lines = []
+    with socket.socket() as sock:  # ... and taken before the server binds it
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(("127.0.0.1", held))
+        sock.listen(1)
+        server = srv.Server(srv.ServerSpec(python=sys.executable, model=str(default_model), device="cpu", port=port),
+                            tmp_path / "s.log", timeout_s=480, log=lines.append)
+        try:
+            server.start()
+            assert server.server_info()["nccl_port"] != held
+        finally:
+            server.stop()
+    assert any(f"rendezvous port {held} was taken" in x for x in lines)
+    assert sum("[server] starting" in x for x in lines) == 2
