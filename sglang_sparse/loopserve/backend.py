@@ -102,7 +102,7 @@ class LoopServeMixin:
             return self._ls_dense_rows.rows(rows)
         if runner.step_rows is None:
             return None
-        runner.finish_extend()
+        runner.finish_extend(self)
         rows = runner.step_rows[: runner.bs]
         host = rows if rows.device.type == "cpu" else rows.to("cpu", non_blocking=True)
         stats, metrics = self.sparse_stats, self._ls_metrics

@@ -32,24 +32,28 @@ def record_queries(row, layer_id: int, q_seg: torch.Tensor, scale: float, num_la
     row.scale = scale
 
 
+def apply_lines(st, sel, lo: int, hi: int, acc_cols: torch.Tensor) -> None:
+    """Set the lines of ``sel`` (a selection over layers ``lo .. hi-1`` x KV heads rows) in the request state's masks
+    (``vmask`` / ``smask [L, Hk, prompt_len + 1]``; the last column takes the padding) and add their counts and
+    covered bound to its statistics (``acc`` columns ``acc_cols``: verticals, slashes, covered). Shared by the
+    per-layer selection of a sparse prefill and the deferred one of a dense prefill."""
+    hk, pad = st.vmask.shape[1], st.vmask.shape[2] - 1
+    for idx, mask in ((sel.v_idx, st.vmask), (sel.s_idx, st.smask)):
+        mask[lo:hi].scatter_(2, torch.where(idx >= 0, idx.long(), pad).view(hi - lo, hk, -1), True)
+    st.acc.index_add_(0, acc_cols, torch.cat([torch.stack([sel.v_cnt, sel.s_cnt]).sum(1, dtype=torch.float32),
+                                              sel.covered_lb.sum(0, keepdim=True)]))
+
+
 def select_all_layers(row, estimate, pool, slots: torch.Tensor, acc_cols: torch.Tensor) -> None:
-    """Estimate and select the lines of every layer of ``row``'s chunk; set them in its state's masks
-    (``vmask`` / ``smask [L, Hk, prompt_len + 1]``) and add the counts and covered bound to its statistics, as the
-    per-layer path does. ``estimate(q_rows, pos, k_buf, slots, seq, scale) -> VSLineSums``; ``pool`` gives each
+    """Estimate and select the lines of every layer of ``row``'s chunk and apply them (:func:`apply_lines`). ``estimate(q_rows, pos, k_buf, slots, seq, scale) -> VSLineSums``; ``pool`` gives each
     layer's keys (``get_key_buffer``)."""
-    st, q_obs = row.state, row.q_obs
+    q_obs = row.q_obs
     n_layers = q_obs.shape[0]
-    hk = st.vmask.shape[1]
-    pad = st.vmask.shape[2] - 1
-    per = max(1, SELECT_BATCH_ENTRIES // max(1, hk * row.seq))
+    per = max(1, SELECT_BATCH_ENTRIES // max(1, row.state.vmask.shape[1] * row.seq))
     for lo in range(0, n_layers, per):
         hi = min(n_layers, lo + per)
         sums = stack_line_sums([estimate(q_obs[lid], row.sample_pos, pool.get_key_buffer(lid), slots, row.seq,
                                          row.scale) for lid in range(lo, hi)])
-        sel = vs_select(sums, plan=row.sel_plan)
-        for idx, mask in ((sel.v_idx, st.vmask), (sel.s_idx, st.smask)):
-            mask[lo:hi].scatter_(2, torch.where(idx >= 0, idx.long(), pad).view(hi - lo, hk, -1), True)
-        st.acc.index_add_(0, acc_cols, torch.cat([torch.stack([sel.v_cnt, sel.s_cnt]).sum(1, dtype=torch.float32),
-                                                  sel.covered_lb.sum(0, keepdim=True)]))
+        apply_lines(row.state, vs_select(sums, plan=row.sel_plan), lo, hi, acc_cols)
     row.layers_done = n_layers
     row.q_obs = None

@@ -69,7 +69,7 @@ from sglang_sparse.config import LoopServeConfig
 from sglang_sparse.loopserve.lists import (LISTS_ALL_MAX_ENTRIES, BaseRows, merge_all_layers, plan_union_append,
                                            plan_select_lists, select_bases, select_lists,
                                            static_all_layers, steady_lists, steady_width, union_lists)
-from sglang_sparse.loopserve.prefill_lines import record_queries, select_all_layers
+from sglang_sparse.loopserve.prefill_lines import apply_lines, record_queries, select_all_layers
 from sglang_sparse.loopserve.select import SELECT_SPLIT_KEYS, h2d as _h2d, plan_selection, reselect
 from sglang_sparse.loopserve.stats import (
     COL_ALPHA, COL_COV, COL_KIND, COL_LTOT, COL_READ, COL_RESEL, COL_REUSED, COL_S, COL_TTOT, COL_UNITS, COL_V,
@@ -202,7 +202,6 @@ class LoopServeRunner:
         # loopserve prefill: Alg. 2's sparse attention over the lines ("lines"), or the stock dense attention with
         # the lines only estimated and selected ("dense"); lastwindow's prefill is always dense
         self.sparse_prefill = not self.lastwindow and getattr(cfg, "prefill", "lines") == "lines"
-        self._kv = None  # (token_to_kv_pool, req_to_token) of the current extend batch (deferred line selection)
         self.planning_for_graph = False  # set by loopserve.graph while it plans a replayed step
         self.select_into = None  # loopserve.graph: the captured buffers a replayed re-selecting step is planned into
         self.ws = None  # loopserve.ws.LoopServeWorkingSet: decode steps record what they read (host tier admission)
@@ -489,7 +488,6 @@ class LoopServeRunner:
         k_buf, v_buf = pool.get_key_buffer(lid), pool.get_value_buffer(lid)
         rtt = backend.req_to_token_pool.req_to_token
         hk = k_buf.shape[1]
-        self._kv = (pool, rtt)  # the deferred selection (finish_extend) reads every layer's keys from the pool
         for r in self.ext_rows:
             st = r.state
             q_seg = q3[r.q_lo: r.q_lo + r.seq - r.prefix]
@@ -497,14 +495,10 @@ class LoopServeRunner:
                 slots = rtt[r.rpi]
                 sel = vs_select(self._estimate(q_seg[r.sample], r.sample_pos, k_buf, slots, r.seq, layer.scaling),
                                 plan=r.sel_plan)
-                n = st.vmask.shape[2] - 1
-                for idx, mask in ((sel.v_idx, st.vmask[lid]), (sel.s_idx, st.smask[lid])):
-                    mask.scatter_(1, torch.where(idx >= 0, idx.long(), n), True)
-                self._prefill_lines(st, r, sel, lid, hk, q_seg, o3, k_buf, v_buf, slots, layer.scaling)
-                # this layer's line counts and covered bound into the request's statistics (one add; the
+                # this layer's lines into the masks, its counts and covered bound into the statistics (the
                 # host-known columns are added once per batch in finish_extend)
-                st.acc.index_add_(0, self._acc_cols, torch.cat([torch.stack([sel.v_cnt, sel.s_cnt]).sum(1, dtype=torch.float32),
-                                                                 sel.covered_lb.sum(0, keepdim=True)]))
+                apply_lines(st, sel, lid, lid + 1, self._acc_cols)
+                self._prefill_lines(st, r, sel, lid, hk, q_seg, o3, k_buf, v_buf, slots, layer.scaling)
                 r.layers_done += 1
             elif r.sel_plan is not None:  # prefill "dense": the stock rows stay; lines selected after the forward
                 record_queries(r, lid, q_seg, layer.scaling, self.shape.num_layers)
@@ -536,13 +530,14 @@ class LoopServeRunner:
         ring_pos = torch.arange(r.seq - k, r.seq, device=q_seg.device)
         st.ring[lid, ring_pos % n_ring] = q_seg[t - k:].to(st.ring.dtype)
 
-    def finish_extend(self) -> None:
-        """After the forward: the dense prefill's deferred line selection (device work, no sync), then host
-        bookkeeping: mark finished prefills, publish cumulative rows."""
+    def finish_extend(self, backend) -> None:
+        """After the forward: the dense prefill's deferred line selection (device work over every layer's keys in
+        ``backend``'s pool, no sync), then host bookkeeping: mark finished prefills, publish cumulative rows."""
         hk = self.shape.num_kv_heads
         for r in self.ext_rows:
             if r.q_obs is not None:  # prefill "dense": every layer's lines in one batched selection
-                select_all_layers(r, self._estimate, self._kv[0], self._kv[1][r.rpi], self._acc_cols)
+                select_all_layers(r, self._estimate, backend.token_to_kv_pool,
+                                  backend.req_to_token_pool.req_to_token[r.rpi], self._acc_cols)
             if r.layers_done:  # the host-known columns of the layers that ran (one add per row and batch)
                 add = host_row(STEP_COLS, {COL_LTOT: 2.0 * r.seq * hk * r.layers_done, COL_UNITS: hk * r.layers_done})
                 r.state.acc.add_(_h2d(torch.tensor(add, dtype=torch.float32), self.device))

@@ -65,7 +65,7 @@ def _prefill(line_chunks: str, seed: int = 0, prefill: str = "dense", use_kernel
             runner.extend(backend, o3, q3, SimpleNamespace(layer_id=lid, scaling=D ** -0.5))
             if prefill == "dense":  # the stock attention's rows are left as they are
                 assert torch.count_nonzero(o3) == 0
-        runner.finish_extend()
+        runner.finish_extend(backend)
     st = getattr(req, STATE_ATTR)
     assert st.prefill_done
     vmask, smask = st.vmask[:, :, :PROMPT].clone(), st.smask[:, :, :PROMPT].clone()
