@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import os
 
+from sglang_sparse.deterministic import plan_eager_decode_like_replay
 from sglang_sparse.mode_spec import resolve
 from sglang_sparse.modes import sparse_context_of
 
@@ -56,6 +57,8 @@ def attention_backend_hook(result, model_runner, *args, **kwargs):
         elif install is not None:
             args = model_runner.server_args
             install(backend, ctx.config, args.page_size, bool(args.enable_metrics), model_runner=model_runner)
+            # stock rows of batches the mode runs eagerly must decode as off's replayed graphs do
+            plan_eager_decode_like_replay(backend)
         backend.sparse_context = ctx
         backend.sparse_engagement = None if reach is None else {**reach, "dormant": dormant}
 

@@ -1,0 +1,62 @@
+"""Batch invariance of the stock decode rows a sparse mode runs eagerly, under ``--enable-deterministic-inference``.
+
+SGLang 0.5.17's FlashInfer backend plans its decode two ways when deterministic inference is on:
+
+  * graph replay (``init_forward_metadata_replay_cuda_graph``): ``disable_split_kv=True``, every request's KV is
+    reduced by one work unit;
+  * eager (``init_forward_metadata``): ``fixed_split_size=SGLANG_FLASHINFER_DECODE_SPLIT_TILE_SIZE`` (2048), a
+    request longer than that is reduced in 2048-token splits and merged.
+
+Both are batch invariant on their own, but they round differently for requests longer than one split. A stock
+``--sparse off`` server replays graphs for every decode batch it captured, so its outputs are those of the
+unsplit plan. A sparse mode runs some decode batches eagerly that ``off`` would have replayed: a batch mixing
+sparse and stock rows (LoopServe / lastwindow / PSA), a re-selection step wider than the captured lists. Its stock
+rows (requests the mode never engaged) then took the split plan and drifted from ``off``'s text, although nothing
+sparse touched them.
+
+:func:`plan_eager_decode_like_replay` makes the backend's eager decode planning use the replay plan
+(``fixed_split_size=None, disable_split_kv=True``), so a stock row's decode no longer depends on whether its batch
+was replayed: it is the same as ``off``'s replayed step. Applied only when the backend is a FlashInfer backend in
+deterministic mode (``disable_cuda_graph_kv_split`` is SGLang's own marker of that plan); other backends and
+non-deterministic servers are left as they are. Cost: the unsplit plan gives one work unit per request, so an eager
+decode batch of a few very long requests uses fewer SMs than the split plan; this is the plan every replayed step
+already runs.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+
+__all__ = ["plan_eager_decode_like_replay"]
+
+logger = logging.getLogger("sglang_sparse")
+
+_MARK = "_sparse_replay_plan"
+
+
+def plan_eager_decode_like_replay(backend) -> bool:
+    """Wrap ``backend.indices_updater_decode.update`` so every decode plan is the graph-replay plan.
+
+    Returns True when the backend was changed (a FlashInfer backend with ``disable_cuda_graph_kv_split`` set, i.e.
+    deterministic inference), False otherwise. Idempotent."""
+    if not getattr(backend, "disable_cuda_graph_kv_split", False):
+        return False
+    updater = getattr(backend, "indices_updater_decode", None)
+    update = getattr(updater, "update", None)
+    if update is None:
+        return False
+    if getattr(update, _MARK, False):
+        return True
+
+    @functools.wraps(update)
+    def update_like_replay(*args, **kwargs):
+        kwargs["fixed_split_size"] = None
+        kwargs["disable_split_kv"] = True
+        return update(*args, **kwargs)
+
+    setattr(update_like_replay, _MARK, True)
+    updater.update = update_like_replay
+    logger.info("sglang-sparse: deterministic inference: eager decode batches are planned as the replayed CUDA "
+                "graphs are (no KV split), so stock rows in them match --sparse off")
+    return True

@@ -1,0 +1,62 @@
+"""Contract (GPU): under ``--enable-deterministic-inference`` a request that `--sparse loopserve` never engages decodes
+exactly as `--sparse off` does (same tokens, bitwise-equal logprobs), also while it shares its decode batches with an
+engaged request. Such mixed batches run eagerly; SGLang plans eager FlashInfer decode with 2048-token KV splits but
+replays its graphs unsplit, so without :mod:`sglang_sparse.deterministic` the stock rows rounded differently from
+`off`'s replayed steps."""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+
+import pytest
+
+from bench.corpus import haystack
+from tests.serverproc import chat
+from tests.test_gpu_loopserve_server import off_and_loopserve
+
+pytestmark = [pytest.mark.gpu, pytest.mark.server]
+
+MIN_CONTEXT = 4096
+ARGS = ["--attention-backend", "flashinfer", "--mem-fraction-static", "0.2", "--cuda-graph-max-bs", "4",
+        "--enable-deterministic-inference"]
+
+
+@pytest.fixture(scope="module")
+def servers(tmp_path_factory):
+    with off_and_loopserve(tmp_path_factory.mktemp("gpu_det_mixed"), f'{{"min_context": {MIN_CONTEXT}}}',
+                           args=ARGS) as pair:
+        yield pair
+
+
+def _prompt(n_words: int, seed: int) -> str:
+    text = "\n\n".join(haystack(n_words, random.Random(seed)))
+    return f"Read this text.\n\n{text}\n\nSummarise the text in one paragraph."
+
+
+def _logprobs(reply) -> list[float]:
+    return [t["logprob"] for t in reply["choices"][0]["logprobs"]["content"]]
+
+
+def test_gpu_deterministic_stock_rows_of_mixed_batches_equal_off(servers):
+    dense, sparse = servers
+    short = _prompt(2300, seed=1)  # ~3k tokens: > 2048 (one eager decode split), < MIN_CONTEXT
+    long = _prompt(4500, seed=2)   # ~6k tokens: engaged
+    ref = chat(dense, short, 48, ignore_eos=True, logprobs=True)
+    assert 2048 < ref["usage"]["prompt_tokens"] < MIN_CONTEXT
+    engaged = {}
+
+    def run_long():
+        engaged["reply"] = chat(sparse, long, 400, ignore_eos=True)
+
+    t = threading.Thread(target=run_long)
+    t.start()
+    time.sleep(0.5)  # the engaged request is decoding when the stock one joins its batches
+    mixed = chat(sparse, short, 48, ignore_eos=True, logprobs=True)
+    t.join()
+    rep = engaged["reply"]["metadata"]["sparse"]
+    assert engaged["reply"]["usage"]["prompt_tokens"] > MIN_CONTEXT and rep["sparse_decode_steps"] > 0
+    assert mixed["metadata"]["sparse"].get("sparse_decode_steps", 0) == 0
+    assert mixed["choices"][0]["message"]["content"] == ref["choices"][0]["message"]["content"]
+    assert _logprobs(mixed) == _logprobs(ref)
