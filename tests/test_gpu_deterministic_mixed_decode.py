@@ -1,7 +1,7 @@
 """Contract (GPU): under ``--enable-deterministic-inference`` a request that `--sparse loopserve` never engages decodes
 exactly as `--sparse off` does (same tokens, bitwise-equal logprobs), also while it shares its decode batches with an
-engaged request. Such mixed batches run eagerly; SGLang plans eager FlashInfer decode with 2048-token KV splits but
-replays its graphs unsplit, so without :mod:`sglang_sparse.deterministic` the stock rows rounded differently from
+engaged request. Such mixed batches run eagerly (here at a batch size the graphs cover); SGLang plans eager FlashInfer
+decode with 2048-token KV splits but replays its graphs unsplit, so without :mod:`sglang_sparse.deterministic` the stock rows rounded differently from
 `off`'s replayed steps."""
 
 from __future__ import annotations
