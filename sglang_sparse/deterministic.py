@@ -2,7 +2,7 @@
 
 SGLang 0.5.17's FlashInfer backend plans its decode two ways when deterministic inference is on:
 
-  * graph replay (``init_forward_metadata_replay_cuda_graph``): ``disable_split_kv=True``, every request's KV is
+  * graph capture and replay (``init_forward_metadata_out_graph``): ``disable_split_kv=True``, every request's KV is
     reduced by one work unit;
   * eager (``init_forward_metadata``): ``fixed_split_size=SGLANG_FLASHINFER_DECODE_SPLIT_TILE_SIZE`` (2048), a
     request longer than that is reduced in 2048-token splits and merged.
