@@ -66,8 +66,9 @@ def test_non_deterministic_backends_keep_their_decode_plan():
 
 
 def test_sglang_flashinfer_backend_plans_eager_and_replayed_decode_as_the_wrapper_assumes():
-    """The installed SGLang passes the batch first and both plan arguments by keyword through ``indices_updater_decode.update``, split
-    for eager decode and unsplit for replay, and marks deterministic mode with ``disable_cuda_graph_kv_split``."""
+    """The installed SGLang passes the batch first and both plan arguments by keyword through
+    ``indices_updater_decode.update``, split for eager decode and unsplit for replay, and marks deterministic mode
+    with ``disable_cuda_graph_kv_split``."""
     from sglang.srt.layers.attention import flashinfer_backend as fb
 
     eager = " ".join(inspect.getsource(fb.FlashInferAttnBackend.init_forward_metadata).split())

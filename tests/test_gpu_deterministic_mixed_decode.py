@@ -1,8 +1,9 @@
 """Contract (GPU): under ``--enable-deterministic-inference`` a request that `--sparse loopserve` never engages decodes
 exactly as `--sparse off` does (same tokens, bitwise-equal logprobs), also while it shares its decode batches with an
 engaged request. Such mixed batches run eagerly (here at a batch size the graphs cover); SGLang plans eager FlashInfer
-decode with 2048-token KV splits but replays its graphs unsplit, so without :mod:`sglang_sparse.deterministic` the stock rows rounded differently from
-`off`'s replayed steps."""
+decode with 2048-token KV splits but replays its graphs unsplit, so without :mod:`sglang_sparse.deterministic` the
+stock rows rounded differently from `off`'s replayed steps. The engaged request is still decoding when the stock one
+has finished, so every decode step of the stock one was a mixed batch."""
 
 from __future__ import annotations
 
@@ -48,13 +49,15 @@ def test_gpu_deterministic_stock_rows_of_mixed_batches_equal_off(servers):
     engaged = {}
 
     def run_long():
-        engaged["reply"] = chat(sparse, long, 400, ignore_eos=True)
+        engaged["reply"] = chat(sparse, long, 1000, ignore_eos=True)  # 5.7k + 1000 < 8192
 
     t = threading.Thread(target=run_long)
     t.start()
     time.sleep(0.5)  # the engaged request is decoding when the stock one joins its batches
     mixed = chat(sparse, short, 48, ignore_eos=True, logprobs=True)
+    overlapped = t.is_alive()  # the engaged request outlived the stock one: their decode steps were batched together
     t.join()
+    assert overlapped
     rep = engaged["reply"]["metadata"]["sparse"]
     assert engaged["reply"]["usage"]["prompt_tokens"] > MIN_CONTEXT and rep["sparse_decode_steps"] > 0
     assert mixed["metadata"]["sparse"].get("sparse_decode_steps", 0) == 0

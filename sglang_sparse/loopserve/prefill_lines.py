@@ -45,8 +45,9 @@ def apply_lines(st, sel, lo: int, hi: int, acc_cols: torch.Tensor) -> None:
 
 
 def select_all_layers(row, estimate, pool, slots: torch.Tensor, acc_cols: torch.Tensor) -> None:
-    """Estimate and select the lines of every layer of ``row``'s chunk and apply them (:func:`apply_lines`). ``estimate(q_rows, pos, k_buf, slots, seq, scale) -> VSLineSums``; ``pool`` gives each
-    layer's keys (``get_key_buffer``)."""
+    """Estimate and select the lines of every layer of ``row``'s chunk and apply them (:func:`apply_lines`).
+    ``estimate(q_rows, pos, k_buf, slots, seq, scale) -> VSLineSums``; ``pool`` gives each layer's keys
+    (``get_key_buffer``)."""
     q_obs = row.q_obs
     n_layers = q_obs.shape[0]
     per = max(1, SELECT_BATCH_ENTRIES // max(1, row.state.vmask.shape[1] * row.seq))
