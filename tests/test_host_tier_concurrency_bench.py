@@ -165,9 +165,15 @@ def test_driver_end_to_end_on_cpu_servers(tmp_path, default_model):
             if name == "dense":
                 assert r["working_set"] is None  # no admission on a dense server
         assert max(r["server_running_max"] for r in srv["levels"]) >= 1  # /metrics saw a running request
-        assert doc["summary"]["per_server"][name]["levels_meeting_slo"][:1] == [1] or name != "dense"
+        # which levels meet the SLO depends on this box's timing: check the summary against the run's own figures
+        slo = doc["summary"]["tpot_slo_ms"]
+        meeting = [r["level"] for r in srv["levels"] if r["tpot_ms_p90"] is not None and r["tpot_ms_p90"] <= slo]
+        row = doc["summary"]["per_server"][name]
+        assert row["levels_meeting_slo"] == meeting
+        assert (row["concurrent_at_slo"] is None) == (not meeting) == (row["reason"] is not None)
     s = doc["summary"]
-    assert s["tpot_slo_ms"] > 0 and s["per_server"]["dense"]["concurrent_at_slo"] >= 1
+    dense_first = min(doc["servers"]["dense"]["levels"], key=lambda r: r["level"])
+    assert s["tpot_slo_ms"] == pytest.approx(htc.BenchConfig().slo_factor * dense_first["tpot_ms_p50"])
     if "psa_host_tier" in servers:
         assert (s["concurrency_ratio_vs_dense"] is None) == (s["concurrency_ratio_vs_dense_reason"] is not None)
     md = (out / "host_tier_concurrency.md").read_text()
