@@ -3,7 +3,11 @@ exactly as `--sparse off` does (same tokens, bitwise-equal logprobs), also while
 engaged request. Such mixed batches run eagerly (here at a batch size the graphs cover); SGLang plans eager FlashInfer
 decode with 2048-token KV splits but replays its graphs unsplit, so without :mod:`sglang_sparse.deterministic` the
 stock rows rounded differently from `off`'s replayed steps. The engaged request is still decoding when the stock one
-has finished, so every decode step of the stock one was a mixed batch."""
+has finished, so every decode step of the stock one was a mixed batch.
+
+Above ``--cuda-graph-max-bs`` SGLang decodes eagerly under `off` too, with the split plan: there the stock rows of a
+loopserve batch must keep that split plan (planning them unsplit, as below the graph sizes, would round them unlike
+`off`'s)."""
 
 from __future__ import annotations
 
@@ -63,3 +67,32 @@ def test_gpu_deterministic_stock_rows_of_mixed_batches_equal_off(servers):
     assert mixed["metadata"]["sparse"].get("sparse_decode_steps", 0) == 0
     assert mixed["choices"][0]["message"]["content"] == ref["choices"][0]["message"]["content"]
     assert _logprobs(mixed) == _logprobs(ref)
+
+
+def _background(server, prompts: list[str], tokens: int) -> list[threading.Thread]:
+    threads = [threading.Thread(target=chat, args=(server, p, tokens), kwargs=dict(ignore_eos=True)) for p in prompts]
+    for t in threads:
+        t.start()
+    return threads
+
+
+def test_gpu_deterministic_stock_rows_above_graph_batch_sizes_equal_off(servers):
+    """Both servers decode the probe beside five long-running requests (a batch of 6 > ``--cuda-graph-max-bs`` 4,
+    eager and split on both); loopserve's five include one engaged request. The probe's tokens and logprobs are
+    bitwise equal, and every background request outlived it (each probe step was a batch of 6)."""
+    dense, sparse = servers
+    probe = _prompt(2300, seed=3)                       # ~3k tokens: stock rows on both servers, > one 2048 split
+    stock_bg = [_prompt(2300, seed=10 + i) for i in range(5)]
+    replies = {}
+    for name, server, bg in (("off", dense, stock_bg), ("loopserve", sparse, [_prompt(4500, seed=2)] + stock_bg[1:])):
+        threads = _background(server, bg, 1000)
+        time.sleep(2.0)  # every background request is decoding when the probe arrives
+        replies[name] = chat(server, probe, 48, ignore_eos=True, logprobs=True)
+        alive = [t.is_alive() for t in threads]
+        for t in threads:
+            t.join()
+        assert all(alive), f"{name}: a background request finished before the probe ({alive})"
+    assert 2048 < replies["off"]["usage"]["prompt_tokens"] < MIN_CONTEXT
+    assert replies["loopserve"]["metadata"]["sparse"].get("sparse_decode_steps", 0) == 0
+    assert replies["loopserve"]["choices"][0]["message"]["content"] == replies["off"]["choices"][0]["message"]["content"]
+    assert _logprobs(replies["loopserve"]) == _logprobs(replies["off"])
