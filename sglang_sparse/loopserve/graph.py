@@ -95,9 +95,10 @@ class LoopServeGraphs:
             wb = max(wb, 0 if st.topb is None else st.topb.shape[2])
             tail = max(tail, n - (st.since or st.prompt_len))
         # the planned lists are [L, bs, Hk, summed widths], deduplicated: no list is longer than its context, so
-        # the static buffer takes the first min(summed widths, longest context) entries (the rest is padding)
+        # the static buffer takes the first min(summed widths, longest context) entries (the rest is padding). On
+        # the kernel path they are written straight into it (runner.steady_into): no all-layer temporary to cap
         summed = max(wv, 1) + max(ws, 1) + max(wb, 1) + r.cfg.sink_tokens + tail
-        if min(summed, max(lens)) > self.width or not r.lists_all_fits(bs, summed):
+        if min(summed, max(lens)) > self.width or not (r.steady_into_static or r.lists_all_fits(bs, summed)):
             return False
         self._pending = (forward_batch, reqs, lens, "sparse")
         return True
@@ -210,17 +211,19 @@ class LoopServeGraphs:
             self._plan_select(backend, d, fb, reqs, raw, bs)
             return
         r.planning_for_graph = True
+        r.steady_into = (self.lists_buf, self.lens_buf) if r.steady_into_static else None
         try:
             r.begin_batch(backend, fb)  # the eager planning: ring commit, lists of every layer, statistics
         finally:
-            r.planning_for_graph = False
+            r.planning_for_graph, r.steady_into = False, None
         e = r.dec
         if e is None or "lists_all" not in e or e["sel"] is not None or len(e["rows"]) != raw:
             raise RuntimeError("sglang-sparse loopserve: a graph step planned as a non-steady step")
         lists, lens_all = e["lists_all"]
-        w = min(lists.shape[3], self.width, max(lens))  # entries past a list's length (<= its context) are padding
-        self.lists_buf[:, :raw, :, :w].copy_(lists[..., :w])
-        self.lens_buf[:, :raw].copy_(lens_all)
+        if lists.data_ptr() != self.lists_buf.data_ptr():  # built elsewhere (the sort-based path): copied in
+            w = min(lists.shape[3], self.width, max(lens))  # entries past a list's length (<= its context): padding
+            self.lists_buf[:, :raw, :, :w].copy_(lists[..., :w])
+            self.lens_buf[:, :raw].copy_(lens_all)
         self.lens_buf[:, raw:bs].zero_()
         self._bind(e, d, _STATIC_KEYS, reqs, raw, bs)
 

@@ -74,14 +74,19 @@ def pad_bases(bases, states) -> tuple:
     return base, torch.stack([ln for _, ln in bases]), s_idx
 
 
-def steady_lists(rows: BaseRows, states, since, seq, *, sink_tokens: int, max_since: int):
+def steady_lists(rows: BaseRows, states, since, seq, *, sink_tokens: int, max_since: int, out: tuple | None = None):
     """Every layer's lists of a steady step: ``(lists [L, nS, Hk, W], lens [L, nS, Hk])`` int32 with
     ``W = Wa + Ws + max_since`` (:func:`~flashinfer_ext.loopserve.lines_union.lines_union`); ``since`` / ``seq``
-    ``[nS]`` on the device (the step's position is ``seq - 1``)."""
+    ``[nS]`` on the device (the step's position is ``seq - 1``). ``out``: a CUDA graph's static ``(lists [L, nS, Hk,
+    Wg], lens [L, nS, Hk])`` written instead (``Wg`` at least every row's context: the graph's gate checks it; nothing
+    is written after a list's length), returned as given."""
     from flashinfer_ext.loopserve.lines_union import lines_union
 
     base, base_lens, s_idx = rows.get(states, sink_tokens)
-    return lines_union(base, base_lens, s_idx, since, seq, max_since=max_since)
+    if out is None:
+        return lines_union(base, base_lens, s_idx, since, seq, max_since=max_since)
+    lines_union(base, base_lens, s_idx, since, seq, max_since=max_since, out=out[0], lens_out=out[1], zero_fill=False)
+    return out
 
 
 def steady_width(rows: BaseRows, states, sink_tokens: int, max_since: int) -> int:

@@ -204,6 +204,9 @@ class LoopServeRunner:
         self.sparse_prefill = not self.lastwindow and getattr(cfg, "prefill", "lines") == "lines"
         self.planning_for_graph = False  # set by loopserve.graph while it plans a replayed step
         self.select_into = None  # loopserve.graph: the captured buffers a replayed re-selecting step is planned into
+        # loopserve.graph: the captured (lists [L, max_bs, Hk, W], lens [L, max_bs, Hk]) a replayed steady step's lists
+        # are written into (no all-layer temporary, so no LISTS_ALL_MAX_ENTRIES cap on graph-replayed steps)
+        self.steady_into = None
         self.ws = None  # loopserve.ws.LoopServeWorkingSet: decode steps record what they read (host tier admission)
         # lists are split as if graph_list_width wide, graphs on or off: eager and graph-replayed steps (and
         # servers with and without graphs) cut the same lists into the same spans, so their outputs agree bit
@@ -385,7 +388,7 @@ class LoopServeRunner:
         if not selecting and self.steady_from_bases and self.use_kernels:  # (Triton: the kernel path only)
             max_since = max(lens[i] - st.since for st, i in zip(states, rows))
             steady_w = steady_width(self._base_rows, states, cfg.sink_tokens, max_since)
-            if not self.lists_all_fits(n_s, steady_w):
+            if self.steady_into is None and not self.lists_all_fits(n_s, steady_w):
                 steady_w = None
         v = s_ = tb = sel_bases = None
         if steady_w is None:
@@ -440,8 +443,9 @@ class LoopServeRunner:
         if vs.split is not None:
             self.dec["split"] = vs.split
         if steady_w is not None:
+            into = None if self.steady_into is None else tuple(t[:, :n_s] for t in self.steady_into)
             self.dec["lists_all"] = steady_lists(self._base_rows, states, since_dev, seq_dev,
-                                                 sink_tokens=cfg.sink_tokens, max_since=max_since)
+                                                 sink_tokens=cfg.sink_tokens, max_since=max_since, out=into)
         elif sel_bases is not None:  # every layer's lists but the new top-B, in one launch (each layer appends its own)
             plan_select_lists(self.dec, sel_bases, out=None if static is None else static["sel_lists"])
         elif self.lists_all_fits(len(rows), width):
@@ -465,6 +469,13 @@ class LoopServeRunner:
         """Whether a decode step of ``n_rows`` sparse rows with lists ``width`` wide (before deduplication) plans
         every layer's lists at once in :meth:`begin_batch` (else each layer builds its own)."""
         return self.shape.num_layers * n_rows * self.shape.num_kv_heads * width <= LISTS_ALL_MAX_ENTRIES
+
+    @property
+    def steady_into_static(self) -> bool:
+        """Whether a steady step planned for a graph replay writes every layer's lists straight into the graph's
+        static buffers (:attr:`steady_into`; the kernel path's :func:`~sglang_sparse.loopserve.lists.steady_lists`):
+        then its width is bounded by the graph's, not by :meth:`lists_all_fits`."""
+        return self.steady_from_bases and self.use_kernels
 
     # ------------------------------------------------------------------ per layer
     @property

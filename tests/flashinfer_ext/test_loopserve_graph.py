@@ -87,6 +87,35 @@ def test_replayed_steady_step_decodes_like_the_eager_step(lastwindow):
         assert torch.equal(getattr(r_e, STATE_ATTR).ring, getattr(r_g, STATE_ATTR).ring)
 
 
+@pytest.mark.parametrize("lastwindow", [False, True], ids=["loopserve", "lastwindow"])
+def test_steady_steps_over_the_all_layer_list_cap_replay_with_lists_written_into_the_graph(lastwindow, monkeypatch):
+    """``LISTS_ALL_MAX_ENTRIES`` bounds the all-layer temporaries of an eager step. A steady step planned for a replay
+    writes every layer's lists straight into the graph's static buffers (no temporary), so a batch over that cap still
+    replays, with the eager step's outputs and statistics. The sort-based build (``steady_from_bases`` False) still
+    builds a temporary, and keeps the cap."""
+    import sglang_sparse.loopserve.runner as lr
+
+    eager_cfg, shape, backend, fb, reqs, q3, _ = _setup(lastwindow, *STEADY[lastwindow], all_topb=True)
+    eager = LoopServeRunner(eager_cfg, shape, torch.device("cpu"), use_kernels=True)
+    eager.begin_batch(backend, fb)
+    o_eager = _decode_layers(eager, backend, q3)
+
+    monkeypatch.setattr(lr, "LISTS_ALL_MAX_ENTRIES", 0)
+    c = _captured(lastwindow, STEADY[lastwindow])
+    assert not c.runner.lists_all_fits(1, 1)
+    assert c.graphs.wants_graph(c.fb)
+    o_pad = _replay(c)
+    raw = c.fb.batch_size
+    assert c.graphs.replays == 1 and c.runner.steady_into is None
+    torch.testing.assert_close(o_pad[:raw], o_eager, rtol=1e-5, atol=1e-5)
+    assert float(o_pad[raw:].abs().sum()) == 0.0
+    assert torch.equal(c.runner.step_rows, eager.step_rows)
+
+    c = _captured(lastwindow, STEADY[lastwindow])
+    c.runner.steady_from_bases = False
+    assert not c.graphs.wants_graph(c.fb)
+
+
 def _widen_lines(reqs, extra):
     """Pad every request's stored vertical and slash lines with ``extra`` empty (-1) slots: the summed list width
     grows past the context while the sets stay the same."""
