@@ -7,7 +7,10 @@ has finished, so every decode step of the stock one was a mixed batch.
 
 Above ``--cuda-graph-max-bs`` SGLang decodes eagerly under `off` too, with the split plan: there the stock rows of a
 loopserve batch must keep that split plan (planning them unsplit, as below the graph sizes, would round them unlike
-`off`'s)."""
+`off`'s).
+
+An engaged request's own decode is batch invariant too: loopserve's split decode plans every batch as a batch of one
+row under deterministic inference, so the request decodes alone and beside another engaged request bit for bit."""
 
 from __future__ import annotations
 
@@ -18,7 +21,7 @@ import time
 import pytest
 
 from bench.corpus import haystack
-from tests.serverproc import chat
+from tests.serverproc import chat, flush_cache
 from tests.test_gpu_loopserve_server import off_and_loopserve
 
 pytestmark = [pytest.mark.gpu, pytest.mark.server]
@@ -96,3 +99,24 @@ def test_gpu_deterministic_stock_rows_above_graph_batch_sizes_equal_off(servers)
     assert replies["loopserve"]["metadata"]["sparse"].get("sparse_decode_steps", 0) == 0
     assert replies["loopserve"]["choices"][0]["message"]["content"] == replies["off"]["choices"][0]["message"]["content"]
     assert _logprobs(replies["loopserve"]) == _logprobs(replies["off"])
+
+
+def test_gpu_deterministic_engaged_request_decodes_the_same_alone_and_beside_another(servers):
+    """The same engaged request (one prefill chunk, the radix cache flushed before each run, so both prefills and
+    line selections are alone and equal) decoded alone and beside a longer engaged request: same tokens, bitwise
+    equal logprobs."""
+    _, sparse = servers
+    probe = _prompt(4500, seed=4)  # ~5.7k tokens: engaged, one prefill chunk
+    flush_cache(sparse)
+    alone = chat(sparse, probe, 64, ignore_eos=True, logprobs=True)
+    assert alone["usage"]["prompt_tokens"] > MIN_CONTEXT and alone["metadata"]["sparse"]["sparse_decode_steps"] > 0
+    flush_cache(sparse)
+    threads = _background(sparse, [_prompt(4500, seed=2)], 1000)
+    time.sleep(1.0)  # the other engaged request is decoding when the probe arrives
+    beside = chat(sparse, probe, 64, ignore_eos=True, logprobs=True)
+    overlapped = threads[0].is_alive()
+    threads[0].join()
+    assert overlapped
+    assert beside["metadata"]["sparse"]["sparse_decode_steps"] > 0
+    assert beside["choices"][0]["message"]["content"] == alone["choices"][0]["message"]["content"]
+    assert _logprobs(beside) == _logprobs(alone)

@@ -12,6 +12,11 @@ plans the split over the lists and returns a :class:`VSDecodePlan` of views of t
 * ``max_batch > 0`` (CUDA graphs): the buffers are allocated once for ``max_batch`` rows and lists of
   ``list_width`` entries, so a captured graph reads fixed addresses; a larger plan raises.
 * ``max_batch == 0`` (eager): the buffers grow to the largest batch / split count seen.
+* ``batch_invariant`` (for ``--enable-deterministic-inference``): every step is split as a batch of one row would
+  be (the most spans), and always through the split kernel and its merge, so a row's output never depends on the
+  rows beside it. Without it the span length shrinks as the batch grows (fewer spans per list keep about two waves
+  of programs), which moves the fp32 rounding of a row with the batch. Costs more programs and partials at larger
+  batches.
 
 Paths: kernels (:func:`flashinfer_ext.common.split_decode.sparse_decode_split` when the plan has more than one
 span, else :func:`flashinfer_ext.common.sparse_decode.sparse_decode` with ``block_size=1`` and ``epsilon=1``)
@@ -48,13 +53,16 @@ class VerticalSlashDecode:
 
     Args: ``num_qo_heads``, ``num_kv_heads``, ``head_dim``, ``device``; ``use_kernels`` (kernels or the fp32
     reference); ``list_width`` (lists are split as if at least this wide, so eager and graph steps give the same
-    outputs); ``max_batch`` (> 0: fixed buffers for graphs, see the module docstring).
+    outputs); ``max_batch`` (> 0: fixed buffers for graphs, see the module docstring); ``batch_invariant`` (the
+    same spans at every batch size, see the module docstring).
     """
 
     def __init__(self, num_qo_heads: int, num_kv_heads: int, head_dim: int, device: torch.device, *,
-                 use_kernels: bool, list_width: int = 1, max_batch: int = 0, target_programs: int = 1):
+                 use_kernels: bool, list_width: int = 1, max_batch: int = 0, target_programs: int = 1,
+                 batch_invariant: bool = False):
         self.num_qo_heads, self.num_kv_heads, self.head_dim = num_qo_heads, num_kv_heads, head_dim
         self.device, self.use_kernels, self.list_width = device, use_kernels, list_width
+        self.batch_invariant = batch_invariant
         self.fixed = max_batch > 0
         self._rows = 0
         self._splits = 0
@@ -86,7 +94,7 @@ class VerticalSlashDecode:
             return
         if n > self._rows:
             self._alloc_rows(n)
-        if splits > 1 and (splits > self._splits or n > self._partial_rows()):
+        if (splits > 1 or (splits and self.batch_invariant)) and (splits > self._splits or n > self._partial_rows()):
             self._alloc_partials(max(n, self._partial_rows()), max(splits, self._splits))
 
     def _partial_rows(self) -> int:
@@ -109,12 +117,13 @@ class VerticalSlashDecode:
         ``split`` False: no split plan (a step planned for a graph replay, which replays the captured plan)."""
         n = int(req_pool_indices.shape[0])
         sp = None
-        if self.use_kernels and split:
-            sp = self._plan_split(max(list_width, self.list_width), n * self.num_kv_heads, target_programs)
+        if self.use_kernels and split:  # batch invariant: planned as for one row, whatever the batch
+            pairs = self.num_kv_heads if self.batch_invariant else n * self.num_kv_heads
+            sp = self._plan_split(max(list_width, self.list_width), pairs, target_programs)
         self._ensure(n, sp.num_splits if sp is not None else 0)
         if seq_lens is not None:
             self._seq_lens_buf[:n].copy_(seq_lens)
-        multi = sp is not None and sp.num_splits > 1
+        multi = sp is not None and (sp.num_splits > 1 or self.batch_invariant)
         return VSDecodePlan(req_pool_indices, self._seq_lens_buf[:n], self._n_forced_buf[:n], self._lse_buf[:n],
                             self._nread_buf[:n], sp,
                             self._partial_o_buf[: n * self.num_qo_heads] if multi else None,
@@ -126,7 +135,7 @@ class VerticalSlashDecode:
         """Attention of ``q [n, Hq, D]`` over ``lists [n, Hk, W]`` int32 (first ``lens [n, Hk]`` int32 entries;
         token positions) of one layer's ``k_buf`` / ``v_buf`` ``[slots, Hk, D]`` through ``req_to_token``; into
         ``out [n, Hq, D]`` when given. Returns the output ``[n, Hq, D]``. No host sync on the kernel path."""
-        if self.use_kernels and plan.split is not None and plan.split.num_splits > 1:
+        if self.use_kernels and plan.split is not None and plan.partial_o is not None:  # split (or batch invariant)
             from flashinfer_ext.common.split_decode import sparse_decode_split
 
             o, _, _ = sparse_decode_split(q if q.stride(2) == 1 else q.contiguous(), k_buf, v_buf, req_to_token,
@@ -135,7 +144,7 @@ class VerticalSlashDecode:
                                           partial_lse_buf=plan.partial_lse, out=out, lse_out=plan.lse,
                                           nread_out=plan.nread)
             return o
-        if self.use_kernels:  # lists short enough for one program per (row, KV head)
+        if self.use_kernels:  # lists short enough for one program per (row, KV head), or a graph replay's plan
             from flashinfer_ext.common.sparse_decode import sparse_decode
 
             o, _, _ = sparse_decode(q if q.stride(2) == 1 else q.contiguous(), k_buf, v_buf, req_to_token,

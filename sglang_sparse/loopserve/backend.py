@@ -171,7 +171,8 @@ def install(backend, config: LoopServeConfig, page_size: int, enable_metrics: bo
     shape = AttnShape.of(model_runner)
     max_context = getattr(getattr(model_runner, "model_config", None), "context_len", None)
     backend._ls_runner = LoopServeRunner(config, shape, device, use_kernels=kernels, store=store,
-                                         max_context=int(max_context) if max_context else None)
+                                         max_context=int(max_context) if max_context else None,
+                                         batch_invariant=bool(getattr(args, "enable_deterministic_inference", False)))
     if mode == "loopserve":  # decode steps record their working sets (host tier admission; sglang_sparse.loopserve.ws)
         from sglang_sparse.loopserve.ws import make_working_set
 

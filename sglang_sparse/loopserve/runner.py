@@ -179,8 +179,11 @@ def _decoding_sparsely(req) -> bool:
 
 class LoopServeRunner:
     def __init__(self, cfg: LoopServeConfig, shape, device: torch.device, *, use_kernels: bool, store=None,
-                 max_context: int | None = None):
-        """``max_context``: the served context length (a token list is never wider: it caps the split width)."""
+                 max_context: int | None = None, batch_invariant: bool = False):
+        """``max_context``: the served context length (a token list is never wider: it caps the split width).
+        ``batch_invariant`` (``--enable-deterministic-inference``): the decode splits every step's lists as for a
+        batch of one row (:class:`~flashinfer_ext.loopserve.decode.VerticalSlashDecode`), so a row's output does not
+        depend on the rows decoded beside it."""
         self.cfg = cfg
         self.shape = shape
         self.device = device
@@ -220,8 +223,9 @@ class LoopServeRunner:
         # re-selection's LSE pass: key span (fixed, so eager and graph-replayed steps compute the same bits)
         self.lse_split_keys = SELECT_SPLIT_KEYS
         # the decode over the step's token lists: plan() once per step, run() per layer (kernels or reference)
+        self.batch_invariant = bool(batch_invariant)
         self.vsd = VerticalSlashDecode(shape.num_qo_heads, shape.num_kv_heads, shape.head_dim, device,
-                                       use_kernels=use_kernels)
+                                       use_kernels=use_kernels, batch_invariant=self.batch_invariant)
         # steady and (kernel path) re-selecting steps: lists from the requests' sorted bases (loopserve.lists);
         # False: the sort-based builds (bench/loopserve_step_bench.py times both)
         self.steady_from_bases = True
