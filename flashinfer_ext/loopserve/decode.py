@@ -19,7 +19,8 @@ plans the split over the lists and returns a :class:`VSDecodePlan` of views of t
   batches.
 
 Paths: kernels (:func:`flashinfer_ext.common.split_decode.sparse_decode_split` when the plan has more than one
-span, else :func:`flashinfer_ext.common.sparse_decode.sparse_decode` with ``block_size=1`` and ``epsilon=1``)
+span or is batch invariant, else :func:`flashinfer_ext.common.sparse_decode.sparse_decode` with ``block_size=1`` and
+``epsilon=1``)
 or the fp32 reference (:func:`flashinfer_ext.loopserve.reference.masked_decode_reference` over the lists as a
 mask). ``use_kernels`` is an explicit argument; nothing reads the environment here.
 """
@@ -144,7 +145,7 @@ class VerticalSlashDecode:
                                           partial_lse_buf=plan.partial_lse, out=out, lse_out=plan.lse,
                                           nread_out=plan.nread)
             return o
-        if self.use_kernels:  # lists short enough for one program per (row, KV head), or a graph replay's plan
+        if self.use_kernels:  # lists short enough for one program per (row, KV head)
             from flashinfer_ext.common.sparse_decode import sparse_decode
 
             o, _, _ = sparse_decode(q if q.stride(2) == 1 else q.contiguous(), k_buf, v_buf, req_to_token,

@@ -20,8 +20,9 @@ from __future__ import annotations
 
 import torch
 
-# the all-layer list build holds ~4 int32 tensors of L x rows x Hk x width entries at once; above this many
-# entries (~256 MiB each) the lists are built per layer instead
+# the all-layer list build of an eager step holds ~4 int32 tensors of L x rows x Hk x width entries at once; above
+# this many entries (~256 MiB each) the lists are built per layer instead. A graph-replayed steady step writes its
+# lists straight into the graph's static buffers (steady_lists' out) and is not capped by it
 LISTS_ALL_MAX_ENTRIES = 1 << 26
 
 def by_layer(t: torch.Tensor) -> torch.Tensor:
