@@ -17,7 +17,8 @@ keys (the lists are random distinct positions: the kernels' cost does not depend
     python bench/sparse_decode_bench.py --out DIR          # GPU: DIR/sparse_decode.{json,md}
     python bench/sparse_decode_bench.py --out DIR --smoke  # CPU (Triton interpreter): one tiny case
     python bench/sparse_decode_bench.py --out DIR --sweep  # GPU: DIR/split_sweep.{json,md}, the split kernel's
-                                                           # tile / warps / stages on testbed shapes
+                                                           # tile / warps / stages on testbed shapes, and the
+                                                           # default launch with plan-sized spans (row_chunk off)
 """
 
 from __future__ import annotations
@@ -46,10 +47,13 @@ CASES = [("smollm2", 1, 2700, 1100), ("smollm2", 1, 2700, 200), ("smollm2", 8, 8
          ("llama8b", 1, 32768, 2048), ("llama8b", 8, 32768, 2048), ("llama8b", 32, 32768, 1100),
          ("llama8b", 8, 131072, 4096)]
 SMOKE = [("smoke", 2, 300, 140)]
-# --sweep: the 32k testbed's decode (SmolLM2 at 32k, lists of ~5.5k / ~12.8k tokens per KV head); "graph" plans
-# the spans as LoopServe's decode graphs do (for a graph_list_width of 32768 and one row), "eager" for the batch
+# --sweep: the 32k testbed's decode (SmolLM2 at 32k, lists of ~5.5k / ~10k / ~12.8k tokens per KV head); "graph"
+# plans the spans as LoopServe's captured decode graph of that batch size does (for a graph_list_width of 32768),
+# "invariant" as under deterministic inference (the one-row plan at every batch size), "eager" for the batch's lists
 SWEEP_CASES = [("smollm2", 1, 32768, 5500, "graph"), ("smollm2", 8, 32768, 5500, "graph"),
-               ("smollm2", 32, 32768, 5500, "graph"), ("smollm2", 8, 32768, 12800, "graph"),
+               ("smollm2", 32, 32768, 5500, "graph"), ("smollm2", 1, 32768, 10000, "graph"),
+               ("smollm2", 8, 32768, 10000, "graph"), ("smollm2", 32, 32768, 10000, "graph"),
+               ("smollm2", 8, 32768, 12800, "graph"), ("smollm2", 32, 32768, 10000, "invariant"),
                ("smollm2", 8, 32768, 5500, "eager")]
 SWEEP_TILES, SWEEP_WARPS, SWEEP_STAGES = (32, 64, 128), (2, 4, 8), (1, 2, 3)
 
@@ -110,8 +114,9 @@ def run_case(shape, batch, ctx, width, dev, peak_bps, sm_count):
 
 
 def sweep_case(shape, batch, ctx, width, kind, dev, peak_bps, sm_count, configs) -> list[dict]:
-    """The split decode of one case under every ``(tile_tokens, num_warps, num_stages)`` config: us
-    (CUDA-graph replays), TB/s of the listed K and V rows, and the max difference from the first config."""
+    """The split decode of one case under every ``(tile_tokens, num_warps, num_stages[, row_chunk])`` config (row_chunk
+    default True): us (CUDA-graph replays), TB/s of the listed K and V rows, and the max difference from the first
+    config."""
     from dataclasses import replace
 
     from flashinfer_ext.common.split_decode import alloc_split_buffers, plan_splits, sparse_decode_split
@@ -123,10 +128,11 @@ def sweep_case(shape, batch, ctx, width, kind, dev, peak_bps, sm_count, configs)
     lists = torch.sort(lists, dim=2).values.contiguous()  # LoopServe's lists come in runs of ascending positions
     read_bytes = 2 * batch * hk * width * d * k.element_size()
     rows, ref = [], None
-    for tile, warps, stages in configs:
-        base = plan_splits(ctx if kind == "graph" else width, hk if kind == "graph" else batch * hk, block_size=1,
+    for tile, warps, stages, *rest in configs:
+        row_chunk = bool(rest[0]) if rest else True
+        base = plan_splits(width if kind == "eager" else ctx, hk if kind == "invariant" else batch * hk, block_size=1,
                            target_programs=2 * sm_count, tile_tokens=tile)
-        plan = replace(base, num_warps=warps, num_stages=stages)
+        plan = replace(base, num_warps=warps, num_stages=stages, row_chunk=row_chunk)
         po, plse = alloc_split_buffers(batch, hq, d, plan.num_splits, dev)
         out = torch.empty_like(q)
 
@@ -137,10 +143,11 @@ def sweep_case(shape, batch, ctx, width, kind, dev, peak_bps, sm_count, configs)
             g = graph_of(fn)
             t = timed((lambda: g.replay()) if g is not None else fn, iters=50)
         except Exception as e:  # a config that does not compile (shared memory) is reported, not fatal
-            rows.append(dict(tile=tile, num_warps=warps, num_stages=stages, error=f"{type(e).__name__}: {e}"[:200]))
+            rows.append(dict(tile=tile, num_warps=warps, num_stages=stages, row_chunk=row_chunk,
+                             error=f"{type(e).__name__}: {e}"[:200]))
             continue
         ref = out.float().clone() if ref is None else ref
-        rows.append(dict(tile=tile, num_warps=warps, num_stages=stages, num_splits=plan.num_splits,
+        rows.append(dict(tile=tile, num_warps=warps, num_stages=stages, row_chunk=row_chunk, num_splits=plan.num_splits,
                          chunk=plan.chunk, us=1e6 * t, tbps=read_bytes / t / 1e12, fraction_of_peak=read_bytes / t / peak_bps,
                          max_abs_diff=float((out.float() - ref).abs().max())))
     return [dict(shape=shape, batch=batch, context=ctx, list_width=width, plan=kind, **r) for r in rows]
@@ -150,8 +157,9 @@ def run_sweep(out: Path, meta: dict, dev: str) -> int:
     from flashinfer_ext.common.split_decode import plan_splits
 
     default = plan_splits(1, 1, block_size=1, target_programs=1)  # at block size 1 its tile is `sub` entries
-    configs = [(t, w, st) for t in SWEEP_TILES for w in SWEEP_WARPS for st in SWEEP_STAGES]
-    configs.sort(key=lambda c: c != (default.sub, default.num_warps, default.num_stages))  # default first
+    configs = [(t, w, st, True) for t in SWEEP_TILES for w in SWEEP_WARPS for st in SWEEP_STAGES]
+    configs.sort(key=lambda c: c != (default.sub, default.num_warps, default.num_stages, True))  # default first
+    configs.insert(1, (default.sub, default.num_warps, default.num_stages, False))  # the default with plan-sized spans
     results = []
     for case in SWEEP_CASES:
         rows = sweep_case(*case, dev, meta["peak_bps"], meta["sm_count"], configs)
@@ -169,7 +177,11 @@ def run_sweep(out: Path, meta: dict, dev: str) -> int:
     for case in SWEEP_CASES:
         rows = [r for r in results if (r["shape"], r["batch"], r["context"], r["list_width"], r["plan"]) == case
                 and "error" not in r]
-        for tag, r in (("default", rows[0] if rows else None), ("best", min(rows, key=lambda r: r["us"]) if rows else None)):
+        plan_cut = [r for r in rows if not r["row_chunk"]]
+        rows = [r for r in rows if r["row_chunk"]]
+        for tag, r in (("default", rows[0] if rows else None), ("default, plan-sized spans", plan_cut[0] if plan_cut
+                                                                 else None),
+                       ("best", min(rows, key=lambda r: r["us"]) if rows else None)):
             if r is not None:
                 lines.append(f"| {case[0]} b{case[1]} ctx {case[2]} lists {case[3]} | {case[4]} | {tag}: "
                              f"{r['tile']}, {r['num_warps']}, {r['num_stages']} | {r['num_splits']} | "
