@@ -211,9 +211,10 @@ class LoopServeRunner:
         # are written into (no all-layer temporary, so no LISTS_ALL_MAX_ENTRIES cap on graph-replayed steps)
         self.steady_into = None
         self.ws = None  # loopserve.ws.LoopServeWorkingSet: decode steps record what they read (host tier admission)
-        # lists are split as if graph_list_width wide, graphs on or off: eager and graph-replayed steps (and
-        # servers with and without graphs) cut the same lists into the same spans, so their outputs agree bit
-        # for bit (loopserve.graph sizes its static lists by it)
+        # the span count is planned as if the lists were graph_list_width wide, graphs on or off (each list is cut
+        # into those spans by its own length): eager and graph-replayed steps of a batch size (and servers with and
+        # without graphs) cut the same lists into the same spans, so their outputs agree bit for bit
+        # (loopserve.graph sizes its static lists by it)
         self.split_width = int(getattr(cfg, "graph_list_width", 0))
         if max_context:
             self.split_width = min(self.split_width, int(max_context))
