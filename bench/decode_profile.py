@@ -47,7 +47,20 @@ if str(REPO) not in sys.path:
 
 from bench import corpus, envinfo  # noqa: E402
 from bench.host_tier_concurrency import device_name, stream_chat  # noqa: E402
+from bench.ab_rounds import sparse_stats  # noqa: E402
 from bench.server import Server, ServerSpec  # noqa: E402
+
+# the sparse modes' step counters whose change over the profiled requests the report shows (which decode steps
+# replayed which CUDA graph, and how many rows re-selected): a profile mixes steady and selecting steps
+STEP_COUNTERS = ("sparse_decode_rows", "graph_decode_steps", "graph_select_steps", "dense_graph_steps", "reselections")
+
+
+def counter_delta(before: dict | None, after: dict | None) -> dict | None:
+    """``after - before`` of :data:`STEP_COUNTERS` (those the server reports), or None for a stock server."""
+    if not after:
+        return None
+    before = before or {}
+    return {k: after[k] - before.get(k, 0) for k in STEP_COUNTERS if isinstance(after.get(k), (int, float))} or None
 
 SYNC_RUNTIME = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
 SYNC_OPS = ("aten::item", "aten::_local_scalar_dense")
@@ -131,6 +144,7 @@ def profile_mode(a, mode: str, sparse_config: str | None, out: Path, log) -> dic
                                  ttft_s_mean=statistics.fmean(r["ttft_s"] for r in runs),
                                  ttft_s_median=statistics.median(r["ttft_s"] for r in runs),
                                  decode_tok_s_mean=statistics.fmean(r["decode_tok_s"] for r in runs))
+        before = sparse_stats(srv.url)
         activities = ["CPU", "GPU"] if a.device == "cuda" else ["CPU"]
         r = requests.post(srv.url + "/start_profile", json={
             "output_dir": str(mdir), "num_steps": a.steps, "activities": activities, "profile_by_stage": True,
@@ -144,6 +158,7 @@ def profile_mode(a, mode: str, sparse_config: str | None, out: Path, log) -> dic
                     for j in range(a.concurrency)]
             got = [f.result() for f in futs]
         rec["profiled"] = dict(got[0], concurrency=a.concurrency)
+        rec["step_counters"] = counter_delta(before, sparse_stats(srv.url))
         deadline = time.time() + 120
         while "trace" not in rec:  # the scheduler writes the trace after the last profiled step
             traces = sorted(p for p in mdir.glob("*.trace.json*") if "decode" in p.name.lower())
@@ -206,6 +221,9 @@ def write_report(out: Path, results: list[dict], meta: dict) -> None:
                 lines.append("")
         lines.append("Decode steps:")
         lines.append("")
+        if r.get("step_counters"):
+            lines += ["Over the profiled requests (the profiled steps are their first ones): "
+                      + ", ".join(f"{k} {v:g}" for k, v in r["step_counters"].items()) + ".", ""]
         for key, title in (("top_cpu_ops", "CPU ops (inclusive)"), ("top_cuda_runtime", "CUDA runtime"),
                            ("top_kernels", "GPU kernels"), ("top_python", "Python functions")):
             if not t[key]:

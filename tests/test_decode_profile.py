@@ -89,6 +89,16 @@ def test_driver_profiles_decode_steps_on_a_cpu_server(tmp_path):
     assert p["trace"].endswith(".trace.json.gz") and "EXTEND" in p["trace"] and p["wall_us_per_step"] > 0
     assert not list((out / "off").glob("*.trace.json*"))  # reduced, then removed (no --keep-traces)
     assert "| off |" in (out / "decode_profile.md").read_text()
+    assert r["step_counters"] is None  # a stock server reports no sparse step counters
+
+
+def test_step_counters_are_the_change_over_the_profiled_requests():
+    before = {"graph_decode_steps": 10, "graph_select_steps": 2, "reselections": 5, "line_fraction": 0.3}
+    after = {"graph_decode_steps": 50, "graph_select_steps": 6, "reselections": 9, "sparse_decode_rows": 64,
+             "line_fraction": 0.2}
+    assert dp.counter_delta(before, after) == {"sparse_decode_rows": 64, "graph_decode_steps": 40,
+                                               "graph_select_steps": 4, "reselections": 4}
+    assert dp.counter_delta(None, None) is None and dp.counter_delta({}, {"line_fraction": 0.1}) is None
 
 
 def test_ab_rounds_measures_running_servers_round_by_round(cpu_server, default_model, tmp_path):
