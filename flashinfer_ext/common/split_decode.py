@@ -12,8 +12,8 @@ them once per step and share them across layers (CUDA-graph capturable at a fixe
      ``[s * chunk, min((s + 1) * chunk, list_len))`` and writes a normalised fp32 partial ``o`` and its
      base-2 ``lse`` (``-inf`` for an empty span) into ``partial_o_buf`` / ``partial_lse_buf``. With
      ``plan.row_chunk`` (the default) ``chunk`` is the pair's own: its ``list_len`` cut into ``num_splits``
-     tile-aligned spans, so every pair's list spreads over all the programs of its row (a plan sized for the widest
-     list a graph takes, ~32k entries, left lists of ~10k in a third of them); else ``plan.chunk`` for every pair;
+     tile-aligned spans, so every pair's list spreads over all the programs of its row (a span length sized for the
+     widest list a graph takes, ~32k entries, would leave a list of ~10k in a third of them); else ``plan.chunk``;
   2. grid ``[batch * num_qo_heads]``: a row's partials merged with the spans as a tensor dimension (the max
      of the span LSEs, then the base-2 weighted sums of ``flashinfer.merge_state``), written in the output
      dtype. A graph's split count is planned for its widest list (up to ~90 spans at 32k), so a merge that
