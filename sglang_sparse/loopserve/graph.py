@@ -337,7 +337,7 @@ class LoopServeGraphs:
         # the decode wrapper's fixed buffers (lengths, side outputs, split partials) for every captured size
         self.vsd = VerticalSlashDecode(sh.num_qo_heads, sh.num_kv_heads, sh.head_dim, dev, use_kernels=r.use_kernels,
                                        list_width=self.width, max_batch=max_bs, target_programs=r.target_programs,
-                                       batch_invariant=r.batch_invariant)
+                                       batch_invariant=r.vsd.batch_invariant)
         nbytes = sum(t.numel() * t.element_size() for t in (self.lists_buf, self.lens_buf, self.vsd._partial_o_buf,
                                                              self.vsd._partial_lse_buf)
                      + ((self.q_buf,) if self.q_buf is not None else ())

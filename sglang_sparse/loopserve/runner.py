@@ -224,9 +224,8 @@ class LoopServeRunner:
         # re-selection's LSE pass: key span (fixed, so eager and graph-replayed steps compute the same bits)
         self.lse_split_keys = SELECT_SPLIT_KEYS
         # the decode over the step's token lists: plan() once per step, run() per layer (kernels or reference)
-        self.batch_invariant = bool(batch_invariant)
         self.vsd = VerticalSlashDecode(shape.num_qo_heads, shape.num_kv_heads, shape.head_dim, device,
-                                       use_kernels=use_kernels, batch_invariant=self.batch_invariant)
+                                       use_kernels=use_kernels, batch_invariant=bool(batch_invariant))
         # steady and (kernel path) re-selecting steps: lists from the requests' sorted bases (loopserve.lists);
         # False: the sort-based builds (bench/loopserve_step_bench.py times both)
         self.steady_from_bases = True
