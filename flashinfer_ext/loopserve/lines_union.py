@@ -14,7 +14,7 @@ the decode kernels do not care about.
 
 Supports: ``base [R, L, Hk, Wa]`` int32 (ascending and duplicate-free in the first ``base_lens [R, L, Hk]``
 entries, every entry below its row's length), ``s_idx [R, L, Hk, Ws]`` int32 offsets (distinct per (row, layer,
-head), ``-1`` padded), ``since`` / ``seq_lens`` ``[R]`` int32 or int64 (contiguous). Output ``lists [L, R, Hk, W]`` int32
+head), ``-1`` padded: a list's offsets first, ``-1`` after them; each program walks only its own), ``since`` / ``seq_lens`` ``[R]`` int32 or int64 (contiguous). Output ``lists [L, R, Hk, W]`` int32
 (layer-major, ``W >= Wa + Ws + max_since``) and ``lens [L, R, Hk]``, zeros after ``lens``. Grid ``[L * R * Hk]``;
 widths and the search depth are runtime ints; no host sync.
 
@@ -34,13 +34,33 @@ import triton.language as tl
 
 from flashinfer_ext.loopserve.list_union import in_sorted
 
-__all__ = ["lines_union", "lines_union_reference", "lines_append", "lines_append_reference", "lines_base"]
+__all__ = ["lines_union", "lines_union_reference", "lines_append", "lines_append_reference", "lines_base", "BLOCK",
+           "union_block"]
+
+# entries per program iteration. Both kernels run one program per list and walk it serially (copy, then binary
+# searches of dependent loads), so with few programs their time is the number of iterations times their latency,
+# not bandwidth. On an H200 (bench/results/lines_union_blocks.md, CUDA-graph replays, 30 layers x 3 KV heads, ~10k
+# entries per list): lines_append (one program per row and KV head) took 21 us per layer at 256 entries and 10 us at
+# 1024 at every batch size; lines_union (one program per layer, row and KV head) was fastest at 1024 entries with
+# 90 programs (one row), at 512 with 720 (8 rows) and at 256 with 2880 (32 rows), where the launch is
+# bandwidth-bound. The lists written are the same for every block (the order is fixed by the entries).
+BLOCK = 1024
+
+
+def union_block(programs: int) -> int:
+    """:func:`lines_union`'s entries per iteration for a launch of ``programs`` lists (see :data:`BLOCK`)."""
+    return 1024 if programs <= 256 else 512 if programs <= 1024 else 256
+
+
+def _warps(block: int) -> int:
+    """Warps of a launch with ``block`` entries per iteration: Triton's default 4 up to 512 entries, 8 above."""
+    return 8 if block > 512 else 4
 
 
 @triton.jit
 def _lines_union_kernel(b_ptr, b_sr, b_sl, b_sh, blens_ptr, bl_sr, bl_sl, s_ptr, s_sr, s_sl, s_sh,
                         since_ptr, seq_ptr, o_ptr, o_sl, o_sr, o_sh, lens_ptr, ln_sl, ln_sr, mk_ptr, mk_sl, mk_sr,
-                        rows, num_kv_heads, wa, ws, wout, depth, BLOCK: tl.constexpr, HAS_MARKS: tl.constexpr,
+                        rows, num_kv_heads, wa, ws, wout, depth, sdepth, BLOCK: tl.constexpr, HAS_MARKS: tl.constexpr,
                         ZERO_FILL: tl.constexpr):
     pid = tl.program_id(0)
     h = pid % num_kv_heads
@@ -67,10 +87,20 @@ def _lines_union_kernel(b_ptr, b_sr, b_sl, b_sh, blens_ptr, bl_sr, bl_sl, s_ptr,
             tl.store(out + i, tl.load(base + i, mask=i < ls, other=0), mask=i < ls)
     tl.debug_barrier()
     n = ls
-    # phase 2: slash keys pos - s below since (keys from since on are the tail's) that the base lacks
-    for c0 in range(0, ws, BLOCK):
+    # phase 2: slash keys pos - s below since (keys from since on are the tail's) that the base lacks. The offsets
+    # are this list's first, -1 after: its own count (a binary search on s >= 0) bounds the walk, not the padded
+    # width Ws, the batch's widest list (a diffuse head can select thousands of offsets where most select ~1k)
+    lo = ws * 0
+    hi = ws + 0
+    for _ in range(sdepth):
+        act = lo < hi
+        mid = (lo + hi) // 2
+        got = tl.load(offs_row + mid, mask=act, other=-1) >= 0
+        lo = tl.where(act & got, mid + 1, lo)
+        hi = tl.where(act & (~got), mid, hi)
+    for c0 in range(0, lo, BLOCK):
         i = c0 + tl.arange(0, BLOCK)
-        s = tl.load(offs_row + i, mask=i < ws, other=-1)
+        s = tl.load(offs_row + i, mask=i < lo, other=-1)
         t = pos - s
         valid = (s >= 0) & (t >= 0) & (t < since) & (t < seq)
         keep = valid & ~in_sorted(base, t, ls, depth, BLOCK)
@@ -146,7 +176,7 @@ def _check(base, base_lens, s_idx, since, seq_lens):
 
 def lines_union(base: torch.Tensor, base_lens: torch.Tensor, s_idx: torch.Tensor, since: torch.Tensor,
                 seq_lens: torch.Tensor, *, max_since: int, out: torch.Tensor | None = None,
-                lens_out: torch.Tensor | None = None, block: int = 256, marks_out: torch.Tensor | None = None,
+                lens_out: torch.Tensor | None = None, block: int | None = None, marks_out: torch.Tensor | None = None,
                 zero_fill: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """Every layer's decode lists of a step without re-selection (module docstring): ``(lists [L, R, Hk, W] int32,
     lens [L, R, Hk] int32)``, ``W = Wa + Ws + max_since``. ``out`` / ``lens_out``: preallocated outputs (``out``
@@ -156,7 +186,9 @@ def lines_union(base: torch.Tensor, base_lens: torch.Tensor, s_idx: torch.Tensor
     step's :func:`lines_append` (which needs the offsets of ``s_idx`` ascending in each row, ``-1`` after them: the
     slash keys then come out strictly descending). ``zero_fill`` False: nothing is written after each list's
     ``lens`` entries, and with ``out`` given its width is the caller's bound on every list's length (a CUDA graph's
-    static width, at least the longest context; room for the entries :func:`lines_append` adds), not ``W``."""
+    static width, at least the longest context; room for the entries :func:`lines_append` adds), not ``W``.
+    ``block``: entries per program iteration (a power of two; the output does not depend on it; default
+    :func:`union_block` of the launch's ``L * R * Hk`` programs)."""
     _check(base, base_lens, s_idx, since, seq_lens)
     r, n_l, hk, wa = base.shape
     ws = s_idx.shape[3]
@@ -181,19 +213,21 @@ def lines_union(base: torch.Tensor, base_lens: torch.Tensor, s_idx: torch.Tensor
     assert base.stride(3) == 1 and s_idx.stride(3) == 1 and base_lens.stride(2) == 1
     assert since.is_contiguous() and seq_lens.is_contiguous()
     mk = marks_out if marks_out is not None else lens_out.view(n_l, r, hk, 1)  # placeholder when not written
+    block = block or union_block(n_l * r * hk)
     _lines_union_kernel[(n_l * r * hk,)](
         base, base.stride(0), base.stride(1), base.stride(2), base_lens, base_lens.stride(0), base_lens.stride(1),
         s_idx, s_idx.stride(0), s_idx.stride(1), s_idx.stride(2),
         since, seq_lens,
         out, out.stride(0), out.stride(1), out.stride(2), lens_out, lens_out.stride(0), lens_out.stride(1),
         mk, mk.stride(0), mk.stride(1),
-        r, hk, wa, ws, out.shape[3], max(wa, 1).bit_length(), BLOCK=block, HAS_MARKS=marks_out is not None,
-        ZERO_FILL=zero_fill)
+        r, hk, wa, ws, out.shape[3], max(wa, 1).bit_length(), max(ws, 1).bit_length(), BLOCK=block,
+        HAS_MARKS=marks_out is not None,
+        ZERO_FILL=zero_fill, num_warps=_warps(block))
     return out, lens_out
 
 
 def lines_append(lists: torch.Tensor, lens: torch.Tensor, marks: torch.Tensor, since: torch.Tensor,
-                 seq_lens: torch.Tensor, extra: torch.Tensor, *, block: int = 256) -> None:
+                 seq_lens: torch.Tensor, extra: torch.Tensor, *, block: int = BLOCK) -> None:
     """A re-selection step, one layer: appends to each list of :func:`lines_union` (built with ``marks_out``) the
     positions of its new top-B ``extra [R, Hk, We]`` int32 (``-1`` padded, distinct per list) that it lacks: below
     ``since`` (the tail holds the rest), not in the base (ascending, ``marks[..., 0]`` entries), not a slash key
@@ -214,7 +248,7 @@ def lines_append(lists: torch.Tensor, lens: torch.Tensor, marks: torch.Tensor, s
     assert marks.stride(1) == 2 and since.is_contiguous() and seq_lens.is_contiguous()
     _lines_append_kernel[(r * hk,)](lists, lists.stride(0), lists.stride(1), lens, lens.stride(0), marks,
                                     marks.stride(0), since, seq_lens, extra, extra.stride(0), extra.stride(1), hk, we,
-                                    max(w, 1).bit_length(), BLOCK=block)
+                                    max(w, 1).bit_length(), BLOCK=block, num_warps=_warps(block))
 
 
 def lines_append_reference(lists: torch.Tensor, lens: torch.Tensor, since: torch.Tensor, seq_lens: torch.Tensor,
@@ -248,7 +282,9 @@ def lines_union_reference(base: torch.Tensor, base_lens: torch.Tensor, s_idx: to
             for h in range(hk):
                 b = base[j, layer, h, : int(base_lens[j, layer, h])].cpu()
                 have = set(b.tolist())
-                slash = [p - s for s in s_idx[j, layer, h].tolist() if s >= 0 and 0 <= p - s < min(lo, n)]
+                offs = s_idx[j, layer, h].tolist()
+                offs = offs[: offs.index(-1)] if -1 in offs else offs  # the list's offsets end at its first -1
+                slash = [p - s for s in offs if s >= 0 and 0 <= p - s < min(lo, n)]
                 tail = list(range(lo, n))
                 new = [t for t in slash + tail if t not in have]
                 got = b.tolist() + new

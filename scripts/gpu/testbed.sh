@@ -37,6 +37,8 @@
 #   bash scripts/gpu/testbed.sh lsvarspeed  # the same configurations end to end at 32k (bench.ab_rounds, ~5 min)
 #   bash scripts/gpu/testbed.sh splitsweep  # the split-list decode's launch configs and span cuts on the testbed's
 #                                           # decode shapes, CUDA-graph replays (bench/sparse_decode_bench.py --sweep)
+#   bash scripts/gpu/testbed.sh listblocks  # loopserve's decode-list kernels (lines_union, lines_append) by block width
+#                                           # at 1 / 8 / 32 rows, CUDA-graph replays (bench/lines_union_bench.py)
 #   bash scripts/gpu/testbed.sh lsspeed  # loopserve engaged against off at 32k: bench.load (concurrency 1/8/32) and
 #                                        # bench.decode_profile (~24k tokens, concurrency 1) (~6 min)
 #
@@ -55,7 +57,7 @@
 #
 # Reports go to /tmp/testbed/<part>/ and come back packed as $OUT/<part>.tgz.
 set -uo pipefail
-part=${1:?usage: testbed.sh needle|long|samkv|e2e|turns|probeprof|hostprof|settings4k|c1ab|ab4k|lsfid|lsvarfid|lsvarspeed|lsspeed|splitsweep|realkern|kernwaves|kerncrit|kernprofile|samkvab-start|samkvab-wait|reliability-start|reliability-wait}
+part=${1:?usage: testbed.sh needle|long|samkv|e2e|turns|probeprof|hostprof|settings4k|c1ab|ab4k|lsfid|lsvarfid|lsvarspeed|lsspeed|splitsweep|listblocks|realkern|kernwaves|kerncrit|kernprofile|samkvab-start|samkvab-wait|reliability-start|reliability-wait}
 out=${OUT:-$PWD/gpu_out}
 name=${part%-*}${TESTBED_TAG:+_$TESTBED_TAG}
 R=/tmp/testbed/$name
@@ -241,6 +243,9 @@ PY
   splitsweep)  # timing: run alone on the GPU. loopserve's split-list decode per layer: tile / warps / stages, per-list
     # against plan-sized spans (row_chunk), the runner's graph plans at 1 / 8 / 32 rows and the deterministic one-row plan
     step splitsweep timeout -k 20 "${SPLIT_TIMEOUT:-300}" python3 bench/sparse_decode_bench.py --sweep --out "$R"
+    ;;
+  listblocks)  # timing: run alone on the GPU. lines_union / lines_append by block width (the lists are checked equal)
+    step listblocks timeout -k 20 "${LISTBLOCKS_TIMEOUT:-200}" python3 bench/lines_union_bench.py --out "$R"
     ;;
   kernwaves)  # psa decode wave plans on the planted cases, then the full kernel bench (planted grid + testbed real
     # rows) at the plan picked from the sweep (bench/psa_decode_bench.py pick_wave_plan), ~5-6 minutes

@@ -2,7 +2,8 @@
 exactly its pure-torch reference's lists and lengths, and as sets exactly what the sort-based
 decode_union_lists gives for the same lines, top-B, sink and tail (no position twice); over empty bases, empty
 offset lists, a top-B holding the first tail position, slash keys inside the tail, offsets past the position,
-rows of different lengths, several blocks per list; on the CPU under the Triton interpreter and on the GPU."""
+rows of different lengths, several blocks per list and one block per list (the lists do not depend on the block);
+on the CPU under the Triton interpreter and on the GPU."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import pytest
 import torch
 
 from flashinfer_ext.common.sparse_decode import decode_union_lists
-from flashinfer_ext.loopserve.lines_union import lines_base, lines_union, lines_union_reference
+from flashinfer_ext.loopserve.lines_union import BLOCK, lines_base, lines_union, lines_union_reference
 
 SINK = 4
 
@@ -64,10 +65,13 @@ def _inputs(rows, device):
 SHAPES = [(1, 1, 1, 4, 3, 2), (3, 2, 3, 40, 30, 16), (2, 3, 2, 300, 200, 90), (2, 1, 1, 0, 0, 0), (1, 2, 2, 5, 0, 7)]
 
 
-def _check(shape, seed, device):
+BLOCKS = [32, BLOCK]  # several blocks per list (the SHAPES' widths are up to 300) and the default
+
+
+def _check(shape, seed, device, block=BLOCK):
     rows = _case(*shape, seed)
     base, lens, s_idx, pos, since, seq, max_since = _inputs(rows, device)
-    got, got_lens = lines_union(base, lens, s_idx, since, seq, max_since=max_since)
+    got, got_lens = lines_union(base, lens, s_idx, since, seq, max_since=max_since, block=block)
     want, want_lens = lines_union_reference(base, lens, s_idx, since, seq, max_since=max_since)
     assert torch.equal(got_lens.cpu(), want_lens.cpu())
     assert torch.equal(got.cpu(), want.cpu())
@@ -84,10 +88,11 @@ def _check(shape, seed, device):
                 assert not got[layer, j, h, int(got_lens[layer, j, h]):].any()
 
 
+@pytest.mark.parametrize("block", BLOCKS)
 @pytest.mark.parametrize("seed", [0, 1])
 @pytest.mark.parametrize("shape", SHAPES, ids=[f"r{s[0]}l{s[1]}h{s[2]}v{s[3]}s{s[4]}b{s[5]}" for s in SHAPES])
-def test_lines_union_is_the_sorted_union_of_lines_top_b_sink_and_tail(shape, seed):
-    _check(shape, seed, "cpu")
+def test_lines_union_is_the_sorted_union_of_lines_top_b_sink_and_tail(shape, seed, block):
+    _check(shape, seed, "cpu", block)
 
 
 def test_lines_union_writes_into_given_buffers_and_validates():
@@ -122,7 +127,7 @@ def test_lines_base_is_sorted_unique_lines_top_b_and_sink():
     assert lens2.tolist() == [[2, 3]] and base2[0, 0, :2].tolist() == [5, 9]
 
 
-def _check_extra(shape, seed, device, zero_fill=True):
+def _check_extra(shape, seed, device, zero_fill=True, block=BLOCK):
     """A re-selecting step: the bases hold no top-B (lines and sink); lines_union (with marks) builds every layer's
     lists, lines_append adds each layer's new top-B (some of it on slash keys, in the base or in the tail); the lists
     are the same sets as the sort-based build's, in the reference's order."""
@@ -149,13 +154,13 @@ def _check_extra(shape, seed, device, zero_fill=True):
     out = torch.full((n_l, len(rows), hk, w), 77, dtype=torch.int32, device=device)
     marks = torch.empty(n_l, len(rows), hk, 2, dtype=torch.int32, device=device)
     got, got_lens = lines_union(base, lens, s_idx, since, seq, max_since=max_since, out=out, marks_out=marks,
-                                zero_fill=zero_fill)
+                                zero_fill=zero_fill, block=block)
     want, want_lens = lines_union_reference(base, lens, s_idx, since, seq, max_since=max_since)
     assert torch.equal(got_lens.cpu(), want_lens.cpu())
     assert torch.equal(marks[..., 0].cpu(), lens.transpose(0, 1).cpu())  # the base ends where its lens says
     for layer in range(n_l):
         want_l, want_n = lines_append_reference(want[layer], want_lens[layer], since, seq, extra[:, layer])
-        lines_append(out[layer], got_lens[layer], marks[layer], since, seq, extra[:, layer].contiguous())
+        lines_append(out[layer], got_lens[layer], marks[layer], since, seq, extra[:, layer].contiguous(), block=block)
         assert torch.equal(got_lens[layer].cpu(), want_n.cpu())
         for j, r in enumerate(rows):
             old, old_lens = decode_union_lists(r["v"][layer][None], r["s"][layer][None], r["tb"][layer][None],
@@ -169,6 +174,27 @@ def _check_extra(shape, seed, device, zero_fill=True):
                 assert sorted(new) == old[0, h, : int(old_lens[0, h])].tolist()
 
 
+def test_lines_union_reads_a_lists_offsets_up_to_its_first_padding_entry():
+    """Each list walks its own offsets (those before its first -1), not the batch's padded width: entries after
+    the first -1 are padding, whatever they hold."""
+    rows = _case(2, 2, 2, 30, 12, 6, 9)
+    base, lens, s_idx, pos, since, seq, max_since = _inputs(rows, "cpu")
+    want, want_lens = lines_union(base, lens, s_idx, since, seq, max_since=max_since)
+    junk = s_idx.clone()
+    for j in range(2):  # a junk offset after each list's first -1 (offset 2: a key below since for every row)
+        for layer in range(2):
+            for h in range(2):
+                row = junk[j, layer, h]
+                pad = (row < 0).nonzero()
+                if pad.numel() and int(pad[0]) + 1 < row.numel():
+                    row[int(pad[0]) + 1] = 2
+    assert not torch.equal(junk, s_idx)
+    got, got_lens = lines_union(base, lens, junk, since, seq, max_since=max_since)
+    ref, ref_lens = lines_union_reference(base, lens, junk, since, seq, max_since=max_since)
+    assert torch.equal(got_lens, want_lens) and torch.equal(got, want)
+    assert torch.equal(ref_lens, want_lens) and torch.equal(ref, want)
+
+
 def _dedup(t):
     """A top-B row with no position twice (later duplicates set to -1)."""
     seen, out = set(), []
@@ -179,10 +205,11 @@ def _dedup(t):
     return torch.tensor(out, dtype=torch.int32)
 
 
+@pytest.mark.parametrize("block", BLOCKS)
 @pytest.mark.parametrize("zero_fill", [True, False], ids=["zero_fill", "no_fill"])
 @pytest.mark.parametrize("shape", SHAPES, ids=[f"r{s[0]}l{s[1]}h{s[2]}v{s[3]}s{s[4]}b{s[5]}" for s in SHAPES])
-def test_lines_union_adds_a_new_top_b_once_beside_slash_keys_base_and_tail(shape, zero_fill):
-    _check_extra(shape, 4, "cpu", zero_fill)
+def test_lines_union_adds_a_new_top_b_once_beside_slash_keys_base_and_tail(shape, zero_fill, block):
+    _check_extra(shape, 4, "cpu", zero_fill, block)
 
 
 def test_lines_union_without_zero_fill_takes_the_callers_width_and_leaves_the_rest():
@@ -209,5 +236,6 @@ def test_lines_union_without_zero_fill_takes_the_callers_width_and_leaves_the_re
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("shape", SHAPES, ids=[f"r{s[0]}l{s[1]}h{s[2]}v{s[3]}s{s[4]}b{s[5]}" for s in SHAPES])
 def test_gpu_lines_union_is_the_sorted_union_of_lines_top_b_sink_and_tail(shape):
-    _check(shape, 3, "cuda")
-    _check_extra(shape, 3, "cuda", zero_fill=False)
+    for block in BLOCKS:
+        _check(shape, 3, "cuda", block)
+        _check_extra(shape, 3, "cuda", zero_fill=False, block=block)
