@@ -17,8 +17,7 @@ keys (the lists are random distinct positions: the kernels' cost does not depend
     python bench/sparse_decode_bench.py --out DIR          # GPU: DIR/sparse_decode.{json,md}
     python bench/sparse_decode_bench.py --out DIR --smoke  # CPU (Triton interpreter): one tiny case
     python bench/sparse_decode_bench.py --out DIR --sweep  # GPU: DIR/split_sweep.{json,md}, the split kernel's
-                                                           # tile / warps / stages on testbed shapes, and the
-                                                           # default launch with plan-sized spans (row_chunk off)
+                                                           # tile / warps / stages on testbed shapes
 """
 
 from __future__ import annotations
@@ -114,9 +113,8 @@ def run_case(shape, batch, ctx, width, dev, peak_bps, sm_count):
 
 
 def sweep_case(shape, batch, ctx, width, kind, dev, peak_bps, sm_count, configs) -> list[dict]:
-    """The split decode of one case under every ``(tile_tokens, num_warps, num_stages[, row_chunk])`` config (row_chunk
-    default True): us (CUDA-graph replays), TB/s of the listed K and V rows, and the max difference from the first
-    config."""
+    """The split decode of one case under every ``(tile_tokens, num_warps, num_stages)`` config: us (CUDA-graph
+    replays), TB/s of the listed K and V rows, and the max difference from the first config."""
     from dataclasses import replace
 
     from flashinfer_ext.common.split_decode import alloc_split_buffers, plan_splits, sparse_decode_split
@@ -128,11 +126,10 @@ def sweep_case(shape, batch, ctx, width, kind, dev, peak_bps, sm_count, configs)
     lists = torch.sort(lists, dim=2).values.contiguous()  # LoopServe's lists come in runs of ascending positions
     read_bytes = 2 * batch * hk * width * d * k.element_size()
     rows, ref = [], None
-    for tile, warps, stages, *rest in configs:
-        row_chunk = bool(rest[0]) if rest else True
+    for tile, warps, stages in configs:
         base = plan_splits(width if kind == "eager" else ctx, hk if kind == "invariant" else batch * hk, block_size=1,
                            target_programs=2 * sm_count, tile_tokens=tile)
-        plan = replace(base, num_warps=warps, num_stages=stages, row_chunk=row_chunk)
+        plan = replace(base, num_warps=warps, num_stages=stages)
         po, plse = alloc_split_buffers(batch, hq, d, plan.num_splits, dev)
         out = torch.empty_like(q)
 
@@ -143,11 +140,11 @@ def sweep_case(shape, batch, ctx, width, kind, dev, peak_bps, sm_count, configs)
             g = graph_of(fn)
             t = timed((lambda: g.replay()) if g is not None else fn, iters=50)
         except Exception as e:  # a config that does not compile (shared memory) is reported, not fatal
-            rows.append(dict(tile=tile, num_warps=warps, num_stages=stages, row_chunk=row_chunk,
+            rows.append(dict(tile=tile, num_warps=warps, num_stages=stages,
                              error=f"{type(e).__name__}: {e}"[:200]))
             continue
         ref = out.float().clone() if ref is None else ref
-        rows.append(dict(tile=tile, num_warps=warps, num_stages=stages, row_chunk=row_chunk, num_splits=plan.num_splits,
+        rows.append(dict(tile=tile, num_warps=warps, num_stages=stages, num_splits=plan.num_splits,
                          chunk=plan.chunk, us=1e6 * t, tbps=read_bytes / t / 1e12, fraction_of_peak=read_bytes / t / peak_bps,
                          max_abs_diff=float((out.float() - ref).abs().max())))
     return [dict(shape=shape, batch=batch, context=ctx, list_width=width, plan=kind, **r) for r in rows]
@@ -157,9 +154,8 @@ def run_sweep(out: Path, meta: dict, dev: str) -> int:
     from flashinfer_ext.common.split_decode import plan_splits
 
     default = plan_splits(1, 1, block_size=1, target_programs=1)  # at block size 1 its tile is `sub` entries
-    configs = [(t, w, st, True) for t in SWEEP_TILES for w in SWEEP_WARPS for st in SWEEP_STAGES]
-    configs.sort(key=lambda c: c != (default.sub, default.num_warps, default.num_stages, True))  # default first
-    configs.insert(1, (default.sub, default.num_warps, default.num_stages, False))  # the default with plan-sized spans
+    configs = [(t, w, st) for t in SWEEP_TILES for w in SWEEP_WARPS for st in SWEEP_STAGES]
+    configs.sort(key=lambda c: c != (default.sub, default.num_warps, default.num_stages))  # default first
     results = []
     for case in SWEEP_CASES:
         rows = sweep_case(*case, dev, meta["peak_bps"], meta["sm_count"], configs)
@@ -177,10 +173,7 @@ def run_sweep(out: Path, meta: dict, dev: str) -> int:
     for case in SWEEP_CASES:
         rows = [r for r in results if (r["shape"], r["batch"], r["context"], r["list_width"], r["plan"]) == case
                 and "error" not in r]
-        plan_cut = [r for r in rows if not r["row_chunk"]]
-        rows = [r for r in rows if r["row_chunk"]]
-        for tag, r in (("default", rows[0] if rows else None), ("default, plan-sized spans", plan_cut[0] if plan_cut
-                                                                 else None),
+        for tag, r in (("default", rows[0] if rows else None),
                        ("best", min(rows, key=lambda r: r["us"]) if rows else None)):
             if r is not None:
                 lines.append(f"| {case[0]} b{case[1]} ctx {case[2]} lists {case[3]} | {case[4]} | {tag}: "

@@ -10,10 +10,10 @@ them once per step and share them across layers (CUDA-graph capturable at a fixe
 
   1. grid ``[batch * num_kv_heads, num_splits]``: program ``(pair, s)`` attends list entries
      ``[s * chunk, min((s + 1) * chunk, list_len))`` and writes a normalised fp32 partial ``o`` and its
-     base-2 ``lse`` (``-inf`` for an empty span) into ``partial_o_buf`` / ``partial_lse_buf``. With
-     ``plan.row_chunk`` (the default) ``chunk`` is the pair's own: its ``list_len`` cut into ``num_splits``
-     tile-aligned spans, so every pair's list spreads over all the programs of its row (a span length sized for the
-     widest list a graph takes, ~32k entries, would leave a list of ~10k in a third of them); else ``plan.chunk``;
+     base-2 ``lse`` (``-inf`` for an empty span) into ``partial_o_buf`` / ``partial_lse_buf``. ``chunk`` is the
+     pair's own: its ``list_len`` cut into ``num_splits`` tile-aligned spans, so every pair's list spreads over all
+     the programs of its row (a span length sized for the widest list a graph takes, ~32k entries, would leave a
+     list of ~10k in a third of them: 2.1x the time at 32 rows, ``bench/results/split_decode_row_chunk.md``);
   2. grid ``[batch * num_qo_heads]``: a row's partials merged with the spans as a tensor dimension (the max
      of the span LSEs, then the base-2 weighted sums of ``flashinfer.merge_state``), written in the output
      dtype. A graph's split count is planned for its widest list (up to ~90 spans at 32k), so a merge that
@@ -47,18 +47,16 @@ __all__ = ["SplitPlan", "plan_splits", "sparse_decode_split", "alloc_split_buffe
 
 @dataclass(frozen=True)
 class SplitPlan:
-    """How lists of width ``list_width`` are cut: ``num_splits`` spans of ``chunk`` entries (a multiple of
-    the tile's ``sub`` entries); ``num_splits * chunk >= list_width``. ``row_chunk`` (default): each (request, KV
-    head) list is cut into ``num_splits`` spans of its own length instead (``ceil(ceil(list_len / num_splits) /
-    sub) * sub`` entries; ``chunk`` then only bounds the plan's width). ``num_warps`` / ``num_stages`` are the span
-    kernel's launch."""
+    """How lists of width up to ``list_width`` are cut: ``num_splits`` spans per (request, KV head) list, each
+    ``ceil(ceil(list_len / num_splits) / sub) * sub`` entries of its own list (a multiple of the tile's ``sub``
+    entries); ``chunk`` is the span of the widest list (``num_splits * chunk >= list_width``). ``num_warps`` /
+    ``num_stages`` are the span kernel's launch."""
 
     num_splits: int
     chunk: int
     sub: int
     num_warps: int = 4
     num_stages: int = 2
-    row_chunk: bool = True
 
     def __post_init__(self):
         if self.num_splits < 1:
@@ -111,10 +109,10 @@ def _split_kernel(
     rtt_ptr, stride_rtt, rpi_ptr, seq_lens_ptr,
     lists_ptr, stride_lb, stride_lh, list_lens_ptr, stride_llb,
     po_ptr, stride_po_row, stride_po_s, plse_ptr, stride_plse_row,
-    chunk, sm_scale_log2,
+    sm_scale_log2,
     NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, G_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    SUB: tl.constexpr, DOT_FP32: tl.constexpr, ROW_CHUNK: tl.constexpr,
+    SUB: tl.constexpr, DOT_FP32: tl.constexpr,
 ):
     pair = tl.program_id(0)
     s = tl.program_id(1)
@@ -123,8 +121,7 @@ def _split_kernel(
     r64 = r.to(tl.int64)
     seq_len = tl.load(seq_lens_ptr + r)
     list_len = tl.load(list_lens_ptr + r64 * stride_llb + h)
-    if ROW_CHUNK:  # this pair's list in num_splits tile-aligned spans
-        chunk = tl.cdiv(tl.cdiv(list_len, tl.num_programs(1)), SUB) * SUB
+    chunk = tl.cdiv(tl.cdiv(list_len, tl.num_programs(1)), SUB) * SUB  # this pair's list in num_splits tile spans
     t_lo = s * chunk
     t_hi = tl.minimum(t_lo + chunk, list_len)
     rtt_row_ptr = rtt_ptr + tl.load(rpi_ptr + r).to(tl.int64) * stride_rtt
@@ -206,8 +203,7 @@ def sparse_decode_split(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch
       k_buffer, v_buffer: ``[num_slots, num_kv_heads, head_dim]`` bf16/fp16 (one layer).
       req_to_token: ``[max_reqs, max_context_len]`` int32; req_pool_indices: ``[batch]``; seq_lens ``[batch]`` int32.
       block_lists: ``[batch, num_kv_heads, W]`` logical block ids (any order, distinct, ``< ceil(seq_len /
-        block_size)``); list_lens: ``[batch, num_kv_heads]`` int32 entries to read (``<= W``; without
-        ``plan.row_chunk`` also ``<= plan.num_splits * plan.chunk``).
+        block_size)``); list_lens: ``[batch, num_kv_heads]`` int32 entries to read (``<= W``).
       plan: from :func:`plan_splits` with the same ``block_size`` (its ``sub`` is the tile).
       partial_o_buf / partial_lse_buf: from :func:`alloc_split_buffers` (``batch * num_qo_heads`` rows, at least
         ``plan.num_splits`` splits); allocated if None.
@@ -240,10 +236,10 @@ def sparse_decode_split(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch
         req_to_token, req_to_token.stride(0), req_pool_indices, seq_lens,
         block_lists, block_lists.stride(0), block_lists.stride(1), list_lens, list_lens.stride(0),
         partial_o_buf, partial_o_buf.stride(0), partial_o_buf.stride(1), partial_lse_buf, partial_lse_buf.stride(0),
-        plan.chunk, float(sm_scale) / math.log(2.0),
+        float(sm_scale) / math.log(2.0),
         NUM_KV_HEADS=num_kv_heads, GROUP=group, G_PAD=g_pad, HEAD_DIM=head_dim, D_PAD=d_pad,
         BLOCK_SIZE=block_size, SUB=plan.sub, DOT_FP32=os.environ.get("TRITON_INTERPRET", "0") == "1",
-        ROW_CHUNK=bool(plan.row_chunk), num_warps=plan.num_warps, num_stages=plan.num_stages,
+        num_warps=plan.num_warps, num_stages=plan.num_stages,
     )
     _merge_kernel[(batch * num_qo_heads,)](
         partial_o_buf, partial_o_buf.stride(0), partial_o_buf.stride(1), partial_lse_buf, partial_lse_buf.stride(0),

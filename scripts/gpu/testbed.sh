@@ -35,7 +35,7 @@
 #   bash scripts/gpu/testbed.sh lsvarfid # loopserve configurations (LS_VARIANTS) on the `long` preset, deterministic,
 #                                        # each against its own off, + bench.variants_report (~7 min)
 #   bash scripts/gpu/testbed.sh lsvarspeed  # the same configurations end to end at 32k (bench.ab_rounds, ~5 min)
-#   bash scripts/gpu/testbed.sh splitsweep  # the split-list decode's launch configs and span cuts on the testbed's
+#   bash scripts/gpu/testbed.sh splitsweep  # the split-list decode's launch configs on the testbed's
 #                                           # decode shapes, CUDA-graph replays (bench/sparse_decode_bench.py --sweep)
 #   bash scripts/gpu/testbed.sh listblocks  # loopserve's decode-list kernels (lines_union, lines_append) by block width
 #                                           # at 1 / 8 / 32 rows, CUDA-graph replays (bench/lines_union_bench.py)
@@ -240,8 +240,8 @@ PY
     step loopserve_real timeout -k 20 "${REALKERN_TIMEOUT:-240}" python3 bench/loopserve_prefill_bench.py --real-only \
         --testbed-model $M32 --out "$R"
     ;;
-  splitsweep)  # timing: run alone on the GPU. loopserve's split-list decode per layer: tile / warps / stages, per-list
-    # against plan-sized spans (row_chunk), the runner's graph plans at 1 / 8 / 32 rows and the deterministic one-row plan
+  splitsweep)  # timing: run alone on the GPU. loopserve's split-list decode per layer: tile / warps / stages at the
+    # runner's graph plans for 1 / 8 / 32 rows and the deterministic one-row plan
     step splitsweep timeout -k 20 "${SPLIT_TIMEOUT:-300}" python3 bench/sparse_decode_bench.py --sweep --out "$R"
     ;;
   listblocks)  # timing: run alone on the GPU. lines_union / lines_append by block width (the lists are checked equal)

@@ -40,11 +40,11 @@ def _reference(pool, lists, lens, block_size):
         epsilon=1.0, micro_batch_blocks=8)
 
 
-def _check(pool, lists, lens, block_size, num_splits, dtype, row_chunk=True):
+def _check(pool, lists, lens, block_size, num_splits, dtype):
     sub = plan_splits(1, 1, block_size=block_size, target_programs=1).sub
     width = lists.shape[2]
     chunk = max(sub, -(-(-(-width // num_splits)) // sub) * sub)
-    plan = SplitPlan(num_splits=num_splits, chunk=chunk, sub=sub, row_chunk=row_chunk)
+    plan = SplitPlan(num_splits=num_splits, chunk=chunk, sub=sub)
     o, lse, nread = sparse_decode_split(pool.q, pool.k_buffer, pool.v_buffer, pool.req_to_token, pool.req_pool_indices,
                                         pool.seq_lens, lists, lens, plan, block_size=block_size, sm_scale=pool.sm_scale)
     ro, rlse, _ = _reference(pool, lists, lens, block_size)
@@ -64,19 +64,18 @@ def _check(pool, lists, lens, block_size, num_splits, dtype, row_chunk=True):
     (32, 8, 128, torch.bfloat16, 16),  # Llama-3.1-8B shape
 ])
 @pytest.mark.parametrize("num_splits", [1, 3, 7])
-@pytest.mark.parametrize("row_chunk", [True, False], ids=["row_chunk", "plan_chunk"])
-def test_split_decode_matches_fp32_reference_for_any_split_count(hq, hk, d, dtype, block_size, num_splits, row_chunk):
+def test_split_decode_matches_fp32_reference_for_any_split_count(hq, hk, d, dtype, block_size, num_splits):
     seq_lens = [150, 37, 96] if block_size == 1 else [5 * block_size + 3, block_size - 5, 3 * block_size]
     pool = make_pool(seq_lens, hq, hk, d, dtype, block_size, seed=21)
     width = 140 if block_size == 1 else 6
     lists, lens = _lists(seq_lens, hk, block_size, width, seed=22)
-    _check(pool, lists, lens, block_size, num_splits, dtype, row_chunk)
+    _check(pool, lists, lens, block_size, num_splits, dtype)
 
 
-def test_row_chunk_cuts_each_list_by_its_own_length():
-    """A plan sized for a list far wider than the real ones (a graph's ``graph_list_width``): with ``row_chunk``
-    each pair's list is cut into the plan's spans by its own length (here 7 spans of one 16-entry tile for a
-    100-entry list, where the plan's 512-entry chunk leaves it one span), and both equal the fp32 reference."""
+def test_split_decode_cuts_each_list_by_its_own_length():
+    """A plan sized for a list far wider than the real ones (a graph's ``graph_list_width``): each pair's list is
+    cut into the plan's spans by its own length (here 7 spans of one 16-entry tile for a 100-entry list, where the
+    plan's 512-entry chunk would leave it one span), and the result equals the fp32 reference."""
     seq_lens = [300, 120]
     pool = make_pool(seq_lens, 4, 2, 16, torch.bfloat16, 1, seed=35)
     lists, lens = _lists(seq_lens, 2, 1, 100, seed=36)
@@ -91,8 +90,7 @@ def test_row_chunk_cuts_each_list_by_its_own_length():
     spans = -(-n0 // 16)
     row = 0  # request 0, qo head 0 (KV head 0)
     assert bool(torch.isfinite(plse[row, :spans]).all()) and bool(torch.isinf(plse[row, spans:]).all())
-    for row_chunk in (True, False):
-        _check(pool, lists, lens, 1, 8, torch.bfloat16, row_chunk)
+    _check(pool, lists, lens, 1, 8, torch.bfloat16)
 
 
 def test_split_decode_equals_one_program_sparse_decode():
