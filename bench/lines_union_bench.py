@@ -125,7 +125,7 @@ def main(argv=None) -> int:
              f"- command: `{meta['command']}`",
              f"- shapes: {LAYERS} layers x {KV_HEADS} KV heads, context {CONTEXT}, base {a.base} and {a.slash} slash "
              f"offsets per list, tail {TAIL}, top-B {TOPB}; CUDA-graph replays (median of 30 graphs of 20 calls)",
-             f"- default block: {BLOCK}", "",
+             f"- lines_append default block: {BLOCK}; lines_union default: by program count (`union_block`)", "",
              "| rows | block | lines_union us (all layers) | TB/s | lines_append us (one layer) | same lists |",
              "|---|---|---|---|---|---|"]
     lines += [f"| {r['rows']} | {r['block']} | {r['union_us']:.1f} | {r['union_tbps']:.2f} | {r['append_us']:.1f} | "
