@@ -23,6 +23,8 @@ import torch
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.psa_decode_bench import graph_of  # noqa: E402
+from bench.timing import timed  # noqa: E402
 from flashinfer_ext.loopserve.lines_union import BLOCK, lines_append, lines_union  # noqa: E402
 
 LAYERS, KV_HEADS, CONTEXT, TAIL, TOPB = 30, 3, 32768, 16, 1024
@@ -44,26 +46,10 @@ def inputs(rows: int, base_w: int, slash_w: int, dev, seed: int = 0) -> dict:
                 lens=torch.zeros(LAYERS, rows, KV_HEADS, **i32), marks=torch.zeros(LAYERS, rows, KV_HEADS, 2, **i32))
 
 
-def graph_us(fn, reps: int = 20, iters: int = 30) -> float:
-    """Median over ``iters`` replays of a graph of ``reps`` calls, per call (us)."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(reps):
-            fn()
-    times = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b) * 1000 / reps)
-    return sorted(times)[len(times) // 2]
+def graph_us(fn, reps: int = 20) -> float:
+    """Per call (us): the median CUDA-event time of a graph of ``reps`` calls of ``fn`` (:func:`bench.timing.timed`)."""
+    g = graph_of(lambda: [fn() for _ in range(reps)])
+    return 1e6 * timed(g.replay, iters=30) / reps
 
 
 def run_case(rows: int, base_w: int, slash_w: int, blocks, dev) -> list[dict]:
@@ -124,7 +110,7 @@ def main(argv=None) -> int:
              f"- versions: torch {meta['versions']['torch']}, triton {meta['versions']['triton']}",
              f"- command: `{meta['command']}`",
              f"- shapes: {LAYERS} layers x {KV_HEADS} KV heads, context {CONTEXT}, base {a.base} and {a.slash} slash "
-             f"offsets per list, tail {TAIL}, top-B {TOPB}; CUDA-graph replays (median of 30 graphs of 20 calls)",
+             f"offsets per list, tail {TAIL}, top-B {TOPB}; CUDA-graph replays (median of 30 timings of a graph of 20 calls)",
              f"- lines_append default block: {BLOCK}; lines_union default: by program count (`union_block`)", "",
              "| rows | block | lines_union us (all layers) | TB/s | lines_append us (one layer) | same lists |",
              "|---|---|---|---|---|---|"]
