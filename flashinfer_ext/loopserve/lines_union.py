@@ -14,9 +14,10 @@ the decode kernels do not care about.
 
 Supports: ``base [R, L, Hk, Wa]`` int32 (ascending and duplicate-free in the first ``base_lens [R, L, Hk]``
 entries, every entry below its row's length), ``s_idx [R, L, Hk, Ws]`` int32 offsets (distinct per (row, layer,
-head), ``-1`` padded: a list's offsets first, ``-1`` after them; each program walks only its own), ``since`` / ``seq_lens`` ``[R]`` int32 or int64 (contiguous). Output ``lists [L, R, Hk, W]`` int32
-(layer-major, ``W >= Wa + Ws + max_since``) and ``lens [L, R, Hk]``, zeros after ``lens``. Grid ``[L * R * Hk]``;
-widths and the search depth are runtime ints; no host sync.
+head), ``-1`` padded: a list's offsets first, ``-1`` after them; each program walks only its own), ``since`` /
+``seq_lens`` ``[R]`` int32 or int64 (contiguous). Output ``lists [L, R, Hk, W]`` int32 (layer-major,
+``W >= Wa + Ws + max_since``) and ``lens [L, R, Hk]``, zeros after ``lens``. Grid ``[L * R * Hk]``; widths and the
+search depths are runtime ints; no host sync.
 
 A re-selection step's new top-B is added per layer by :func:`lines_append`: a kept top-B position lies below
 ``since`` and is neither in the base (ascending: binary search) nor a slash key (ascending offsets make the kept
@@ -221,8 +222,7 @@ def lines_union(base: torch.Tensor, base_lens: torch.Tensor, s_idx: torch.Tensor
         out, out.stride(0), out.stride(1), out.stride(2), lens_out, lens_out.stride(0), lens_out.stride(1),
         mk, mk.stride(0), mk.stride(1),
         r, hk, wa, ws, out.shape[3], max(wa, 1).bit_length(), max(ws, 1).bit_length(), BLOCK=block,
-        HAS_MARKS=marks_out is not None,
-        ZERO_FILL=zero_fill, num_warps=_warps(block))
+        HAS_MARKS=marks_out is not None, ZERO_FILL=zero_fill, num_warps=_warps(block))
     return out, lens_out
 
 
