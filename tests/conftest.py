@@ -8,7 +8,7 @@ import pytest
 
 from tests.serverproc import DEFAULT_MODEL, start_cpu_server
 
-SERVER_READY_TIMEOUT_S = float(os.environ.get("SPARSE_TEST_SERVER_TIMEOUT", "240"))
+SERVER_READY_TIMEOUT_S = float(os.environ.get("SPARSE_TEST_SERVER_TIMEOUT", "480"))
 
 # Every server the tests start (fixtures, and the bench drivers the tests run) inherits this environment.
 # Stopping a server by its process group ends its scheduler first; SGLang reads that as a crashed child and sleeps

@@ -50,7 +50,7 @@ def test_edge_configs_are_valid_and_one_step_beyond_is_refused(mode):
 def test_short_fault_run_on_one_cpu_psa_server(default_model, tmp_path):
     out = tmp_path / "faults.json"
     rc = faults.main(["--faults", "knobs_at_limits,abort_prefill,abort_decode,kv_pressure", "--modes", "psa",
-                      "--model", str(default_model), "--request-timeout", "120", "--log-dir", str(tmp_path),
+                      "--model", str(default_model), "--request-timeout", "300", "--log-dir", str(tmp_path),
                       "--out", str(out)])
     report = json.loads(out.read_text())
     assert [(f["fault"], f["mode"]) for f in report["faults"]] == [

@@ -39,7 +39,7 @@ def load_run(default_model, tmp_path_factory):
            "--concurrency", ",".join(map(str, CONC)), "--min-prompts", "2", "--parallel-servers", "2",
            "--port", str(free_port()),
            "--accuracy-json", str(acc), "--out", str(out / "run")]
-    r = subprocess.run(cmd, env=server_env(), capture_output=True, text=True, timeout=400)
+    r = subprocess.run(cmd, env=server_env(), capture_output=True, text=True, timeout=900)
     print(r.stdout[-4000:], r.stderr[-4000:])
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     (out / "run" / "stdout.txt").write_text(r.stdout + r.stderr)

@@ -82,7 +82,7 @@ def test_slope_and_metrics_and_reference_comparison():
 def test_short_soak_on_launched_cpu_servers_off_then_samkv(default_model, tmp_path):
     out = tmp_path / "soak.json"
     rc = soak.main(["--launch", "samkv,off", "--model", str(default_model), "--requests", "16", "--concurrency", "2",
-                    "--turn-words", "120", "--max-tokens", "8", "--sample-every", "4", "--time-budget", "300",
+                    "--turn-words", "120", "--max-tokens", "8", "--sample-every", "4", "--time-budget", "900",
                     "--log-dir", str(tmp_path), "--out", str(out)])
     assert rc == 0
     report = json.loads(out.read_text())
