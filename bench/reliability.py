@@ -117,6 +117,7 @@ def merge_into(base: dict, new: dict, label: str) -> dict:
         rep["mode_runs"][mode] = label
         rep.get("modes_not_started", {}).pop(mode, None)
         (rep.get("notes") or {}).pop(mode, None)
+        (rep.get("mode_configs") or {}).pop(mode, None)  # the settings of the replaced row, not of this run's
     fault_modes = sorted({m for m in new.get("fault_modes_run", [])})
     if fault_modes:
         old = sum(sum(1 for _, applies in FAULTS.values() if m in applies) for m in fault_modes)
@@ -149,7 +150,9 @@ def markdown(rep: dict) -> str:
     for mode, r in rep["modes"].items():
         slope = r["rss_slope_mb_per_1k_requests"]
         d = rep["soak_details"].get(mode) or {}
-        lines.append(f"| {mode} | {r['sent']} | {r['completed']} | {r['aborted']} | {r['failed']} | {r['wrong_vs_off']} "
+        cfg = (rep.get("mode_configs") or {}).get(mode)  # a row measured under other than the mode's defaults
+        label = f"{mode} ({', '.join(f'{k} {v}' for k, v in cfg.items())})" if cfg else mode
+        lines.append(f"| {label} | {r['sent']} | {r['completed']} | {r['aborted']} | {r['failed']} | {r['wrong_vs_off']} "
                      f"| {r['http_5xx']} | {'n/a' if slope is None else f'{slope:.1f}'} | {r['idle_leak_check']} "
                      f"| {d.get('facts_checked')} | {d.get('right_where_off_wrong')} |")
     runs = rep.get("mode_runs") or {}

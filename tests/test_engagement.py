@@ -24,7 +24,8 @@ def _runner(context_len, pool=None):
     ("loopserve", None, 32768, False),                # default 65536 on the 32k testbed
     ("loopserve", '{"min_context": 32767}', 32768, True),   # SGLang's max_req_len: context_len - 1
     ("psa", '{"min_context": 32768}', 32768, False),       # equal to the context length: no request gets there
-    ("lastwindow", None, 8192, True),
+    ("lastwindow", None, 8192, False),                # default 65536: the baseline engages only when asked
+    ("lastwindow", '{"min_context": 4096}', 8192, True),
 ])
 def test_unreachable_min_context_is_reported_and_warned(mode, config, served, reachable, caplog):
     ctx = _context_from(mode, config)

@@ -90,6 +90,7 @@ def test_a_later_run_replaces_the_modes_it_soaked_and_their_faults_in_a_base_hea
                        {"fault": "c", "mode": "samkv", "survived": True}]}]
     base = fold(first, base_faults, "GPU X", ["first command"])
     base["notes"] = {"psa": "old reading", "samkv": "kept"}
+    base["mode_configs"] = {"psa": {"min_context": 8192}, "samkv": {"block_size": 16}}  # rows under other settings
     later = {"device": "cuda", "modes": {"off": _mode(), "psa": _mode(slope=0.5)}}
     new_faults = [{"device": "cuda", "faults_tried": n_psa, "faults_survived": n_psa,
                    "faults": [{"fault": "a", "mode": "psa", "survived": True}] * n_psa}]
@@ -100,6 +101,9 @@ def test_a_later_run_replaces_the_modes_it_soaked_and_their_faults_in_a_base_hea
     assert rep["faults_tried"] == n_psa + 2 and rep["faults_survived"] == n_psa + 2
     assert rep["faults_not_survived"] == []
     assert rep["notes"] == {"samkv": "kept"} and rep["commands"] == ["first command", "later command"]
+    assert rep["mode_configs"] == {"samkv": {"block_size": 16}}  # the replaced row's settings go with it
+    md = markdown(rep)
+    assert "| samkv (block_size 16) |" in md and "| psa |" in md
     (tmp_path / "base.json").write_text(json.dumps(base))
     (tmp_path / "soak.json").write_text(json.dumps(later))
     (tmp_path / "f.json").write_text(json.dumps(new_faults[0]))

@@ -21,3 +21,23 @@ def test_results_doc_reads_the_headline_jsons_and_names_missing_ones(tmp_path):
     assert "| psa | 0.91 | 1.00 | 0.50 | 1.00 | 0.88 | dense | [-4.2, +1.0] / n/a / [+0.0, +0.0] | 0.62 | 0.88 |" in text
     assert "0.25 (!)" in text  # dense below the floor is marked
     assert "(missing: run `python -m bench.load` on the testbed)" in text
+
+
+def test_rows_measured_under_other_settings_name_them(tmp_path):
+    """A headline's ``mode_configs`` (rows measured with other than the mode's defaults) labels that mode's rows in
+    every section; the other modes' rows stay unlabelled."""
+    fid = {"gpu": "G", "model": "M", "preset": "long", "mode_configs": {"lastwindow": {"min_context": 4096}},
+           "modes": {m: {"accuracy_ratio_by_position": {"begin": 0.5}, "accuracy_ratio_by_length": {}}
+                     for m in ("psa", "lastwindow")}}
+    e2e = {"gpu": "G", "mode_configs": {"lastwindow": {"min_context": 4096}},
+           "modes": {m: {"4k_c1": {"throughput_ratio_vs_off": 0.5, "ttft_ratio_vs_off": 1.0, "tpot_ratio_vs_off": 1.0,
+                                   "output_throughput_tok_s": 10.0}} for m in ("psa", "lastwindow")}}
+    rel = {"gpu": "G", "faults_tried": 1, "faults_survived": 1, "mode_configs": {"psa": {"min_context": 8192}},
+           "modes": {m: {"sent": 1, "completed": 1, "aborted": 0, "failed": 0, "wrong_vs_off": 0, "http_5xx": 0,
+                         "rss_slope_mb_per_1k_requests": 0.0, "idle_leak_check": "silent"} for m in ("psa", "samkv")}}
+    for name, doc in (("fidelity_long.json", fid), ("e2e_long.json", e2e), ("reliability.json", rel)):
+        (tmp_path / name).write_text(json.dumps(doc))
+    text = results_doc.build(tmp_path)
+    assert "| lastwindow (min_context 4096) | 0.50 |" in text and "| psa | 0.50 |" in text
+    assert "| lastwindow (min_context 4096) | 4k_c1 | 0.50 |" in text and "| psa | 4k_c1 | 0.50 |" in text
+    assert "| psa (min_context 8192) | 1 | 1 |" in text and "| samkv | 1 | 1 |" in text
