@@ -31,6 +31,11 @@ def merge(base: dict, adds: list[tuple[dict, list[str], str]], base_name: str) -
             if not prefix:
                 out["modes"][m] = doc["modes"][m]
                 out["mode_sources"][m] = name
+                cfg = (doc.get("mode_configs") or {}).get(m)  # the settings go with the rows
+                if cfg:
+                    out.setdefault("mode_configs", {})[m] = cfg
+                else:
+                    out.get("mode_configs", {}).pop(m, None)
                 continue
             cells = {k: v for k, v in doc["modes"][m].items() if k.startswith(prefix) and isinstance(v, dict)}
             if not cells:

@@ -230,7 +230,10 @@ def e2e_json(summary: dict) -> dict:
             "ratio_definitions": "mode / off of the same cell: throughput > 1 is better; ttft, tpot < 1 is better "
                                  "(ttft = mean TTFT, tpot = mean TPOT)",
             "servers": summary.get("servers"), "accuracy_source": (summary.get("accuracy") or {}).get("source"),
-            "modes": modes}
+            "modes": modes,
+            # the config each server reported (bench.mode_settings labels rows not at today's defaults)
+            "mode_configs": {m: s["sparse_config"] for m, s in ((summary.get("servers") or {}).get("per_mode") or {})
+                             .items() if s.get("sparse_config")}}
 
 
 def _fmt(x, nd=1):
@@ -344,7 +347,8 @@ def warm_up_server(a, s: Server, maker, summary: dict, log) -> None:
     compile here, not inside the first cell)."""
     mode, url = s.spec.mode, s.url
     summary["results"].setdefault(mode, {})
-    summary["servers"]["per_mode"][mode].update(startup_s=s.startup_s, pool_tokens=lc.server_pool_tokens(url))
+    summary["servers"]["per_mode"][mode].update(startup_s=s.startup_s, pool_tokens=lc.server_pool_tokens(url),
+                                                sparse_config=lc.server_sparse_config(url))
     if maker is not None:
         for n in sorted(a.input_lens, reverse=True):
             ids = maker.cell_prompts(a.seed + 1000, n, 0, 1)[0]

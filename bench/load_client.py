@@ -32,6 +32,7 @@ from pathlib import Path
 import requests
 
 from bench.conc_stats import percentile
+from bench.mode_settings import reported_config
 
 
 def input_label(n: int) -> str:
@@ -169,6 +170,14 @@ def summarize(results: list[dict], t0: float, t1: float, output_len: int) -> dic
         "output_tokens_exact": all(r["completion_tokens"] == output_len for r in ok),
         "errors": sorted({r["error"] for r in results if not r.get("ok")})[:3],
     }
+
+
+def server_sparse_config(url: str) -> dict | None:
+    """The sparse config the server reports in ``/server_info`` (None when absent or unreachable)."""
+    try:
+        return reported_config(requests.get(url + "/server_info", timeout=30).json())
+    except (requests.RequestException, ValueError):
+        return None
 
 
 def server_pool_tokens(url: str) -> int | None:

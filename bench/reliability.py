@@ -17,6 +17,8 @@ import json
 import sys
 from pathlib import Path
 
+from bench.mode_settings import mode_label
+
 HEADLINE_KEYS = ("sent", "completed", "aborted", "failed", "wrong_vs_off", "http_5xx")
 TARGETS = "failed 0, http_5xx 0, wrong_vs_off 0, faults_survived = faults_tried, idle check silent, RSS slope within noise"
 
@@ -45,6 +47,7 @@ def fold(soak: dict | list[dict], faults: list[dict], gpu: str, commands: list[s
                 rep["modes"][mode] = row
                 rep["mode_runs"][mode] = label
                 rep["modes_not_started"].pop(mode, None)
+                _set_config(rep, mode, more["mode_configs"].get(mode))
             rep["soak_details"][key] = more["soak_details"][mode]
         for mode, err in more["modes_not_started"].items():
             if mode not in rep["modes"]:
@@ -56,7 +59,7 @@ def fold(soak: dict | list[dict], faults: list[dict], gpu: str, commands: list[s
 
 
 def _fold_one(soak: dict, faults: list[dict], gpu: str, commands: list[str] | None = None) -> dict:
-    modes, not_started, extra = {}, {}, {}
+    modes, not_started, extra, configs = {}, {}, {}, {}
     off_facts = ((soak.get("modes") or {}).get("off") or {}).get("facts") or {}
     noise = None
     for mode, rep in (soak.get("modes") or {}).items():
@@ -72,6 +75,8 @@ def _fold_one(soak: dict, faults: list[dict], gpu: str, commands: list[str] | No
         row["rss_slope_mb_per_1k_requests"] = (rep.get("rss") or {}).get("slope_mb_per_1k_requests")
         row["idle_leak_check"] = rep.get("idle_leak_check")
         modes[mode] = row
+        if rep.get("sparse_config"):  # the config the server reported (bench.mode_settings labels the row by it)
+            configs[mode] = rep["sparse_config"]
         samples = (rep.get("rss") or {}).get("samples") or []
         extra[mode] = {"seconds": rep.get("elapsed_s"), "facts_checked": rep.get("facts_checked"),
                        "wrong": rep.get("wrong"), "http_4xx": rep.get("http_4xx"),
@@ -93,10 +98,19 @@ def _fold_one(soak: dict, faults: list[dict], gpu: str, commands: list[str] | No
     total_s = sum(float(d.get("seconds") or 0) for d in extra.values()) + float((noise or {}).get("seconds") or 0)
     return {"gpu": gpu, "modes": modes, "faults_tried": tried, "faults_survived": survived,
             "faults_not_survived": lost, "modes_not_started": not_started, "soak_details": extra,
-            "soak_seconds_total": round(total_s, 1), "noise_floor_off_repeat": noise,
+            "soak_seconds_total": round(total_s, 1), "noise_floor_off_repeat": noise, "mode_configs": configs,
             "fault_devices": sorted({str(f.get("device")) for f in runs}), "fault_modes_run": fault_modes,
             "targets": TARGETS,
             "commands": list(commands or [])}
+
+
+def _set_config(rep: dict, mode: str, config: dict | None) -> None:
+    """``rep["mode_configs"][mode]`` = ``config``, or no entry when the run reported none."""
+    configs = rep.setdefault("mode_configs", {})
+    if config:
+        configs[mode] = config
+    else:
+        configs.pop(mode, None)
 
 
 def merge_into(base: dict, new: dict, label: str) -> dict:
@@ -117,7 +131,7 @@ def merge_into(base: dict, new: dict, label: str) -> dict:
         rep["mode_runs"][mode] = label
         rep.get("modes_not_started", {}).pop(mode, None)
         (rep.get("notes") or {}).pop(mode, None)
-        (rep.get("mode_configs") or {}).pop(mode, None)  # the settings of the replaced row, not of this run's
+        _set_config(rep, mode, (new.get("mode_configs") or {}).get(mode))  # the replaced row's settings go with it
     fault_modes = sorted({m for m in new.get("fault_modes_run", [])})
     if fault_modes:
         old = sum(sum(1 for _, applies in FAULTS.values() if m in applies) for m in fault_modes)
@@ -150,9 +164,7 @@ def markdown(rep: dict) -> str:
     for mode, r in rep["modes"].items():
         slope = r["rss_slope_mb_per_1k_requests"]
         d = rep["soak_details"].get(mode) or {}
-        cfg = (rep.get("mode_configs") or {}).get(mode)  # a row measured under other than the mode's defaults
-        label = f"{mode} ({', '.join(f'{k} {v}' for k, v in cfg.items())})" if cfg else mode
-        lines.append(f"| {label} | {r['sent']} | {r['completed']} | {r['aborted']} | {r['failed']} | {r['wrong_vs_off']} "
+        lines.append(f"| {mode_label(rep, mode)} | {r['sent']} | {r['completed']} | {r['aborted']} | {r['failed']} | {r['wrong_vs_off']} "
                      f"| {r['http_5xx']} | {'n/a' if slope is None else f'{slope:.1f}'} | {r['idle_leak_check']} "
                      f"| {d.get('facts_checked')} | {d.get('right_where_off_wrong')} |")
     runs = rep.get("mode_runs") or {}

@@ -193,6 +193,9 @@ def fidelity_long(run_dir: Path) -> dict:
         if mode == "off" or not rec.get("tasks"):
             continue
         out["modes"][mode] = mode_figures(results["off"], rec, mode, preset)
+        cfg = ((rec.get("server") or {}).get("reported") or {}).get("config")
+        if cfg:  # the config the server ran (bench.mode_settings labels rows not at today's defaults)
+            out.setdefault("mode_configs", {})[mode] = cfg
     return out
 
 

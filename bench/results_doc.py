@@ -12,6 +12,8 @@ import json
 import math
 from pathlib import Path
 
+from bench.mode_settings import mode_label
+
 REPO = Path(__file__).resolve().parent.parent
 POSITIONS = ("begin", "middle", "end")
 LENGTHS = ("8k", "16k", "32k")
@@ -36,13 +38,6 @@ def _table(header: list[str], rows: list[list]) -> list[str]:
            ["| " + " | ".join(str(c) for c in r) + " |" for r in rows]
 
 
-def _mode_label(doc: dict, mode: str) -> str:
-    """``mode``, with the configuration its rows ran under when the JSON names one (``mode_configs``: rows measured
-    with other than the mode's current defaults), e.g. ``lastwindow (min_context 4096)``."""
-    cfg = (doc.get("mode_configs") or {}).get(mode)
-    return f"{mode} ({', '.join(f'{k} {v}' for k, v in cfg.items())})" if cfg else mode
-
-
 def fidelity_section(fid: dict | None) -> list[str]:
     md = ["## Fidelity on the 32k testbed (`fidelity_long.json`)", ""]
     if not fid:
@@ -58,7 +53,7 @@ def fidelity_section(fid: dict | None) -> list[str]:
              "-", "-", "-"]]
     for mode, m in fid.get("modes", {}).items():
         ci = m.get("paired_ci95_by_position", {})
-        rows.append([_mode_label(fid, mode), *[_f(m["accuracy_ratio_by_position"].get(p)) for p in POSITIONS],
+        rows.append([mode_label(fid, mode), *[_f(m["accuracy_ratio_by_position"].get(p)) for p in POSITIONS],
                      *[("dense" if n in m.get("dense_at_length", []) else _f(m["accuracy_ratio_by_length"].get(n)))
                        for n in LENGTHS],
                      " / ".join("n/a" if not ci.get(p) else f"[{ci[p][0]:+.1f}, {ci[p][1]:+.1f}]" for p in POSITIONS),
@@ -100,9 +95,9 @@ def e2e_section(e2e: dict | None) -> list[str]:
                 continue
             if c.get("kv_pool_limited"):  # requests queued for KV memory: no comparison
                 lim = "KV pool of " + ", ".join(c["kv_pool_limited"]) + " too small"
-                rows.append([_mode_label(e2e, mode), key, lim, "-", "-", _f(c.get("output_throughput_tok_s"), 0)])
+                rows.append([mode_label(e2e, mode), key, lim, "-", "-", _f(c.get("output_throughput_tok_s"), 0)])
                 continue
-            rows.append([_mode_label(e2e, mode), key, _f(c.get("throughput_ratio_vs_off")),
+            rows.append([mode_label(e2e, mode), key, _f(c.get("throughput_ratio_vs_off")),
                          _f(c.get("ttft_ratio_vs_off")),
                          _f(c.get("tpot_ratio_vs_off")), _f(c.get("output_throughput_tok_s"), 0)])
     md += _table(["mode", "input_concurrency", "throughput", "TTFT", "TPOT", "mode tok/s"], rows)
@@ -118,7 +113,7 @@ def reliability_section(r: dict | None) -> list[str]:
     md += [f"GPU: {r.get('gpu')}. Soak (`bench.soak`, every mode at its defaults unless its row names its settings, "
            f"{secs:.0f} s of traffic in all); "
            f"faults (`bench.faults`): {r.get('faults_survived')} of {r.get('faults_tried')} survived.", ""]
-    rows = [[_mode_label(r, m),
+    rows = [[mode_label(r, m),
              *(str(x.get(k)) for k in ("sent", "completed", "aborted", "failed", "wrong_vs_off", "http_5xx")),
              _f(x.get("rss_slope_mb_per_1k_requests"), 1), str(x.get("idle_leak_check"))]
             for m, x in (r.get("modes") or {}).items()]

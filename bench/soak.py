@@ -41,6 +41,7 @@ from urllib.parse import urlparse
 import requests
 
 from bench.corpus import haystack
+from bench.mode_settings import reported_config
 from bench.soak_observe import last_half_slope, leak_check, metrics_report, sample, scrape, wait_idle
 
 ALLOWED_HOSTS = ("127.0.0.1",)
@@ -329,16 +330,18 @@ class Driver:
 
 
 
-def server_mode(url: str) -> str:
+def server_mode(url: str) -> tuple[str, dict | None]:
+    """The server's ``--sparse`` mode and the sparse config it reports (``bench.mode_settings.reported_config``)."""
     r = requests.get(url + "/server_info", timeout=30)
     r.raise_for_status()
-    return str(r.json().get("sparse", "off"))
+    info = r.json()
+    return str(info.get("sparse", "off")), reported_config(info)
 
 
 # --------------------------------------------------------------------------- one run
 def run_soak(cfg: SoakConfig, reference: dict | None = None, log=print) -> dict:
     """Drive one server for ``cfg.requests`` requests or ``cfg.time_budget_s`` seconds; the report."""
-    mode = server_mode(cfg.url)
+    mode, sparse_config = server_mode(cfg.url)
     stats, work = Stats(), Workload(cfg)
     log_offset = os.path.getsize(cfg.server_log) if cfg.server_log and os.path.exists(cfg.server_log) else 0
     t0 = time.monotonic()
@@ -373,7 +376,8 @@ def run_soak(cfg: SoakConfig, reference: dict | None = None, log=print) -> dict:
     if final:
         samples.append(final)
     c = dict(stats.c)
-    report = {"mode": mode, "url": cfg.url, "config": asdict(cfg), "items": i, "items_by_kind": stats.kinds,
+    report = {"mode": mode, "sparse_config": sparse_config, "url": cfg.url, "config": asdict(cfg), "items": i,
+              "items_by_kind": stats.kinds,
               "elapsed_s": round(elapsed, 1), **c, "errors": stats.errors, "facts": stats.facts,
               "rss": {"samples": samples, "slope_mb_per_1k_requests": last_half_slope(samples)} if samples
               else {"skipped": "no --server-pid"},

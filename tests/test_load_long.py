@@ -15,6 +15,8 @@ import sys
 import pytest
 
 from bench.load_client import cell_key, input_label
+from bench.mode_settings import mode_label
+from sglang_sparse.config import LastWindowConfig
 from tests.serverproc import DEFAULT_MODEL, free_port, server_env
 
 pytestmark = pytest.mark.server
@@ -85,6 +87,9 @@ def test_e2e_json_and_rerender(load_run, tmp_path):
                         assert cell[k] == 1.0
     assert doc["modes"]["lastwindow"]["accuracy_ratio_by_length"] == {"64": 0.5, "128": 0.75}
     assert "accuracy_ratio_by_length" not in doc["modes"]["off"]
+    # the config each server reported: lastwindow at its defaults, so its rows carry no settings label
+    assert doc["mode_configs"]["lastwindow"]["min_context"] == LastWindowConfig().min_context
+    assert mode_label(doc, "lastwindow") == "lastwindow"
     again = tmp_path / "e2e_again.json"
     r = subprocess.run([sys.executable, "-m", "bench.load", "--rerender", str(load_run), "--out", str(tmp_path / "re"),
                         "--e2e-json", str(again)], env=server_env(), capture_output=True, text=True, timeout=120)

@@ -11,6 +11,7 @@ import sys
 import pytest
 
 from bench import report_long, tasks, tasks_long
+from sglang_sparse.config import SamKVConfig
 
 
 def _build(default_model, out, context=32768):
@@ -101,3 +102,5 @@ def test_long_cpu_kinds_through_real_servers_into_the_headline_json(testbed_mode
     assert all(isinstance(m["paired_ci95_by_position"][p], list) for p in tasks.POSITIONS)
     assert 0.0 <= m["engaged_fraction"] <= 1.0 and 0.0 <= m["output_agreement"] <= 1.0
     assert set(fid["dense_accuracy_by_position"]) == set(tasks.POSITIONS)
+    # the config the samkv server reported rides along (bench.mode_settings labels rows not at today's defaults)
+    assert fid["mode_configs"]["samkv"]["block_size"] == SamKVConfig().block_size
