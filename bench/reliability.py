@@ -145,7 +145,22 @@ def merge_into(base: dict, new: dict, label: str) -> dict:
     if new.get("noise_floor_off_repeat"):
         rep[f"noise_floor_off_repeat ({label})"] = new["noise_floor_off_repeat"]
     rep["commands"] = list(rep.get("commands", [])) + list(new.get("commands", []))
+    _set_gpus(rep, base, new)
     return rep
+
+
+def _set_gpus(rep: dict, base: dict, new: dict) -> None:
+    """``gpu_by_mode`` (the GPU each soak row ran on) and ``gpu``: one name, or each name with its rows when a merge
+    put rows from two GPUs side by side."""
+    by_mode = dict(base.get("gpu_by_mode") or {m: base.get("gpu") for m in base.get("modes", {})})
+    by_mode.update({m: new.get("gpu") for m in new.get("modes", {}) if m != "off"})  # the base's off row is kept
+    by_mode = {m: by_mode[m] for m in rep["modes"] if by_mode.get(m)}
+    rep["gpu_by_mode"] = by_mode
+    gpus: dict[str, list[str]] = {}
+    for m, g in by_mode.items():
+        gpus.setdefault(g, []).append(m)
+    rep["gpu"] = (next(iter(gpus)) if len(gpus) == 1 else
+                  "; ".join(f"{g} ({', '.join(ms)})" for g, ms in gpus.items())) if gpus else rep.get("gpu")
 
 
 def _flips(rep: dict, off_facts: dict) -> int | None:

@@ -113,3 +113,16 @@ def test_a_later_run_replaces_the_modes_it_soaked_and_their_faults_in_a_base_hea
     got = json.loads((tmp_path / "r.json").read_text())
     assert got["faults_tried"] == n_psa + 2 and got["mode_runs"]["psa"] == "psa run"
     assert f"{n_psa + 2} of {n_psa + 2} survived" in (tmp_path / "r.md").read_text()
+
+
+def test_a_merge_of_rows_from_another_gpu_names_each_gpu_with_its_rows():
+    from bench.reliability import merge_into
+
+    base = fold({"device": "cuda", "modes": {"off": _mode(), "psa": _mode(), "samkv": _mode()}}, [], "GPU X")
+    rep = merge_into(base, fold({"device": "cuda", "modes": {"off": _mode(), "psa": _mode()}}, [], "GPU Y"), "run 2")
+    assert rep["gpu_by_mode"] == {"off": "GPU X", "psa": "GPU Y", "samkv": "GPU X"}  # the base's off row is kept
+    assert rep["gpu"] == "GPU X (off, samkv); GPU Y (psa)"
+    again = merge_into(rep, fold({"device": "cuda", "modes": {"off": _mode(), "samkv": _mode()}}, [], "GPU Y"), "run 3")
+    assert again["gpu"] == "GPU X (off); GPU Y (psa, samkv)"
+    same = merge_into(base, fold({"device": "cuda", "modes": {"off": _mode(), "psa": _mode()}}, [], "GPU X"), "run 2")
+    assert same["gpu"] == "GPU X" and "GPU X" in markdown(same)

@@ -48,8 +48,8 @@
 # SOAK_MODES picks the main soak's modes; SOAK_REPEAT_OFF=0 skips its second off run (the noise floor);
 # SOAK_LABEL prefixes the run's label; RELIABILITY_BASE=bench/results/reliability.json folds the run into that
 # headline (the modes soaked and the fault modes run replace its rows).
-# SOAK_SERVER_ARGS adds server arguments to every soak server (e.g. --enable-deterministic-inference: batch-invariant
-# results, so a mode's wrong answers against off are its own and not batch noise); give it to reliability-wait too.
+# SOAK_SERVER_ARGS: server arguments of every main soak server (default --enable-deterministic-inference: batch-invariant
+# results, so a mode's wrong answers against off are its own and not batch noise); give reliability-wait the same variables.
 # samkv refuses --enable-deterministic-inference on flashinfer, where SGLang turns the radix cache off, so the soak runs
 # samkv in a second run of its own (off + samkv) under SAMKV_SOAK_ARGS (default: the triton backend with deterministic
 # inference, which keeps the radix cache); its wrong answers are counted against that run's off. SAMKV_SOAK=0 skips it,
@@ -90,6 +90,9 @@ for ctx in 32768 65536; do  # the testbed folders: the kit's converted model + Y
 done
 # servers started beside other parts' servers on the same GPU: small KV pools, a pool check that tolerates them
 SHARED="--mem-fraction-static=0.95"
+# the soak's servers run batch-invariant by default, so a mode's wrong answers against off are its own (SOAK_SERVER_ARGS=""
+# runs them without it; give reliability-wait the same variables as reliability-start, since it records them)
+SOAK_SERVER_ARGS=${SOAK_SERVER_ARGS---enable-deterministic-inference}
 repeat_off=--repeat-off; [ "${SOAK_REPEAT_OFF:-1}" = 1 ] || repeat_off=""   # reliability: the noise-floor off run
 samkv_cmd=""; [ "${SAMKV_SOAK:-1}" = 1 ] && samkv_cmd="; then bench.soak --launch off,samkv with ${SAMKV_SOAK_ARGS:---attention-backend=triton --enable-deterministic-inference}"
 case $part in
@@ -332,12 +335,19 @@ PY
     say "== reliability-wait: soak rc $(cat "$R/soak.rc" 2>/dev/null || echo running), samkv soak rc $(cat "$R/soak_samkv.rc" 2>/dev/null || echo running), faults $(tr '\n' ' ' < "$R/faults.rc" 2>/dev/null)"
     tail -n 30 "$R/soak.log" "$R/faults.log" 2>/dev/null
     [ -f "$R/soak_samkv.log" ] && tail -n 15 "$R/soak_samkv.log"
+    knobs=""  # the settings this run was given, so the recorded command says what ran
+    for v in SOAK_MODES SOAK_REPEAT_OFF SAMKV_SOAK SOAK_MAIN RELIABILITY_FAULTS RELIABILITY_FAULT_MODES SOAK_SERVER_ARGS \
+        SAMKV_SOAK_ARGS SOAK_MODE_BUDGET SOAK_TURN_WORDS SOAK_REQUESTS RELIABILITY_BASE; do
+      [ -n "${!v:-}" ] && knobs="$knobs $v=${!v}"
+    done
+    faults_cmd="bench.faults for ${RELIABILITY_FAULT_MODES:-psa loopserve samkv lastwindow,off} on the 8k model"
+    [ "${RELIABILITY_FAULTS:-1}" = 1 ] || faults_cmd="no fault runs (the faults are kept from the base)"
     soaks=(--soak "$R/soak.json=${SOAK_LABEL:+$SOAK_LABEL: }--attention-backend=flashinfer${SOAK_SERVER_ARGS:+ $SOAK_SERVER_ARGS}")
     base=(); [ -n "${RELIABILITY_BASE:-}" ] && base=(--base "$RELIABILITY_BASE")
     [ -f "$R/soak_samkv.json" ] && soaks+=(--soak "$R/soak_samkv.json=${SAMKV_SOAK_ARGS:---attention-backend=triton --enable-deterministic-inference}")
     [ -f "$R/soak.json" ] && python3 -m bench.reliability "${soaks[@]}" "${base[@]}" --faults "$R"/faults_*.json \
         --gpu "$(cut -d, -f1 "$R/gpu.txt")" --out "$R/reliability.json" --md "$R/reliability.md" \
-        --command "scripts/gpu/testbed.sh reliability-start: bench.soak --launch ${SOAK_MODES:-off,psa,loopserve,lastwindow} $repeat_off on the 32k testbed, --max-total-tokens 65536 --attention-backend flashinfer${SOAK_SERVER_ARGS:+ $SOAK_SERVER_ARGS}, --time-budget ${SOAK_MODE_BUDGET:-125} s per mode$samkv_cmd; bench.faults for ${RELIABILITY_FAULT_MODES:-psa loopserve samkv lastwindow,off} on the 8k model"
+        --command "scripts/gpu/testbed.sh reliability-start${knobs:+ with$knobs}: bench.soak --launch ${SOAK_MODES:-off,psa,loopserve,lastwindow} $repeat_off on the 32k testbed, --max-total-tokens 65536 --attention-backend flashinfer${SOAK_SERVER_ARGS:+ $SOAK_SERVER_ARGS}, --time-budget ${SOAK_MODE_BUDGET:-125} s per mode$samkv_cmd; $faults_cmd"
     rm -f "$R"/*.pt 2>/dev/null
     part=reliability
     ;;
