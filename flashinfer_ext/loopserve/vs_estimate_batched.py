@@ -74,7 +74,9 @@ def _block_vsum(q, pos, rvalid, lse, k_ptr, stride_ks, stride_kh, h, slot, kp, k
     return tl.sum(tl.where(ok, tl.exp2(s - lse[:, None]), 0.0), axis=0)
 
 
-@triton.jit
+# the eager re-selection sizes its output by the batch's longest context: those arguments are not specialized, so a
+# new length compiles no new binary (tests/flashinfer_ext/test_kernel_specialization.py)
+@triton.jit(do_not_specialize=["max_len", "stride_ob", "stride_oh"])
 def _batched_vsum_kernel(q_ptr, stride_qr, stride_qh, pos_ptr, indptr_ptr, k_ptr, stride_ks, stride_kh,
                          rtt_ptr, stride_rtt, rpi_ptr, seq_ptr, max_len, lse_ptr, stride_lh,
                          out_ptr, stride_ob, stride_oh, sm_scale_log2, key_blocks,

@@ -1,0 +1,182 @@
+"""Contract: a new prompt length compiles no new Triton kernel variant on the sparse modes' eager paths.
+
+Triton compiles one binary per *specialization* of a kernel's arguments: an int equal to 1 becomes a constant and an
+int or pointer divisible by 16 gets an alignment hint. An argument that follows the prompt length (a row count, a
+list width, a stride of a length-sized buffer) therefore makes requests of new lengths compile new binaries, each a
+stall of about a second in the request's time to first token, for as long as new combinations keep arriving. The
+arguments that follow the length are marked ``do_not_specialize``.
+
+LoopServe's engaged prefill (line estimation), its key-span LSE pass, its eager re-selecting decode step (scoring,
+top-B, the decode lists, the split decode) and PSA's decode run here through the Triton interpreter at several
+context lengths; every launch's arguments are keyed with Triton's own specialization function
+(``native_specialize_impl``, honouring the kernel's ``do_not_specialize`` lists), and every length must need the
+same set of compiled variants."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+triton = pytest.importorskip("triton")
+from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
+
+from sglang_sparse.config import LoopServeConfig  # noqa: E402
+from sglang_sparse.loopserve.runner import LoopServeRunner  # noqa: E402
+
+from .kv_pool import make_pool  # noqa: E402
+
+L, HQ, HK, D = 2, 4, 2, 64
+CONTEXT = 512  # the served context length: req_to_token's row length, the same for every request
+
+
+def _keys(fn: InterpretedFunction, args: tuple, kwargs: dict) -> dict:
+    """``{param: specialization key}`` of one launch, as the compiled launcher would key it."""
+    from triton.backends.compiler import BaseBackend
+    from triton.runtime.jit import native_specialize_impl
+
+    dns = set(fn.kwargs.get("do_not_specialize") or ())
+    dns_oa = set(fn.kwargs.get("do_not_specialize_on_alignment") or ())
+    bound = dict(zip(fn.arg_names, args))
+    bound.update(kwargs)
+    out = {}
+    for i, name in enumerate(fn.arg_names):
+        if name not in bound or name.isupper():  # constexprs (upper case by convention here) are keyed by value
+            continue
+        v = bound[name]
+        if isinstance(v, float):
+            continue
+        spec = not (name in dns or i in dns)
+        align = not (name in dns_oa or i in dns_oa)
+        out[name] = native_specialize_impl(BaseBackend, v, False, spec, align)
+    return out
+
+
+def _record(monkeypatch) -> list:
+    launches = []
+    run = InterpretedFunction.run
+
+    def recording_run(self, *args, grid, warmup, **kwargs):
+        launches.append((self.fn.__name__, _keys(self, args, kwargs)))
+        return run(self, *args, grid=grid, warmup=warmup, **kwargs)
+
+    monkeypatch.setattr(InterpretedFunction, "run", recording_run)
+    return launches
+
+
+def _engaged_prefill(prompt: int, chunk: int, seed: int = 0) -> None:
+    """A ``prompt``-token request through the runner's kernel path in chunks of ``chunk``, every chunk estimating
+    and selecting lines (``line_chunks: all``), then its decode lists built."""
+    pool = make_pool([prompt], HQ, HK, D, torch.float32, 1, seed=seed, max_context_len=CONTEXT)
+    g = torch.Generator().manual_seed(seed + 7)
+    k_bufs = [pool.k_buffer] + [torch.randn(pool.k_buffer.shape, generator=g) for _ in range(L - 1)]
+    v_bufs = [pool.v_buffer] + [torch.randn(pool.v_buffer.shape, generator=g) for _ in range(L - 1)]
+    backend = SimpleNamespace(
+        token_to_kv_pool=SimpleNamespace(get_key_buffer=lambda i: k_bufs[i], get_value_buffer=lambda i: v_bufs[i]),
+        req_to_token_pool=SimpleNamespace(req_to_token=pool.req_to_token))
+    cfg = LoopServeConfig(min_context=64, alpha=0.9, sink_tokens=4, local_window=16, sampled_rows=16,
+                          line_chunks="all")
+    shape = SimpleNamespace(num_layers=L, num_kv_heads=HK, num_qo_heads=HQ, head_dim=D)
+    runner = LoopServeRunner(cfg, shape, torch.device("cpu"), use_kernels=True)
+    req = SimpleNamespace(sampling_params=SimpleNamespace(custom_params=None), origin_input_ids=[0] * prompt,
+                          req_pool_idx=int(pool.req_pool_indices[0]))
+    q_all = torch.randn(L, prompt, HQ, D, generator=g)
+    mode = SimpleNamespace(is_idle=lambda: False, is_decode=lambda: False, is_extend=lambda: True)
+    for prefix in range(0, prompt, chunk):
+        ext = min(chunk, prompt - prefix)
+        fb = SimpleNamespace(forward_mode=mode, batch_size=1, seq_lens_cpu=torch.tensor([prefix + ext]),
+                             extend_seq_lens_cpu=[ext], extend_prefix_lens_cpu=[prefix],
+                             req_pool_indices_cpu=pool.req_pool_indices.cpu(),
+                             sampling_info=SimpleNamespace(sparse_reqs=[req]))
+        runner.begin_batch(backend, fb)
+        for lid in range(L):
+            q3 = q_all[lid, prefix: prefix + ext]
+            runner.extend(backend, torch.zeros_like(q3), q3, SimpleNamespace(layer_id=lid, scaling=D ** -0.5))
+        runner.finish_extend(backend)
+
+
+def _length_dependent(runs: list[list]) -> dict:
+    """``{kernel: [params]}`` whose keys make some run (one context length) need a compiled variant another run does
+    not: each run's set of (kernel, keys) variants must be the same."""
+    variants = [{(name, tuple(sorted(keys.items()))) for name, keys in launches} for launches in runs]
+    odd = set().union(*variants) - set.intersection(*variants)
+    out: dict = {}
+    for name, keys in odd:
+        for other_name, other in set().union(*variants):
+            if other_name == name and other != keys:
+                out.setdefault(name, set()).update(p for (p, k), (_, k2) in zip(keys, other) if k != k2)
+    return {k: sorted(v) for k, v in out.items()}
+
+
+def _runs(launches: list, mark: list) -> list[list]:
+    return [launches[a:b] for a, b in zip(mark, mark[1:] + [len(launches)])]
+
+
+def test_new_prompt_lengths_compile_no_new_kernel_variants(monkeypatch):
+    launches, mark = _record(monkeypatch), []
+    # lengths whose sizes differ in what Triton keys (divisible by 16 or not); the last chunk's length varies too
+    for prompt in (288, 301, 305, 320, 337):
+        mark.append(len(launches))
+        _engaged_prefill(prompt, chunk=96)
+    assert "_lines_kernel" in {name for name, _ in launches}, "the kernel path launched no line estimation"
+    varying = _length_dependent(_runs(launches, mark))
+    assert not varying, f"arguments whose specialization follows the prompt length (mark them do_not_specialize): {varying}"
+
+
+def test_line_estimation_with_key_spans_compiles_no_new_variant_per_length(monkeypatch):
+    """Long contexts split the LSE pass into key spans (one more launch, the merge): the same contract there."""
+    from flashinfer_ext.loopserve.vs_estimate import vs_estimate
+
+    launches, mark = _record(monkeypatch), []
+    g = torch.Generator().manual_seed(3)
+    for seq_len in (256, 301, 333, 352):
+        mark.append(len(launches))
+        k = torch.randn(512, HK, D, generator=g)
+        q = torch.randn(16, HQ, D, generator=g)
+        pos = torch.arange(seq_len - 16, seq_len, dtype=torch.int64)
+        slots = torch.randperm(512, generator=g).to(torch.int32)  # a request's req_to_token row: context-sized
+        vs_estimate(q, pos, k, slots, seq_len, sm_scale=D ** -0.5, target_programs=64, min_split_keys=32)
+    seen = {name for name, _ in launches}
+    assert {"_batched_lse_split_kernel", "_lse_merge_kernel"} <= seen, sorted(seen)
+    varying = _length_dependent(_runs(launches, mark))
+    assert not varying, f"arguments whose specialization follows the context length: {varying}"
+
+
+def test_re_selecting_decode_steps_compile_no_new_variant_per_length(monkeypatch):
+    """The eager decode steps that re-select (every step before generated token 16 with ``initial_topb``, then every
+    ``n_d``): scoring, top-B, the decode lists and the split decode, at several context lengths."""
+    import functools
+
+    from . import test_loopserve_reselect as rs
+
+    monkeypatch.setattr(rs, "make_pool", functools.partial(make_pool, max_context_len=CONTEXT))
+    launches, mark = _record(monkeypatch), []
+    for n in (288, 301, 305, 320, 337):
+        mark.append(len(launches))
+        runner, _, _ = rs._run(False, True, [n, n - 40], [n - 4, n - 45], [32, 24], lines=True)
+        assert all(runner.dec["fire"])
+    seen = {name for name, _ in launches}
+    assert {"_batched_vsum_kernel", "_lines_union_kernel", "_split_kernel"} <= seen, sorted(seen)
+    varying = _length_dependent(_runs(launches, mark))
+    assert not varying, f"arguments whose specialization follows the context length: {varying}"
+
+
+def test_psa_decode_compiles_no_new_variant_per_length(monkeypatch):
+    """PSA's decode (metadata update, criticality, ranking, waves and merge) at several context lengths."""
+    from flashinfer_ext.psa.config import PsaDecodeConfig
+
+    from .test_psa_decode import build
+
+    launches, mark = _record(monkeypatch), []
+    cfg = PsaDecodeConfig(epsilon=0.9, micro_batch_blocks=2, sink_blocks=1, local_blocks=1, max_blocks=64,
+                          chunk_growth=2)
+    for n in (288, 301, 305, 320, 337):
+        mark.append(len(launches))
+        pool = make_pool([n, n - 37], 8, 2, 64, torch.bfloat16, 16, seed=5, planted=True, max_context_len=CONTEXT)
+        w, mp, _ = build(pool, cfg, 16, max_batch_size=4, wave_programs=2)
+        w.run(pool.q, pool.k_buffer, pool.v_buffer, *mp.layer(0))
+    seen = {name for name, _ in launches}
+    assert {"_wave_merge_kernel", "_rank_select_kernel", "_criticality_kernel"} <= seen, sorted(seen)
+    varying = _length_dependent(_runs(launches, mark))
+    assert not varying, f"arguments whose specialization follows the context length: {varying}"
