@@ -65,3 +65,18 @@ def make_pool(seq_lens, num_qo_heads, num_kv_heads, head_dim, dtype, page_size, 
     return Pool(q=q.to(dtype).to(device), k_buffer=k.to(dtype).to(device), v_buffer=v.to(dtype).to(device),
                 req_to_token=req_to_token.to(device), req_pool_indices=rows.to(torch.int32).to(device),
                 seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device), page_size=page_size)
+
+
+def layered_backend(pool: Pool, num_layers: int, seed: int):
+    """SGLang-shaped stand-in of an attention backend over ``pool``: layer 0 reads the pool's keys and values,
+    the other layers random ones (``[num_slots, num_kv_heads, head_dim]`` each, drawn from ``seed``). Returns
+    ``(backend, generator)``; the generator goes on to draw the test's queries."""
+    from types import SimpleNamespace
+
+    g = torch.Generator().manual_seed(seed)
+    k_bufs = [pool.k_buffer] + [torch.randn(pool.k_buffer.shape, generator=g) for _ in range(num_layers - 1)]
+    v_bufs = [pool.v_buffer] + [torch.randn(pool.v_buffer.shape, generator=g) for _ in range(num_layers - 1)]
+    backend = SimpleNamespace(
+        token_to_kv_pool=SimpleNamespace(get_key_buffer=lambda i: k_bufs[i], get_value_buffer=lambda i: v_bufs[i]),
+        req_to_token_pool=SimpleNamespace(req_to_token=pool.req_to_token))
+    return backend, g

@@ -25,7 +25,7 @@ from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 from sglang_sparse.config import LoopServeConfig  # noqa: E402
 from sglang_sparse.loopserve.runner import LoopServeRunner  # noqa: E402
 
-from .kv_pool import make_pool  # noqa: E402
+from .kv_pool import layered_backend, make_pool  # noqa: E402
 
 L, HQ, HK, D = 2, 4, 2, 64
 CONTEXT = 512  # the served context length: req_to_token's row length, the same for every request
@@ -69,12 +69,7 @@ def _engaged_prefill(prompt: int, chunk: int, seed: int = 0) -> None:
     """A ``prompt``-token request through the runner's kernel path in chunks of ``chunk``, every chunk estimating
     and selecting lines (``line_chunks: all``), then its decode lists built."""
     pool = make_pool([prompt], HQ, HK, D, torch.float32, 1, seed=seed, max_context_len=CONTEXT)
-    g = torch.Generator().manual_seed(seed + 7)
-    k_bufs = [pool.k_buffer] + [torch.randn(pool.k_buffer.shape, generator=g) for _ in range(L - 1)]
-    v_bufs = [pool.v_buffer] + [torch.randn(pool.v_buffer.shape, generator=g) for _ in range(L - 1)]
-    backend = SimpleNamespace(
-        token_to_kv_pool=SimpleNamespace(get_key_buffer=lambda i: k_bufs[i], get_value_buffer=lambda i: v_bufs[i]),
-        req_to_token_pool=SimpleNamespace(req_to_token=pool.req_to_token))
+    backend, g = layered_backend(pool, L, seed + 7)
     cfg = LoopServeConfig(min_context=64, alpha=0.9, sink_tokens=4, local_window=16, sampled_rows=16,
                           line_chunks="all")
     shape = SimpleNamespace(num_layers=L, num_kv_heads=HK, num_qo_heads=HQ, head_dim=D)

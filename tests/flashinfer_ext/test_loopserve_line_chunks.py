@@ -21,7 +21,7 @@ from sglang_sparse.config import LoopServeConfig, SparseConfigError
 from sglang_sparse.loopserve.runner import STATE_ATTR, LoopServeRunner
 from sglang_sparse.loopserve.stats import COL_LTOT, COL_S, COL_V
 
-from .kv_pool import make_pool
+from .kv_pool import layered_backend, make_pool
 
 L, HQ, HK, D = 2, 4, 2, 64
 PROMPT, CHUNK = 300, 100
@@ -40,12 +40,7 @@ def _prefill(line_chunks: str, seed: int = 0, prefill: str = "dense", use_kernel
     """Run a ``PROMPT``-token prompt through the runner in chunks of ``CHUNK`` (each layer its own keys and queries);
     the request state after it."""
     pool = make_pool([PROMPT], HQ, HK, D, torch.float32, 1, seed=seed)
-    g = torch.Generator().manual_seed(seed + 7)
-    k_bufs = [pool.k_buffer] + [torch.randn(pool.k_buffer.shape, generator=g) for _ in range(L - 1)]
-    v_bufs = [pool.v_buffer] + [torch.randn(pool.v_buffer.shape, generator=g) for _ in range(L - 1)]
-    backend = SimpleNamespace(
-        token_to_kv_pool=SimpleNamespace(get_key_buffer=lambda i: k_bufs[i], get_value_buffer=lambda i: v_bufs[i]),
-        req_to_token_pool=SimpleNamespace(req_to_token=pool.req_to_token))
+    backend, g = layered_backend(pool, L, seed + 7)
     cfg = LoopServeConfig(min_context=64, alpha=0.9, sink_tokens=SINK, local_window=LOCAL, sampled_rows=16,
                           line_chunks=line_chunks, prefill=prefill)
     shape = SimpleNamespace(num_layers=L, num_kv_heads=HK, num_qo_heads=HQ, head_dim=D)
@@ -71,6 +66,7 @@ def _prefill(line_chunks: str, seed: int = 0, prefill: str = "dense", use_kernel
     vmask, smask = st.vmask[:, :, :PROMPT].clone(), st.smask[:, :, :PROMPT].clone()
     ring = st.ring.clone()
     st.finalize()
+    k_bufs = [backend.token_to_kv_pool.get_key_buffer(lid) for lid in range(L)]
     return st, vmask, smask, ring, planned, (q_all, k_bufs, pool, cfg)
 
 
