@@ -40,7 +40,9 @@ def split_candidates(n: int, n_forced: tuple[int, int], k: int) -> torch.Tensor:
     return torch.stack([(f + torch.round(frac * (n - f))).long() for f in n_forced])
 
 
-@triton.jit
+# n and the strides of the [3, 2, Hk, n] planes follow the context length: not specialized, so a new length compiles
+# no new binary (tests/flashinfer_ext/test_kernel_specialization.py)
+@triton.jit(do_not_specialize=["n", "stride_wq", "stride_wo", "stride_wh"])
 def _split_search_kernel(cx_ptr, stride_cq, stride_co, stride_ch, w_ptr, stride_wq, stride_wo, stride_wh,
                          cand_ptr, target_ptr, nfs, nfv, n, K,
                          cost_ptr, ns_ptr, nv_ptr, cov_ptr, stride_oh, BLOCK: tl.constexpr):

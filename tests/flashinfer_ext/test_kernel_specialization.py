@@ -138,6 +138,27 @@ def test_line_estimation_with_key_spans_compiles_no_new_variant_per_length(monke
     assert not varying, f"arguments whose specialization follows the context length: {varying}"
 
 
+def test_line_selection_split_search_compiles_no_new_variant_per_length(monkeypatch):
+    """The alpha-coverage selection's split search (one Triton launch on the GPU; the CPU runner takes its torch
+    reference, so it is driven here directly) at several context lengths."""
+    from flashinfer_ext.loopserve.vs_estimate import vs_estimate
+    from flashinfer_ext.loopserve.vs_select import VSSelectConfig, vs_select
+
+    launches, mark = _record(monkeypatch), []
+    g = torch.Generator().manual_seed(4)
+    for seq_len in (256, 301, 333, 352):
+        k = torch.randn(512, HK, D, generator=g)
+        q = torch.randn(16, HQ, D, generator=g)
+        slots = torch.randperm(512, generator=g).to(torch.int32)
+        lines = vs_estimate(q, torch.arange(seq_len - 16, seq_len), k, slots, seq_len, sm_scale=D ** -0.5)
+        mark.append(len(launches))
+        vs_select(lines, prefix_len=seq_len - 64, config=VSSelectConfig(alpha=0.9, local_window=16),
+                  use_kernel=True)
+    assert "_split_search_kernel" in {name for name, _ in launches}
+    varying = _length_dependent(_runs(launches, mark))
+    assert not varying, f"arguments whose specialization follows the context length: {varying}"
+
+
 def test_re_selecting_decode_steps_compile_no_new_variant_per_length(monkeypatch):
     """The eager decode steps that re-select (every step before generated token 16 with ``initial_topb``, then every
     ``n_d``): scoring, top-B, the decode lists and the split decode, at several context lengths."""
