@@ -119,16 +119,18 @@ def test_new_prompt_lengths_compile_no_new_kernel_variants(monkeypatch):
     assert not varying, f"arguments whose specialization follows the prompt length (mark them do_not_specialize): {varying}"
 
 
-def test_line_estimation_with_key_spans_compiles_no_new_variant_per_length(monkeypatch):
-    """Long contexts split the LSE pass into key spans (one more launch, the merge): the same contract there."""
+@pytest.mark.parametrize("hq,hk", [(HQ, HK), (9, 3)], ids=["gqa2", "smollm2_heads"])
+def test_line_estimation_with_key_spans_compiles_no_new_variant_per_length(monkeypatch, hq, hk):
+    """Long contexts split the LSE pass into key spans (one more launch, the merge): the same contract there, also
+    with SmolLM2's 3 KV heads (the line-sum outputs then sit at offsets whose alignment follows the length's parity)."""
     from flashinfer_ext.loopserve.vs_estimate import vs_estimate
 
     launches, mark = _record(monkeypatch), []
     g = torch.Generator().manual_seed(3)
     for seq_len in (256, 301, 333, 352):
         mark.append(len(launches))
-        k = torch.randn(512, HK, D, generator=g)
-        q = torch.randn(16, HQ, D, generator=g)
+        k = torch.randn(512, hk, D, generator=g)
+        q = torch.randn(16, hq, D, generator=g)
         pos = torch.arange(seq_len - 16, seq_len, dtype=torch.int64)
         slots = torch.randperm(512, generator=g).to(torch.int32)  # a request's req_to_token row: context-sized
         vs_estimate(q, pos, k, slots, seq_len, sm_scale=D ** -0.5, target_programs=64, min_split_keys=32)
