@@ -131,9 +131,7 @@ def reliability_section(r: dict | None) -> list[str]:
         md += ["", f"Noise floor{' (' + noise['run'] + ' run)' if noise.get('run') and len(set(runs.values())) > 1 else ''}: a second `off` run of the same traffic answered {noise.get('wrong_vs_off')} facts wrong "
                f"that the first answered right and {noise.get('right_where_off_wrong')} right that it answered wrong "
                f"({noise.get('facts_checked')} checked); read `wrong vs off` against it (facts checked per mode and "
-               "the other direction are in the details)."
-               + (" `lastwindow` keeps a fixed budget chosen from the prompt's end and is expected to lose facts."
-                  if ((r.get("modes") or {}).get("lastwindow") or {}).get("wrong_vs_off") else "")]
+               "the other direction are in the details)."]  # a mode's own reading is in its note, below
     for mode, note in (r.get("notes") or {}).items():
         md += ["", f"`{mode}`: {note}"]
     return md + ["", "Details: [bench/results/reliability.md](../bench/results/reliability.md).", ""]

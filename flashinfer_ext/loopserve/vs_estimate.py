@@ -96,10 +96,6 @@ def _group_probs(q, pos, rvalid, lse, k_ptr, stride_ks, stride_kh, h, slot, kp, 
 # Arguments that follow the request's length are not specialized (a new prompt length must not compile a new binary:
 # tests/flashinfer_ext/test_kernel_specialization.py): the row count, the context length, the strides of length-sized
 # buffers, and the line-sum outputs, which are views of one allocation at length-sized offsets.
-_LENGTH_ARGS = dict(do_not_specialize=["R", "seq_len", "stride_lh", "stride_oh"],
-                    do_not_specialize_on_alignment=["vsum_ptr", "vmax_ptr", "ssum_ptr", "smax_ptr"])
-
-
 @triton.jit(do_not_specialize=["R", "stride_lh"])
 def _row_lse_kernel(q_ptr, stride_qr, stride_qh, pos_ptr, R, k_ptr, stride_ks, stride_kh, slots_ptr,
                     lse_ptr, stride_lh, sm_scale_log2,
@@ -114,7 +110,8 @@ def _row_lse_kernel(q_ptr, stride_qr, stride_qh, pos_ptr, R, k_ptr, stride_ks, s
     tl.store(lse_ptr + (h * GROUP + g) * stride_lh + r, lse, mask=rvalid)
 
 
-@triton.jit(**_LENGTH_ARGS)
+@triton.jit(do_not_specialize=["R", "seq_len", "stride_lh", "stride_oh"],
+            do_not_specialize_on_alignment=["vsum_ptr", "vmax_ptr", "ssum_ptr", "smax_ptr"])
 def _lines_kernel(q_ptr, stride_qr, stride_qh, pos_ptr, R, k_ptr, stride_ks, stride_kh, slots_ptr, seq_len,
                   lse_ptr, stride_lh, vsum_ptr, vmax_ptr, ssum_ptr, smax_ptr, stride_oh, sm_scale_log2,
                   GROUP: tl.constexpr, G_PAD: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,

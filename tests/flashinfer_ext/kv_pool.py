@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import torch
 
@@ -71,8 +72,6 @@ def layered_backend(pool: Pool, num_layers: int, seed: int):
     """SGLang-shaped stand-in of an attention backend over ``pool``: layer 0 reads the pool's keys and values,
     the other layers random ones (``[num_slots, num_kv_heads, head_dim]`` each, drawn from ``seed``). Returns
     ``(backend, generator)``; the generator goes on to draw the test's queries."""
-    from types import SimpleNamespace
-
     g = torch.Generator().manual_seed(seed)
     k_bufs = [pool.k_buffer] + [torch.randn(pool.k_buffer.shape, generator=g) for _ in range(num_layers - 1)]
     v_bufs = [pool.v_buffer] + [torch.randn(pool.v_buffer.shape, generator=g) for _ in range(num_layers - 1)]

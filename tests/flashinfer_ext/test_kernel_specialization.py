@@ -36,13 +36,16 @@ def _keys(fn: InterpretedFunction, args: tuple, kwargs: dict) -> dict:
     from triton.backends.compiler import BaseBackend
     from triton.runtime.jit import native_specialize_impl
 
+    import inspect
+
+    params = inspect.signature(fn.fn).parameters
     dns = set(fn.kwargs.get("do_not_specialize") or ())
     dns_oa = set(fn.kwargs.get("do_not_specialize_on_alignment") or ())
     bound = dict(zip(fn.arg_names, args))
     bound.update(kwargs)
     out = {}
     for i, name in enumerate(fn.arg_names):
-        if name not in bound or name.isupper():  # constexprs (upper case by convention here) are keyed by value
+        if name not in bound or "constexpr" in str(params[name].annotation):  # constexprs are keyed by value
             continue
         v = bound[name]
         if isinstance(v, float):
