@@ -143,6 +143,8 @@ def profile_mode(a, mode: str, sparse_config: str | None, out: Path, log) -> dic
         rec["unprofiled"] = dict(runs[-1], repeats=len(runs),
                                  ttft_s_mean=statistics.fmean(r["ttft_s"] for r in runs),
                                  ttft_s_median=statistics.median(r["ttft_s"] for r in runs),
+                                 ttft_s_runs=[r["ttft_s"] for r in runs],  # each measured request, in order
+                                 prompt_tokens_runs=[r["prompt_tokens"] for r in runs],
                                  decode_tok_s_mean=statistics.fmean(r["decode_tok_s"] for r in runs))
         before = sparse_stats(srv.url)
         activities = ["CPU", "GPU"] if a.device == "cuda" else ["CPU"]

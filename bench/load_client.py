@@ -169,6 +169,8 @@ def summarize(results: list[dict], t0: float, t1: float, output_len: int) -> dic
         "mean_output_tokens": out_tok / len(ok) if ok else None,
         "output_tokens_exact": all(r["completion_tokens"] == output_len for r in ok),
         "errors": sorted({r["error"] for r in results if not r.get("ok")})[:3],
+        # each request's TTFT in prompt order (None: failed): a one-off stall shows against the median
+        "ttft_ms_each": [round(1e3 * r["ttft_s"], 1) if r.get("ok") else None for r in results],
     }
 
 

@@ -102,7 +102,7 @@ def alloc_split_buffers(batch: int, num_qo_heads: int, head_dim: int, num_splits
             torch.empty(batch * num_qo_heads, num_splits, dtype=torch.float32, device=device))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_lb", "stride_lh", "stride_llb", "stride_po_row", "stride_plse_row"])
 def _split_kernel(
     q_ptr, stride_qb, stride_qh,
     k_ptr, stride_k_slot, stride_k_head, v_ptr, stride_v_slot, stride_v_head,
@@ -144,7 +144,7 @@ def _split_kernel(
     tl.store(plse_ptr + row * stride_plse_row + s, tl.where(has, m_i + tl.log2(l_safe), float("-inf")), mask=gmask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_po_row", "stride_plse_row", "stride_llb", "num_splits"])
 def _merge_kernel(
     po_ptr, stride_po_row, stride_po_s, plse_ptr, stride_plse_row, list_lens_ptr, stride_llb,
     o_ptr, stride_ob, stride_oh, lse_ptr, stride_lseb, nread_ptr, stride_nb,

@@ -58,7 +58,8 @@ def _warps(block: int) -> int:
     return 8 if block > 512 else 4
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["b_sr", "b_sl", "b_sh", "bl_sr", "bl_sl", "s_sr", "s_sl", "s_sh", "o_sl", "o_sr", "o_sh",
+                               "ln_sl", "ln_sr", "mk_sl", "mk_sr", "rows", "wa", "ws", "wout", "depth", "sdepth"])
 def _lines_union_kernel(b_ptr, b_sr, b_sl, b_sh, blens_ptr, bl_sr, bl_sl, s_ptr, s_sr, s_sl, s_sh,
                         since_ptr, seq_ptr, o_ptr, o_sl, o_sr, o_sh, lens_ptr, ln_sl, ln_sr, mk_ptr, mk_sl, mk_sr,
                         rows, num_kv_heads, wa, ws, wout, depth, sdepth, BLOCK: tl.constexpr, HAS_MARKS: tl.constexpr,
@@ -137,7 +138,7 @@ def _in_descending(row, t, n, depth, BLOCK: tl.constexpr):
     return tl.load(row + lo, mask=lo < n, other=-1) == t
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["l_sr", "l_sh", "ln_sr", "mk_sr", "e_sr", "e_sh", "we", "depth"])
 def _lines_append_kernel(l_ptr, l_sr, l_sh, lens_ptr, ln_sr, mk_ptr, mk_sr, since_ptr, seq_ptr, e_ptr, e_sr, e_sh,
                          num_kv_heads, we, depth, BLOCK: tl.constexpr):
     pid = tl.program_id(0)

@@ -43,7 +43,8 @@ def in_sorted(base, t, ls, depth, BLOCK: tl.constexpr):
     return tl.load(base + lo, mask=lo < ls, other=-1) == t
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["s_stride_b", "s_stride_h", "e_stride_b", "e_stride_h", "o_stride_b", "o_stride_h",
+                               "ws", "we", "depth"])
 def _union_append_kernel(s_ptr, s_stride_b, s_stride_h, slens_ptr, e_ptr, e_stride_b, e_stride_h, seq_ptr,
                          o_ptr, o_stride_b, o_stride_h, lens_ptr, num_kv_heads, ws, we, depth,
                          BLOCK: tl.constexpr):

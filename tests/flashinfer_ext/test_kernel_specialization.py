@@ -201,3 +201,49 @@ def test_psa_decode_compiles_no_new_variant_per_length(monkeypatch):
     assert {"_wave_merge_kernel", "_rank_select_kernel", "_criticality_kernel"} <= seen, sorted(seen)
     varying = _length_dependent(_runs(launches, mark))
     assert not varying, f"arguments whose specialization follows the context length: {varying}"
+
+
+def _sorted_lists(g: torch.Generator, rows: int, hk: int, width: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[rows, hk, width]`` int32 ascending distinct positions below ``hi`` (a list per row and KV head), full."""
+    lists = torch.stack([torch.stack([torch.randperm(hi, generator=g)[:width].sort().values for _ in range(hk)])
+                         for _ in range(rows)]).to(torch.int32)
+    return lists, torch.full((rows, hk), width, dtype=torch.int32)
+
+
+def test_new_line_counts_compile_no_new_list_or_decode_variant(monkeypatch):
+    """The decode lists' widths follow each request's selected lines (how many vertical and slash lines cover
+    ``alpha``), not only its length: the list kernels (union of lines, top-B appends) and the split decode over
+    lists of those widths, at one context length, must need the same variants whatever the line counts."""
+    from flashinfer_ext.common.split_decode import plan_splits, sparse_decode_split
+    from flashinfer_ext.loopserve.lines_union import lines_append, lines_union
+    from flashinfer_ext.loopserve.list_union import union_append
+
+    launches, mark = _record(monkeypatch), []
+    g = torch.Generator().manual_seed(6)
+    n, rows = 320, 2
+    seq = torch.tensor([n, n - 7], dtype=torch.int32)
+    since = seq - 3
+    pool = make_pool([n, n - 7], HQ, HK, D, torch.bfloat16, 1, seed=6, max_context_len=CONTEXT)
+    for wa, ws in ((40, 16), (41, 17), (48, 3), (57, 1), (64, 32)):  # vertical / slash line counts of a request
+        mark.append(len(launches))
+        base, base_lens = _sorted_lists(g, rows, L * HK, wa, n - 8)
+        base, base_lens = base.view(rows, L, HK, wa), base_lens.view(rows, L, HK)
+        s_idx = torch.stack([torch.randperm(n - 8, generator=g)[:ws] for _ in range(rows * L * HK)]).view(
+            rows, L, HK, ws).sort(dim=-1).values.to(torch.int32)
+        marks = torch.empty(L, rows, HK, 2, dtype=torch.int32)
+        lists, lens = lines_union(base, base_lens, s_idx, since, seq, max_since=8, marks_out=marks,
+                                  out=torch.zeros(L, rows, HK, wa + ws + 8 + 16, dtype=torch.int32), zero_fill=False)
+        extra = torch.stack([torch.randperm(n - 8, generator=g)[:16] for _ in range(rows * HK)]).view(
+            rows, HK, 16).to(torch.int32)
+        lines_append(lists[0], lens[0], marks[0], since, seq, extra)
+        top, top_lens = _sorted_lists(g, rows, HK, wa, n - 8)
+        union_append(top, top_lens, extra, seq)
+        width = int(lens[0].max())
+        plan = plan_splits(width, rows * HK, block_size=1, target_programs=8)
+        sparse_decode_split(pool.q, pool.k_buffer, pool.v_buffer, pool.req_to_token, pool.req_pool_indices,
+                            seq, lists[0][..., :width].contiguous(), lens[0], plan, block_size=1, sm_scale=D ** -0.5)
+    seen = {name for name, _ in launches}
+    assert {"_lines_union_kernel", "_lines_append_kernel", "_union_append_kernel", "_split_kernel",
+            "_merge_kernel"} <= seen, sorted(seen)
+    varying = _length_dependent(_runs(launches, mark))
+    assert not varying, f"arguments whose specialization follows the line counts (mark them do_not_specialize): {varying}"
