@@ -122,7 +122,7 @@ class BenchPlan:
 SMOKE = BenchPlan(accuracy=SetSpec(1, 3, 40), ttft=SetSpec(1, 2, 80), repeats=1, max_tokens=8)
 
 
-def ask(url: str, task: SamKVTask, variant: str, max_tokens: int, wording: int = 0, timeout: float = 900.0,
+def ask(url: str, task: SamKVTask, variant: str | None, max_tokens: int, wording: int = 0, timeout: float = 900.0,
         salt: str | None = None, style: str = "chat") -> dict:
     """One documents request; returns ``{"latency_s", "text", "sparse"}`` (raises on HTTP errors).
 
@@ -130,8 +130,9 @@ def ask(url: str, task: SamKVTask, variant: str, max_tokens: int, wording: int =
     as the user message; ``completion``: ``/v1/completions``, raw prompt ``Question: ...\nAnswer: The answer is``.
     """
     question = WORDINGS[wording % len(WORDINGS)].format(n=task.name)
-    body = {"model": "default", "max_tokens": max_tokens, "temperature": 0, "documents": list(task.documents),
-            "samkv": {"variant": variant}}
+    body = {"model": "default", "max_tokens": max_tokens, "temperature": 0, "documents": list(task.documents)}
+    if variant is not None:  # None: the server picks (its variant, or recompute below min_document_tokens)
+        body["samkv"] = {"variant": variant}
     if style == "chat":
         body["messages"] = [{"role": "user", "content": question + " " + T.TRAILER}]
         path = "/v1/chat/completions"

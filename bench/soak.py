@@ -153,7 +153,7 @@ class Stats:
         self.lock = threading.Lock()
         self.c = {k: 0 for k in ("sent", "completed", "aborted", "failed", "rejected_as_expected",
                                  "http_4xx", "http_5xx", "facts_checked", "wrong", "documents_requests_served",
-                                 "documents_requests_fallback")}
+                                 "documents_requests_fallback", "documents_requests_assembled")}
         self.kinds = {k: 0 for k in KINDS}
         self.facts: dict[str, bool] = {}
         self.errors: list[str] = []
@@ -228,7 +228,10 @@ class Driver:
         # a documents request samkv answered densely (its documents not reusable: e.g. evicted) is counted apart,
         # so a run whose documents were never assembled does not read as a samkv soak
         fallback = served and report.get("scheduler_status") == "fallback"
-        self.stats.add(completed=1, documents_requests_served=int(served), documents_requests_fallback=int(fallback))
+        # assembled: served from reused document KV (not the dense fallback, nor recompute for short documents)
+        assembled = served and report.get("scheduler_status") == "assembled"
+        self.stats.add(completed=1, documents_requests_served=int(served), documents_requests_fallback=int(fallback),
+                       documents_requests_assembled=int(assembled))
         if fallback:
             self.stats.add_reason(str(report.get("scheduler_reason") or "unknown"))
         return reply
@@ -401,7 +404,8 @@ def wrong_vs(reference: dict | None, facts: dict[str, bool]) -> int | None:
 
 # --------------------------------------------------------------------------- launching
 def launch_and_run(modes: list[str], cfg: SoakConfig, model: str, log_dir: Path, reference: dict | None,
-                   extra_args: list[str], log=print, repeat_off: bool = False) -> dict:
+                   extra_args: list[str], log=print, repeat_off: bool = False,
+                   sparse_configs: dict[str, str] | None = None) -> dict:
     """Start a server per mode (``off`` first when listed, as the others' reference), soak it, stop it by
     its process group. ``repeat_off``: soak a fresh ``off`` server once more at the end, reported as
     ``off_repeat``: its ``wrong_vs_off`` is the noise floor, the facts that flip from right to wrong between two
@@ -424,7 +428,8 @@ def launch_and_run(modes: list[str], cfg: SoakConfig, model: str, log_dir: Path,
             sock.bind(("127.0.0.1", 0))
             port = sock.getsockname()[1]
         spec = ServerSpec(python=sys.executable, model=model, device=device, port=port, mode=mode,
-                          extra_args=["--enable-metrics", *extra_args])
+                          extra_args=["--enable-metrics", *extra_args],
+                          sparse_config=(sparse_configs or {}).get(mode))
         log_path = log_dir / f"soak_server_{key}.log"
         try:
             server = Server(spec, log_path, timeout_s=900, log=log).start()
@@ -468,6 +473,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", default=str(Path(__file__).resolve().parents[1] / "models" / "SmolLM2-135M-Instruct"))
     ap.add_argument("--server-arg", action="append", default=[],
                     help="extra server argument for --launch (repeat; e.g. --server-arg=--max-total-tokens=4096)")
+    ap.add_argument("--sparse-config", action="append", default=[], metavar="MODE=JSON",
+                    help="with --launch: that mode's --sparse-config (repeat per mode; default: the mode's defaults)")
     ap.add_argument("--log-dir", default=".", help="where --launch writes the server logs")
     ap.add_argument("--reference-json", help="an off run's report: wrong_vs_off counts the items it got right")
     ap.add_argument("--repeat-off", action="store_true",
@@ -489,10 +496,16 @@ def main(argv: list[str] | None = None) -> int:
         if sorted(set(modes) - set(implemented_modes())):
             ap.error(f"--launch: unknown mode(s) {sorted(set(modes) - set(implemented_modes()))}; "
                      f"implemented: {implemented_modes()}")
+        configs = {}
+        for item in a.sparse_config:
+            mode, sep, text = item.partition("=")
+            if not sep or mode not in modes or mode == "off":
+                ap.error(f"--sparse-config {item!r}: expected MODE=JSON for a sparse mode of --launch ({modes})")
+            configs[mode] = text
         if a.repeat_off and "off" not in modes:
             ap.error("--repeat-off needs off in --launch (the repeat is compared with the first off run)")
         report = launch_and_run(modes, cfg, a.model, Path(a.log_dir), reference, a.server_arg, log=_log,
-                                repeat_off=a.repeat_off)
+                                repeat_off=a.repeat_off, sparse_configs=configs)
     else:
         report = run_soak(cfg, reference=reference, log=_log)
     text = json.dumps(report, indent=1)

@@ -385,6 +385,11 @@ class SamKVConfig(SparseConfig):
                         "recompute = dense "
                         "prefill of the concatenation, cacheblend = reuse of every block + selective recompute",
                         choices=("samkv", "reuse", "recompute", "cacheblend"))
+    min_document_tokens: int = knob(4096, doc="a documents request that names no variant and whose documents "
+                                    "hold fewer tokens in all is served by recompute (the stock inline prompt, "
+                                    "dense; reported as variant_reason): short documents save little prefill, and "
+                                    "their kept budget holds a block or two of their middle, which lost answers; "
+                                    "0 = never", range=Range(0, 1 << 24))
     selection: str = knob("mass", doc="how middle blocks are chosen: mass = the question's attention mass per block "
                           "(softmax over all documents' tokens, layers mass_layers) and the best blocks of all "
                           "documents kept; anchor_top_p = the paper's Eq. 2-3 ratio per document, mean-key block "

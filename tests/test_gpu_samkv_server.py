@@ -73,6 +73,17 @@ def test_gpu_samkv_short_documents_answer_where_dense_recompute_does(samkv_gpu_s
     assert correct(answers["samkv"], small.answer) or not correct(answers["recompute"], small.answer), answers
 
 
+def test_gpu_samkv_short_documents_at_the_servers_default_answer_as_the_dense_recompute(samkv_gpu_server):
+    """The same short documents through a request that names no variant: below min_document_tokens (4096) the server
+    serves them by recompute (the stock inline prompt), so the known limit above does not reach default traffic."""
+    srv, _ = samkv_gpu_server
+    small = make_task(1, docs=3, words=120)
+    default = ask(srv.url, small, None, 12, wording=2)
+    assert default["sparse"]["variant"] == "recompute", default["sparse"]
+    assert "below min_document_tokens (4096)" in default["sparse"]["variant_reason"]
+    assert default["text"] == ask(srv.url, small, "recompute", 12, wording=2)["text"]
+
+
 def _first_token(url, task, variant, wording):
     r = requests.post(url + "/v1/completions", timeout=300, json={
         "model": "default", "prompt": f"Question: What is {task.name}'s secret number?\nAnswer: The answer is",

@@ -147,11 +147,28 @@ def test_cache_salt_and_layout_are_bounded_with_clear_errors():
 
     cfg = SamKVConfig()
     docs, salt, variant, layout = _parse_extra({"documents": ["a"], "cache_salt": "t" * MAX_SALT_CHARS}, cfg)
-    assert salt == "t" * MAX_SALT_CHARS and variant == cfg.variant and layout == "in_user_turn"
+    assert salt == "t" * MAX_SALT_CHARS and variant is None and layout == "in_user_turn"  # none named
+    assert _parse_extra({"documents": ["a"], "samkv": {"variant": "reuse"}}, cfg)[2] == "reuse"
     with pytest.raises(ValueError, match="'cache_salt' has 1000000 characters; at most 256"):
         _parse_extra({"documents": ["a"], "cache_salt": "x" * 1_000_000}, cfg)
     with pytest.raises(ValueError, match="'samkv.layout'='sideways' must be one of in_user_turn, before_prompt"):
         _parse_extra({"documents": ["a"], "samkv": {"layout": "sideways"}}, cfg)
+
+
+@pytest.mark.parametrize("requested,tokens,cfg_kw,want", [
+    (None, 4095, {}, ("recompute", "4095 document tokens, below min_document_tokens (4096)")),
+    (None, 4096, {}, ("samkv", None)),                       # at the threshold: the server's variant
+    ("samkv", 10, {}, ("samkv", None)),                      # a named variant is served as named
+    ("cacheblend", 10, {}, ("cacheblend", None)),
+    (None, 10, {"min_document_tokens": 0}, ("samkv", None)),  # 0 = never
+    (None, 10, {"variant": "reuse"}, ("recompute", "10 document tokens, below min_document_tokens (4096)")),
+    (None, 10, {"variant": "recompute"}, ("recompute", None)),
+])
+def test_short_documents_choose_recompute_unless_a_variant_is_named(requested, tokens, cfg_kw, want):
+    from sglang_sparse.config import SamKVConfig
+    from sglang_sparse.samkv.api import choose_variant
+
+    assert choose_variant(requested, tokens, SamKVConfig(**cfg_kw)) == want
 
 
 def test_documents_api_prompt_is_the_stock_inline_prompt_token_for_token(default_model):

@@ -80,14 +80,29 @@ def test_documents_reused_fact_retrieved_and_salts_isolate(samkv_server):
     assert "traceback" not in text and "leak" not in text
 
 
+def test_short_documents_are_recomputed_unless_the_request_names_a_variant(samkv_server):
+    """~600 document tokens are below the default min_document_tokens (4096): a request naming no variant is
+    served by recompute (the stock inline prompt), says why, and answers as the inline prompt does."""
+    server, _ = samkv_server
+    task = make_task(2, docs=3, words=160)
+    r = _ask(server, task, salt="short")
+    assert r.status_code == 200, r.text
+    m = r.json()["metadata"]["sparse"]
+    assert m["variant"] == "recompute" and m["scheduler_status"] == "recompute" and not m["assembled"], m
+    assert m["variant_reason"] == f"{m['document_tokens']} document tokens, below min_document_tokens (4096)"
+    assert m["kept_ranges"] is None and m["documents_prefilled"] == 3  # nothing cached for reuse
+    named = _ask(server, task, variant="recompute", salt="short")
+    assert _text(named) == _text(r) and named.json()["metadata"]["sparse"]["variant_reason"] is None
+
+
 def test_samkv_variant_keeps_fewer_blocks_and_reuses(samkv_server):
     server, log = samkv_server
     task = make_task(2, docs=3, words=160)
     _ask(server, task, variant="reuse", max_tokens=1)  # documents cached
-    r = _ask(server, task)  # the config's default variant: samkv
+    r = _ask(server, task, variant="samkv")  # named: short documents go through the assembly as asked
     assert r.status_code == 200, r.text
     m = r.json()["metadata"]["sparse"]
-    assert m["variant"] == "samkv" and m["documents_reused"] == 3 and m["assembled"]
+    assert m["variant"] == "samkv" and m["documents_reused"] == 3 and m["assembled"] and m["variant_reason"] is None
     assert 0 < m["kv_kept_tokens"] < m["document_tokens"] and m["kv_kept_ratio"] < 1.0
     # the default max_kept_ratio (0.2) holds in tokens: 3 x ~200-token documents with 16-token blocks, whose
     # 1 initial + 2 local blocks alone are ~0.24 (kept before the token cap), so local blocks are trimmed

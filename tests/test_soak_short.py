@@ -81,8 +81,9 @@ def test_slope_and_metrics_and_reference_comparison():
 
 def test_short_soak_on_launched_cpu_servers_off_then_samkv(default_model, tmp_path):
     out = tmp_path / "soak.json"
+    # 120-word documents are below samkv's default min_document_tokens: 0 makes them go through the assembly
     rc = soak.main(["--launch", "samkv,off", "--model", str(default_model), "--requests", "16", "--concurrency", "2",
-                    "--turn-words", "120", "--max-tokens", "8", "--sample-every", "4", "--time-budget", "900",
+                    "--sparse-config", 'samkv={"min_document_tokens": 0}', "--turn-words", "120", "--max-tokens", "8", "--sample-every", "4", "--time-budget", "900",
                     "--log-dir", str(tmp_path), "--out", str(out)])
     assert rc == 0
     report = json.loads(out.read_text())
@@ -93,6 +94,8 @@ def test_short_soak_on_launched_cpu_servers_off_then_samkv(default_model, tmp_pa
     assert report["modes"]["samkv"]["documents_requests_served"] >= 1  # rag items went through the documents API
     # ... and samkv assembled their documents (a fallback-only run would be a dense soak in samkv's name)
     assert report["modes"]["samkv"]["documents_requests_fallback"] < report["modes"]["samkv"]["documents_requests_served"]
+    assert report["modes"]["samkv"]["documents_requests_assembled"] >= 1
+    assert report["modes"]["samkv"]["sparse_config"]["min_document_tokens"] == 0
     assert report["modes"]["off"]["documents_requests_fallback"] == 0
     # the fallbacks, if any, are counted by the reason the responses gave
     sam = report["modes"]["samkv"]

@@ -153,7 +153,10 @@ def ids_digest(ids: tuple[int, ...] | list[int]) -> str:
 
 
 
-def _parse_extra(body: dict, cfg) -> tuple[tuple[str, ...], str, str]:
+def _parse_extra(body: dict, cfg) -> tuple[tuple[str, ...], str, str | None, str]:
+    """``(documents, salt, variant, layout)`` of a documents request; ``variant`` is None when the request names
+    none (:func:`choose_variant` picks it once the documents are tokenised). Raises ``ValueError`` naming the
+    field."""
     docs = parse_documents(body.get(FIELD), max_documents=cfg.max_documents,
                            max_total_chars=cfg.max_document_chars)
     salt = body.get("cache_salt")
@@ -165,14 +168,29 @@ def _parse_extra(body: dict, cfg) -> tuple[tuple[str, ...], str, str]:
     opts = body.get("samkv") or {}
     if not isinstance(opts, dict) or set(opts) - {"variant", "layout"}:
         raise ValueError("'samkv' must be an object with the keys 'variant' and / or 'layout'")
-    variant = opts.get("variant", cfg.variant)
+    variant = opts.get("variant")
     choices = type(cfg).__dataclass_fields__["variant"].metadata["choices"]
-    if variant not in choices:
+    if variant is not None and variant not in choices:
         raise ValueError(f"'samkv.variant'={variant!r} must be one of {', '.join(choices)}")
     layout = opts.get("layout", "in_user_turn")
     if layout not in LAYOUTS:
         raise ValueError(f"'samkv.layout'={layout!r} must be one of {', '.join(LAYOUTS)}")
     return docs, salt or "", variant, layout
+
+
+def choose_variant(requested: str | None, document_tokens: int, cfg) -> tuple[str, str | None]:
+    """The pipeline of a documents request, and why when it is not the server's ``variant``.
+
+    A request that names its variant gets it. Otherwise documents of fewer than ``min_document_tokens`` tokens in
+    all are served by ``recompute`` (the stock inline prompt, dense): there the reuse saves little prefill, and
+    its budget (``max_kept_ratio`` of few tokens, less the always-kept blocks) leaves room for a block or two of
+    the middle of the documents, which lost planted facts the inline prompt answered."""
+    if requested is not None:
+        return requested, None
+    if cfg.variant != "recompute" and document_tokens < cfg.min_document_tokens:
+        return "recompute", (f"{document_tokens} document tokens, below min_document_tokens "
+                             f"({cfg.min_document_tokens})")
+    return cfg.variant, None
 
 
 LAYOUTS = ("in_user_turn", "before_prompt")
@@ -220,7 +238,8 @@ def _prompt_ids(serving, adapted) -> list[int]:
     return list(serving.tokenizer_manager.tokenizer.encode(text))
 
 
-def summarize(plan: DocumentPlan, doc_cached: list[int], meta: dict, page_size: int = 1) -> dict:
+def summarize(plan: DocumentPlan, doc_cached: list[int], meta: dict, page_size: int = 1,
+              variant_reason: str | None = None) -> dict:
     """``metadata["sparse"]`` of a documents request from the documents' prefill replies
     (``doc_cached``: cached tokens of each; -1 = known cached, not sent) and the request's ``meta_info``."""
     from sglang_sparse.samkv.assembly import kept_from_meta
@@ -235,6 +254,7 @@ def summarize(plan: DocumentPlan, doc_cached: list[int], meta: dict, page_size: 
     reused = sum(1 for c, d in zip(doc_cached, plan.doc_ids) if (c < 0 and ok) or c >= len(d) - page_size)
     return {
         "mode": "samkv", "variant": plan.variant, "layout": plan.layout, "documents": len(plan.doc_ids),
+        "variant_reason": variant_reason,  # why the request got another variant than the server's (None: it did not)
         "documents_reused": reused, "documents_prefilled": len(plan.doc_ids) - reused,
         "document_tokens": n_doc, "question_tokens": len(plan.prompt_ids), "prefix_tokens": len(plan.prefix_ids),
         "context_tokens": prompt, "cached_tokens": cached, "computed_tokens": prompt - cached,
@@ -429,7 +449,7 @@ async def _serve_documents(serving, request, raw_request, body, cfg, received):
 
     from sglang.srt.server_args import get_global_server_args
 
-    docs, salt, variant, layout = _parse_extra(body, cfg)
+    docs, salt, requested, layout = _parse_extra(body, cfg)
     stream = bool(getattr(request, "stream", False))
     err = serving._validate_request(request)
     if err:
@@ -451,6 +471,7 @@ async def _serve_documents(serving, request, raw_request, body, cfg, received):
         if cut is None:
             logger.info("sglang-sparse samkv: no user turn text found in the templated prompt; documents go "
                         "before the prompt")
+    variant, variant_reason = choose_variant(requested, sum(len(d) for d in doc_ids), cfg)
     plan = DocumentPlan(doc_ids, tuple(prompt[cut or 0:]), salt, variant,
                         doc_digests=tuple(e[1] for e in encoded), secret=_ns_secret(serving),
                         prefix_ids=tuple(prompt[:cut or 0]))
@@ -493,7 +514,7 @@ async def _serve_documents(serving, request, raw_request, body, cfg, received):
     front_ms["generate"] = round(1000.0 * (time.perf_counter() - t0), 3)
     build = getattr(serving, "_build_chat_response", None) or serving._build_completion_response
     response = build(processed, ret, int(time.time()))
-    summaries = [summarize(plan, doc_cached, item.get("meta_info") or {}, page) for item in ret]
+    summaries = [summarize(plan, doc_cached, item.get("meta_info") or {}, page, variant_reason) for item in ret]
     front_ms["total"] = round(1000.0 * (time.monotonic() - received), 3)
     for x in summaries:  # front door phases: tokenize, document prefill round trips, the generate call
         x["front_ms"] = front_ms
