@@ -1,0 +1,26 @@
+"""Contract: the short-documents diagnosis (``python -m bench.samkv_short_docs``) asks each distinct RAG item of the
+soak once, and says whether a kept context holds the planted fact (real tokenizer, no server)."""
+
+from __future__ import annotations
+
+from bench.samkv_short_docs import fact_in_kept, items
+
+
+def test_items_are_the_soaks_distinct_rag_items_with_the_fact_in_a_document():
+    got = items(60, 120)
+    assert len(got) == len({(tuple(it["documents"]), it["question"], it["salt"]) for it in got}) > 1
+    assert all(any(it["answer"] in d for d in it["documents"]) for it in got)
+
+
+def test_fact_in_kept_reads_the_kept_ranges_with_the_tokenizer(default_model):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(default_model))
+    it = items(60, 120)[0]
+    j = next(k for k, d in enumerate(it["documents"]) if it["answer"] in d)
+    n = len(tok(it["documents"][j], add_special_tokens=False)["input_ids"])
+    whole = [[0, n] if k == j else [0, 1] for k in range(len(it["documents"]))]
+    none = [[0, 0] for _ in it["documents"]]
+    assert fact_in_kept(tok, it, whole) is True
+    assert fact_in_kept(tok, it, none) is False
+    assert fact_in_kept(tok, it, None) is None
