@@ -532,6 +532,8 @@ def main(argv=None) -> int:
             summary["servers"]["per_mode"][mode] = {"port": a.port + i, "group": groups.index(group)}
         try:
             up = start_group(servers, summary["errors"])
+            for s in servers:  # a port found taken at start moved (bench.server.Server.start)
+                summary["servers"]["per_mode"][s.spec.mode]["port"] = s.spec.port
             if prep:
                 for t in prep:
                     t.join()

@@ -264,8 +264,8 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 spec = ServerSpec(python=a.python, model=a.model, device=a.device, port=a.port + i, mode=mode,
                                   sparse_config=cfg, extra_args=extra)
-                with Server(spec, out / f"server_{label}.log", timeout_s=a.server_timeout, log=log):
-                    entry.update(run_config(f"http://127.0.0.1:{a.port + i}", maker, a, log))
+                with Server(spec, out / f"server_{label}.log", timeout_s=a.server_timeout, log=log) as server:
+                    entry.update(run_config(server.url, maker, a, log))
         except (ServerError, requests.RequestException) as e:
             entry["error"] = f"{type(e).__name__}: {e}"[:2000]
             log(f"[turns] config {label} failed: {entry['error'][:300]}")

@@ -51,6 +51,7 @@ class ServerSpec:
     extra_args: list[str] = field(default_factory=list)
     env: dict[str, str] = field(default_factory=dict)  # variables set for this server on top of this process's
     cpus: tuple[int, ...] | None = None  # CPUs the server's processes run on (sched_setaffinity); None: any
+    port_fallback: bool = True        # an HTTP port found taken at start moves to a free one (read .url after start)
 
     def argv(self, avoid: frozenset[int] = frozenset()) -> list[str]:
         """The launch command; ``avoid``: rendezvous ports not to pick (ones a failed start found taken)."""
@@ -80,15 +81,30 @@ def _ephemeral_low() -> int:
         return 32768
 
 
-def _bindable(port: int) -> bool:
+def _bindable(port: int, host: str = "") -> bool:
     import socket
 
     with socket.socket() as sock:
         try:
-            sock.bind(("", port))
+            sock.bind((host, port))
             return True
         except OSError:
             return False
+
+
+def _free_port() -> int:
+    """A port the kernel has free now (bound to 0 and released)."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _port_taken(message: str) -> bool:
+    """Whether a failed start's message says a port was in use (torch's TCPStore or uvicorn's bind)."""
+    low = message.lower()
+    return "eaddrinuse" in low or "address already in use" in low
 
 
 def rendezvous_port(http_port: int, probe: Callable[[int], bool] = _bindable, low: int | None = None) -> int:
@@ -213,25 +229,44 @@ class Server:
         return env
 
     def start(self) -> "Server":
-        """Launch and wait until a real generation answers. A start whose rendezvous port was taken between the probe
-        and SGLang's bind (another process starting in the same seconds: ``EADDRINUSE``) is started once more on
-        another port; any other early exit raises :class:`ServerError` with the log tail."""
+        """Launch and wait until a real generation answers.
+
+        A port taken between the probe and SGLang's bind (another process starting or connecting in the same
+        seconds: ``EADDRINUSE``) is not a failure of the server: the rendezvous port is moved at once, and the HTTP
+        port too where ``spec.port_fallback`` allows it (the new one is ``spec.port`` / :attr:`url` afterwards);
+        the start is tried up to three times. Any other early exit raises :class:`ServerError` with the log tail."""
         if self._port_busy():
             raise ServerError(f"port {self.spec.port} already serves something; pick another --port")
+        self._move_http_port_if_taken()
         avoid: frozenset[int] = frozenset()
-        for attempt in (1, 2):
+        for attempt in (1, 2, 3):
             argv = self.spec.argv(avoid)
             try:
                 return self._start(argv)
             except ServerError as e:
-                port = _flag_value(argv, "--nccl-port")
-                if attempt == 2 or "--nccl-port" in self.spec.extra_args or port is None \
-                        or "EADDRINUSE" not in str(e):
+                if attempt == 3 or not _port_taken(str(e)):
                     raise
-                self.log(f"[server] rendezvous port {port} was taken before the server bound it; starting once more "
-                         "on another")
-                avoid = avoid | {int(port)}
+                port = _flag_value(argv, "--nccl-port")
+                if f"', {self.spec.port})" in str(e):  # uvicorn: "... bind on address ('127.0.0.1', PORT): ..."
+                    if not self._move_http_port_if_taken(force=True):
+                        raise
+                elif port is not None and "--nccl-port" not in self.spec.extra_args:
+                    self.log(f"[server] rendezvous port {port} was taken before the server bound it; starting once "
+                             "more on another")
+                    avoid = avoid | {int(port)}
+                else:
+                    raise
         raise AssertionError("unreachable")
+
+    def _move_http_port_if_taken(self, force: bool = False) -> bool:
+        """Move the HTTP port to a free one when it cannot be bound now (or ``force``) and the spec allows it;
+        returns whether it moved."""
+        if not self.spec.port_fallback or (not force and _bindable(self.spec.port)):
+            return False
+        old, self.spec.port = self.spec.port, _free_port()
+        self.base_url = f"http://127.0.0.1:{self.spec.port}"
+        self.log(f"[server] mode={self.spec.mode}: HTTP port {old} is taken by another process; using {self.spec.port}")
+        return True
 
     def _start(self, argv: list[str]) -> "Server":
         env = self.environment()
@@ -250,7 +285,9 @@ class Server:
         deadline = t0 + self.timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise ServerError(f"server (mode {self.spec.mode}) exited with code {self.proc.returncode} "
+                rc = self.proc.returncode
+                self.stop()
+                raise ServerError(f"server (mode {self.spec.mode}) exited with code {rc} "
                                   f"before becoming ready; log tail:\n{tail(self.log_path)}")
             try:
                 r = requests.get(self.base_url + "/health_generate", timeout=30)
@@ -272,9 +309,15 @@ class Server:
 
     def stop(self) -> None:
         p, self.proc = self.proc, None
-        if p is None or p.poll() is not None:
+        if p is None:
             return
         pgid = p.pid  # start_new_session: the group id is the child's pid
+        if p.poll() is not None:  # the leader is gone (an early exit): children it left may still hold ports
+            try:
+                os.killpg(pgid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+            return
         for sig, wait in ((signal.SIGTERM, 30), (signal.SIGKILL, 10)):
             try:
                 os.killpg(pgid, sig)
@@ -325,6 +368,7 @@ def start_group(servers: list[Server], errors: dict, key: Callable[[Server], str
         except Exception as e:  # noqa: BLE001 - reported per server
             errors[key(s)] = "server start interrupted" if aborted.is_set() else \
                 f"server start: {type(e).__name__}: {e}"
+            s.log(f"[server] {key(s)} did not start: {errors[key(s)]}")
     threads = [threading.Thread(target=go, args=(s,), daemon=True) for s in servers]
     try:
         for t in threads:

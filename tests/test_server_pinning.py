@@ -115,3 +115,65 @@ def test_a_start_whose_rendezvous_port_is_taken_before_the_bind_starts_once_more
             server.stop()
     assert any(f"rendezvous port {held} was taken" in x for x in lines)
     assert sum("[server] starting" in x for x in lines) == 2
+
+
+@pytest.mark.server
+def test_a_start_whose_http_port_is_taken_before_the_bind_comes_up_on_another_and_says_so(default_model, tmp_path,
+                                                                                          monkeypatch):
+    """The HTTP port can be taken between the driver's probe and uvicorn's bind too (a port of the ephemeral range:
+    any client connection of the machine may hold it; SGLang then exits 3 with "address already in use"). Reproduced
+    with a real CPU server: the port is held by a listening socket while the probe is told it is free; the start logs
+    the collision, comes up on another port, and ``url`` / ``spec.port`` name it."""
+    import socket
+
+    from bench import server as srv
+    from tests.serverproc import free_port
+
+    port = free_port()
+    real = srv._bindable
+    lied = []
+
+    def probe(p, *args, **kw):
+        if p == port and not lied:
+            lied.append(p)
+            return True  # free when probed ...
+        return real(p, *args, **kw)
+
+    monkeypatch.setattr(srv, "_bindable", probe)
+    lines = []
+    with socket.socket() as sock:  # ... and taken before the server binds it
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(("127.0.0.1", port))
+        sock.listen(1)
+        server = srv.Server(srv.ServerSpec(python=sys.executable, model=str(default_model), device="cpu", port=port),
+                            tmp_path / "s.log", timeout_s=480, log=lines.append)
+        try:
+            server.start()
+            assert server.spec.port != port and server.url == f"http://127.0.0.1:{server.spec.port}"
+            assert server.server_info()["port"] == server.spec.port
+        finally:
+            server.stop()
+    assert lied == [port]
+    assert any(f"HTTP port {port} is taken" in x for x in lines)
+    assert sum("[server] starting" in x for x in lines) == 2
+
+
+def test_a_group_start_that_fails_logs_why(tmp_path):
+    """bench.load and bench.ab_rounds start servers in a group; a server that does not come up is logged with its
+    error (not only kept in the summary), so a driver's output says why a mode has no cells."""
+    from bench.server import Server, ServerSpec, start_group
+
+    lines, errors = [], {}
+    bad = Server(ServerSpec(python=sys.executable, model=str(tmp_path / "no-such-model"), device="cpu",
+                            port=free_port_local(), port_fallback=False), tmp_path / "s.log", timeout_s=120,
+                 log=lines.append)
+    up = start_group([bad], errors)
+    assert up == [] and "off" in errors
+    assert any(x.startswith("[server] off did not start: server start: ServerError") for x in lines)
+    assert bad.proc is None
+
+
+def free_port_local() -> int:
+    from tests.serverproc import free_port
+
+    return free_port()
