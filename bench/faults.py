@@ -41,8 +41,10 @@ MODES = ("psa", "loopserve", "samkv", "lastwindow", "off")
 SERVERS = {
     "psa": ("psa", {"min_context": 256}, 4000),
     "loopserve": ("loopserve", {"min_context": 256, "line_store_mb": 1}, 4000),
-    # min_document_tokens 0: the faults' short documents go through the reuse and assembly, not the dense recompute
-    "samkv": ("samkv", {"max_documents": 8, "max_document_chars": 8000, "min_document_tokens": 0}, 4000),
+    # min_document_tokens / min_middle_blocks 0: the faults' short documents go through the reuse and assembly, not
+    # the dense recompute
+    "samkv": ("samkv", {"max_documents": 8, "max_document_chars": 8000, "min_document_tokens": 0,
+                        "min_middle_blocks": 0}, 4000),
     "off": ("off", None, 4000),
     # a host tier of 0.02 GiB holds ~900 tokens of SmolLM2-135M KV (30 layers x 3 KV heads x 64 x 2 x 2 B)
     "psa_tier": ("psa", {"min_context": 256, "host_tier_gb": 0.02, "gpu_cache_mb": 8}, 1600),
@@ -472,8 +474,9 @@ EDGES = {
                    [{"pool_kernel": 65}, {"window": 0}]),
     "samkv": ({"block_size": 1, "initial_blocks": 0, "local_blocks": 0, "max_kept_ratio": 0.0,
                "recompute_ratio": 1.0, "mass_layer_from": 0.0, "mass_layer_to": 1.0, "max_documents": 1,
-               "min_document_tokens": 0},
-              [{"block_size": 0}, {"max_kept_ratio": 1.5}, {"mass_layer_from": 1.0}, {"min_document_tokens": -1}]),
+               "min_document_tokens": 0, "min_middle_blocks": 0},
+              [{"block_size": 0}, {"max_kept_ratio": 1.5}, {"mass_layer_from": 1.0}, {"min_document_tokens": -1},
+               {"min_middle_blocks": 65537}]),
 }
 
 

@@ -390,6 +390,11 @@ class SamKVConfig(SparseConfig):
                                     "dense; reported as variant_reason): short documents save little prefill, and "
                                     "their kept budget holds a block or two of their middle, which lost answers; "
                                     "0 = never", range=Range(0, 1 << 24))
+    min_middle_blocks: int = knob(1, doc="a documents request that names no variant and whose kept budget "
+                                  "(max_kept_ratio less the always-kept blocks) holds fewer middle blocks than "
+                                  "this many per document that has a middle is served by recompute (many short "
+                                  "documents: every fact between a document's first and last blocks would be "
+                                  "dropped); 0 = never", range=Range(0, 1 << 16))
     selection: str = knob("mass", doc="how middle blocks are chosen: mass = the question's attention mass per block "
                           "(softmax over all documents' tokens, layers mass_layers) and the best blocks of all "
                           "documents kept; anchor_top_p = the paper's Eq. 2-3 ratio per document, mean-key block "

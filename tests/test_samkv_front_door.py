@@ -155,20 +155,54 @@ def test_cache_salt_and_layout_are_bounded_with_clear_errors():
         _parse_extra({"documents": ["a"], "samkv": {"layout": "sideways"}}, cfg)
 
 
-@pytest.mark.parametrize("requested,tokens,cfg_kw,want", [
-    (None, 4095, {}, ("recompute", "4095 document tokens, below min_document_tokens (4096)")),
-    (None, 4096, {}, ("samkv", None)),                       # at the threshold: the server's variant
-    ("samkv", 10, {}, ("samkv", None)),                      # a named variant is served as named
-    ("cacheblend", 10, {}, ("cacheblend", None)),
-    (None, 10, {"min_document_tokens": 0}, ("samkv", None)),  # 0 = never
-    (None, 10, {"variant": "reuse"}, ("recompute", "10 document tokens, below min_document_tokens (4096)")),
-    (None, 10, {"variant": "recompute"}, ("recompute", None)),
+@pytest.mark.parametrize("requested,lengths,cfg_kw,want", [
+    (None, [4095], {}, ("recompute", "4095 document tokens, below min_document_tokens (4096)")),
+    (None, [4096], {}, ("samkv", None)),                       # at the threshold: the server's variant
+    ("samkv", [10], {}, ("samkv", None)),                      # a named variant is served as named
+    ("cacheblend", [10], {}, ("cacheblend", None)),
+    (None, [10], {"min_document_tokens": 0, "min_middle_blocks": 0}, ("samkv", None)),  # 0 = never
+    (None, [10], {"variant": "reuse"}, ("recompute", "10 document tokens, below min_document_tokens (4096)")),
+    (None, [10], {"variant": "recompute"}, ("recompute", None)),
+    # many short documents: 32 x 128 tokens (4 blocks of 32, 3 always kept): 0.2 of 4096 tokens is less than
+    # their always-kept blocks, so no middle block is left for any of them
+    (None, [128] * 32, {}, ("recompute", "the kept budget holds 0 middle blocks for 32 documents, below "
+                                         "min_middle_blocks (1) per document")),
+    (None, [128] * 32, {"min_middle_blocks": 0}, ("samkv", None)),
+    ("samkv", [128] * 32, {}, ("samkv", None)),
+    (None, [128] * 32, {"variant": "reuse"}, ("reuse", None)),   # reuse keeps every block: no middle to lose
+    (None, [640] * 8, {}, ("samkv", None)),                     # 0.2 * 640 - 96 = 32 tokens: one block each
+    # 4 x 1200 tokens: cap 960, always kept 4 x (32 + 32 + 16) = 320 tokens: (960 - 320) // 32 = 20 middle blocks
+    (None, [1200] * 4, {"min_middle_blocks": 5}, ("samkv", None)),
+    (None, [1200] * 4, {"min_middle_blocks": 6}, ("recompute", "the kept budget holds 20 middle blocks for 4 "
+                                                              "documents, below min_middle_blocks (6) per document")),
 ])
-def test_short_documents_choose_recompute_unless_a_variant_is_named(requested, tokens, cfg_kw, want):
+def test_requests_that_name_no_variant_go_to_recompute_when_the_documents_are_short_or_the_budget_keeps_no_middle(
+        requested, lengths, cfg_kw, want):
     from sglang_sparse.config import SamKVConfig
     from sglang_sparse.samkv.api import choose_variant
 
-    assert choose_variant(requested, tokens, SamKVConfig(**cfg_kw)) == want
+    assert choose_variant(requested, lengths, SamKVConfig(**cfg_kw)) == want
+
+
+def test_the_front_doors_budget_is_the_one_the_selection_uses():
+    """kept_budget (checked at the front door) gives the layouts and middle budget that select_blocks keeps to:
+    the max_kept_ratio rule in tokens, with the always-kept blocks trimmed to their share."""
+    from flashinfer_ext.samkv.score import anchor_layouts, kept_budget, middle_budget
+
+    for lengths in ([500, 500], [128] * 32, [640] * 8, [1300] * 16, [9000, 9000], [37, 1000, 4096]):
+        tokens = sum(lengths)
+        cap = int(0.2 * tokens + 1e-9)
+        layouts, _ = anchor_layouts(lengths, 32, 1, 2, cap)
+        always = sum(len(a) for _, a, _ in layouts)
+        always_tokens = sum(min(n, (b + 1) * 32) - b * 32 for n, (_, a, _) in zip(lengths, layouts) for b in a)
+        want = middle_budget(sum(nb for nb, _, _ in layouts), len(lengths), always // len(lengths),
+                             max(0, cap - always_tokens) // 32)
+        plan = kept_budget(lengths, 32, 1, 2, 0.2, 1.0)
+        assert plan.layouts == tuple(layouts) and plan.middle_blocks == want and plan.token_cap == cap
+        assert plan.docs_with_middle == sum(1 for _, _, m in layouts if m)
+    assert kept_budget([500], 32, 1, 2, 1.0).token_cap is None   # ratio 1: SamKV's rule alone
+    with pytest.raises(ValueError, match="lengths must be non-empty and positive"):
+        kept_budget([], 32, 1, 2)
 
 
 def test_documents_api_prompt_is_the_stock_inline_prompt_token_for_token(default_model):

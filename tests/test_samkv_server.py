@@ -95,6 +95,22 @@ def test_short_documents_are_recomputed_unless_the_request_names_a_variant(samkv
     assert _text(named) == _text(r) and named.json()["metadata"]["sparse"]["variant_reason"] is None
 
 
+def test_many_short_documents_whose_budget_keeps_no_middle_are_recomputed(samkv_server):
+    """20 documents of ~180 words (~5.7k tokens): above min_document_tokens in all, but 0.2 of their tokens is
+    mostly spent on each one's first and last blocks (16-token blocks here), with fewer middle blocks left than
+    documents (min_middle_blocks 1): a request naming no variant is served by recompute and says why (a request
+    naming its variant gets it: test_samkv_variant_keeps_fewer_blocks_and_reuses)."""
+    server, _ = samkv_server
+    task = make_task(4, docs=20, words=180)
+    r = _ask(server, task, salt="many", max_tokens=1)
+    assert r.status_code == 200, r.text
+    m = r.json()["metadata"]["sparse"]
+    assert m["document_tokens"] >= 4096, m
+    assert m["variant"] == "recompute" and not m["assembled"], m
+    assert m["variant_reason"].startswith("the kept budget holds ") and \
+        m["variant_reason"].endswith("middle blocks for 20 documents, below min_middle_blocks (1) per document"), m
+
+
 def test_samkv_variant_keeps_fewer_blocks_and_reuses(samkv_server):
     server, log = samkv_server
     task = make_task(2, docs=3, words=160)

@@ -81,9 +81,10 @@ def test_slope_and_metrics_and_reference_comparison():
 
 def test_short_soak_on_launched_cpu_servers_off_then_samkv(default_model, tmp_path):
     out = tmp_path / "soak.json"
-    # 120-word documents are below samkv's default min_document_tokens: 0 makes them go through the assembly
+    # 120-word documents are below samkv's default min_document_tokens, and their kept budget holds no middle block
+    # (min_middle_blocks): 0 for both makes them go through the assembly
     rc = soak.main(["--launch", "samkv,off", "--model", str(default_model), "--requests", "16", "--concurrency", "2",
-                    "--sparse-config", 'samkv={"min_document_tokens": 0}',
+                    "--sparse-config", 'samkv={"min_document_tokens": 0, "min_middle_blocks": 0}',
                     "--turn-words", "120", "--max-tokens", "8", "--sample-every", "4", "--time-budget", "900",
                     "--log-dir", str(tmp_path), "--out", str(out)])
     assert rc == 0

@@ -23,6 +23,8 @@ context), the rest are the *middle* blocks that selection keeps or drops.
   budget of ``total blocks / D`` counts the always-kept blocks too).
 * :func:`anchor_layouts` - every document's :func:`block_layout`, local blocks trimmed when the
   always-kept blocks would take more than their share of the KV budget (short documents).
+* :func:`kept_budget` - those layouts and the middle-block budget of a request from its documents' lengths
+  alone (what the front door checks before choosing a pipeline, and what the selection then uses).
 
 * :func:`question_block_mass` / :func:`select_mass_blocks` - the ``selection="mass"`` rule (not the paper's):
   each question row's softmax attention over *all* documents' tokens (position-free logits, per query head),
@@ -36,6 +38,7 @@ block's score does not depend on where the document sits; the paper does not say
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
@@ -140,6 +143,49 @@ def middle_budget(total_blocks: int, docs: int, always_kept: int, max_middle: in
     (never negative), capped by ``max_middle`` (the config's ``max_kept_ratio`` rule; None = no cap)."""
     budget = max(0, total_blocks // max(docs, 1) - always_kept)
     return budget if max_middle is None else min(budget, max(0, int(max_middle)))
+
+
+@dataclass(frozen=True)
+class KeptBudget:
+    """The KV budget of one documents request, before any scoring (host-side, from the documents' lengths).
+
+    ``layouts``: each document's :func:`block_layout` after :func:`anchor_layouts`' trimming; ``token_cap``: the
+    ``max_kept_ratio`` cap in tokens (None: ratio 1, SamKV's rule alone); ``always_tokens``: tokens of the
+    always-kept blocks; ``middle_blocks``: middle blocks kept in all (:func:`middle_budget`);
+    ``docs_with_middle``: documents that have a middle block at all."""
+
+    layouts: tuple
+    token_cap: int | None
+    always_tokens: int
+    middle_blocks: int
+    docs_with_middle: int
+
+    def __post_init__(self):
+        if self.middle_blocks < 0 or self.docs_with_middle < 0:
+            raise ValueError(f"KeptBudget: middle_blocks ({self.middle_blocks}) and docs_with_middle "
+                             f"({self.docs_with_middle}) must be >= 0")
+
+
+def kept_budget(lengths: list[int], block_size: int, initial_blocks: int, local_blocks: int,
+                max_kept_ratio: float = 1.0, anchor_share: float = 1.0) -> KeptBudget:
+    """The :class:`KeptBudget` of documents of ``lengths`` tokens: the same layouts and middle-block budget the
+    selection uses (the smaller of SamKV's ``total_blocks // D - always kept`` and the ``max_kept_ratio`` rule
+    ``(floor(ratio * tokens) - always-kept tokens) // block_size``)."""
+    if not lengths or min(lengths) < 1:
+        raise ValueError(f"kept_budget: lengths must be non-empty and positive, got {list(lengths)[:8]}")
+    doc_tokens = sum(lengths)
+    ratio = float(max_kept_ratio)
+    token_cap = int(ratio * doc_tokens + 1e-9) if ratio < 1.0 else None
+    layouts, _ = anchor_layouts(list(lengths), block_size, initial_blocks, local_blocks,
+                                None if token_cap is None else int(float(anchor_share) * token_cap + 1e-9))
+    d = len(lengths)
+    always_total = sum(len(a) for _, a, _ in layouts)
+    always_tokens = sum(_block_tokens(n, block_size, a) for n, (_, a, _) in zip(lengths, layouts))
+    total_blocks = sum(nb for nb, _, _ in layouts)
+    cap = None if token_cap is None else max(0, token_cap - always_tokens) // block_size
+    return KeptBudget(tuple(layouts), token_cap, always_tokens,
+                      middle_budget(total_blocks, d, always_total // max(1, d), cap),
+                      sum(1 for _, _, m in layouts if m))
 
 
 def select_middle_blocks(p_layers: list[torch.Tensor], s_layers: list[torch.Tensor], total_blocks: int,

@@ -55,6 +55,7 @@ import time
 from array import array
 from dataclasses import dataclass
 
+from flashinfer_ext.samkv.score import kept_budget
 from sglang_sparse.client_limits import MAX_KEY_CHARS, body_error
 from sglang_sparse.documents import FIELD, parse_documents
 # the custom_params contract read by samkv.assembly in the scheduler
@@ -178,18 +179,30 @@ def _parse_extra(body: dict, cfg) -> tuple[tuple[str, ...], str, str | None, str
     return docs, salt or "", variant, layout
 
 
-def choose_variant(requested: str | None, document_tokens: int, cfg) -> tuple[str, str | None]:
-    """The pipeline of a documents request, and why when it is not the server's ``variant``.
+def choose_variant(requested: str | None, doc_lengths: list[int], cfg) -> tuple[str, str | None]:
+    """The pipeline of a documents request of documents of ``doc_lengths`` tokens, and why when it is not the
+    server's ``variant``.
 
-    A request that names its variant gets it. Otherwise documents of fewer than ``min_document_tokens`` tokens in
-    all are served by ``recompute`` (the stock inline prompt, dense): there the reuse saves little prefill, and
-    its budget (``max_kept_ratio`` of few tokens, less the always-kept blocks) leaves room for a block or two of
-    the middle of the documents, which lost planted facts the inline prompt answered."""
+    A request that names its variant gets it. Otherwise the request is served by ``recompute`` (the stock inline
+    prompt, dense) when its documents hold fewer than ``min_document_tokens`` tokens in all (the reuse saves
+    little prefill, and its budget leaves a block or two of their middle, which lost planted facts the inline
+    prompt answered), or when the kept budget holds fewer than ``min_middle_blocks`` middle blocks per document
+    that has a middle (many short documents: the budget goes to their always-kept first and last blocks, and
+    whatever sits between is dropped)."""
     if requested is not None:
         return requested, None
-    if cfg.variant != "recompute" and document_tokens < cfg.min_document_tokens:
-        return "recompute", (f"{document_tokens} document tokens, below min_document_tokens "
-                             f"({cfg.min_document_tokens})")
+    if cfg.variant == "recompute":
+        return cfg.variant, None
+    tokens = sum(doc_lengths)
+    if tokens < cfg.min_document_tokens:
+        return "recompute", f"{tokens} document tokens, below min_document_tokens ({cfg.min_document_tokens})"
+    if cfg.min_middle_blocks and cfg.variant == "samkv" and tokens:
+        plan = kept_budget(list(doc_lengths), cfg.block_size, cfg.initial_blocks, cfg.local_blocks,
+                           cfg.max_kept_ratio, cfg.anchor_share)
+        if plan.middle_blocks < cfg.min_middle_blocks * plan.docs_with_middle:
+            return "recompute", (f"the kept budget holds {plan.middle_blocks} middle blocks for "
+                                 f"{plan.docs_with_middle} documents, below min_middle_blocks "
+                                 f"({cfg.min_middle_blocks}) per document")
     return cfg.variant, None
 
 
@@ -471,7 +484,7 @@ async def _serve_documents(serving, request, raw_request, body, cfg, received):
         if cut is None:
             logger.info("sglang-sparse samkv: no user turn text found in the templated prompt; documents go "
                         "before the prompt")
-    variant, variant_reason = choose_variant(requested, sum(len(d) for d in doc_ids), cfg)
+    variant, variant_reason = choose_variant(requested, [len(d) for d in doc_ids], cfg)
     plan = DocumentPlan(doc_ids, tuple(prompt[cut or 0:]), salt, variant,
                         doc_digests=tuple(e[1] for e in encoded), secret=_ns_secret(serving),
                         prefix_ids=tuple(prompt[:cut or 0]))

@@ -34,9 +34,9 @@ from __future__ import annotations
 
 import torch
 
-from flashinfer_ext.samkv.score import (ScoreIndex, anchor_layouts, block_mass, document_scores, generic_query,
-                                        middle_budget, personalized_queries, question_token_mass,
-                                        select_mass_blocks, select_middle_blocks)
+from flashinfer_ext.samkv.score import (ScoreIndex, block_mass, document_scores, generic_query, kept_budget,
+                                        personalized_queries, question_token_mass, select_mass_blocks,
+                                        select_middle_blocks)
 from sglang_sparse.samkv.graph import side_rows_forward
 
 
@@ -120,15 +120,13 @@ def select_blocks(rt, spans, srcs, ids, tree_cache, keep_all: bool = False,
     bs = cfg.block_size
     pool = tree_cache.token_to_kv_pool_allocator.get_kvcache()
     n_doc = spans[-1][0] + spans[-1][1]  # end of the documents in ids (they may start after a template prefix)
-    doc_tokens = sum(n for _, n in spans)
     # the KV budget in tokens (what kv_kept_ratio reports); the always-kept blocks may take at most
     # anchor_share of it (local blocks trimmed, flashinfer_ext.samkv.score.anchor_layouts), the rest is
-    # for the selected middle blocks
-    ratio = float(getattr(cfg, "max_kept_ratio", 1.0))
-    token_cap = int(ratio * doc_tokens + 1e-9)
-    share = float(getattr(cfg, "anchor_share", 1.0))
-    layouts, _ = anchor_layouts([n for _, n in spans], bs, cfg.initial_blocks, cfg.local_blocks,
-                                int(share * token_cap + 1e-9) if ratio < 1.0 and not keep_all else None)
+    # for the selected middle blocks (flashinfer_ext.samkv.score.kept_budget, also what the front door checks)
+    budget_plan = kept_budget([n for _, n in spans], bs, cfg.initial_blocks, cfg.local_blocks,
+                              1.0 if keep_all else float(getattr(cfg, "max_kept_ratio", 1.0)),
+                              float(getattr(cfg, "anchor_share", 1.0)))
+    layouts = list(budget_plan.layouts)
     ctx_k, ctx_v, (ctx_ids, ctx_doc, ctx_pos, local, q_ids) = _gather_context(
         rt, pool, spans, srcs, layouts, bs, ids, cfg.local_query_tokens, ids[n_doc:], cached_at)
     _tick(rt, "select_gather")
@@ -182,17 +180,15 @@ def select_blocks(rt, spans, srcs, ids, tree_cache, keep_all: bool = False,
     if keep_all:
         return [list(range(n)) for _, n in spans], scores
     always_total = sum(len(a) for _, a, _ in layouts)
-    always_tokens = sum(min(n, (b + 1) * bs) - b * bs for (_, n), (_, a, _) in zip(spans, layouts) for b in a)
     total_blocks = sum(nb for nb, _, _ in layouts)
-    # max_kept_ratio rule, in tokens: middle blocks are full blocks (a short block is always the last, kept
-    # as local unless local_blocks is 0; then it is counted as a full one here)
-    cap = max(0, token_cap - always_tokens) // bs if ratio < 1.0 else None
+    # middle blocks are full blocks in the max_kept_ratio rule (a short block is always the last, kept as local
+    # unless local_blocks is 0; then it is counted as a full one): budget_plan.middle_blocks
     if m_host:
-        budget = middle_budget(total_blocks, d, always_total // max(1, d), cap)
         mass_docs = [m_host[0][index.blk_start[j]:index.blk_start[j] + nb] for j, (nb, _, _) in enumerate(layouts)]
-        kept_mid = select_mass_blocks(mass_docs, layouts, budget)
+        kept_mid = select_mass_blocks(mass_docs, layouts, budget_plan.middle_blocks)
     else:
-        kept_mid = select_middle_blocks(p_docs, s_docs, total_blocks, always_total // max(1, d), max_middle=cap)
+        kept_mid = select_middle_blocks(p_docs, s_docs, total_blocks, always_total // max(1, d),
+                                        max_middle=budget_plan.middle_blocks)
     out = []
     for (s, n), (nb, always, middle), km in zip(spans, layouts, kept_mid):
         blocks = sorted(set(always) | {middle[j] for j in km})
