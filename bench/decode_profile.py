@@ -45,6 +45,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
+from bench.sparse_configs import parse_mode_configs
 from bench import corpus, envinfo  # noqa: E402
 from bench.host_tier_concurrency import device_name, stream_chat  # noqa: E402
 from bench.ab_rounds import sparse_stats  # noqa: E402
@@ -263,12 +264,10 @@ def main(argv: list[str] | None = None) -> int:
             ap.error(f"{name} must be >= 1, got {v}")
     if a.steps >= a.max_tokens:
         ap.error(f"--steps ({a.steps}) must be below --max-tokens ({a.max_tokens}): the profiled steps must all decode")
-    configs = {}
-    for item in a.sparse_config:
-        mode, sep, js = item.partition("=")
-        if not sep:
-            ap.error(f"--sparse-config wants MODE=JSON, got {item!r}")
-        configs[mode] = js
+    try:
+        configs = parse_mode_configs(a.sparse_config)
+    except ValueError as e:
+        ap.error(str(e))
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
 

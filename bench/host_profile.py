@@ -35,6 +35,7 @@ import sys
 import time
 from pathlib import Path
 
+from bench.sparse_configs import parse_mode_configs
 from bench import envinfo
 from bench import load_client as lc
 from bench.server import Server, ServerSpec
@@ -193,10 +194,10 @@ def main(argv: list[str] | None = None) -> int:
     for name in ("input_len", "output_len", "prompts", "rate", "spy_seconds", "top"):
         if getattr(a, name) < 1:
             ap.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(a, name)}")
-    bad = [x for x in a.sparse_config if "=" not in x]
-    if bad:
-        ap.error(f"--sparse-config wants MODE=JSON, got {bad[0]!r}")
-    configs = dict(x.split("=", 1) for x in a.sparse_config)
+    try:
+        configs = parse_mode_configs(a.sparse_config)
+    except ValueError as e:
+        ap.error(str(e))
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
 

@@ -54,6 +54,7 @@ from pathlib import Path
 from bench import corpus, envinfo
 from bench import load_client as lc
 from bench.server import Server, ServerSpec, start_group, stop_all
+from bench.sparse_configs import parse_mode_configs
 
 REPO = Path(__file__).resolve().parent.parent
 METRICS = ("output_throughput", "input_throughput", "request_throughput", "mean_ttft_ms", "median_ttft_ms",
@@ -450,6 +451,10 @@ def parse_args(argv):
     p.add_argument("--time-budget", type=float, default=None, help="seconds: cells not started by then are skipped")
     a = p.parse_args(argv)
     a.modes_list = ["off"] + [m.strip() for m in a.modes.split(",") if m.strip() and m.strip() != "off"]
+    try:
+        a.configs = parse_mode_configs(a.sparse_config)
+    except ValueError as e:
+        p.error(str(e))
     a.conc = [int(c) for c in a.concurrency.split(",")]
     a.input_lens = [int(x) for x in a.input_lens.split(",")] if a.input_lens else [a.input_len]
     return a
@@ -480,7 +485,7 @@ def main(argv=None) -> int:
         print(f"bench.load: input {too_long} + output {a.output_len} exceeds the context length {ctx} of {a.model}",
               file=sys.stderr)
         return 2
-    configs = dict(item.split("=", 1) for item in a.sparse_config)
+    configs = a.configs
     timeout = a.server_timeout or (300.0 if a.device == "cpu" else 900.0)
     out = Path(a.out) if a.out else REPO / "bench" / "results" / "tmp" / f"load-{a.device}"
     out.mkdir(parents=True, exist_ok=True)

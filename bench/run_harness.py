@@ -21,6 +21,7 @@ import sys
 import time
 from pathlib import Path
 
+from bench.sparse_configs import parse_mode_configs
 from bench import envinfo, harness, report, tasks
 from bench.server import Server, ServerError, ServerSpec
 
@@ -69,13 +70,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     a.extra = shlex.split(a.server_args) + [x for x in a.server_extra if x != "--"]
     modes = [m.strip() for m in a.modes.split(",") if m.strip()]
     a.mode_list = ["off"] + [m for m in modes if m != "off"]
-    a.configs = {}
-    for item in a.sparse_config:
-        mode, sep, cfg = item.partition("=")
-        if not sep:
-            p.error(f"--sparse-config expects MODE=JSON, got '{item}'")
-        json.loads(cfg)  # fail fast on bad JSON
-        a.configs[mode] = cfg
+    try:
+        a.configs = parse_mode_configs(a.sparse_config)
+    except ValueError as e:
+        p.error(str(e))
     if a.fidelity_probes is not None and a.fidelity_probes < 0:
         p.error("--fidelity-probes must be >= 0")
     if a.concurrency is None:

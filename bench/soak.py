@@ -40,6 +40,7 @@ from urllib.parse import urlparse
 
 import requests
 
+from bench.sparse_configs import parse_mode_configs
 from bench.corpus import haystack
 from bench.mode_settings import reported_config
 from bench.soak_observe import last_half_slope, leak_check, metrics_report, sample, scrape, wait_idle
@@ -496,12 +497,10 @@ def main(argv: list[str] | None = None) -> int:
         if sorted(set(modes) - set(implemented_modes())):
             ap.error(f"--launch: unknown mode(s) {sorted(set(modes) - set(implemented_modes()))}; "
                      f"implemented: {implemented_modes()}")
-        configs = {}
-        for item in a.sparse_config:
-            mode, sep, text = item.partition("=")
-            if not sep or mode not in modes or mode == "off":
-                ap.error(f"--sparse-config {item!r}: expected MODE=JSON for a sparse mode of --launch ({modes})")
-            configs[mode] = text
+        try:
+            configs = parse_mode_configs(a.sparse_config, modes)
+        except ValueError as e:
+            ap.error(str(e))
         if a.repeat_off and "off" not in modes:
             ap.error("--repeat-off needs off in --launch (the repeat is compared with the first off run)")
         report = launch_and_run(modes, cfg, a.model, Path(a.log_dir), reference, a.server_arg, log=_log,
