@@ -78,27 +78,25 @@ def test_a_cpu_server_gets_the_triton_interpreter_only_when_its_config_asks_for_
     assert env_of(device="cuda")["TRITON_INTERPRET"] == "1"  # a GPU server is left as it is
 
 
-@pytest.mark.server
-def test_a_start_whose_rendezvous_port_is_taken_before_the_bind_starts_once_more_on_another(default_model, tmp_path,
-                                                                                             monkeypatch):
-    """Two servers starting in the same seconds can race for a rendezvous port: free when probed, bound by the other
-    before SGLang binds it (EADDRINUSE, the server exits). Reproduced with a real CPU server: the port is held by a
-    socket while the probe is told it is free; the start logs the collision and comes up on another port."""
+def _start_with_a_port_taken_before_the_bind(default_model, tmp_path, monkeypatch, which: str, check):
+    """Start a real CPU server on a free HTTP port while ``which`` ("http" or "rendezvous") port is held by a
+    listening socket and the probe is told, once, that it is free; ``check(server, held)`` runs while it is up.
+    Returns ``(held port, log lines, probes lied to)``."""
     import socket
 
     from bench import server as srv
     from tests.serverproc import free_port
 
     port = free_port()
-    held = srv.rendezvous_port(port)
+    held = port if which == "http" else srv.rendezvous_port(port)
     real = srv._bindable
     lied = []
 
-    def probe(p):
+    def probe(p, *args, **kw):
         if p == held and not lied:
             lied.append(p)
             return True  # free when probed ...
-        return real(p)
+        return real(p, *args, **kw)
 
     monkeypatch.setattr(srv, "_bindable", probe)
     lines = []
@@ -110,11 +108,24 @@ def test_a_start_whose_rendezvous_port_is_taken_before_the_bind_starts_once_more
                             tmp_path / "s.log", timeout_s=480, log=lines.append)
         try:
             server.start()
-            assert server.server_info()["nccl_port"] != held
+            check(server, held)
         finally:
             server.stop()
-    assert any(f"rendezvous port {held} was taken" in x for x in lines)
     assert sum("[server] starting" in x for x in lines) == 2
+    return held, lines, lied
+
+
+@pytest.mark.server
+def test_a_start_whose_rendezvous_port_is_taken_before_the_bind_starts_once_more_on_another(default_model, tmp_path,
+                                                                                             monkeypatch):
+    """Two servers starting in the same seconds can race for a rendezvous port: free when probed, bound by the other
+    before SGLang binds it (EADDRINUSE, the server exits). Reproduced with a real CPU server: the port is held by a
+    socket while the probe is told it is free; the start logs the collision and comes up on another port."""
+    def check(server, held):
+        assert server.server_info()["nccl_port"] != held
+
+    held, lines, _ = _start_with_a_port_taken_before_the_bind(default_model, tmp_path, monkeypatch, "rendezvous", check)
+    assert any(f"rendezvous port {held} was taken" in x for x in lines)
 
 
 @pytest.mark.server
@@ -124,38 +135,13 @@ def test_a_start_whose_http_port_is_taken_before_the_bind_comes_up_on_another_an
     any client connection of the machine may hold it; SGLang then exits 3 with "address already in use"). Reproduced
     with a real CPU server: the port is held by a listening socket while the probe is told it is free; the start logs
     the collision, comes up on another port, and ``url`` / ``spec.port`` name it."""
-    import socket
+    def check(server, held):
+        assert server.spec.port != held and server.url == f"http://127.0.0.1:{server.spec.port}"
+        assert server.server_info()["port"] == server.spec.port
 
-    from bench import server as srv
-    from tests.serverproc import free_port
-
-    port = free_port()
-    real = srv._bindable
-    lied = []
-
-    def probe(p, *args, **kw):
-        if p == port and not lied:
-            lied.append(p)
-            return True  # free when probed ...
-        return real(p, *args, **kw)
-
-    monkeypatch.setattr(srv, "_bindable", probe)
-    lines = []
-    with socket.socket() as sock:  # ... and taken before the server binds it
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind(("127.0.0.1", port))
-        sock.listen(1)
-        server = srv.Server(srv.ServerSpec(python=sys.executable, model=str(default_model), device="cpu", port=port),
-                            tmp_path / "s.log", timeout_s=480, log=lines.append)
-        try:
-            server.start()
-            assert server.spec.port != port and server.url == f"http://127.0.0.1:{server.spec.port}"
-            assert server.server_info()["port"] == server.spec.port
-        finally:
-            server.stop()
-    assert lied == [port]
-    assert any(f"HTTP port {port} is taken" in x for x in lines)
-    assert sum("[server] starting" in x for x in lines) == 2
+    held, lines, lied = _start_with_a_port_taken_before_the_bind(default_model, tmp_path, monkeypatch, "http", check)
+    assert lied == [held]
+    assert any(f"HTTP port {held} is taken" in x for x in lines)
 
 
 def test_a_group_start_that_fails_logs_why(tmp_path):
