@@ -21,7 +21,9 @@ pytestmark = pytest.mark.server
 @pytest.fixture(scope="module")
 def samkv_server(default_model, tmp_path_factory):
     log = tmp_path_factory.mktemp("samkv") / "server.log"
-    handle = start_cpu_server(default_model, log, mode="samkv", sparse_config='{"block_size": 16}',
+    # min_document_tokens 1024 (default 4096): the requests of the rules that pick the variant stay short on a CPU
+    handle = start_cpu_server(default_model, log, mode="samkv",
+                              sparse_config='{"block_size": 16, "min_document_tokens": 1024}',
                               extra_args=("--enable-metrics",))
     try:
         yield handle, log
@@ -81,7 +83,7 @@ def test_documents_reused_fact_retrieved_and_salts_isolate(samkv_server):
 
 
 def test_short_documents_are_recomputed_unless_the_request_names_a_variant(samkv_server):
-    """~600 document tokens are below the default min_document_tokens (4096): a request naming no variant is
+    """~700 document tokens are below the server's min_document_tokens (1024 here): a request naming no variant is
     served by recompute (the stock inline prompt), says why, and answers as the inline prompt does."""
     server, _ = samkv_server
     task = make_task(2, docs=3, words=160)
@@ -89,26 +91,26 @@ def test_short_documents_are_recomputed_unless_the_request_names_a_variant(samkv
     assert r.status_code == 200, r.text
     m = r.json()["metadata"]["sparse"]
     assert m["variant"] == "recompute" and m["scheduler_status"] == "recompute" and not m["assembled"], m
-    assert m["variant_reason"] == f"{m['document_tokens']} document tokens, below min_document_tokens (4096)"
+    assert m["variant_reason"] == f"{m['document_tokens']} document tokens, below min_document_tokens (1024)"
     assert m["kept_ranges"] is None and m["documents_prefilled"] == 3  # nothing cached for reuse
     named = _ask(server, task, variant="recompute", salt="short")
     assert _text(named) == _text(r) and named.json()["metadata"]["sparse"]["variant_reason"] is None
 
 
 def test_many_short_documents_whose_budget_keeps_no_middle_are_recomputed(samkv_server):
-    """20 documents of ~180 words (~5.7k tokens): above min_document_tokens in all, but 0.2 of their tokens is
-    mostly spent on each one's first and last blocks (16-token blocks here), with fewer middle blocks left than
-    documents (min_middle_blocks 1): a request naming no variant is served by recompute and says why (a request
-    naming its variant gets it: test_samkv_variant_keeps_fewer_blocks_and_reuses)."""
+    """8 documents of ~120 words (~1.6k tokens): above min_document_tokens in all, but 0.2 of their tokens is
+    spent on each one's first and last blocks (16-token blocks here), with fewer middle blocks left than documents
+    (min_middle_blocks 1): a request naming no variant is served by recompute and says why (a request naming its
+    variant gets it: test_samkv_variant_keeps_fewer_blocks_and_reuses)."""
     server, _ = samkv_server
-    task = make_task(4, docs=20, words=180)
+    task = make_task(4, docs=8, words=120)
     r = _ask(server, task, salt="many", max_tokens=1)
     assert r.status_code == 200, r.text
     m = r.json()["metadata"]["sparse"]
-    assert m["document_tokens"] >= 4096, m
+    assert m["document_tokens"] >= 1024, m
     assert m["variant"] == "recompute" and not m["assembled"], m
     assert m["variant_reason"].startswith("the kept budget holds ") and \
-        m["variant_reason"].endswith("middle blocks for 20 documents, below min_middle_blocks (1) per document"), m
+        m["variant_reason"].endswith("middle blocks for 8 documents, below min_middle_blocks (1) per document"), m
 
 
 def test_samkv_variant_keeps_fewer_blocks_and_reuses(samkv_server):
