@@ -31,6 +31,7 @@ from pathlib import Path
 import requests
 
 from bench.corpus import haystack
+from bench.server import free_port
 from bench.soak import _fact, _plant
 from bench.soak_observe import leak_check, scrape, wait_idle
 
@@ -88,12 +89,6 @@ def reply(body) -> str:
 
 def sparse_meta(body) -> dict:
     return ((body.get("metadata") or {}).get("sparse") or {}) if isinstance(body, dict) else {}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Ctx:

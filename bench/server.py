@@ -81,19 +81,19 @@ def _ephemeral_low() -> int:
         return 32768
 
 
-def _bindable(port: int, host: str = "") -> bool:
+def _bindable(port: int) -> bool:
     import socket
 
     with socket.socket() as sock:
         try:
-            sock.bind((host, port))
+            sock.bind(("", port))
             return True
         except OSError:
             return False
 
 
-def _free_port() -> int:
-    """A port the kernel has free now (bound to 0 and released)."""
+def free_port() -> int:
+    """A port the kernel has free now on 127.0.0.1 (bound to 0 and released)."""
     import socket
 
     with socket.socket() as sock:
@@ -263,7 +263,7 @@ class Server:
         returns whether it moved."""
         if not self.spec.port_fallback or (not force and _bindable(self.spec.port)):
             return False
-        old, self.spec.port = self.spec.port, _free_port()
+        old, self.spec.port = self.spec.port, free_port()
         self.base_url = f"http://127.0.0.1:{self.spec.port}"
         self.log(f"[server] mode={self.spec.mode}: HTTP port {old} is taken by another process; using {self.spec.port}")
         return True

@@ -40,10 +40,10 @@ from urllib.parse import urlparse
 
 import requests
 
-from bench.sparse_configs import parse_mode_configs
 from bench.corpus import haystack
 from bench.mode_settings import reported_config
 from bench.soak_observe import last_half_slope, leak_check, metrics_report, sample, scrape, wait_idle
+from bench.sparse_configs import parse_mode_configs
 
 ALLOWED_HOSTS = ("127.0.0.1",)
 KINDS = ("chat", "rag", "stream", "knob", "bad")
@@ -411,9 +411,7 @@ def launch_and_run(modes: list[str], cfg: SoakConfig, model: str, log_dir: Path,
     its process group. ``repeat_off``: soak a fresh ``off`` server once more at the end, reported as
     ``off_repeat``: its ``wrong_vs_off`` is the noise floor, the facts that flip from right to wrong between two
     runs of the same dense server (batch composition differs from run to run under concurrency)."""
-    import socket
-
-    from bench.server import Server, ServerError, ServerSpec
+    from bench.server import Server, ServerError, ServerSpec, free_port
 
     try:
         import torch
@@ -425,9 +423,7 @@ def launch_and_run(modes: list[str], cfg: SoakConfig, model: str, log_dir: Path,
     runs = [(m, m) for m in modes] + ([("off_repeat", "off")] if repeat_off else [])
     out = {"device": device, "modes": {}}
     for key, mode in runs:
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            port = sock.getsockname()[1]
+        port = free_port()
         spec = ServerSpec(python=sys.executable, model=model, device=device, port=port, mode=mode,
                           extra_args=["--enable-metrics", *extra_args],
                           sparse_config=(sparse_configs or {}).get(mode))

@@ -150,13 +150,11 @@ class KeptBudget:
     """The KV budget of one documents request, before any scoring (host-side, from the documents' lengths).
 
     ``layouts``: each document's :func:`block_layout` after :func:`anchor_layouts`' trimming; ``token_cap``: the
-    ``max_kept_ratio`` cap in tokens (None: ratio 1, SamKV's rule alone); ``always_tokens``: tokens of the
-    always-kept blocks; ``middle_blocks``: middle blocks kept in all (:func:`middle_budget`);
-    ``docs_with_middle``: documents that have a middle block at all."""
+    ``max_kept_ratio`` cap in tokens (None: ratio 1, SamKV's rule alone); ``middle_blocks``: middle blocks kept
+    in all (:func:`middle_budget`); ``docs_with_middle``: documents that have a middle block at all."""
 
     layouts: tuple
     token_cap: int | None
-    always_tokens: int
     middle_blocks: int
     docs_with_middle: int
 
@@ -183,7 +181,7 @@ def kept_budget(lengths: list[int], block_size: int, initial_blocks: int, local_
     always_tokens = sum(_block_tokens(n, block_size, a) for n, (_, a, _) in zip(lengths, layouts))
     total_blocks = sum(nb for nb, _, _ in layouts)
     cap = None if token_cap is None else max(0, token_cap - always_tokens) // block_size
-    return KeptBudget(tuple(layouts), token_cap, always_tokens,
+    return KeptBudget(tuple(layouts), token_cap,
                       middle_budget(total_blocks, d, always_total // max(1, d), cap),
                       sum(1 for _, _, m in layouts if m))
 
