@@ -2,12 +2,14 @@
 
 Against one running ``--sparse samkv`` server (``--url``, 127.0.0.1 only). Every distinct RAG item of the soak
 workload (:class:`bench.soak.Workload`: two documents of ``--doc-words`` words, one planted fact each, the question
-about one of them) is asked four ways: the documents API naming ``samkv`` (the sparsified, reused KV), naming
+about one of them), or with ``--docs N`` ``--items`` items of N such documents each (many short documents: the
+case ``min_middle_blocks`` routes), is asked four ways: the documents API naming ``samkv`` (the sparsified, reused KV), naming
 ``recompute`` (the stock inline prompt through the API), naming no variant (the server's choice:
 ``min_document_tokens``), and the documents inlined in a plain chat request. For the ``samkv`` requests the
 report's ``kept_ranges`` are decoded with the model's tokenizer to see whether the fact's sentence was kept.
 
     python -m bench.samkv_short_docs --url http://127.0.0.1:30000 --doc-words 300 --out DIR
+    python -m bench.samkv_short_docs --url http://127.0.0.1:30000 --docs 24 --doc-words 120 --items 30 --out DIR
 """
 
 from __future__ import annotations
@@ -20,7 +22,9 @@ from pathlib import Path
 import requests
 
 from bench.envinfo import collect
-from bench.soak import SoakConfig, Workload
+import random
+
+from bench.soak import SoakConfig, Workload, _doc
 
 WAYS = ("samkv", "recompute", "default", "inline")
 
@@ -33,6 +37,24 @@ def items(doc_words: int, scan: int) -> list[dict]:
         if it["kind"] == "rag":
             seen.setdefault((tuple(it["documents"]), it["question"], it["salt"]), it)
     return list(seen.values())
+
+
+def many_doc_items(docs: int, doc_words: int, n_items: int, seed: int = 0) -> list[dict]:
+    """``n_items`` items of ``docs`` documents of ``doc_words`` words, one planted fact each (distinct subjects within
+    an item), the question about one of them; one salt for all (documents are not shared between items)."""
+    out = []
+    for i in range(n_items):
+        rng = random.Random(f"{seed}-many-{docs}-{doc_words}-{i}")
+        ds, seen = [], set()
+        while len(ds) < docs:
+            d = _doc(rng, doc_words)
+            if d["prefix"] not in seen:  # two documents about one locker would make the question ambiguous
+                seen.add(d["prefix"])
+                ds.append(d)
+        target = rng.choice(ds)
+        out.append({"documents": [d["text"] for d in ds], "question": target["question"], "answer": target["answer"],
+                    "prefix": target["prefix"], "salt": "samkv-short-docs"})
+    return out
 
 
 def ask(url: str, it: dict, way: str) -> dict:
@@ -72,15 +94,22 @@ def main(argv: list[str] | None = None) -> int:
                     help="tokenizer folder (the served model's)")
     ap.add_argument("--doc-words", type=int, default=300)
     ap.add_argument("--scan", type=int, default=120, help="soak items scanned for distinct RAG items")
+    ap.add_argument("--docs", type=int, default=0,
+                    help="documents per item (0: the soak's RAG items, 2 documents each); > 0 builds --items items")
+    ap.add_argument("--items", type=int, default=30, help="items with --docs")
     ap.add_argument("--out", required=True)
     a = ap.parse_args(argv)
     if not a.url.startswith("http://127.0.0.1:"):
         ap.error("--url: only http://127.0.0.1:PORT")
+    for name, lo in (("doc_words", 1), ("docs", 0), ("items", 1), ("scan", 1)):
+        if getattr(a, name) < lo:
+            ap.error(f"--{name.replace('_', '-')}: {getattr(a, name)} must be >= {lo}")
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(a.model)
     rows = []
-    for it in items(a.doc_words, a.scan):
+    todo = many_doc_items(a.docs, a.doc_words, a.items) if a.docs else items(a.doc_words, a.scan)
+    for n, it in enumerate(todo):
         row = {"answer": it["answer"], "salt": it["salt"]}
         for way in WAYS:
             got = ask(a.url, it, way)
@@ -88,26 +117,33 @@ def main(argv: list[str] | None = None) -> int:
             row[way] = {"right": it["answer"] in got["reply"], "reply": got["reply"][:60],
                         "status": rep.get("scheduler_status"), "variant": rep.get("variant"),
                         "document_tokens": rep.get("document_tokens"), "kv_kept_ratio": rep.get("kv_kept_ratio"),
+                        "variant_reason": rep.get("variant_reason"),
                         "fact_kept": fact_in_kept(tok, it, rep.get("kept_ranges")) if way == "samkv" else None}
         rows.append(row)
-        print(json.dumps({w: row[w]["right"] for w in WAYS}), file=sys.stderr, flush=True)
+        print(f"[{n + 1}/{len(todo)}] " + json.dumps({w: row[w]["right"] for w in WAYS}), file=sys.stderr, flush=True)
     assembled = [r for r in rows if r["samkv"]["status"] == "assembled"]
     summary = {w: sum(r[w]["right"] for r in rows) for w in WAYS}
-    summary.update(items=len(rows), samkv_assembled=len(assembled),
+    n_docs = a.docs or 2
+    summary.update(items=len(rows), docs_per_item=n_docs, samkv_assembled=len(assembled),
+                   default_variants=sorted({str(r["default"]["variant"]) for r in rows}),
+                   default_reasons=sorted({str(r["default"]["variant_reason"]) for r in rows}),
                    samkv_fact_kept=sum(bool(r["samkv"]["fact_kept"]) for r in assembled),
                    samkv_right_when_fact_dropped=sum(r["samkv"]["right"] for r in assembled
                                                      if not r["samkv"]["fact_kept"]),
-                   document_tokens=sorted({r["samkv"]["document_tokens"] for r in rows}))
+                   document_tokens=sorted({r["samkv"]["document_tokens"] for r in rows} - {None}))
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     env = collect(sys.executable, ["python", "-m", "bench.samkv_short_docs",
                                    *(argv if argv is not None else sys.argv[1:])])
-    (out / "samkv_short_docs.json").write_text(json.dumps({"env": env, "doc_words": a.doc_words,
+    (out / "samkv_short_docs.json").write_text(json.dumps({"env": env, "doc_words": a.doc_words, "docs": n_docs,
                                                            "summary": summary, "rows": rows}, indent=1) + "\n")
-    md = ["# SamKV on short documents (the soak's RAG items)", "",
+    what = f"{len(rows)} items of {n_docs} documents" if a.docs else "the soak's RAG items"
+    md = [f"# SamKV on short documents ({what})", "",
           f"- command: `{env.get('command')}`", f"- device: {env['gpu']}; machine: {env['machine']}",
-          f"- versions: {env.get('versions')}", f"- documents: 2 x {a.doc_words} words, one planted fact each; "
-          f"document tokens per item: {summary['document_tokens']}", "",
+          f"- versions: {env.get('versions')}", f"- documents: {n_docs} x {a.doc_words} words, one planted fact each; "
+          f"document tokens per item: {summary['document_tokens']}",
+          f"- the server's choice (`default`): variants {summary['default_variants']}, reasons "
+          f"{summary['default_reasons']}", "",
           "| way | right |", "|---|---|"]
     md += [f"| {w} | {summary[w]} / {len(rows)} |" for w in WAYS]
     md += ["", f"`samkv` assembled {len(assembled)} of {len(rows)} (the others fell back densely: documents evicted "

@@ -3,7 +3,9 @@ soak once, and says whether a kept context holds the planted fact (real tokenize
 
 from __future__ import annotations
 
-from bench.samkv_short_docs import fact_in_kept, items
+import pytest
+
+from bench.samkv_short_docs import fact_in_kept, items, main, many_doc_items
 
 
 def test_items_are_the_soaks_distinct_rag_items_with_the_fact_in_a_document():
@@ -24,3 +26,21 @@ def test_fact_in_kept_reads_the_kept_ranges_with_the_tokenizer(default_model):
     assert fact_in_kept(tok, it, whole) is True
     assert fact_in_kept(tok, it, none) is False
     assert fact_in_kept(tok, it, None) is None
+
+
+def test_many_document_items_plant_one_fact_per_document_and_ask_about_one_of_them():
+    got = many_doc_items(12, 60, 5)
+    assert len(got) == 5 and got == many_doc_items(12, 60, 5)  # planned from the seed alone
+    for it in got:
+        assert len(it["documents"]) == 12
+        assert sum(it["answer"] in d for d in it["documents"]) >= 1
+        assert sum(it["prefix"] in d for d in it["documents"]) == 1  # one document names the asked locker
+
+
+@pytest.mark.parametrize("flag", [["--docs", "-1"], ["--items", "0"], ["--doc-words", "0"],
+                                  ["--url", "http://10.0.0.1:30000"]])
+def test_bad_arguments_stop_before_any_request(flag, tmp_path, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["--out", str(tmp_path), *flag])
+    assert e.value.code == 2
+    assert flag[0] in capsys.readouterr().err
