@@ -24,7 +24,7 @@ import requests
 from bench.envinfo import collect
 import random
 
-from bench.soak import SoakConfig, Workload, _doc
+from bench.soak import SoakConfig, Workload, _doc, haystack
 
 WAYS = ("samkv", "recompute", "default", "inline")
 
@@ -39,20 +39,24 @@ def items(doc_words: int, scan: int) -> list[dict]:
     return list(seen.values())
 
 
-def many_doc_items(docs: int, doc_words: int, n_items: int, seed: int = 0) -> list[dict]:
-    """``n_items`` items of ``docs`` documents of ``doc_words`` words, one planted fact each (distinct subjects within
-    an item), the question about one of them; one salt for all (documents are not shared between items)."""
+def many_doc_items(docs: int, doc_words: int, n_items: int, seed: int = 0, distractors: bool = False) -> list[dict]:
+    """``n_items`` items of ``docs`` documents of ``doc_words`` words, the question about the fact planted in one of
+    them (the others are plain text; with ``distractors`` each carries a fact of its own, about another locker); one
+    salt for all (documents are not shared between items)."""
     out = []
     for i in range(n_items):
-        rng = random.Random(f"{seed}-many-{docs}-{doc_words}-{i}")
+        rng = random.Random(f"{seed}-many-{docs}-{doc_words}-{int(distractors)}-{i}")
         ds, seen = [], set()
         while len(ds) < docs:
             d = _doc(rng, doc_words)
             if d["prefix"] not in seen:  # two documents about one locker would make the question ambiguous
                 seen.add(d["prefix"])
                 ds.append(d)
-        target = rng.choice(ds)
-        out.append({"documents": [d["text"] for d in ds], "question": target["question"], "answer": target["answer"],
+        j = rng.randrange(docs)
+        target = ds[j]
+        texts = [d["text"] if distractors or k == j else "\n\n".join(haystack(doc_words, rng))
+                 for k, d in enumerate(ds)]
+        out.append({"documents": texts, "question": target["question"], "answer": target["answer"],
                     "prefix": target["prefix"], "salt": "samkv-short-docs"})
     return out
 
@@ -97,6 +101,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--docs", type=int, default=0,
                     help="documents per item (0: the soak's RAG items, 2 documents each); > 0 builds --items items")
     ap.add_argument("--items", type=int, default=30, help="items with --docs")
+    ap.add_argument("--distractors", action="store_true",
+                    help="with --docs: every document carries a fact about its own locker (default: only the asked one)")
     ap.add_argument("--out", required=True)
     a = ap.parse_args(argv)
     if not a.url.startswith("http://127.0.0.1:"):
@@ -108,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
 
     tok = AutoTokenizer.from_pretrained(a.model)
     rows = []
-    todo = many_doc_items(a.docs, a.doc_words, a.items) if a.docs else items(a.doc_words, a.scan)
+    todo = many_doc_items(a.docs, a.doc_words, a.items, distractors=a.distractors) if a.docs else items(a.doc_words, a.scan)
     for n, it in enumerate(todo):
         row = {"answer": it["answer"], "salt": it["salt"]}
         for way in WAYS:
@@ -136,11 +142,14 @@ def main(argv: list[str] | None = None) -> int:
     env = collect(sys.executable, ["python", "-m", "bench.samkv_short_docs",
                                    *(argv if argv is not None else sys.argv[1:])])
     (out / "samkv_short_docs.json").write_text(json.dumps({"env": env, "doc_words": a.doc_words, "docs": n_docs,
+                                                           "distractors": bool(a.distractors or not a.docs),
                                                            "summary": summary, "rows": rows}, indent=1) + "\n")
-    what = f"{len(rows)} items of {n_docs} documents" if a.docs else "the soak's RAG items"
+    what = (f"{len(rows)} items of {n_docs} documents, " + ("a fact in each" if a.distractors else "one with a fact")
+            if a.docs else "the soak's RAG items")
     md = [f"# SamKV on short documents ({what})", "",
           f"- command: `{env.get('command')}`", f"- device: {env['gpu']}; machine: {env['machine']}",
-          f"- versions: {env.get('versions')}", f"- documents: {n_docs} x {a.doc_words} words, one planted fact each; "
+          f"- versions: {env.get('versions')}", f"- documents: {n_docs} x {a.doc_words} words, "
+          + ("one planted fact each" if a.distractors or not a.docs else "a planted fact in the asked one only") + "; "
           f"document tokens per item: {summary['document_tokens']}",
           f"- the server's choice (`default`): variants {summary['default_variants']}, reasons "
           f"{summary['default_reasons']}", "",

@@ -28,13 +28,16 @@ def test_fact_in_kept_reads_the_kept_ranges_with_the_tokenizer(default_model):
     assert fact_in_kept(tok, it, None) is None
 
 
-def test_many_document_items_plant_one_fact_per_document_and_ask_about_one_of_them():
-    got = many_doc_items(12, 60, 5)
-    assert len(got) == 5 and got == many_doc_items(12, 60, 5)  # planned from the seed alone
+@pytest.mark.parametrize("distractors", [False, True])
+def test_many_document_items_ask_about_the_one_document_that_names_the_locker(distractors):
+    got = many_doc_items(12, 60, 5, distractors=distractors)
+    assert len(got) == 5 and got == many_doc_items(12, 60, 5, distractors=distractors)  # planned from the seed alone
     for it in got:
         assert len(it["documents"]) == 12
-        assert sum(it["answer"] in d for d in it["documents"]) >= 1
         assert sum(it["prefix"] in d for d in it["documents"]) == 1  # one document names the asked locker
+        assert any(it["prefix"] + " " + it["answer"] in d for d in it["documents"])
+        with_a_fact = sum("The access code of the" in d for d in it["documents"])
+        assert with_a_fact == (12 if distractors else 1)
 
 
 @pytest.mark.parametrize("flag", [["--docs", "-1"], ["--items", "0"], ["--doc-words", "0"],

@@ -5,11 +5,12 @@
 #   bash scripts/gpu/part_samkv_short.sh REPORT_DIR
 #
 # Steps (each one's failure is recorded in REPORT_DIR/steps.txt, never fatal):
-#   pytest_gpu   tests/test_gpu_samkv_server.py + the selection / budget unit tests                  (<= 240 s)
+#   pytest_gpu   tests/test_gpu_samkv_server.py + the selection / budget unit tests (SHORT_PYTEST=0 skips it)
 #   server       one `--sparse samkv` server at its defaults (FlashInfer), port 30030
 #   short_N      python -m bench.samkv_short_docs for each "DOCS:WORDS" of SHORT_SETS (default
-#                "24:120 12:250 8:400"; SHORT_ITEMS items each): answers of the samkv pipeline, recompute, the
-#                server's choice and the inline prompt -> REPORT_DIR/short_DOCSxWORDS/samkv_short_docs.{md,json}
+#                "24:120 12:250 8:400 4:800"; SHORT_ITEMS items each; SHORT_DISTRACTORS=1: a fact in every document):
+#                answers of the samkv pipeline, recompute, the server's choice and the inline prompt
+#                -> REPORT_DIR/short_DOCSxWORDS/samkv_short_docs.{md,json}
 # The server is stopped by its own process group.
 set -uo pipefail
 rep=${1:?usage: part_samkv_short.sh REPORT_DIR}
@@ -20,7 +21,7 @@ part=gpu_part_samkv_short
 # shellcheck disable=SC1091
 source "$(dirname "${BASH_SOURCE[0]}")/steps.sh"
 port=${SHORT_PORT:-30030}
-step pytest_gpu timeout "${SHORT_TEST_TIMEOUT:-240}" python3 -m pytest -q -p no:cacheprovider -rA \
+[ "${SHORT_PYTEST:-1}" = 0 ] || step pytest_gpu timeout "${SHORT_TEST_TIMEOUT:-240}" python3 -m pytest -q -p no:cacheprovider -rA \
     tests/test_gpu_samkv_server.py tests/test_samkv_score.py tests/test_samkv_front_door.py
 
 say "== server (samkv, defaults)"
@@ -40,11 +41,13 @@ if [ "$ready" != 1 ]; then
   say "server did not start"; tail -n 40 "$rep/server.log"; exit 1
 fi
 say "server ready"
-for set in ${SHORT_SETS:-24:120 12:250 8:400}; do
+extra=()
+[ "${SHORT_DISTRACTORS:-0}" = 1 ] && extra=(--distractors)
+for set in ${SHORT_SETS:-24:120 12:250 8:400 4:800}; do
   d=${set%%:*}; w=${set##*:}
   step "short_${d}x${w}" timeout "${SHORT_SET_TIMEOUT:-150}" python3 -m bench.samkv_short_docs \
       --url "http://127.0.0.1:$port" --docs "$d" --doc-words "$w" --items "${SHORT_ITEMS:-30}" \
-      --out "$rep/short_${d}x${w}"
+      --out "$rep/short_${d}x${w}" "${extra[@]}"
 done
 stop_server
 exit $rc
