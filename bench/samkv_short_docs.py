@@ -10,6 +10,7 @@ report's ``kept_ranges`` are decoded with the model's tokenizer to see whether t
 
     python -m bench.samkv_short_docs --url http://127.0.0.1:30000 --doc-words 300 --out DIR
     python -m bench.samkv_short_docs --url http://127.0.0.1:30000 --docs 24 --doc-words 120 --items 30 --out DIR
+    python -m bench.samkv_short_docs --merge DIR1 DIR2 ... --out DIR    # one table of several runs' reports
 """
 
 from __future__ import annotations
@@ -91,6 +92,50 @@ def fact_in_kept(tokenizer, it: dict, kept_ranges) -> bool | None:
     return it["answer"] in text and " ".join(subject) in text
 
 
+def merge(dirs: list[str], out: Path, model: str = "SmolLM2-135M-Instruct") -> dict:
+    """One report (``out``/samkv_many_short_docs.{json,md}) of several runs' ``samkv_short_docs.json``, a row each."""
+    runs = []
+    for d in dirs:
+        j = json.loads((Path(d) / "samkv_short_docs.json").read_text())
+        rows, sm = j["rows"], j["summary"]
+        # a report without the field came from --docs before --distractors existed: a fact in every document
+        distractors = bool(j.get("distractors", True))
+        cmd = j["env"].get("command") or ""
+        if distractors and "--distractors" not in cmd:
+            cmd += "  # a fact in every document: today's --distractors"
+        runs.append({"docs": j.get("docs", 2), "doc_words": j["doc_words"], "distractors": distractors,
+                     "items": sm["items"], "right": {w: sm[w] for w in WAYS},
+                     "default_recompute": sum(r["default"]["variant"] == "recompute" for r in rows),
+                     "samkv_fact_kept": sm["samkv_fact_kept"], "samkv_assembled": sm["samkv_assembled"],
+                     "document_tokens_median": sorted(sm["document_tokens"])[len(sm["document_tokens"]) // 2]
+                     if sm["document_tokens"] else None,
+                     "command": cmd, "gpu": j["env"].get("gpu"),
+                     "versions": j["env"].get("versions"), "date_utc": j["env"].get("date_utc"), "rows": rows})
+    out.mkdir(parents=True, exist_ok=True)
+    doc = {"runs": runs}
+    (out / "samkv_many_short_docs.json").write_text(json.dumps(doc, indent=1) + "\n")
+    md = ["# SamKV on many short documents: the samkv pipeline, the server's default and the dense prompt", "",
+          f"- device: {', '.join(sorted({str(r['gpu']) for r in runs}))}",
+          f"- versions: {'; '.join(sorted({str(r['versions']) for r in runs}))}",
+          f"- server: `--sparse samkv` at its defaults (FlashInfer), model {model}; items: `python -m bench.samkv_short_docs --docs N "
+          "--doc-words W --items 30` (a planted locker code, the question about it after the documents; "
+          "`--distractors`: every document carries a code of its own)",
+          "- ways: `samkv` names the variant (the sparsified, reused KV), `recompute` the stock inline prompt through "
+          "the documents API, `default` names none (the server's choice: `min_document_tokens`, "
+          "`min_middle_blocks`), `inline` is a plain chat request with the documents in it", "",
+          "| documents x words | facts | doc tokens (median) | samkv | recompute | default | inline | default chose "
+          "recompute | samkv kept the fact |",
+          "|---|---|---|---|---|---|---|---|---|"]
+    for r in runs:
+        n = r["items"]
+        md.append(f"| {r['docs']} x {r['doc_words']} | {'one per document' if r['distractors'] else 'asked one only'} "
+                  f"| {r['document_tokens_median']} | " + " | ".join(f"{r['right'][w]} / {n}" for w in WAYS)
+                  + f" | {r['default_recompute']} / {n} | {r['samkv_fact_kept']} / {r['samkv_assembled']} |")
+    md += ["", "Commands:", ""] + [f"    {r['command']}" for r in runs]
+    (out / "samkv_many_short_docs.md").write_text("\n".join(md) + "\n")
+    return doc
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.samkv_short_docs", description=__doc__.split("\n\n")[0])
     ap.add_argument("--url", default="http://127.0.0.1:30000")
@@ -103,8 +148,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--items", type=int, default=30, help="items with --docs")
     ap.add_argument("--distractors", action="store_true",
                     help="with --docs: every document carries a fact about its own locker (default: only the asked one)")
+    ap.add_argument("--merge", nargs="+", metavar="DIR", help="merge these runs' reports into --out (no server)")
     ap.add_argument("--out", required=True)
     a = ap.parse_args(argv)
+    if a.merge:
+        merge(a.merge, Path(a.out), Path(a.model).name)
+        return 0
     if not a.url.startswith("http://127.0.0.1:"):
         ap.error("--url: only http://127.0.0.1:PORT")
     for name, lo in (("doc_words", 1), ("docs", 0), ("items", 1), ("scan", 1)):

@@ -3,6 +3,8 @@ soak once, and says whether a kept context holds the planted fact (real tokenize
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from bench.samkv_short_docs import fact_in_kept, items, main, many_doc_items
@@ -47,3 +49,24 @@ def test_bad_arguments_stop_before_any_request(flag, tmp_path, capsys):
         main(["--out", str(tmp_path), *flag])
     assert e.value.code == 2
     assert flag[0] in capsys.readouterr().err
+
+
+def test_merge_puts_each_runs_counts_in_one_table(tmp_path):
+    from bench.samkv_short_docs import WAYS, merge
+
+    dirs = []
+    for k, (docs, distractors) in enumerate(((24, False), (8, True))):
+        d = tmp_path / f"run{k}"
+        d.mkdir()
+        row = {w: {"right": w != "samkv", "variant": "recompute" if docs == 24 else "samkv"} for w in WAYS}
+        summary = {**{w: sum(r[w]["right"] for r in [row]) for w in WAYS}, "items": 1, "samkv_fact_kept": 0,
+                   "samkv_assembled": 1, "document_tokens": [4600]}
+        (d / "samkv_short_docs.json").write_text(json.dumps({
+            "env": {"command": f"python -m bench.samkv_short_docs --docs {docs}", "gpu": "G", "versions": "V"},
+            "doc_words": 100, "docs": docs, "distractors": distractors, "summary": summary, "rows": [row]}))
+        dirs.append(str(d))
+    doc = merge(dirs, tmp_path / "out")
+    assert [(r["docs"], r["distractors"], r["default_recompute"], r["right"]["samkv"]) for r in doc["runs"]] == \
+        [(24, False, 1, 0), (8, True, 0, 0)]
+    md = (tmp_path / "out" / "samkv_many_short_docs.md").read_text()
+    assert "| 24 x 100 | asked one only | 4600 | 0 / 1 | 1 / 1 | 1 / 1 | 1 / 1 | 1 / 1 | 0 / 1 |" in md
