@@ -2,10 +2,11 @@
 
 Against one running ``--sparse samkv`` server (``--url``, 127.0.0.1 only). Every distinct RAG item of the soak
 workload (:class:`bench.soak.Workload`: two documents of ``--doc-words`` words, one planted fact each, the question
-about one of them), or with ``--docs N`` ``--items`` items of N such documents each (many short documents: the
-case ``min_middle_blocks`` routes), is asked four ways: the documents API naming ``samkv`` (the sparsified, reused KV), naming
+about one of them), or with ``--docs N`` ``--items K`` K items of N documents (many short documents: the case
+``min_middle_blocks`` routes; a fact planted in the asked one, or in every one with ``--distractors``), is asked four
+ways: the documents API naming ``samkv`` (the sparsified, reused KV), naming
 ``recompute`` (the stock inline prompt through the API), naming no variant (the server's choice:
-``min_document_tokens``), and the documents inlined in a plain chat request. For the ``samkv`` requests the
+``min_document_tokens``, ``min_middle_blocks``), and the documents inlined in a plain chat request. For the ``samkv`` requests the
 report's ``kept_ranges`` are decoded with the model's tokenizer to see whether the fact's sentence was kept.
 
     python -m bench.samkv_short_docs --url http://127.0.0.1:30000 --doc-words 300 --out DIR
@@ -17,14 +18,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import random
 import sys
 from pathlib import Path
 
 import requests
 
 from bench.envinfo import collect
-import random
-
 from bench.soak import SoakConfig, Workload, _doc, haystack
 
 WAYS = ("samkv", "recompute", "default", "inline")
