@@ -25,7 +25,8 @@ from pathlib import Path
 import requests
 
 from bench.envinfo import collect
-from bench.soak import SoakConfig, Workload, _doc, haystack
+from bench.corpus import haystack
+from bench.soak import SoakConfig, Workload, _doc
 
 WAYS = ("samkv", "recompute", "default", "inline")
 
