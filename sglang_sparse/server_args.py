@@ -125,13 +125,13 @@ def _apply_mode_requirements(args, ctx: SparseContext) -> None:
     psa: ``--page-size`` 1 (SGLang's default: block metadata rows per request block) or ``block_size`` (rows per
     page); another page size is refused. With the host tier (``host_tier_gb`` > 0) the page is the block, so the
     page size defaults to ``block_size``. Decode graphs stay on unless the config's ``cuda_graph`` is false.
-    samkv on CUDA: overlap scheduler and prefill CUDA graphs off (:func:`_samkv_requirements`); its radix cache
+    samkv on CUDA: prefill CUDA graphs off, the overlap scheduler as its config says (:func:`_samkv_requirements`); its radix cache
     is checked once SGLang has resolved the arguments (:func:`_check_resolved`).
     """
     if _device_type(args.device) != "cuda":
         return
     if ctx.mode == "samkv":
-        _samkv_requirements(args)
+        _samkv_requirements(args, ctx.config)
         return
     if ctx.mode in ("loopserve", "lastwindow"):
         _prefill_graph_requirements(args, ctx)
@@ -199,15 +199,17 @@ def _check_resolved(args, ctx: SparseContext) -> None:
                             "documents request would fall back to dense")
 
 
-def _samkv_requirements(args) -> None:
-    """samkv on CUDA: the documents' assembly writes the KV pool (copy, RoPE shift, recompute) from the
-    scheduler between forwards, so it runs with the overlap scheduler and prefill CUDA graphs off: the
-    assembly then never runs beside an in-flight forward, and the composite's tail is prefilled eagerly."""
+def _samkv_requirements(args, config) -> None:
+    """samkv on CUDA: prefill CUDA graphs off (the composite's tail is prefilled eagerly); the overlap scheduler stays
+    on unless the config's ``overlap_schedule`` is false. The documents' assembly (copy, RoPE shift, recompute) runs
+    in the scheduler, where under the overlap scheduler the previous forward may still be in flight: its first phase
+    synchronises the device (:meth:`sglang_sparse.samkv.assembly.SamKVRuntime.tick`) before any KV read or write, so
+    it never runs beside a forward."""
     import logging
 
     log = logging.getLogger("sglang_sparse")
-    if not getattr(args, "disable_overlap_schedule", True):
-        log.info("sglang-sparse samkv: overlap scheduler disabled (the assembly writes the KV pool between forwards)")
+    if not config.overlap_schedule and not getattr(args, "disable_overlap_schedule", True):
+        log.info("sglang-sparse samkv: overlap scheduler disabled (--sparse-config overlap_schedule=false)")
         args.disable_overlap_schedule = True
     if not getattr(args, "disable_prefill_cuda_graph", True):
         log.info("sglang-sparse samkv: prefill CUDA graphs disabled for this mode")

@@ -138,6 +138,15 @@ class SamKVRuntime:
         out["total"] = round(sum(out.values()), 3)
         return out
 
+    @staticmethod
+    def fence() -> None:
+        """Wait for every stream of the device. Under SGLang's overlap scheduler the assembly runs in
+        ``get_next_batch_to_run`` while the previous forward may still be in flight; KV slots that the assembly
+        allocates may have been freed by requests that forward still reads or writes. Called once per request,
+        before the assembly's first KV read or write."""
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.synchronize()
+
     def shift_keys(self, k: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
         """Keys ``[n, kv_heads, head_dim]`` re-rotated by per-token ``delta`` ``[n]`` (int64)."""
         from flashinfer_ext.samkv.rope_shift import rope_shift, rope_shift_reference
@@ -281,6 +290,7 @@ def _assemble(req, tree_cache, rt, custom) -> dict:
             srcs.append(m.device_indices[lp:lp + n])
             if p_src is None:
                 p_src = m.device_indices[:lp]
+        rt.fence()  # the overlap scheduler's in-flight forward ends before any KV access below
         _tick(rt, "match_documents")
         keep, scores = _select(rt, spans, srcs, ids, variant, tree_cache, lp)
         _tick(rt, "select")
