@@ -434,10 +434,12 @@ class SamKVConfig(SparseConfig):
     side_graph_max_context: int = knob(4096, doc="side_graphs: most context tokens of a padded / graphed side "
                                        "forward (more run eagerly); its K/V buffers take 2 * layers * this * "
                                        "kv_heads * head_dim elements", range=Range(1, 1 << 20))
-    overlap_schedule: bool = knob(True, doc="on CUDA, keep SGLang's overlap scheduler (false: the server runs with "
-                                  "--disable-overlap-schedule). The assembly runs in the scheduler while the previous "
-                                  "forward may be in flight; it synchronises the device before its first KV read or "
-                                  "write, so it never runs beside a forward")
+    overlap_schedule: bool = knob(False, doc="on CUDA, keep SGLang's overlap scheduler (false: the server runs with "
+                                  "--disable-overlap-schedule). Off by default: under the 32k testbed's long preset "
+                                  "at concurrency 16 beside other servers on the GPU, every server that ran it "
+                                  "(stock off included) stalled, and samkv without it did not "
+                                  "(bench/results/samkv_overlap.md); on, plain requests are scheduled as stock "
+                                  "SGLang schedules them (throughput, and the same answers as off)")
     max_documents: int = knob(64, doc="most documents in one request", range=Range(1, 4096))
     max_document_chars: int = knob(4_000_000, doc="most characters of all documents of one request",
                                    range=Range(1, 1 << 40))

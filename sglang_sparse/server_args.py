@@ -200,16 +200,17 @@ def _check_resolved(args, ctx: SparseContext) -> None:
 
 
 def _samkv_requirements(args, config) -> None:
-    """samkv on CUDA: prefill CUDA graphs off (the composite's tail is prefilled eagerly); the overlap scheduler stays
-    on unless the config's ``overlap_schedule`` is false. The documents' assembly (copy, RoPE shift, recompute) runs
-    in the scheduler, where under the overlap scheduler the previous forward may still be in flight: its first phase
-    synchronises the device (:meth:`sglang_sparse.samkv.assembly.SamKVRuntime.tick`) before any KV read or write, so
-    it never runs beside a forward."""
+    """samkv on CUDA: prefill CUDA graphs off (the composite's tail is prefilled eagerly); the overlap scheduler off
+    unless the config's ``overlap_schedule`` is true (``bench/results/samkv_overlap.md``: servers running it stalled
+    under the long preset beside other servers). The documents' assembly (copy, RoPE shift, recompute) runs in the
+    scheduler, where under the overlap scheduler the previous forward may still be in flight: it synchronises the
+    device (:meth:`sglang_sparse.samkv.assembly.SamKVRuntime.fence`) before any KV read or write, so it never runs
+    beside a forward."""
     import logging
 
     log = logging.getLogger("sglang_sparse")
     if not config.overlap_schedule and not getattr(args, "disable_overlap_schedule", True):
-        log.info("sglang-sparse samkv: overlap scheduler disabled (--sparse-config overlap_schedule=false)")
+        log.info("sglang-sparse samkv: overlap scheduler disabled (config overlap_schedule false; true keeps it)")
         args.disable_overlap_schedule = True
     if not getattr(args, "disable_prefill_cuda_graph", True):
         log.info("sglang-sparse samkv: prefill CUDA graphs disabled for this mode")
