@@ -71,6 +71,46 @@ def _cache_document(tree, kv, alloc, ids: list[int], keys: torch.Tensor, ns: str
     return slots
 
 
+class _FenceRecorder(SamKVRuntime):
+    """The runtime, recording when the assembly fences the device and when it first reads pool KV."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.events: list[str] = []
+
+    def fence(self) -> None:
+        self.events.append("fence")
+
+    def shift_keys(self, k, delta):
+        self.events.append("kv")
+        return super().shift_keys(k, delta)
+
+
+def test_the_assembly_fences_the_device_once_before_its_first_kv_access(smollm2):
+    """Under the overlap scheduler the previous forward may be in flight while the assembly runs: the fence (a
+    device-wide synchronise on CUDA) comes before any pool KV is read or written, once per request; a request that
+    falls back touches no KV."""
+    model, ids = smollm2
+    cfg = model.config
+    doc_a, doc_b = ids[0, :23].tolist(), ids[0, 5:].tolist()
+    tree, kv, alloc = _make(1, cfg.num_key_value_heads, cfg.head_dim)
+    ns = "samkv-doc:salt"
+    for seed, doc in enumerate((doc_a, doc_b)):
+        _cache_document(tree, kv, alloc, doc, _layer0_keys(model, torch.tensor([doc]), 0, torch.bfloat16), ns, 1, seed)
+    rt = _FenceRecorder(SamKVConfig(variant="reuse"), _rope_theta(model), cfg.head_dim, None, 1)
+    custom = {SPANS_KEY: [0, len(doc_a), len(doc_a), len(doc_b)], NS_KEY: ns, FILLER_KEY: [FILLER, 1],
+              VARIANT_KEY: "reuse"}
+    req = SimpleNamespace(origin_input_ids=array("q", doc_a + doc_b + [11, 22]), extra_key="samkv:reuse:salt:f",
+                          sampling_params=SimpleNamespace(custom_params=custom), rid="f")
+    assert _assemble(req, tree, rt, custom)["status"] == "assembled"
+    assert rt.events[0] == "fence" and rt.events.count("fence") == 1 and "kv" in rt.events
+    rt.events.clear()
+    other = dict(custom, **{NS_KEY: "samkv-doc:other"})
+    req2 = SimpleNamespace(origin_input_ids=req.origin_input_ids, extra_key="samkv:reuse:other:f",
+                           sampling_params=SimpleNamespace(custom_params=other), rid="f2")
+    assert _assemble(req2, tree, rt, other)["status"] == "fallback" and rt.events == []
+
+
 @pytest.mark.parametrize("page", [1, 4])
 def test_assembled_keys_equal_keys_at_offset(smollm2, page):
     model, ids = smollm2
