@@ -125,8 +125,8 @@ def _apply_mode_requirements(args, ctx: SparseContext) -> None:
     psa: ``--page-size`` 1 (SGLang's default: block metadata rows per request block) or ``block_size`` (rows per
     page); another page size is refused. With the host tier (``host_tier_gb`` > 0) the page is the block, so the
     page size defaults to ``block_size``. Decode graphs stay on unless the config's ``cuda_graph`` is false.
-    samkv on CUDA: prefill CUDA graphs off, the overlap scheduler as its config says (:func:`_samkv_requirements`); its radix cache
-    is checked once SGLang has resolved the arguments (:func:`_check_resolved`).
+    samkv on CUDA: prefill CUDA graphs off, the overlap scheduler as its config says (:func:`_samkv_requirements`);
+    its radix cache is checked once SGLang has resolved the arguments (:func:`_check_resolved`).
     """
     if _device_type(args.device) != "cuda":
         return

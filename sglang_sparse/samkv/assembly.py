@@ -127,8 +127,7 @@ class SamKVRuntime:
         kernels: a handful of syncs per request, the price of a breakdown that means something."""
         if self._times is None:
             return
-        if torch.cuda.is_available() and torch.cuda.is_initialized():
-            torch.cuda.synchronize()
+        self.fence()
         now = time.perf_counter()
         self._times[name] = round(self._times.get(name, 0.0) + 1000.0 * (now - self._last), 3)
         self._last = now
