@@ -416,7 +416,8 @@ def bench_group(a, up: list[Server], maker, out: Path, summary: dict, t_start: f
 
 def parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--modes", default="off", help="comma-separated; off is always added first (the baseline)")
+    p.add_argument("--modes", default="off", help="comma-separated; off is always added first (the baseline); 'stock' "
+                   "is plain SGLang without the sglang_sparse plugin")
     p.add_argument("--concurrency", default="1,4,16", help="comma-separated max concurrencies")
     p.add_argument("--input-lens", default=None, help="comma-separated input lengths (tokens), e.g. 4096,16384,32000")
     p.add_argument("--input-len", type=int, default=2048, help="one input length (when --input-lens is not given)")

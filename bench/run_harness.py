@@ -30,7 +30,8 @@ REPO = Path(__file__).resolve().parent.parent
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--modes", default="off", help="comma-separated --sparse modes; 'off' is always added first")
+    p.add_argument("--modes", default="off", help="comma-separated --sparse modes; 'off' is always added first; 'stock' is plain SGLang "
+                        "without the sglang_sparse plugin")
     p.add_argument("--preset", default="tiny", choices=sorted(tasks.PRESETS))
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])

@@ -37,9 +37,16 @@ class ServerError(RuntimeError):
     pass
 
 
+STOCK = "stock"
+"""The pseudo-mode of a server that is plain SGLang: no ``--sparse`` flag, and the sglang_sparse plugin not loaded
+(``SGLANG_PLUGINS`` names only a plugin that does not exist, so SGLang's loader skips every installed one). It is the
+baseline against which ``off`` (the plugin loaded, every request dense) is itself checked."""
+NO_PLUGINS = "__none__"
+
+
 @dataclass
 class ServerSpec:
-    """How to launch one server for one ``--sparse`` mode."""
+    """How to launch one server for one ``--sparse`` mode, or for :data:`STOCK` (plain SGLang, no plugin)."""
 
     python: str
     model: str
@@ -56,8 +63,12 @@ class ServerSpec:
     def argv(self, avoid: frozenset[int] = frozenset()) -> list[str]:
         """The launch command; ``avoid``: rendezvous ports not to pick (ones a failed start found taken)."""
         a = [self.python, "-m", "sglang.launch_server", "--model-path", self.model,
-             "--dtype", self.dtype, "--port", str(self.port), "--host", "127.0.0.1",
-             "--sparse", self.mode]
+             "--dtype", self.dtype, "--port", str(self.port), "--host", "127.0.0.1"]
+        if self.mode != STOCK:
+            a += ["--sparse", self.mode]
+        elif self.sparse_config:
+            raise ValueError(f"mode '{STOCK}' runs plain SGLang and takes no sparse config "
+                             f"(got {self.sparse_config!r})")
         if self.sparse_config:
             a += ["--sparse-config", self.sparse_config]
         if self.device == "cpu":
@@ -225,6 +236,8 @@ class Server:
             env.setdefault("OMP_NUM_THREADS", "1")
             env["TRITON_INTERPRET"] = "1" if _kernel_runner(self.spec.sparse_config) else "0"
         env.setdefault("HF_HUB_OFFLINE", "1")
+        if self.spec.mode == STOCK:
+            env["SGLANG_PLUGINS"] = NO_PLUGINS
         env.update(self.spec.env)
         return env
 

@@ -10,6 +10,7 @@
 #                                        #  TESTBED_MODES=off,psa,loopserve then off,lastwindow,samkv fit a call each)
 #   bash scripts/gpu/testbed.sh reliability-start   # soak (every mode, KV pool 64k tokens) + faults, in the background
 #   bash scripts/gpu/testbed.sh reliability-wait    # wait for them (RELIABILITY_WAIT s at most), fold reliability.json
+#   bash scripts/gpu/testbed.sh reliability-stop    # stop them now (their own process groups)
 #   bash scripts/gpu/testbed.sh turns    # bench.loopserve_turns: off, loopserve, loopserve engaged at 4096 tokens,
 #                                        # 3 turns of 8k: TTFT per turn, lines reused from earlier turns (~4-5 min)
 #   bash scripts/gpu/testbed.sh probeprof  # psa vs off on ~16k-token requests: TTFT, prefill + decode profiles
@@ -57,7 +58,7 @@
 #
 # Reports go to /tmp/testbed/<part>/ and come back packed as $OUT/<part>.tgz.
 set -uo pipefail
-part=${1:?usage: testbed.sh needle|long|samkv|e2e|turns|probeprof|hostprof|settings4k|c1ab|ab4k|lsfid|lsvarfid|lsvarspeed|lsspeed|splitsweep|listblocks|realkern|kernwaves|kerncrit|kernprofile|samkvab-start|samkvab-wait|reliability-start|reliability-wait}
+part=${1:?usage: testbed.sh needle|long|samkv|e2e|turns|probeprof|hostprof|settings4k|c1ab|ab4k|lsfid|lsvarfid|lsvarspeed|lsspeed|splitsweep|listblocks|realkern|kernwaves|kerncrit|kernprofile|samkvab-start|samkvab-wait|reliability-start|reliability-wait|reliability-stop}
 out=${OUT:-$PWD/gpu_out}
 name=${part%-*}${TESTBED_TAG:+_$TESTBED_TAG}
 R=/tmp/testbed/$name
@@ -316,7 +317,7 @@ PY
           timeout -k 20 ${SOAK_TIMEOUT:-1500} python3 -m bench.soak --launch off,samkv $soak_common $samkv_extra \
             --out $R/soak_samkv.json > $R/soak_samkv.log 2>&1
           echo \$? > $R/soak_samkv.rc
-        fi" > /dev/null 2>&1 < /dev/null & )
+        fi" > /dev/null 2>&1 < /dev/null & echo $! >> "$R/background.pgids" )
     [ "${RELIABILITY_FAULTS:-1}" = 1 ] || echo done > "$R/faults.rc"   # soak only
     [ "${RELIABILITY_FAULTS:-1}" = 1 ] && ( setsid bash -c "
         for m in ${RELIABILITY_FAULT_MODES:-psa loopserve samkv lastwindow,off}; do
@@ -324,8 +325,18 @@ PY
             --server-arg=$SHARED --log-dir $R --out $R/faults_\${m%,*}.json >> $R/faults.log 2>&1
           echo \"\$m \$?\" >> $R/faults.rc
         done
-        echo done >> $R/faults.rc" > /dev/null 2>&1 < /dev/null & )
+        echo done >> $R/faults.rc" > /dev/null 2>&1 < /dev/null & echo $! >> "$R/background.pgids" )
     sleep 2
+    exit 0
+    ;;
+  reliability-stop)  # stop what reliability-start left running: its process groups only (background.pgids)
+    while read -r g; do
+      [ -n "$g" ] && [ "$g" -gt 1 ] && kill -TERM -- "-$g" 2>/dev/null && say "== reliability-stop: TERM to group $g"
+    done < "$R/background.pgids" 2>/dev/null
+    sleep 15
+    while read -r g; do
+      [ -n "$g" ] && [ "$g" -gt 1 ] && kill -KILL -- "-$g" 2>/dev/null && say "== reliability-stop: KILL to group $g"
+    done < "$R/background.pgids" 2>/dev/null
     exit 0
     ;;
   reliability-wait)
