@@ -18,7 +18,7 @@ Steps (one prompt per ``--depth``):
      number's block(s) under PSA's criticality and whether they are read, the number's true mass.
   4. End to end: greedy decode of the answer with every layer's decode attention replaced by the
      PSA reference (prefill dense), against dense greedy.
-Writes ``DIR/summary_<tokens>.json`` and prints a table.
+Writes ``DIR/summary_<tokens><tag>.json`` and prints a table (``--epsilons``: every variant also at those epsilons).
 """
 
 from __future__ import annotations
@@ -304,8 +304,11 @@ def main() -> None:
     ap.add_argument("--no-e2e", action="store_true")
     ap.add_argument("--variants", default="cuboid_rank,default",
                     help="cuboid_rank = ranking by the cuboid bound (before the fix); default = the defaults; "
-                         "paper, sum_paper, mean_paper, dense, mean_est (the 'mean' estimator), mean_est4 (its "
-                         "calib_slack 4)")
+                         "paper, sum_paper, mean_paper, dense, mean_est (the 'mean' estimator), mean_est4 / mean_est0 (its "
+                         "calib_slack 4 / 0), calib0 (the default's calib_slack 0)")
+    ap.add_argument("--epsilons", default=None,
+                    help="comma-separated epsilons: every variant is also analysed at each (named VARIANT@EPS)")
+    ap.add_argument("--tag", default="", help="suffix of the summary file: DIR/summary_<tokens><tag>.json")
     a = ap.parse_args()
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     out = Path(a.out)
@@ -320,7 +323,14 @@ def main() -> None:
                 "cuboid_rank": dataclasses.replace(base, rank_by="criticality"),
                 "mean_est": dataclasses.replace(base, criticality="mean", estimator="mean"),
                 "mean_est4": dataclasses.replace(base, criticality="mean", estimator="mean", calib_slack=4.0),
-                "mean_est0": dataclasses.replace(base, criticality="mean", estimator="mean", calib_slack=0.0)}
+                "mean_est0": dataclasses.replace(base, criticality="mean", estimator="mean", calib_slack=0.0),
+                "calib0": dataclasses.replace(base, calib_slack=0.0)}
+    names = a.variants.split(",")
+    if a.epsilons:
+        for name in list(names):
+            for e in (float(x) for x in a.epsilons.split(",")):
+                variants[f"{name}@{e:g}"] = dataclasses.replace(variants[name], epsilon=e)
+                names.append(f"{name}@{e:g}")
     summary = {"tokens": a.tokens, "config": dataclasses.asdict(base), "runs": []}
     for case in a.cases.split(","):
         seed, depth = int(case.split(":")[0]), float(case.split(":")[1])
@@ -329,7 +339,7 @@ def main() -> None:
               f"{cap['dense_text']!r} (correct: {cap['correct']}; captured decode step {cap['step']})")
         run = {"seed": seed, "depth": depth, "prompt_len": cap["prompt_len"], "number": cap["number"],
                "dense": cap["dense_text"], "dense_correct": cap["correct"], "variants": {}}
-        for name in a.variants.split(","):
+        for name in names:
             cfg = variants[name]
             res = analyse(cap, cfg, bs)
             print_table(res, f"{name} depth {depth}")
@@ -341,7 +351,7 @@ def main() -> None:
                 print(f"e2e {name}: {text!r} correct {cap['number'] in text} read {read:.3f}")
             run["variants"][name] = rec
         summary["runs"].append(run)
-    (out / f"summary_{a.tokens}.json").write_text(json.dumps(summary, indent=1, default=str))
+    (out / f"summary_{a.tokens}{a.tag}.json").write_text(json.dumps(summary, indent=1, default=str))
 
 
 if __name__ == "__main__":
