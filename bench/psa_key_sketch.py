@@ -110,6 +110,32 @@ def run(cap: dict, kind: str, eps: float, slack: float, block: int = 16) -> dict
             "bytes_vs_dense": read + sketch_bytes_per_token / kv_bytes_per_token}
 
 
+def markdown(rows: list[dict], e2e: list[dict], command: str, notes: list[str]) -> str:
+    """The report: one row per (capture, sketch, epsilon, slack), then the greedy answers."""
+    out = ["# PSA with a quantized-key sketch as its stop test (simulation on captured real attention)", "",
+           f"- command: `{command}`",
+           "- CPU, fp32, the 32k testbed model (SmolLM2-135M-Instruct, YaRN x4), block 16, sink 1 and local 2 blocks "
+           "read first; one decode step per capture (the step that emits the needle's first digit)",
+           "- bytes vs dense: the blocks read (K and V, bf16) + every token's sketch (quantized key + fp16 scale), "
+           "over dense K and V", ""]
+    if rows:
+        out += ["| prompt tokens | depth | sketch | epsilon | slack | blocks read | smallest true kept mass | "
+                "pairs with output error > 0.1 | largest output error | bytes vs dense |",
+                "|---|---|---|---|---|---|---|---|---|---|"]
+        out += [f"| {r['prompt_len']} | {r['depth']:.0%} | {r['sketch']} | {r['eps']:g} | {r['slack']:g} | "
+                f"{r['read_frac']:.3f} | {r['kept_true_min']:.4f} | {r['pairs_out_err_gt_0.1']} / {r['pairs']} | "
+                f"{r['max_out_err']:.3f} | {r['bytes_vs_dense']:.3f} |" for r in rows]
+    if e2e:
+        out += ["", "Greedy answers, every layer's decode attention through the sketch-driven selection (prefill "
+                "dense), 16 tokens:", "",
+                "| prompt tokens | depth | seed | sketch | epsilon | slack | blocks read | same as dense | dense right | "
+                "sketched right |", "|---|---|---|---|---|---|---|---|---|---|"]
+        out += [f"| {r['prompt_len']} | {r['depth']:.0%} | {r['seed']} | {r['sketch']} | {r['eps']:g} | "
+                f"{r['slack']:g} | {r['read_frac']:.3f} | {'yes' if r['same'] else 'no'} | "
+                f"{'yes' if r['dense_correct'] else 'no'} | {'yes' if r['sketched_correct'] else 'no'} |" for r in e2e]
+    return "\n".join(out) + "\n" + "".join(f"\n{n}\n" for n in notes)
+
+
 @torch.no_grad()
 def sketch_generate(tokens: int, depth: float, seed: int, kind: str, eps: float, slack: float,
                     n_new: int = 16, block: int = 16) -> dict:
@@ -161,6 +187,11 @@ def main(argv=None) -> int:
                     help="also greedy-decode these testbed prompts with the sketch at every layer (first sketch, "
                          "epsilon and slack given) against dense")
     ap.add_argument("--out", required=True, help="JSON of every row")
+    ap.add_argument("--md", default=None, help="also write the report as Markdown here")
+    ap.add_argument("--merge", nargs="*", default=[], metavar="JSON",
+                    help="fold the rows of earlier --out files into this report (no new runs needed)")
+    ap.add_argument("--command", default="", help="the command(s) that produced the figures, for the report")
+    ap.add_argument("--note", action="append", default=[], help="a paragraph printed under the tables (repeat)")
     a = ap.parse_args(argv)
     rows, e2e = [], []
     if a.e2e:
@@ -178,7 +209,13 @@ def main(argv=None) -> int:
                     r = run(cap, kind, eps, slack)
                     rows.append(r)
                     print(json.dumps(r), flush=True)
-    Path(a.out).write_text(json.dumps({"rows": rows, "e2e": e2e}, indent=1))
+    for path in a.merge:
+        prev = json.loads(Path(path).read_text())
+        rows += prev.get("rows", [])
+        e2e += prev.get("e2e", [])
+    Path(a.out).write_text(json.dumps({"command": a.command, "rows": rows, "e2e": e2e}, indent=1))
+    if a.md:
+        Path(a.md).write_text(markdown(rows, e2e, a.command, a.note))
     return 0
 
 

@@ -47,3 +47,22 @@ def test_epsilon_one_reads_every_block_and_equals_dense():
     assert r["read"] == r["blocks"]
     assert r["kept_min"] == pytest.approx(1.0)
     assert r["out_err"] < 1e-5
+
+
+def test_merged_report_holds_the_rows_and_the_greedy_answers(tmp_path):
+    import json
+
+    from bench.psa_key_sketch import main
+
+    row = {"prompt_len": 30402, "depth": 0.5, "sketch": "int4", "eps": 0.95, "slack": 2.0, "read_frac": 0.207,
+           "kept_true_min": 0.9854, "pairs_out_err_gt_0.1": 0, "pairs": 90, "max_out_err": 0.047,
+           "bytes_vs_dense": 0.34}
+    e2e = {"prompt_len": 16169, "depth": 0.9, "seed": 1, "sketch": "int4", "eps": 0.95, "slack": 2.0,
+           "read_frac": 0.3, "same": True, "dense_correct": True, "sketched_correct": True}
+    src = tmp_path / "a.json"
+    src.write_text(json.dumps({"rows": [row], "e2e": [e2e]}))
+    assert main(["--merge", str(src), "--out", str(tmp_path / "m.json"), "--md", str(tmp_path / "m.md")]) == 0
+    md = (tmp_path / "m.md").read_text()
+    assert "| 30402 | 50% | int4 | 0.95 | 2 | 0.207 | 0.9854 | 0 / 90 | 0.047 | 0.340 |" in md
+    assert "| 16169 | 90% | 1 | int4 | 0.95 | 2 | 0.300 | yes | yes | yes |" in md
+    assert json.loads((tmp_path / "m.json").read_text())["rows"] == [row]
