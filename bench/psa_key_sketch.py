@@ -196,8 +196,11 @@ def main(argv=None) -> int:
     rows, e2e = [], []
     if a.e2e:
         for case in a.e2e.split(","):
-            t, seed, depth = case.split(":")
-            r = sketch_generate(int(t), float(depth), int(seed), a.sketches.split(",")[0],
+            try:
+                t, seed, depth = (f(x) for f, x in zip((int, int, float), case.split(":"), strict=True))
+            except ValueError:
+                ap.error(f"--e2e: {case!r} is not TOKENS:SEED:DEPTH (e.g. 16000:1:0.9)")
+            r = sketch_generate(t, depth, seed, a.sketches.split(",")[0],
                                 float(a.epsilons.split(",")[0]), float(a.slacks.split(",")[0]))
             e2e.append(r)
             print(json.dumps(r), flush=True)

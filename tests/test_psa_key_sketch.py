@@ -66,3 +66,12 @@ def test_merged_report_holds_the_rows_and_the_greedy_answers(tmp_path):
     assert "| 30402 | 50% | int4 | 0.95 | 2 | 0.207 | 0.9854 | 0 / 90 | 0.047 | 0.340 |" in md
     assert "| 16169 | 90% | 1 | int4 | 0.95 | 2 | 0.300 | yes | yes | yes |" in md
     assert json.loads((tmp_path / "m.json").read_text())["rows"] == [row]
+
+
+@pytest.mark.parametrize("case", ["16000:1", "16k:1:0.9", "16000:1:0.9:2"])
+def test_a_malformed_e2e_case_is_refused_naming_the_format(tmp_path, case, capsys):
+    from bench.psa_key_sketch import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["--e2e", case, "--out", str(tmp_path / "x.json")])
+    assert e.value.code == 2 and "TOKENS:SEED:DEPTH" in capsys.readouterr().err
