@@ -110,6 +110,11 @@ def run(cap: dict, kind: str, eps: float, slack: float, block: int = 16) -> dict
             "bytes_vs_dense": read + sketch_bytes_per_token / kv_bytes_per_token}
 
 
+def _where(depth) -> str:
+    """A needle's depth as a percentage, or a rag task's description as it is."""
+    return f"{depth:.0%}" if isinstance(depth, (int, float)) else str(depth)
+
+
 def markdown(rows: list[dict], e2e: list[dict], command: str, notes: list[str]) -> str:
     """The report: one row per (capture, sketch, epsilon, slack), then the greedy answers."""
     out = ["# PSA with a quantized-key sketch as its stop test (simulation on captured real attention)", "",
@@ -128,19 +133,33 @@ def markdown(rows: list[dict], e2e: list[dict], command: str, notes: list[str]) 
     if e2e:
         out += ["", "Greedy answers, every layer's decode attention through the sketch-driven selection (prefill "
                 "dense), 16 tokens:", "",
-                "| prompt tokens | depth | seed | sketch | epsilon | slack | blocks read | same as dense | dense right | "
+                "| prompt tokens | needle depth / task | seed | sketch | epsilon | slack | blocks read | same as dense | "
+                "dense right | "
                 "sketched right |", "|---|---|---|---|---|---|---|---|---|---|"]
-        out += [f"| {r['prompt_len']} | {r['depth']:.0%} | {r['seed']} | {r['sketch']} | {r['eps']:g} | "
+        out += [f"| {r['prompt_len']} | {_where(r['depth'])} | {r['seed']} | {r['sketch']} | {r['eps']:g} | "
                 f"{r['slack']:g} | {r['read_frac']:.3f} | {'yes' if r['same'] else 'no'} | "
                 f"{'yes' if r['dense_correct'] else 'no'} | {'yes' if r['sketched_correct'] else 'no'} |" for r in e2e]
     return "\n".join(out) + "\n" + "".join(f"\n{n}\n" for n in notes)
 
 
+def rag_prompt(tok, position: str, docs: int, seed: int):
+    """``(ids, None, None, number)`` of the testbed's ``rag`` task (:func:`bench.tasks_long.make_rag`: ``docs``
+    documents, the needed fact in one, the question at ``position``), rendered as the chat endpoint does with the
+    answer prefix continued (as :func:`bench.psa_real_capture.build_prompt`)."""
+    from bench.tasks_long import make_rag
+
+    task = make_rag(position, docs, seed)
+    msgs = [{"role": "system", "content": task.system}, {"role": "user", "content": task.turns[0].user}]
+    text = tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True) + task.answer_prefix
+    return torch.tensor(tok(text, add_special_tokens=False)["input_ids"]), None, None, task.turns[0].answers[0]
+
+
 @torch.no_grad()
 def sketch_generate(tokens: int, depth: float, seed: int, kind: str, eps: float, slack: float,
-                    n_new: int = 16, block: int = 16) -> dict:
+                    n_new: int = 16, block: int = 16, rag: tuple[str, int] | None = None) -> dict:
     """Greedy answer of the testbed model with every layer's decode attention replaced by the sketch-driven
-    selection (prefill dense), against dense greedy: ``{"dense", "sketch", "same", "read_frac"}``."""
+    selection (prefill dense), against dense greedy: ``{"dense", "sketch", "same", "read_frac"}``. The prompt is
+    the needle task of ``tokens`` at ``depth``, or with ``rag=(position, docs)`` the rag task."""
     from transformers import AttentionInterface
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
@@ -164,14 +183,15 @@ def sketch_generate(tokens: int, depth: float, seed: int, kind: str, eps: float,
 
     AttentionInterface.register("psa_sketch", attn)
     tok, model = _load_model()
-    ids, _, _, number = build_prompt(tok, tokens, depth, seed)
+    ids, _, _, number = build_prompt(tok, tokens, depth, seed) if rag is None else rag_prompt(tok, *rag, seed)
     model.set_attn_implementation("sdpa")
     out = model(ids[None], use_cache=True, logits_to_keep=1)
     cache, first, L = out.past_key_values, int(out.logits[0, -1].argmax()), ids.numel()
     dense = tok.decode(_greedy(model, cache, first, n_new, "sdpa"))
     cache.crop(L)
     sketch = tok.decode(_greedy(model, cache, first, n_new, "psa_sketch"))
-    return {"prompt_len": L, "depth": depth, "seed": seed, "number": number, "sketch": kind, "eps": eps,
+    return {"prompt_len": L, "depth": depth if rag is None else f"rag {rag[0]}, {rag[1]} docs", "seed": seed,
+            "number": number, "sketch": kind, "eps": eps,
             "slack": slack, "dense": dense, "sketched": sketch, "same": dense == sketch,
             "dense_correct": number in dense, "sketched_correct": number in sketch,
             "read_frac": sum(reads) / max(1, len(reads))}
@@ -186,6 +206,8 @@ def main(argv=None) -> int:
     ap.add_argument("--e2e", default=None, metavar="TOKENS:SEED:DEPTH,...",
                     help="also greedy-decode these testbed prompts with the sketch at every layer (first sketch, "
                          "epsilon and slack given) against dense")
+    ap.add_argument("--e2e-rag", default=None, metavar="POSITION:DOCS:SEED,...",
+                    help="as --e2e, on the testbed's rag task (question at begin / middle / end of DOCS documents)")
     ap.add_argument("--out", required=True, help="JSON of every row")
     ap.add_argument("--md", default=None, help="also write the report as Markdown here")
     ap.add_argument("--merge", nargs="*", default=[], metavar="JSON",
@@ -202,6 +224,15 @@ def main(argv=None) -> int:
                 ap.error(f"--e2e: {case!r} is not TOKENS:SEED:DEPTH (e.g. 16000:1:0.9)")
             r = sketch_generate(t, depth, seed, a.sketches.split(",")[0],
                                 float(a.epsilons.split(",")[0]), float(a.slacks.split(",")[0]))
+            e2e.append(r)
+            print(json.dumps(r), flush=True)
+    if a.e2e_rag:
+        for case in a.e2e_rag.split(","):
+            parts = case.split(":")
+            if len(parts) != 3 or parts[0] not in ("begin", "middle", "end") or not (parts[1] + parts[2]).isdigit():
+                ap.error(f"--e2e-rag: {case!r} is not POSITION:DOCS:SEED (e.g. begin:8:1)")
+            r = sketch_generate(0, 0.0, int(parts[2]), a.sketches.split(",")[0], float(a.epsilons.split(",")[0]),
+                                float(a.slacks.split(",")[0]), rag=(parts[0], int(parts[1])))
             e2e.append(r)
             print(json.dumps(r), flush=True)
     for path in a.captures:
