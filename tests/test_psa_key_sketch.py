@@ -75,3 +75,12 @@ def test_a_malformed_e2e_case_is_refused_naming_the_format(tmp_path, case, capsy
     with pytest.raises(SystemExit) as e:
         main(["--e2e", case, "--out", str(tmp_path / "x.json")])
     assert e.value.code == 2 and "TOKENS:SEED:DEPTH" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("case", ["begin:8", "first:8:1", "begin:x:1"])
+def test_a_malformed_rag_case_is_refused_naming_the_format(tmp_path, case, capsys):
+    from bench.psa_key_sketch import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["--e2e-rag", case, "--out", str(tmp_path / "x.json")])
+    assert e.value.code == 2 and "POSITION:DOCS:SEED" in capsys.readouterr().err
