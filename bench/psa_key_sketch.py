@@ -53,14 +53,15 @@ def simulate_pair(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ks: torch.T
                   eps: float, slack: float, sink: int = 1, local: int = 2) -> dict:
     """One KV head's group: ``q`` [g, d], ``k`` / ``v`` / ``ks`` [L, d]. Returns read blocks, true kept mass per query
     head, and the relative output error against dense."""
+    from bench.psa_real_capture import block_sums
+
     L = k.shape[0]
     nb = -(-L // block)
-    pad = nb * block - L
     logits = (q @ k.T) * sm                                                   # [g, L]
     approx = (q @ ks.T) * sm
     m = torch.maximum(logits.amax(-1, keepdim=True), approx.amax(-1, keepdim=True))
-    true_blk = torch.nn.functional.pad((logits - m).exp(), (0, pad)).view(-1, nb, block).sum(-1)   # [g, nb]
-    appr_blk = torch.nn.functional.pad((approx - m).exp(), (0, pad)).view(-1, nb, block).sum(-1)
+    true_blk = block_sums((logits - m).exp(), block, nb)                      # [g, nb]
+    appr_blk = block_sums((approx - m).exp(), block, nb)
     forced = sorted(set(range(min(sink, nb))) | set(range(max(0, nb - local), nb)))
     share = appr_blk / appr_blk.sum(-1, keepdim=True)
     rest = [b for b in torch.sort(share.amax(0), descending=True, stable=True).indices.tolist() if b not in forced]
@@ -72,7 +73,6 @@ def simulate_pair(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ks: torch.T
     ok[:max(0, len(forced) - 1)] = False                                        # the forced blocks are read first
     hits = torch.nonzero(ok)
     n = int(hits[0]) + 1 if hits.numel() else len(order)
-    read = order[:n]
     p = torch.softmax(logits, -1)
     blk_read = torch.zeros(nb, dtype=torch.bool)
     blk_read[idx[:n]] = True
@@ -81,7 +81,7 @@ def simulate_pair(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ks: torch.T
     ps = torch.where(mask, p, torch.zeros_like(p))
     o_sparse = (ps / ps.sum(-1, keepdim=True)) @ v
     err = float((o_sparse - o_dense).norm(dim=-1).max() / o_dense.norm(dim=-1).max().clamp_min(1e-9))
-    kept = (true_blk[:, read].sum(-1) / true_blk.sum(-1))
+    kept = true_blk[:, blk_read].sum(-1) / true_blk.sum(-1)
     return {"read": n, "blocks": nb, "kept_min": float(kept.min()), "out_err": err, "o": o_sparse}
 
 

@@ -1,6 +1,6 @@
 """Contract: the oracle order of ``bench.psa_real_capture`` (blocks by their true mass, the group's largest share
-first) needs no more blocks than any other order for every query head of a group to keep 95 % of its mass, and the
-count is exact on a distribution whose answer is known."""
+first) reads the heavy blocks first, so the count of blocks every query head of a group needs for 95 % of its mass is
+exact on a distribution whose answer is known, and never above a random order's on random distributions."""
 
 from __future__ import annotations
 

@@ -298,6 +298,7 @@ PY
     ;;
   reliability-start)  # no timing figure comes from these: they may share the GPU with the `long` part
     say "== reliability: soak + faults started in the background"
+    : > "$R/background.pgids"   # this start's process groups only (reliability-stop signals them)
     soak_extra=""; for x in ${SOAK_SERVER_ARGS:-}; do soak_extra="$soak_extra --server-arg=$x"; done
     samkv_extra=""; for x in ${SAMKV_SOAK_ARGS:---attention-backend=triton --enable-deterministic-inference}; do
       samkv_extra="$samkv_extra --server-arg=$x"; done
