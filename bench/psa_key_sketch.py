@@ -115,10 +115,11 @@ def _where(depth) -> str:
     return f"{depth:.0%}" if isinstance(depth, (int, float)) else str(depth)
 
 
-def markdown(rows: list[dict], e2e: list[dict], command: str, notes: list[str]) -> str:
+def markdown(rows: list[dict], e2e: list[dict], command: str, notes: list[str], env: str = "") -> str:
     """The report: one row per (capture, sketch, epsilon, slack), then the greedy answers."""
     out = ["# PSA with a quantized-key sketch as its stop test (simulation on captured real attention)", "",
            f"- command: `{command}`",
+           f"- device and versions: {env}",
            "- CPU, fp32, the 32k testbed model (SmolLM2-135M-Instruct, YaRN x4), block 16, sink 1 and local 2 blocks "
            "read first; one decode step per capture (the step that emits the needle's first digit)",
            "- bytes vs dense: the blocks read (K and V, bf16) + every token's sketch (quantized key + fp16 scale), "
@@ -247,9 +248,12 @@ def main(argv=None) -> int:
         prev = json.loads(Path(path).read_text())
         rows += prev.get("rows", [])
         e2e += prev.get("e2e", [])
-    Path(a.out).write_text(json.dumps({"command": a.command, "rows": rows, "e2e": e2e}, indent=1))
+    from bench.psa_read_floor import run_env
+
+    env = run_env()
+    Path(a.out).write_text(json.dumps({"command": a.command, "env": env, "rows": rows, "e2e": e2e}, indent=1))
     if a.md:
-        Path(a.md).write_text(markdown(rows, e2e, a.command, a.note))
+        Path(a.md).write_text(markdown(rows, e2e, a.command, a.note, env))
     return 0
 
 

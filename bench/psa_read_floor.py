@@ -20,6 +20,16 @@ import json
 from pathlib import Path
 
 
+def run_env() -> str:
+    """The CPU and the versions of this interpreter (the one that ran the captures and the analysis)."""
+    import os
+    import sys
+
+    from bench.envinfo import collect, cpu_model
+
+    return f"CPU, {os.cpu_count()} CPUs ({cpu_model()}); " + collect(sys.executable)["versions"]
+
+
 def rows_of(summary: dict) -> list[dict]:
     """One row per (captured step, config) of one ``summary_<tokens>.json``."""
     out = []
@@ -41,9 +51,10 @@ def rows_of(summary: dict) -> list[dict]:
     return out
 
 
-def markdown(rows: list[dict], command: str) -> str:
+def markdown(rows: list[dict], command: str, env: str) -> str:
     lines = ["# PSA on real attention: blocks read against the blocks needed", "",
              f"- command: `{command}`",
+             f"- device and versions: {env}",
              "- CPU reference (`flashinfer_ext.common.reference`), fp32, the 32k testbed model (SmolLM2-135M-Instruct, "
              "YaRN x4), block 16; one decode step per prompt: the step that emits the needle's first digit",
              "- read: blocks the config's stop test read (mean over the (layer, KV head) pairs); needed: blocks for "
@@ -72,8 +83,8 @@ def main(argv=None) -> int:
     if not rows:
         ap.error("no analysed config in the given summaries")
     out = Path(a.out)
-    out.with_suffix(".json").write_text(json.dumps({"command": a.command, "rows": rows}, indent=1))
-    md = markdown(rows, a.command) + "".join(f"\n{n}\n" for n in a.note)
+    out.with_suffix(".json").write_text(json.dumps({"command": a.command, "env": run_env(), "rows": rows}, indent=1))
+    md = markdown(rows, a.command, run_env()) + "".join(f"\n{n}\n" for n in a.note)
     out.with_suffix(".md").write_text(md)
     print(f"wrote {out.with_suffix('.json')} and {out.with_suffix('.md')}")
     return 0
