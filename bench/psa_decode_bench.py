@@ -56,6 +56,7 @@ sys.path.insert(0, str(ROOT))
 from bench import psa_plans, real_capture  # noqa: E402
 from bench.timing import timed  # noqa: E402
 from flashinfer_ext.psa.block_meta import BlockMetaPool, paged_block_table  # noqa: E402
+from flashinfer_ext.psa.key_sketch import KeySketchPool  # noqa: E402
 from flashinfer_ext.psa.config import PsaDecodeConfig  # noqa: E402
 from flashinfer_ext.common.dense_decode import FlashInferDenseDecode, paged_kv_table  # noqa: E402
 from flashinfer_ext.psa.decode import PsaDecodeWrapper  # noqa: E402
@@ -227,7 +228,12 @@ def run_case(name, batch, ctx, page, planted=True, capture=None, hq=32, hk=8, d=
     table = paged_block_table(req_to_token, rpi, page, nb)
     num_rows = k.shape[0] // page + 1
     meta_layout = meta_layout or PsaDecodeWrapper.META_LAYOUT
-    meta = BlockMetaPool(1, num_rows, hk, d, page, dtype=torch.bfloat16, device=dev, layout=meta_layout)
+    sketch = estimator == "sketch"  # an int4 copy of every key in place of the block min / max / mean
+    if sketch:
+        meta = KeySketchPool(1, num_rows, hk, d, page, device=dev)
+        cfg_kw = dict(cfg_kw or {}, criticality="sketch")
+    else:
+        meta = BlockMetaPool(1, num_rows, hk, d, page, dtype=torch.bfloat16, device=dev, layout=meta_layout)
     if capture is None:
         meta.update(0, k, req_to_token, rpi, table, torch.zeros_like(seq_lens), seq_lens, nb)
     else:  # requests of one layer share pages: write shorter ones first so the full pages win (a superset
@@ -261,7 +267,10 @@ def run_case(name, batch, ctx, page, planted=True, capture=None, hq=32, hk=8, d=
     total_blocks = sum(-(-L // page) for L in seq_host) * hk
     blocks_read = int(nread.sum())
     actual = blocks_actually_read(w, nread, w._list_lens_buf[:batch], w._n_forced_buf[:batch])
-    meta_bytes = total_blocks * meta_vectors(cfg) * d * 2  # the block metadata the criticality pass reads, bf16
+    if sketch:  # every token's int4 key and fp16 scale, per KV head
+        meta_bytes = sum(seq_host) * hk * (d // 2 + 2)
+    else:  # the block metadata the criticality pass reads, bf16
+        meta_bytes = total_blocks * meta_vectors(cfg) * d * 2
     psa_bytes = actual * blk_bytes + meta_bytes
     dense_bytes = sum(seq_host) * hk * d * 2 * 2
     kept, cums = kept_mass(q, k, req_to_token, rpi, seq_host, w.order, nread, page, sm_scale)
@@ -333,11 +342,12 @@ REAL_SLOTS = {"real_16k": 16000, "real_32k": 32000}  # prompt tokens of the test
 REAL_LAYERS = (3, 9, 15, 21, 27)
 
 
-def run_real(model_dir, slot_tokens: dict, layers, dev: str, wrapper_kw=None, cfg_kw=None) -> list:
+def run_real(model_dir, slot_tokens: dict, layers, dev: str, wrapper_kw=None, cfg_kw=None,
+             estimators=(PsaDecodeConfig.estimator,)) -> list:
     """The ``testbed real`` rows: per slot one capture of the 32k testbed model on its needle prompt
     (:mod:`bench.real_capture`), decode requests at 3 positions near the end of the prompt
     (:func:`~bench.real_capture.decode_positions`) x ``layers`` (9/3 heads, d=64, page 16, bf16 pool),
-    through :func:`run_case` with the calibrated estimator (the kernel's default). Timed on CUDA only."""
+    through :func:`run_case` with each of ``estimators`` (default: the kernel's default). Timed on CUDA only."""
     rows = []
     try:
         caps = real_capture.testbed_captures(model_dir, slot_tokens, tuple(layers), dev)
@@ -346,15 +356,21 @@ def run_real(model_dir, slot_tokens: dict, layers, dev: str, wrapper_kw=None, cf
                 pos = real_capture.decode_positions(info["prompt_len"])
                 pool = real_capture.decode_pool(cap, tuple(layers), pos, dev)
                 del cap
-                r = run_case(real_capture.REAL_CASE, 0, 0, 16, planted=False, capture=pool,
-                             estimator=PsaDecodeConfig.estimator,
-                             dev=dev, timing=dev == "cuda", wrapper_kw=wrapper_kw, cfg_kw=cfg_kw)
-                r.update(slot=slot, positions=pos, **info)
-                print(json.dumps(r), flush=True)
+                for est in estimators:
+                    try:
+                        r = run_case(real_capture.REAL_CASE, 0, 0, 16, planted=False, capture=pool, estimator=est,
+                                     dev=dev, timing=dev == "cuda", wrapper_kw=wrapper_kw, cfg_kw=cfg_kw)
+                        r.update(slot=slot, positions=pos, **info)
+                        print(json.dumps(r), flush=True)
+                    except Exception as e:
+                        traceback.print_exc()
+                        r = dict(case=real_capture.REAL_CASE, slot=slot, page=16, estimator=est, **info,
+                                 error=f"{type(e).__name__}: {e}")
+                    rows.append(r)
             except Exception as e:
                 traceback.print_exc()
-                r = dict(case=real_capture.REAL_CASE, slot=slot, page=16, **info, error=f"{type(e).__name__}: {e}")
-            rows.append(r)
+                rows.append(dict(case=real_capture.REAL_CASE, slot=slot, page=16, **info,
+                                 error=f"{type(e).__name__}: {e}"))
             if dev == "cuda":
                 torch.cuda.empty_cache()
     except Exception as e:  # model load / capture failed: every slot not done yet records it
@@ -365,15 +381,19 @@ def run_real(model_dir, slot_tokens: dict, layers, dev: str, wrapper_kw=None, cf
     return rows
 
 
-def real_summary(results: list, gpu: str) -> dict:
-    """``{"real_16k": {...}, "real_32k": {...}}`` from the ``testbed real`` rows: read fraction (blocks in
-    the result / all blocks), FlashInfer dense time / PSA time (CUDA-graph replay; null without a GPU
-    timing), top-k bytes / PSA bytes at equal mean kept mass; plus context, kept mass and the device."""
+def real_summary(results: list, gpu: str, estimators=(PsaDecodeConfig.estimator,)) -> dict:
+    """``{"real_16k": {...}, "real_32k": {...}}`` from the ``testbed real`` rows of ``estimators[0]`` (the others
+    under ``real_16k_<estimator>``...): read fraction (blocks in the result / all blocks), FlashInfer dense time /
+    PSA time (CUDA-graph replay; null without a GPU timing), top-k bytes / PSA bytes at equal mean kept mass; plus
+    context, kept mass and the device."""
     out = {}
-    for slot in REAL_SLOTS:
-        r = next((r for r in results if r.get("case") == real_capture.REAL_CASE and r.get("slot") == slot), None)
+    for slot, est in ((s, e) for e in estimators for s in REAL_SLOTS):
+        key = slot if est == estimators[0] else f"{slot}_{est}"
+        r = next((r for r in results if r.get("case") == real_capture.REAL_CASE and r.get("slot") == slot
+                  and r.get("estimator", est) == est), None)
         if r is None:
             continue
+        slot = key
         f = real_capture.finite
         if "error" in r:
             out[slot] = dict(read_fraction=None, speedup_vs_dense=None, bytes_ratio_topk_over_psa=None,
@@ -495,6 +515,9 @@ def main():
     ap.add_argument("--real-tokens", default=None,
                     help="prompt tokens of real_16k,real_32k (default 16000,32000; e.g. 1024,2048 on a CPU)")
     ap.add_argument("--real-layers", default=",".join(map(str, REAL_LAYERS)), help="captured layers")
+    ap.add_argument("--real-estimators", default=PsaDecodeConfig.estimator,
+                    help="stop-test estimators of the testbed real rows, comma-separated (the first gives real_16k / "
+                         "real_32k, the others real_16k_<estimator>...; e.g. sketch,calibrated)")
     ap.add_argument("--wave-plan", default=None, metavar="PROGRAMS_PER_SM,GROWTH,MAX_WAVES[,SORTED_PREFIX]",
                     help="the wrapper's wave plan for every case (default: PsaDecodeWrapper's); 'best:SWEEP.json' takes "
                          "the plan pick_wave_plan chooses from a --wave-sweep report")
@@ -558,8 +581,10 @@ def main():
             psa_plans.run_wave_sweep(run_case, args.out, meta, dev, real_pool=real_pool)
         return
     if args.real_only:
-        rows = run_real(args.testbed_model, slot_tokens, real_layers, dev, wrapper_kw=wkw, cfg_kw=ckw)
-        real_capture.finish_real_only(args.out / "psa_decode.json", rows, real_summary(rows, meta["gpu"]), meta, write_report, t0)
+        ests = tuple(x for x in args.real_estimators.split(",") if x)
+        rows = run_real(args.testbed_model, slot_tokens, real_layers, dev, wrapper_kw=wkw, cfg_kw=ckw, estimators=ests)
+        real_capture.finish_real_only(args.out / "psa_decode.json", rows, real_summary(rows, meta["gpu"], ests), meta,
+                                      write_report, t0)
         return
     if args.smoke:
         cases = [("planted", dict(batch=2, ctx=300, page=16, hq=8, hk=2, d=64)),

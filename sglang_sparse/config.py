@@ -241,9 +241,11 @@ class PsaConfig(SparseConfig):
     probe_steps: int = knob(4, doc="sparse decode steps a long request runs before the dense_above test",
                             range=Range(1, 4096))
     estimator: str = knob(PsaDecodeConfig.estimator, doc="remaining-mass estimate of the stop test: 'calibrated' (cuboid bound "
-                          "scaled by the tightness seen on blocks read; reads most blocks on real attention) or "
-                          "'mean' (q . mean key raised by the largest gap seen: fewer reads, not a bound)",
-                          choices=("calibrated", "mean"))
+                          "scaled by the tightness seen on blocks read; reads most blocks on real attention), "
+                          "'mean' (q . mean key raised by the largest gap seen: fewer reads, not a bound) or "
+                          "'sketch' (an int4 copy of every key ranks the blocks and estimates the unread mass; "
+                          "head_dim / 2 + 2 bytes per token and KV head in place of the block min / max / mean)",
+                          choices=("calibrated", "mean", "sketch"))
     cuda_graph: bool = knob(True, doc="CUDA: replay decode graphs for batches with a sparse row (false: eager)")
     stock_graphs: bool = _stock_graphs_knob()
     prefill_graphs: bool = _prefill_graphs_knob()

@@ -69,3 +69,34 @@ def test_kernel_runner_above_min_context_decodes_sparsely(kernel_server):
     stats = server.server_info()["internal_states"][0]["sparse"]["stats"]  # page 1: rows per request block
     assert stats["meta_rows_total"] > stats["meta_rows_used"] >= -(-rep["blocks_total"] // 30 // 3) > 0
     assert stats["meta_rebuilds"] >= 1 and stats["meta_row_shortfalls"] == 0
+
+
+@pytest.fixture(scope="module")
+def sketch_server(default_model, tmp_path_factory):
+    log = tmp_path_factory.mktemp("psa_sketch") / "server.log"
+    saved = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1"
+    try:
+        handle = start_cpu_server(default_model, log, mode="psa",
+                                  sparse_config=f'{{"min_context": {MIN_CONTEXT}, "runner": "kernel", '
+                                                f'"dense_above": 1.0, "estimator": "sketch"}}',
+                                  extra_args=("--max-running-requests", "4"))
+    finally:
+        os.environ.pop("TRITON_INTERPRET", None) if saved is None else os.environ.__setitem__("TRITON_INTERPRET", saved)
+    try:
+        yield handle
+    finally:
+        handle.stop()
+
+
+def test_sketch_estimator_decodes_sparsely_through_the_server(sketch_server, cpu_server):
+    """The int4 key sketch is written at the sparse steps (rebuilt from position 0 at the first), ranks the blocks and
+    stops the reads; the server's reply keeps the planted number and its report adds up."""
+    r = chat(sketch_server, _kernel_prompt(), 2, custom_params={"sparse": {"epsilon": 0.9}})
+    rep = r["metadata"]["sparse"]
+    assert rep["sparse_decode_steps"] == 1
+    assert 0 < rep["blocks_read"] < rep["blocks_total"] and 0.5 < rep["kept_mass"] <= 1.0 + 1e-6
+    d = chat(cpu_server, _kernel_prompt(), 2)
+    assert r["choices"][0]["message"]["content"] == d["choices"][0]["message"]["content"]
+    stats = sketch_server.server_info()["internal_states"][0]["sparse"]["stats"]
+    assert stats["meta_rebuilds"] >= 1 and stats["meta_row_shortfalls"] == 0

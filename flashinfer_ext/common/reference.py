@@ -129,7 +129,7 @@ def _eps_of(epsilon, r):
 def progressive_decode_reference(q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens,
                                  block_lists, list_lens, n_forced, *, block_size, sm_scale,
                                  epsilon, micro_batch_blocks, chunk_ends=None, estimator="paper",
-                                 sorted_scores=None, calib_slack=2.0, return_kept_est=False):
+                                 sorted_scores=None, calib_slack=2.0, return_kept_est=False, sketch_totals=None):
     """PSA Alg. 1 over given rank orders, chunk-granular: the semantics of the Triton decode paths.
 
     ``block_lists``: ``[batch, num_kv_heads, L]`` logical block ids in attend order (forced first);
@@ -143,7 +143,9 @@ def progressive_decode_reference(q, k_buffer, v_buffer, req_to_token, req_pool_i
     ``sorted_scores`` ``[batch, num_kv_heads, >= L]``, the cuboid scores in rank order); 'calibrated'
     U(read) * 2^min(0, delta + calib_slack) with delta = max over ranked blocks read of
     log2(block mass) - log2(block_size * exp(sm_scale * score)) (0 while none); 'mean' (scores = q . mean key)
-    U(read) * 2^(delta + calib_slack), not clamped (delta 0 while none). The pair stops once
+    U(read) * 2^(delta + calib_slack), not clamped (delta 0 while none); 'sketch' (``sorted_scores`` = the sketch's
+    group-max shares, :func:`flashinfer_ext.psa.key_sketch.sketch_scores_reference`) log2 sum of 2^share over the
+    unread ranks + ``sketch_totals[r, head]`` + calib_slack. The pair stops once
     every head has ``AS_acc / (AS_acc + R) >= epsilon``, or at the end of its list / context.
     Returns ``(o fp32 [batch, num_qo_heads, head_dim], lse base 2 [batch, num_qo_heads], nread
     [batch, num_kv_heads])`` and, with ``return_kept_est``, ``kept_est [batch, num_kv_heads]`` (the
@@ -175,8 +177,11 @@ def progressive_decode_reference(q, k_buffer, v_buffer, req_to_token, req_pool_i
                                   for b in range(n_blocks)], dim=1)  # [G, n_blocks]
             full = [min(seq_len, (b + 1) * block_size) - b * block_size == block_size for b in range(n_blocks)]
             srt = sorted_scores[r, h].float().cpu() if sorted_scores is not None else None
-            sfx = (bound_suffix_reference(srt, sm_scale=sm_scale, block_size=block_size)
-                   if estimator != "paper" else None)
+            if estimator == "sketch":  # shares are base-2 logs already: sum 2^share
+                sfx = bound_suffix_reference(srt, sm_scale=math.log(2.0), block_size=1)
+            else:
+                sfx = (bound_suffix_reference(srt, sm_scale=sm_scale, block_size=block_size)
+                       if estimator != "paper" else None)
             cur = nf
             lmin = torch.full((group,), float("inf"))
             dmax = torch.full((group,), float("-inf"))
@@ -189,7 +194,7 @@ def progressive_decode_reference(q, k_buffer, v_buffer, req_to_token, req_pool_i
                     b = lst[rank]
                     if full[b]:
                         lmin = torch.minimum(lmin, blk_lm[:, b])
-                    if estimator != "paper":
+                    if estimator not in ("paper", "sketch"):
                         dmax = torch.maximum(dmax, blk_lm[:, b] - (float(srt[rank]) * sl2 + math.log2(block_size)))
                 cur = end
                 lse_acc = torch.logsumexp(blk_lm[:, lst[:cur]] / LOG2E, -1) * LOG2E
@@ -205,6 +210,8 @@ def progressive_decode_reference(q, k_buffer, v_buffer, req_to_token, req_pool_i
                                                 torch.clamp(dmax + calib_slack, max=0.0))
                     elif estimator == "mean":  # an estimate: raised by the largest gap seen, never clamped
                         rem = rem + torch.where(dmax == float("-inf"), torch.zeros_like(dmax), dmax) + calib_slack
+                    elif estimator == "sketch":
+                        rem = rem + sketch_totals[r, h * group:(h + 1) * group].float().cpu() + calib_slack
                 p = torch.exp2(lse_acc - torch.logaddexp2(lse_acc, rem))
                 est = float(torch.nan_to_num(p, nan=0.0).min())
                 if n_left <= 0 or cur >= len(lst):
@@ -281,6 +288,10 @@ def psa_decode_reference(q, k_buffer, v_buffer, req_to_token, req_pool_indices, 
     ``kept_est`` with ``return_kept_est``.
     """
     batch = q.shape[0]
+    if config.criticality == "sketch":
+        return _psa_sketch_reference(q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, config,
+                                     block_size=block_size, sm_scale=sm_scale, epsilon=epsilon,
+                                     return_kept_est=return_kept_est)
     metas = block_meta_reference(k_buffer, req_to_token, req_pool_indices, seq_lens, block_size)
     num_blocks = max(mm[0].shape[0] for mm in metas)
     num_kv_heads, head_dim = k_buffer.shape[1], k_buffer.shape[2]
@@ -318,6 +329,43 @@ def psa_decode_reference(q, k_buffer, v_buffer, req_to_token, req_pool_indices, 
         sorted_scores=torch.gather(scores, 2, order),
         calib_slack=config.calib_slack, return_kept_est=True)
     o, lse, nread, kept_est = out
+    if return_kept_est:
+        return o, lse, nread, order, kept_est
+    return o, lse, nread, order
+
+
+def _list_caps(config, seq_lens, eps, num_kv_heads, block_size):
+    batch = len(eps)
+    list_lens = torch.zeros(batch, num_kv_heads, dtype=torch.int32)
+    n_forced = torch.zeros(batch, dtype=torch.int32)
+    for r in range(batch):
+        n_blocks, nf, limit = forced_and_limit(int(seq_lens[r]), block_size, config.sink_blocks,
+                                               config.local_blocks, config.max_blocks)
+        n_forced[r] = nf
+        list_lens[r] = n_blocks if eps[r] >= 1.0 else limit
+    return list_lens, n_forced
+
+
+def _psa_sketch_reference(q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, config, *,
+                          block_size, sm_scale, epsilon, return_kept_est):
+    """:func:`psa_decode_reference` for criticality / estimator 'sketch': int4 sketch shares rank the blocks and
+    drive the stop test (:mod:`flashinfer_ext.psa.key_sketch`)."""
+    from flashinfer_ext.psa.key_sketch import sketch_scores_reference
+
+    batch = q.shape[0]
+    num_blocks = max(-(-int(n) // block_size) for n in seq_lens)
+    scores, totals, _ = sketch_scores_reference(q, k_buffer, req_to_token, req_pool_indices, seq_lens,
+                                                block_size=block_size, sm_scale=sm_scale, num_blocks=num_blocks,
+                                                sink_blocks=config.sink_blocks, local_blocks=config.local_blocks)
+    order = rank_reference(scores, config.ranking_prefix())
+    eps = [config.epsilon] * batch if epsilon is None else [float(e) for e in epsilon]
+    list_lens, n_forced = _list_caps(config, seq_lens, eps, k_buffer.shape[1], block_size)
+    o, lse, nread, kept_est = progressive_decode_reference(
+        q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, order, list_lens, n_forced,
+        block_size=block_size, sm_scale=sm_scale, epsilon=eps, micro_batch_blocks=config.micro_batch_blocks,
+        chunk_ends=config.ranked_chunk_ends(num_blocks), estimator="sketch",
+        sorted_scores=torch.gather(scores, 2, order), calib_slack=config.calib_slack, return_kept_est=True,
+        sketch_totals=totals)
     if return_kept_est:
         return o, lse, nread, order, kept_est
     return o, lse, nread, order

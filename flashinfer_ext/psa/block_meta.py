@@ -181,6 +181,7 @@ class BlockMetaPool:
             raise ValueError(f"layout={layout!r} must be one of {self.LAYOUTS}")
         self.block_size = block_size
         self.layout = layout
+        self.num_rows = int(num_rows)
         shape = (num_layers, num_rows, num_kv_heads, head_dim)
         if layout == "interleaved":
             self._buf = torch.zeros((num_layers, num_rows, 3, num_kv_heads, head_dim), dtype=dtype, device=device)
@@ -193,6 +194,21 @@ class BlockMetaPool:
     def layer(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(kmin, kmax, kmean)`` of one layer, each ``[num_rows, num_kv_heads, head_dim]`` (views)."""
         return self.kmin[layer_id], self.kmax[layer_id], self.kmean[layer_id]
+
+    def nbytes(self) -> int:
+        return 3 * self.kmin.numel() * self.kmin.element_size()
+
+    def rebuild_pages(self, layer_id: int, k_buffer: torch.Tensor, pages: torch.Tensor) -> None:
+        """Page size = block size: recompute (min, max, mean) of whole pages ``pages`` (int64 ``[n]``, device) from
+        the keys in them. The mean is taken in fp32 over the page (it may differ in the last bit from the kernel's
+        incremental mean)."""
+        p = self.block_size
+        n = k_buffer.shape[0] // p
+        kp = k_buffer[: n * p].view(n, p, k_buffer.shape[1], k_buffer.shape[2]).index_select(0, pages)
+        kmin, kmax, kmean = self.layer(layer_id)
+        kmin.index_copy_(0, pages, kp.amin(1).to(kmin.dtype))
+        kmax.index_copy_(0, pages, kp.amax(1).to(kmax.dtype))
+        kmean.index_copy_(0, pages, kp.float().mean(1).to(kmean.dtype))
 
     def update(self, layer_id: int, k_buffer: torch.Tensor, req_to_token: torch.Tensor,
                req_pool_indices: torch.Tensor, block_table: torch.Tensor,

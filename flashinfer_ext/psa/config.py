@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 __all__ = ["PsaDecodeConfig", "ESTIMATORS"]
 
-ESTIMATORS = ("paper", "bound", "calibrated", "mean")
+ESTIMATORS = ("paper", "bound", "calibrated", "mean", "sketch")
 
 
 def _is_pow2(n: int) -> bool:
@@ -41,7 +41,9 @@ class PsaDecodeConfig:
     max_blocks: int = 4096
     """upper bound on blocks read per (request, KV head), sink and local blocks excepted."""
     criticality: str = "cuboid"
-    """block score: 'cuboid' = sum_d max(q_d*min_d, q_d*max_d) (an upper bound), 'mean' = q . mean."""
+    """block score: 'cuboid' = sum_d max(q_d*min_d, q_d*max_d) (an upper bound), 'mean' = q . mean,
+    'sketch' = the group max of the block's approximate mass share from an int4 copy of every key
+    (:mod:`flashinfer_ext.psa.key_sketch`; the blocks are ranked by it whatever ``rank_by`` says)."""
     group_reduce: str = "max"
     """how the query heads of one KV head's group combine into one score: 'max' or 'sum'."""
     rank_by: str = "mean"
@@ -62,7 +64,10 @@ class PsaDecodeConfig:
     below the block's true mass by its within-block spread) times 2^(gamma + calib_slack), gamma = the
     largest log2(true block mass / that estimate) among the ranked blocks read so far (calib_slack alone while
     none); needs criticality 'mean' and group_reduce 'max'. Not a bound: a block whose mean key misses q but
-    one of whose keys matches it is under-estimated unless read blocks showed such spread."""
+    one of whose keys matches it is under-estimated unless read blocks showed such spread.
+    'sketch' = per query head g, 2^(T_g + calib_slack) times the sum over unread blocks of their shares (T_g = the
+    head's total approximate mass from the int4 key sketch, shares as criticality 'sketch'); needs criticality
+    'sketch'. An estimate from every key, not a bound."""
     calib_slack: float = 2.0
     """log2 safety factor added to the observed bound tightness of the 'calibrated' estimator."""
     chunk_growth: int = 16
@@ -90,8 +95,12 @@ class PsaDecodeConfig:
                 raise bad(name, f"an integer in [{lo}, {hi}]")
         if not _is_pow2(self.micro_batch_blocks):
             raise bad("micro_batch_blocks", "a power of two in [1, 4096]")
-        if self.criticality not in ("cuboid", "mean"):
-            raise bad("criticality", "one of 'cuboid', 'mean'")
+        if self.criticality not in ("cuboid", "mean", "sketch"):
+            raise bad("criticality", "one of 'cuboid', 'mean', 'sketch'")
+        if (self.estimator == "sketch") != (self.criticality == "sketch"):
+            raise ValueError(f"PsaDecodeConfig.estimator={self.estimator!r} with criticality={self.criticality!r}: "
+                             f"the 'sketch' estimator and the 'sketch' criticality go together (the stop test "
+                             f"reads the sketch's shares)")
         if self.group_reduce not in ("max", "sum"):
             raise bad("group_reduce", "one of 'max', 'sum'")
         if self.rank_by not in ("criticality", "mean"):

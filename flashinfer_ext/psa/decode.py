@@ -42,9 +42,12 @@ Cautions:
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from .block_meta import update_block_meta
+from .key_sketch import sketch_block_mass, sketch_shares, update_key_sketch
 from .config import PsaDecodeConfig
 from .criticality import CritTile, block_criticality, bound_suffix, rank_blocks, suffix_tiles
 from .chunks import plan_waves, psa_chunk_attention
@@ -139,6 +142,10 @@ class PsaDecodeWrapper:
         self._prefix = config.ranking_prefix() if cols <= 65536 else 0
         self._select_scratch_buf = torch.empty(max(1, mb * hk * self._prefix), dtype=torch.int64, device=dev)
         self._suffix_buf = torch.empty(mb * hk * (cols + 1), **f32)
+        self.sketch = config.criticality == "sketch"
+        # sketch: per (request, KV head, query head) block masses and totals (flashinfer_ext.psa.key_sketch)
+        self._mass_buf = torch.empty(mb * hk * g * cols if self.sketch else 1, **f32)
+        self._tot_buf = torch.zeros(mb * hk * g, **f32)
         self._suffix_tiles_buf = torch.empty(mb * hk * suffix_tiles(cols, self.SUFFIX_TILE), **f32)
         ends = config.ranked_chunk_ends(cols)
         self._chunk_ends_buf = torch.tensor([0] + ends, **i32)
@@ -226,17 +233,17 @@ class PsaDecodeWrapper:
         self._list_lens_buf[:bs].copy_(limit.clamp(max=cols)[:, None].expand(bs, self.num_kv_heads))
         self._probe_lens_buf[:bs].copy_(torch.where(p_eps >= 1.0, n_blocks, capped).clamp(max=cols))
 
-    def update_meta_decode(self, k_buffer: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor,
-                           kmean: torch.Tensor) -> None:
+    def update_meta_decode(self, k_buffer: torch.Tensor, *meta: torch.Tensor) -> None:
         """Fold each request's newest key (position ``seq_len - 1``) into its block's metadata.
 
-        ``k_buffer`` ``[num_slots, num_kv_heads, head_dim]`` and ``kmin/kmax/kmean``
-        ``[num_rows, num_kv_heads, head_dim]`` of one layer. Graph-capturable.
+        ``k_buffer`` ``[num_slots, num_kv_heads, head_dim]`` and ``meta`` of one layer: ``kmin, kmax, kmean``
+        ``[num_rows, num_kv_heads, head_dim]``, or for criticality 'sketch' ``codes, scales`` of a
+        :class:`flashinfer_ext.psa.key_sketch.KeySketchPool`. Graph-capturable.
         """
         bs = self._bs
-        update_block_meta(k_buffer, kmin, kmax, kmean, self._req_to_token, self._req_pool_indices_buf[:bs],
-                          self._block_table_buf[:bs], self._start_buf[:bs], self._seq_lens_buf[:bs],
-                          block_size=self.block_size, max_new_blocks=1)
+        fold = update_key_sketch if self.sketch else update_block_meta
+        fold(k_buffer, *meta, self._req_to_token, self._req_pool_indices_buf[:bs], self._block_table_buf[:bs],
+             self._start_buf[:bs], self._seq_lens_buf[:bs], block_size=self.block_size, max_new_blocks=1)
 
     def _views(self):
         bs, h, c = self._bs, self.num_kv_heads, self._num_cols
@@ -246,8 +253,8 @@ class PsaDecodeWrapper:
 
     STAGES = ("criticality", "ranking", "suffix")
 
-    def run(self, q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor, kmin: torch.Tensor,
-            kmax: torch.Tensor, kmean: torch.Tensor, stop_after: str | None = None):
+    def run(self, q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor, *meta: torch.Tensor,
+            stop_after: str | None = None):
         """One layer of PSA decode.
 
         ``stop_after`` (benchmarks only): return right after that stage of :attr:`STAGES` (the outputs are then
@@ -256,7 +263,8 @@ class PsaDecodeWrapper:
         Args:
           q: ``[batch, num_qo_heads, head_dim]`` post-RoPE queries.
           k_buffer, v_buffer: ``[num_slots, num_kv_heads, head_dim]`` bf16/fp16.
-          kmin, kmax, kmean: ``[num_rows, num_kv_heads, head_dim]`` this layer's block metadata.
+          meta: this layer's ``kmin, kmax, kmean`` ``[num_rows, num_kv_heads, head_dim]`` block metadata, or for
+            criticality 'sketch' its ``codes, scales`` (:class:`flashinfer_ext.psa.key_sketch.KeySketchPool`).
 
         Returns views into the wrapper's buffers (valid until the next run):
           ``o`` ``[batch, num_qo_heads, head_dim]``, ``lse`` ``[batch, num_qo_heads]`` fp32 base 2,
@@ -270,11 +278,18 @@ class PsaDecodeWrapper:
             return o, lse, nread
         scores, keys, sorted_keys, order = self._views()
         seq_lens, n_forced, list_lens = self._seq_lens_buf[:bs], self._n_forced_buf[:bs], self._list_lens_buf[:bs]
-        block_criticality(q, kmin, kmax, kmean, self._block_table_buf[:bs], seq_lens, scores,
-                          block_size=self.block_size, sink_blocks=cfg.sink_blocks,
-                          local_blocks=cfg.local_blocks, criticality=cfg.criticality,
-                          group_reduce=cfg.group_reduce, keys_out=keys, rank_by=cfg.rank_by,
-                          tile=self.crit_tile)
+        if self.sketch:  # block masses from the int4 keys, then the group-max shares and each head's total
+            mass = self._mass_buf[: bs * hk * g * self._num_cols].view(bs, hk, g, self._num_cols)
+            sketch_block_mass(q, *meta, self._block_table_buf[:bs], seq_lens, mass, block_size=self.block_size,
+                              sm_scale=self.sm_scale)
+            sketch_shares(mass, seq_lens, scores, self._tot_buf[: bs * hk * g], block_size=self.block_size,
+                          sink_blocks=cfg.sink_blocks, local_blocks=cfg.local_blocks, keys_out=keys)
+        else:
+            block_criticality(q, *meta, self._block_table_buf[:bs], seq_lens, scores,
+                              block_size=self.block_size, sink_blocks=cfg.sink_blocks,
+                              local_blocks=cfg.local_blocks, criticality=cfg.criticality,
+                              group_reduce=cfg.group_reduce, keys_out=keys, rank_by=cfg.rank_by,
+                              tile=self.crit_tile)
         if stop_after == "criticality":
             return o, lse, nread
         c = self._num_cols
@@ -286,8 +301,9 @@ class PsaDecodeWrapper:
         suffix = self._suffix_buf[: bs * hk * (c + 1)].view(bs, hk, c + 1)
         if stop_after == "ranking":
             return o, lse, nread
-        if cfg.estimator != "paper":
-            bound_suffix(scores, suffix, sm_scale=self.sm_scale, block_size=self.block_size, order=order,
+        if cfg.estimator != "paper":  # sketch: the scores are base-2 log shares, so the suffix is log2 sum 2^share
+            bound_suffix(scores, suffix, sm_scale=math.log(2.0) if self.sketch else self.sm_scale,
+                         block_size=1 if self.sketch else self.block_size, order=order,
                          tile=self.SUFFIX_TILE, tiles_buf=self._suffix_tiles_buf)
         if stop_after == "suffix":
             return o, lse, nread
@@ -309,7 +325,8 @@ class PsaDecodeWrapper:
                                 check_done=k > 0, tile_tokens=self.tile_tokens)
             wave_merge(partials, state, o, lse, nread, kept, seq_lens, list_lens, n_forced, self._chunk_ends_buf,
                        self._eps_buf[:bs], suffix, probe, chunk0=chunk0, n_chunks=n_chunks, first=k == 0,
-                       block_size=self.block_size, estimator=cfg.estimator, calib_slack=cfg.calib_slack)
+                       block_size=self.block_size, estimator=cfg.estimator, calib_slack=cfg.calib_slack,
+                       totals=self._tot_buf[: bs * hk * g])
         return o, lse, nread
 
     @property

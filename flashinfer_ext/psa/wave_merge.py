@@ -16,6 +16,8 @@ with ``R`` from the configured estimator:
                     ranked block was read)
   * ``mean``:       R = U(e) * 2^(delta + calib_slack) with the scores = group max of q . mean key
                     (an estimate, not a bound; delta as above, 0 while none)
+  * ``sketch``:     R_g = 2^(T_g + calib_slack) * sum_{rank >= e} 2^share, the shares and each query head's
+                    total T_g from the int4 key sketch (:mod:`flashinfer_ext.psa.key_sketch`; an estimate)
 
 (``e`` = ranks read, ``U`` from :func:`flashinfer_ext.psa.criticality.bound_suffix``). A pair also
 stops at the end of its list (``N_left == 0`` or the ``max_blocks`` cap; a row with
@@ -44,7 +46,7 @@ import triton.language as tl
 
 __all__ = ["wave_merge", "ESTIMATOR_IDS"]
 
-ESTIMATOR_IDS = {"paper": 0, "bound": 1, "calibrated": 2, "mean": 3}
+ESTIMATOR_IDS = {"paper": 0, "bound": 1, "calibrated": 2, "mean": 3, "sketch": 4}
 
 
 @triton.jit
@@ -62,7 +64,7 @@ def _wave_merge_kernel(
     po_ptr, plse_ptr, pmin_ptr, pdmax_ptr, wmax,
     seq_lens_ptr, list_lens_ptr, n_forced_ptr, ends_ptr, eps_ptr, sfx_ptr, stride_sb, stride_sh,
     st_acc_ptr, st_lse_ptr, st_min_ptr, st_dmax_ptr, done_ptr, nread_ptr, kept_ptr,
-    probe_eps_ptr, probe_lens_ptr, probe_nread_ptr,
+    probe_eps_ptr, probe_lens_ptr, probe_nread_ptr, tot_ptr,
     o_ptr, stride_ob, stride_oh, lse_ptr, stride_lb,
     chunk0, n_chunks, calib_slack,
     NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, G_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
@@ -147,6 +149,9 @@ def _wave_merge_kernel(
             if ESTIMATOR == 3:  # 'mean': an estimate raised by the largest gap seen, not clamped
                 corr = tl.where(cum_dmax == float("-inf"), 0.0, cum_dmax) + calib_slack
                 rem = rem + corr
+            if ESTIMATOR == 4:  # 'sketch': the shares' suffix times each query head's approximate total
+                tot = tl.load(tot_ptr + p64 * GROUP + g, mask=gmask, other=0.0)
+                rem = rem + (tot + calib_slack)[None, :]
         rem = tl.where((n_left <= 0)[:, None], float("-inf"), rem)
         ok = (cum_lse + log2_1m_eps >= log2_eps + rem) | (g >= GROUP)[None, :]
         all_ok = tl.min(ok.to(tl.int32), axis=1) > 0
@@ -202,7 +207,7 @@ def _wave_merge_kernel(
 
 def wave_merge(partials, state, out, lse_out, nread_out, kept_out, seq_lens, list_lens, n_forced, chunk_ends,
                epsilon, suffix, probe, *, chunk0: int, n_chunks: int, first: bool, block_size: int, estimator: str,
-               calib_slack: float, tile_chunks: int = 16) -> None:
+               calib_slack: float, tile_chunks: int = 16, totals: torch.Tensor | None = None) -> None:
     """Fold chunks ``[chunk0, chunk0 + n_chunks)`` (partial slots ``0..n_chunks-1``) into the state.
 
     Args:
@@ -218,7 +223,11 @@ def wave_merge(partials, state, out, lse_out, nread_out, kept_out, seq_lens, lis
         'bound' / 'calibrated' estimators).
       probe: ``(probe_epsilon [batch] fp32, probe_lens [batch] int32, probe_nread [batch, num_kv_heads] int32
         contiguous)``: the probe's threshold and list cap per row, and its output (written like ``nread``).
+      totals: ``[batch * num_kv_heads * group]`` fp32, each query head's base-2 total from
+        :func:`flashinfer_ext.psa.key_sketch.sketch_shares` (the 'sketch' estimator only).
     """
+    if estimator == "sketch" and totals is None:
+        raise ValueError("wave_merge: the 'sketch' estimator needs totals")
     batch, num_qo_heads, head_dim = out.shape
     num_kv_heads = list_lens.shape[1]
     group = num_qo_heads // num_kv_heads
@@ -234,7 +243,7 @@ def wave_merge(partials, state, out, lse_out, nread_out, kept_out, seq_lens, lis
         po, plse, pmin, pdmax, po.shape[1],
         seq_lens, list_lens, n_forced, chunk_ends, epsilon, suffix, suffix.stride(0), suffix.stride(1),
         st_acc, st_lse, st_min, st_dmax, done, nread_out, kept_out,
-        probe_eps, probe_lens, probe_nread,
+        probe_eps, probe_lens, probe_nread, totals if totals is not None else epsilon,
         out, out.stride(0), out.stride(1), lse_out, lse_out.stride(0),
         chunk0, n_chunks, float(calib_slack),
         NUM_KV_HEADS=num_kv_heads, GROUP=group, G_PAD=triton.next_power_of_2(group), HEAD_DIM=head_dim,

@@ -136,8 +136,9 @@ def make_runner(config: PsaConfig, page_size: int, model_runner):
             req_to_token=model_runner.req_to_token_pool.req_to_token,
             max_batch_size=int(model_runner.req_to_token_pool.size), sm_scale=shape.head_dim ** -0.5,
             out_dtype=model_runner.dtype, page_size=page_size)
-        logger.info("sglang-sparse psa: block metadata %.1f MiB (%d layers, %d rows, block %d, page %d: %s), "
-                    "max batch %d", runner.meta_bytes() / 2**20, shape.num_layers, runner.meta.kmin.shape[1],
+        logger.info("sglang-sparse psa: %s %.1f MiB (%d layers, %d rows, block %d, page %d: %s), "
+                    "max batch %d", "int4 key sketch" if runner.kernel_cfg.criticality == "sketch" else "block metadata",
+                    runner.meta_bytes() / 2**20, shape.num_layers, runner.meta.num_rows,
                     config.block_size, page_size, "rows per page" if page_size > 1 else "rows per request block",
                     model_runner.req_to_token_pool.size)
     else:

@@ -41,6 +41,7 @@ class PsaCudaRunner(_RunnerBase):
         super().__init__(cfg, block_size, shape, device)
         from flashinfer_ext.psa.block_meta import BlockMetaPool
         from flashinfer_ext.psa.decode import PsaDecodeWrapper
+        from flashinfer_ext.psa.key_sketch import KeySketchPool
         from flashinfer_ext.psa.meta_rows import MetaRowAllocator
 
         page_size = block_size if page_size is None else int(page_size)
@@ -53,8 +54,12 @@ class PsaCudaRunner(_RunnerBase):
         num_rows = -(-k0.shape[0] // block_size) + 1 + (max_batch_size if page_size == 1 else 0)
         self.rows = (MetaRowAllocator(num_rows, req_to_token.shape[0], self.max_blocks_per_req, device)
                      if page_size == 1 else None)
-        self.meta = BlockMetaPool(shape.num_layers, num_rows, shape.num_kv_heads, shape.head_dim, block_size,
-                                  dtype=k0.dtype, device=device, layout=PsaDecodeWrapper.META_LAYOUT)
+        if self.kernel_cfg.criticality == "sketch":  # an int4 copy of every key, per block row
+            self.meta = KeySketchPool(shape.num_layers, num_rows, shape.num_kv_heads, shape.head_dim, block_size,
+                                      device=device)
+        else:
+            self.meta = BlockMetaPool(shape.num_layers, num_rows, shape.num_kv_heads, shape.head_dim, block_size,
+                                      dtype=k0.dtype, device=device, layout=PsaDecodeWrapper.META_LAYOUT)
         self.pool = token_to_kv_pool
         self._req_to_token = req_to_token  # SGLang's ReqToTokenPool.req_to_token: one tensor for the server's life
         self._fresh_rows: set[int] = set()  # rows of the planned decode batch whose allocated metadata is new
@@ -76,12 +81,12 @@ class PsaCudaRunner(_RunnerBase):
         self._xp = None               # device tensors of the current extend batch's prefill probes
 
     def meta_bytes(self) -> int:
-        return 3 * self.meta.kmin.numel() * self.meta.kmin.element_size()
+        return self.meta.nbytes()
 
     def meta_report(self) -> dict:
         """Block-metadata counters for ``/server_info``: rows of the pool, rows held by requests (page size 1),
         requests whose metadata was rebuilt from position 0, sparse rows sent dense for want of rows."""
-        rows = self.meta.kmin.shape[1]
+        rows = self.meta.num_rows
         return {"meta_rows_total": int(rows), "meta_rows_used": None if self.rows is None else self.rows.used_rows,
                 "meta_rebuilds": int(self.meta_rebuilds), "meta_row_shortfalls": int(self.meta_row_shortfalls)}
 
@@ -97,15 +102,8 @@ class PsaCudaRunner(_RunnerBase):
         the page, which may differ in the last bit from the kernel's incremental mean."""
         if self.rows is not None:
             raise RuntimeError("rebuild_page_meta: page size 1 keeps metadata per request, not per page")
-        p = self.block_size
         for lid in range(self.shape.num_layers):
-            k = self.pool.get_key_buffer(lid)
-            n = k.shape[0] // p
-            kp = k[: n * p].view(n, p, k.shape[1], k.shape[2]).index_select(0, pages)  # [n_pages, P, H, D]
-            kmin, kmax, kmean = self.meta.layer(lid)
-            kmin.index_copy_(0, pages, kp.amin(1).to(kmin.dtype))
-            kmax.index_copy_(0, pages, kp.amax(1).to(kmax.dtype))
-            kmean.index_copy_(0, pages, kp.float().mean(1).to(kmean.dtype))
+            self.meta.rebuild_pages(lid, self.pool.get_key_buffer(lid), pages)
 
     def _block_table(self, req_pool_indices: torch.Tensor, max_len: int) -> torch.Tensor:
         """``[rows, ceil(max_len / block)]`` int32 page ids of the rows ``req_pool_indices``."""
@@ -210,14 +208,9 @@ class PsaCudaRunner(_RunnerBase):
 
     def _fold_decode_meta(self, layer_id: int) -> None:
         """Fold this step's new key into its block's metadata, for rows that keep metadata (graph-safe)."""
-        from flashinfer_ext.psa.block_meta import update_block_meta
-
         bs = self.bs
-        kmin, kmax, kmean = self.meta.layer(layer_id)
-        update_block_meta(self.pool.get_key_buffer(layer_id), kmin, kmax, kmean,
-                          self._req_to_token, self._rpi_buf[:bs], self._table_buf[:bs],
-                          self._meta_start_buf[:bs], self._meta_end_buf[:bs], block_size=self.block_size,
-                          max_new_blocks=1)
+        self.meta.update(layer_id, self.pool.get_key_buffer(layer_id), self._req_to_token, self._rpi_buf[:bs],
+                         self._table_buf[:bs], self._meta_start_buf[:bs], self._meta_end_buf[:bs], 1)
 
     def _plan_wrapper(self, forward_batch, table: torch.Tensor, max_len: int | None) -> None:
         """Plan the PSA wrapper: rows that are not sparse, and probe rows, read everything (epsilon 1.0); the probe
@@ -324,9 +317,8 @@ class PsaCudaRunner(_RunnerBase):
             _write_kv(backend, pool, layer, forward_batch, k, v)
         k_buf, v_buf = pool.get_key_buffer(lid), pool.get_value_buffer(lid)
         self._fold_decode_meta(lid)
-        kmin, kmax, kmean = self.meta.layer(lid)
         num_qo, d = layer.tp_q_head_num, layer.head_dim
-        o, _, nread = self.wrapper.run(q.reshape(-1, num_qo, d), k_buf, v_buf, kmin, kmax, kmean)
+        o, _, nread = self.wrapper.run(q.reshape(-1, num_qo, d), k_buf, v_buf, *self.meta.layer(lid))
         rows, bs = self.step_rows, self.bs  # statistics: in-place, into preallocated buffers
         # blocks read at each row's epsilon: a sparse row's reads; a probe row's reads had it run sparsely
         torch.sum(self.wrapper.probe_nread, 1, dtype=torch.float32, out=self._nread_sum_buf[:bs])

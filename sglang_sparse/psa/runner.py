@@ -59,10 +59,11 @@ from sglang_sparse.stats import host_row
 
 def kernel_config(cfg: PsaConfig) -> PsaDecodeConfig:
     """Map the user-facing :class:`PsaConfig` onto the kernel's :class:`PsaDecodeConfig`."""
-    mean = cfg.estimator == "mean"  # estimates unread blocks from q . mean key: scores are the mean scores
+    # 'mean' estimates unread blocks from q . mean key (the mean scores); 'sketch' from the int4 key sketch's shares
+    crit = {"mean": "mean", "sketch": "sketch"}.get(cfg.estimator, "cuboid")
     return PsaDecodeConfig(epsilon=cfg.epsilon, micro_batch_blocks=cfg.micro_batch_blocks,
                            sink_blocks=cfg.sink_pages, local_blocks=cfg.local_pages, max_blocks=cfg.max_blocks,
-                           estimator=cfg.estimator, criticality="mean" if mean else "cuboid")
+                           estimator=cfg.estimator, criticality=crit)
 
 
 @dataclasses.dataclass(frozen=True)
