@@ -302,8 +302,9 @@ def run_case(name, batch, ctx, page, planted=True, capture=None, hq=32, hk=8, d=
         kq = topk_at_equal_mass(cums, res["kept_mean"])
         n_forced = min(nb, 3)
         # top-k = the same wave kernels with the list capped at k; 'bound' with eps ~ 1 never stops earlier
+        tkw = dict(estimator="sketch", criticality="sketch") if sketch else dict(estimator="bound")
         tcfg = PsaDecodeConfig(epsilon=1.0 - 1e-6, micro_batch_blocks=8, sink_blocks=1, local_blocks=2,
-                               max_blocks=max(1, kq - n_forced), estimator="bound")
+                               max_blocks=max(1, kq - n_forced), **tkw)
         wt = PsaDecodeWrapper(tcfg, num_qo_heads=hq, num_kv_heads=hk, head_dim=d, block_size=page,
                               max_batch_size=batch, max_blocks_per_req=nb, device=dev, sm_scale=sm_scale)
         wt.plan(req_to_token, rpi, seq_lens, table)
@@ -382,13 +383,13 @@ def run_real(model_dir, slot_tokens: dict, layers, dev: str, wrapper_kw=None, cf
 
 
 def real_summary(results: list, gpu: str, estimators=(PsaDecodeConfig.estimator,)) -> dict:
-    """``{"real_16k": {...}, "real_32k": {...}}`` from the ``testbed real`` rows of ``estimators[0]`` (the others
-    under ``real_16k_<estimator>``...): read fraction (blocks in the result / all blocks), FlashInfer dense time /
+    """``{"real_16k": {...}, "real_32k": {...}}`` from the ``testbed real`` rows of the kernel's default estimator
+    (the other ``estimators`` under ``real_16k_<estimator>``...): read fraction (blocks in the result / all blocks), FlashInfer dense time /
     PSA time (CUDA-graph replay; null without a GPU timing), top-k bytes / PSA bytes at equal mean kept mass; plus
     context, kept mass and the device."""
     out = {}
     for slot, est in ((s, e) for e in estimators for s in REAL_SLOTS):
-        key = slot if est == estimators[0] else f"{slot}_{est}"
+        key = slot if est == PsaDecodeConfig.estimator else f"{slot}_{est}"
         r = next((r for r in results if r.get("case") == real_capture.REAL_CASE and r.get("slot") == slot
                   and r.get("estimator", est) == est), None)
         if r is None:
@@ -516,8 +517,8 @@ def main():
                     help="prompt tokens of real_16k,real_32k (default 16000,32000; e.g. 1024,2048 on a CPU)")
     ap.add_argument("--real-layers", default=",".join(map(str, REAL_LAYERS)), help="captured layers")
     ap.add_argument("--real-estimators", default=PsaDecodeConfig.estimator,
-                    help="stop-test estimators of the testbed real rows, comma-separated (the first gives real_16k / "
-                         "real_32k, the others real_16k_<estimator>...; e.g. sketch,calibrated)")
+                    help="stop-test estimators of the testbed real rows, comma-separated (the kernel's default gives "
+                         "real_16k / real_32k, the others real_16k_<estimator>...; e.g. sketch,calibrated)")
     ap.add_argument("--wave-plan", default=None, metavar="PROGRAMS_PER_SM,GROWTH,MAX_WAVES[,SORTED_PREFIX]",
                     help="the wrapper's wave plan for every case (default: PsaDecodeWrapper's); 'best:SWEEP.json' takes "
                          "the plan pick_wave_plan chooses from a --wave-sweep report")

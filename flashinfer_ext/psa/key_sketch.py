@@ -80,10 +80,10 @@ def _update_sketch_kernel(
         k_lo = tl.load(base, mask=m2, other=0.0).to(tl.float32)
         k_hi = tl.load(base + HALF, mask=m2, other=0.0).to(tl.float32)
         amax = tl.maximum(tl.max(tl.abs(k_lo), axis=1), tl.max(tl.abs(k_hi), axis=1))
-        scale = tl.maximum(amax / 7.0, MIN_SCALE).to(tl.float16)
+        scale = tl.maximum(tl.math.div_rn(amax, 7.0), MIN_SCALE).to(tl.float16)
         sf = scale.to(tl.float32)
-        c_lo = tl.minimum(tl.maximum(tl.floor(k_lo / sf[:, None] + 0.5), -7.0), 7.0) + 8.0
-        c_hi = tl.minimum(tl.maximum(tl.floor(k_hi / sf[:, None] + 0.5), -7.0), 7.0) + 8.0
+        c_lo = tl.minimum(tl.maximum(tl.floor(tl.math.div_rn(k_lo, sf[:, None]) + 0.5), -7.0), 7.0) + 8.0
+        c_hi = tl.minimum(tl.maximum(tl.floor(tl.math.div_rn(k_hi, sf[:, None]) + 0.5), -7.0), 7.0) + 8.0
         byte = (c_lo.to(tl.int32) | (c_hi.to(tl.int32) << 4)).to(tl.uint8)
         c_off = row * stride_c_row + h * stride_c_head + t[:, None] * HALF + e[None, :]
         tl.store(codes_ptr + c_off, byte, mask=m2)
