@@ -525,6 +525,9 @@ def main():
     ap.add_argument("--stage-profile", action="store_true",
                     help="only the stage times (criticality, ranking, bound suffix, waves + merges) of the headline "
                          "planted cases and the 32k testbed capture: psa_stage_profile.{json,md} in --out")
+    ap.add_argument("--stage-estimator", default=None,
+                    help="with --stage-profile: only the testbed capture, with this stop-test estimator (e.g. sketch); "
+                         "writes psa_stage_profile_<estimator>.{json,md}")
     ap.add_argument("--crit-sweep", action="store_true",
                     help="only the criticality pass's launch shapes x metadata layouts (psa_plans.CRIT_SWEEP_GRID) over "
                          "the headline planted cases and the 32k testbed capture: psa_crit_sweep.{json,md} in --out")
@@ -562,9 +565,9 @@ def main():
             print("peak measurement failed:", e)
     if args.stage_profile:
         real_pool = psa_plans.real_pool(args.testbed_model, slot_tokens, real_layers, dev, meta)
-        psa_plans.run_stage_profile(run_case, args.out, meta, dev,
-                                    cases=((2, 300, 16),) if args.smoke else psa_plans.WAVE_SWEEP_CASES,
-                                    real_pool=real_pool)
+        cases = ((2, 300, 16),) if args.smoke else psa_plans.WAVE_SWEEP_CASES
+        psa_plans.run_stage_profile(run_case, args.out, meta, dev, cases=() if args.stage_estimator else cases,
+                                    real_pool=real_pool, estimator=args.stage_estimator)
         return
     if args.crit_sweep:
         real_pool = psa_plans.real_pool(args.testbed_model, slot_tokens, real_layers, dev, meta)

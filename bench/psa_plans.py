@@ -68,11 +68,16 @@ def _todo(cases, real_pool) -> list:
     return todo
 
 
-def run_stage_profile(run_case, out: Path, meta: dict, dev: str, cases=WAVE_SWEEP_CASES, real_pool=None) -> list:
+def run_stage_profile(run_case, out: Path, meta: dict, dev: str, cases=WAVE_SWEEP_CASES, real_pool=None,
+                      estimator: str | None = None) -> list:
     """Where a layer's time goes, at the defaults: criticality (the metadata pass), ranking, bound suffix, waves +
-    merges, per planted case and the 32k testbed capture. Writes ``psa_stage_profile.{json,md}``."""
+    merges, per planted case and the 32k testbed capture. Writes ``psa_stage_profile.{json,md}``
+    (``psa_stage_profile_<estimator>`` with ``estimator``: that stop test's stages; for 'sketch' the criticality
+    stage is the sketch's block masses and shares)."""
     rows = []
     for name, kw in _todo(cases, real_pool):
+        if estimator:
+            kw = dict(kw, estimator=estimator)
         try:
             r = run_case(name, dev=dev, with_topk=False, stage_profile=True, **kw)
         except Exception as e:
@@ -81,7 +86,8 @@ def run_stage_profile(run_case, out: Path, meta: dict, dev: str, cases=WAVE_SWEE
         print(json.dumps(r), flush=True)
         rows.append(r)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "psa_stage_profile.json").write_text(json.dumps(dict(meta=meta, results=rows), indent=1))
+    stem = "psa_stage_profile" + (f"_{estimator}" if estimator else "")
+    (out / f"{stem}.json").write_text(json.dumps(dict(meta=meta, results=rows), indent=1))
     peak = meta.get("peak_bps")
     lines = ["# PSA decode: where a layer's time goes", "", f"- command: `{meta['command']}`",
              f"- device: {meta['gpu']}; peak copy bandwidth {(peak or float('nan')) / 1e12:.2f} TB/s",
@@ -99,7 +105,7 @@ def run_stage_profile(run_case, out: Path, meta: dict, dev: str, cases=WAVE_SWEE
         lines.append(f"| {r['case']} | {r['batch']} | {r['ctx']} | {r['t_psa_us']:.1f} | {t['criticality']:.1f} | "
                      f"{r['criticality_tbps']:.2f} | {t['ranking']:.1f} | {t['bound_suffix']:.1f} | "
                      f"{t['waves_and_merges']:.1f} | {r['waves']} | {r['t_dense_us']:.1f} |")
-    (out / "psa_stage_profile.md").write_text("\n".join(lines) + "\n")
+    (out / f"{stem}.md").write_text("\n".join(lines) + "\n")
     return rows
 
 
