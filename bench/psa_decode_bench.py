@@ -175,15 +175,11 @@ def topk_at_equal_mass(cums, target_mean):
 
 
 def blocks_actually_read(w, nread, list_lens, n_forced):
-    """Blocks the chunk kernels read: every chunk of the waves run for a pair (up to the one it stopped in). The
-    sketch's two waves: the chunks below the predicted stop, and all of the rest for a pair it did not stop."""
+    """Blocks the chunk kernels read: every chunk of the waves run for a pair (up to the one it stopped in)."""
     cfg = w.config
     ends = [0] + cfg.ranked_chunk_ends(w.max_blocks_per_req)
     total = 0
     nread_h, lens_h, nf_h = nread.cpu().tolist(), list_lens.cpu().tolist(), n_forced.cpu().tolist()
-    if w.sketch:
-        caps = w._cap_buf[: len(nread_h) * w.num_kv_heads].view(len(nread_h), -1).cpu().tolist()
-        return sum(c if n <= c else L for nr, cr, lr in zip(nread_h, caps, lens_h) for n, c, L in zip(nr, cr, lr))
     for r, row in enumerate(nread_h):
         for h, n in enumerate(row):
             nf, L = min(nf_h[r], lens_h[r][h]), lens_h[r][h]
