@@ -50,7 +50,7 @@ def _chunk_kernel(
     chunk0, n_chunks, sm_scale_log2, log2_block,
     NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, G_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, SUB: tl.constexpr,
-    CHECK_DONE: tl.constexpr, DOT_FP32: tl.constexpr, cap_ptr, CAP_PART: tl.constexpr,
+    CHECK_DONE: tl.constexpr, DOT_FP32: tl.constexpr,
 ):
     pid = tl.program_id(0)
     pair = pid // n_chunks
@@ -67,10 +67,6 @@ def _chunk_kernel(
     hi = tl.minimum(nf + tl.load(ends_ptr + j), list_len)
     if CHECK_DONE:
         hi = tl.where(tl.load(done_ptr + pair) != 0, lo, hi)
-    if CAP_PART == 1:  # only the chunks below the pair's predicted stop (a chunk end, so no chunk straddles it)
-        hi = tl.where(lo >= tl.load(cap_ptr + pair), lo, hi)
-    if CAP_PART == 2:  # only the chunks from the predicted stop on
-        hi = tl.where(lo < tl.load(cap_ptr + pair), lo, hi)
     active = lo < hi
 
     if active:  # chunks past the list end, or of pairs already done, do nothing at all
@@ -114,8 +110,7 @@ def _chunk_kernel(
 
 def psa_chunk_attention(q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, order, scores,
                         list_lens, n_forced, chunk_ends, done, partials, *, chunk0: int, n_chunks: int,
-                        block_size: int, sm_scale: float, check_done: bool, tile_tokens: int = 64,
-                        cap: torch.Tensor | None = None, cap_part: int = 0) -> None:
+                        block_size: int, sm_scale: float, check_done: bool, tile_tokens: int = 64) -> None:
     """Attend chunks ``[chunk0, chunk0 + n_chunks)`` of every (request, KV head); one launch.
 
     Args:
@@ -126,8 +121,6 @@ def psa_chunk_attention(q, k_buffer, v_buffer, req_to_token, req_pool_indices, s
       list_lens: ``[batch, num_kv_heads]`` int32 (contiguous) ranks that may be read; n_forced: ``[batch]`` int32.
       chunk_ends: int32 device ``[>= chunk0 + n_chunks]`` = ``[0] + ranked_chunk_ends(...)``.
       done: ``[batch, num_kv_heads]`` int32 (read only when ``check_done``).
-      cap, cap_part: ``cap_part`` 1 attends only the chunks starting below ``cap[pair]`` (int32 ``[batch *
-        num_kv_heads]``, a rank that is a chunk end), 2 only those starting at or after it, 0 ignores ``cap``.
       partials: ``(o [P, W, G, D] fp32, lse [P, W, G], as_min [P, W, G], dmax [P, W, G])`` with
         ``P >= batch * num_kv_heads`` pairs and ``W >= n_chunks``; chunk ``chunk0 + i`` goes to slot ``i``.
     """
@@ -151,7 +144,6 @@ def psa_chunk_attention(q, k_buffer, v_buffer, req_to_token, req_pool_indices, s
         NUM_KV_HEADS=num_kv_heads, GROUP=group, G_PAD=max(16, triton.next_power_of_2(group)),
         HEAD_DIM=head_dim, D_PAD=max(16, triton.next_power_of_2(head_dim)), BLOCK_SIZE=block_size,
         SUB=sub, CHECK_DONE=check_done, DOT_FP32=os.environ.get("TRITON_INTERPRET", "0") == "1",
-        cap_ptr=cap if cap is not None else list_lens, CAP_PART=cap_part if cap is not None else 0,
     )
 
 

@@ -14,10 +14,7 @@ remaining-mass bound suffix (Triton;
 'bound'/'calibrated' estimators only) -> for each *wave* of the host plan: chunk
 attention (:mod:`flashinfer_ext.psa.chunks`, one program per (request, KV head, chunk),
 pairs already done exit at once) + merge with the stop test chunk by chunk
-(:mod:`flashinfer_ext.psa.wave_merge`). With criticality 'sketch' the passes are the sketch's
-(:mod:`flashinfer_ext.psa.key_sketch`: block masses, shares and totals in place of criticality, then the predicted
-stop after the suffix) and the wave plan is two waves over every chunk: the chunks below each pair's predicted stop,
-then the others for the pairs the exact test has not stopped. The result equals sequential PSA with the chunk
+(:mod:`flashinfer_ext.psa.wave_merge`). The result equals sequential PSA with the chunk
 schedule of :meth:`PsaDecodeConfig.ranked_chunk_ends` (reference:
 :func:`flashinfer_ext.common.reference.progressive_decode_reference`), whatever the wave layout.
 No ``.item()``, no host sync, no allocation of its own, launch count fixed by
@@ -50,7 +47,7 @@ import math
 import torch
 
 from .block_meta import update_block_meta
-from .key_sketch import predict_stop, sketch_block_mass, sketch_shares, update_key_sketch
+from .key_sketch import sketch_block_mass, sketch_shares, update_key_sketch
 from .config import PsaDecodeConfig
 from .criticality import CritTile, block_criticality, bound_suffix, rank_blocks, suffix_tiles
 from .chunks import plan_waves, psa_chunk_attention
@@ -110,7 +107,6 @@ class PsaDecodeWrapper:
         if not 1 <= block_size <= 128 or block_size & (block_size - 1):
             raise ValueError(f"block_size={block_size} must be a power of two in [1, 128]")
         self.config = config
-        self.sketch = config.criticality == "sketch"
         self.num_qo_heads, self.num_kv_heads, self.head_dim = num_qo_heads, num_kv_heads, head_dim
         self.group = num_qo_heads // num_kv_heads
         self.block_size = block_size
@@ -146,10 +142,10 @@ class PsaDecodeWrapper:
         self._prefix = config.ranking_prefix() if cols <= 65536 else 0
         self._select_scratch_buf = torch.empty(max(1, mb * hk * self._prefix), dtype=torch.int64, device=dev)
         self._suffix_buf = torch.empty(mb * hk * (cols + 1), **f32)
+        self.sketch = config.criticality == "sketch"
         # sketch: per (request, KV head, query head) block masses and totals (flashinfer_ext.psa.key_sketch)
         self._mass_buf = torch.empty(mb * hk * g * cols if self.sketch else 1, **f32)
         self._tot_buf = torch.zeros(mb * hk * g, **f32)
-        self._cap_buf = torch.zeros(mb * hk, **i32)  # sketch: per pair the rank end of the first wave
         self._suffix_tiles_buf = torch.empty(mb * hk * suffix_tiles(cols, self.SUFFIX_TILE), **f32)
         ends = config.ranked_chunk_ends(cols)
         self._chunk_ends_buf = torch.tensor([0] + ends, **i32)
@@ -176,9 +172,6 @@ class PsaDecodeWrapper:
         self._wave_plan: list[tuple[int, int]] = []
 
     def _waves(self, bs: int, cols: int) -> list[tuple[int, int]]:
-        if self.sketch:  # every chunk twice: below the predicted stop, then past it (pairs not stopped only)
-            total = 1 + len(self.config.ranked_chunk_ends(cols))
-            return [(0, total), (0, total)]
         return plan_waves(self.config.ranked_chunk_ends(cols), bs * self.num_kv_heads,
                           target_programs=self.wave_programs, growth=self.wave_growth, max_waves=self.max_waves)
 
@@ -312,9 +305,6 @@ class PsaDecodeWrapper:
             bound_suffix(scores, suffix, sm_scale=math.log(2.0) if self.sketch else self.sm_scale,
                          block_size=1 if self.sketch else self.block_size, order=order,
                          tile=self.SUFFIX_TILE, tiles_buf=self._suffix_tiles_buf)
-        if self.sketch:
-            predict_stop(suffix, self._chunk_ends_buf, list_lens, n_forced, self._eps_buf[:bs],
-                         self._cap_buf[: bs * hk], calib_slack=cfg.calib_slack)
         if stop_after == "suffix":
             return o, lse, nread
         pairs = bs * hk
@@ -328,16 +318,15 @@ class PsaDecodeWrapper:
                  self._st_min_buf[: pairs * g].view(pairs, g), self._st_dmax_buf[: pairs * g].view(pairs, g), done)
         rpi = self._req_pool_indices_buf[:bs]
         probe = (self._probe_eps_buf[:bs], self._probe_lens_buf[:bs], self._probe_nread_buf[:bs])
-        cap = self._cap_buf[: bs * hk] if self.sketch else None
         for k, (chunk0, n_chunks) in enumerate(self._wave_plan):
             psa_chunk_attention(q, k_buffer, v_buffer, self._req_to_token, rpi, seq_lens, order, scores,
                                 list_lens, n_forced, self._chunk_ends_buf, done, partials, chunk0=chunk0,
                                 n_chunks=n_chunks, block_size=self.block_size, sm_scale=self.sm_scale,
-                                check_done=k > 0, tile_tokens=self.tile_tokens, cap=cap, cap_part=k + 1)
+                                check_done=k > 0, tile_tokens=self.tile_tokens)
             wave_merge(partials, state, o, lse, nread, kept, seq_lens, list_lens, n_forced, self._chunk_ends_buf,
                        self._eps_buf[:bs], suffix, probe, chunk0=chunk0, n_chunks=n_chunks, first=k == 0,
                        block_size=self.block_size, estimator=cfg.estimator, calib_slack=cfg.calib_slack,
-                       totals=self._tot_buf[: bs * hk * g], cap=cap, cap_part=k + 1)
+                       totals=self._tot_buf[: bs * hk * g])
         return o, lse, nread
 
     @property

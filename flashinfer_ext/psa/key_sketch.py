@@ -31,7 +31,7 @@ import triton
 import triton.language as tl
 
 __all__ = ["KeySketchPool", "quantize_keys_reference", "update_key_sketch", "sketch_block_mass", "sketch_shares",
-           "sketch_scores_reference", "predict_stop", "SKETCH_MIN_SCALE"]
+           "sketch_scores_reference", "SKETCH_MIN_SCALE"]
 
 SKETCH_MIN_SCALE = 1e-4
 LOG2E = 1.4426950408889634
@@ -276,53 +276,6 @@ def sketch_shares(mass: torch.Tensor, seq_lens: torch.Tensor, scores_out: torch.
         TILE=min(tile, triton.next_power_of_2(max(num_cols, 16))), WRITE_KEYS=keys_out is not None,
     )
     return scores_out
-
-
-@triton.jit
-def _predict_stop_kernel(sfx_ptr, stride_sb, stride_sh, ends_ptr, n_ends, list_lens_ptr, n_forced_ptr, eps_ptr,
-                         cap_ptr, calib_slack, NUM_KV_HEADS: tl.constexpr, ENDS_PAD: tl.constexpr):
-    pair = tl.program_id(0)
-    r = pair // NUM_KV_HEADS
-    h = pair % NUM_KV_HEADS
-    list_len = tl.load(list_lens_ptr + pair)
-    nf = tl.minimum(tl.load(n_forced_ptr + r), list_len)
-    eps = tl.load(eps_ptr + r)
-    # the stop test passes with the sketch's own read mass once the unread share S <= 1 / (1 + 2^slack eps / (1 - eps))
-    thr = -tl.log2(1.0 + tl.exp2(calib_slack) * tl.minimum(eps, 1.0) / tl.maximum(1.0 - eps, 1e-30))
-    j = tl.arange(0, ENDS_PAD)
-    valid = j < n_ends
-    rank = nf + tl.load(ends_ptr + 1 + j, mask=valid, other=0)
-    in_list = valid & (rank < list_len)
-    s = tl.load(sfx_ptr + r.to(tl.int64) * stride_sb + h * stride_sh + rank, mask=in_list, other=float("inf"))
-    jstar = tl.min(tl.where(in_list & (s <= thr), j, 1 << 30), axis=0)
-    jm = tl.minimum(jstar + 1, n_ends - 1)  # one chunk of margin past the predicted stop
-    cap = tl.minimum(nf + tl.load(ends_ptr + 1 + jm), list_len)
-    cap = tl.where((jstar < (1 << 30)) & (eps < 1.0), cap, list_len)
-    tl.store(cap_ptr + pair, cap)
-
-
-def predict_stop(suffix: torch.Tensor, chunk_ends: torch.Tensor, list_lens: torch.Tensor, n_forced: torch.Tensor,
-                 epsilon: torch.Tensor, cap_out: torch.Tensor, *, calib_slack: float) -> torch.Tensor:
-    """Where the sketch stop test should pass, from the sketch alone: per (request, KV head) the end rank of the chunk
-    after the first chunk whose unread group-max share ``S`` (``suffix``, base 2) is at most
-    ``1 / (1 + 2^calib_slack * epsilon / (1 - epsilon))`` (the test with each head's read mass taken as its
-    approximate share ``1 - S``); the pair's list length when none is or ``epsilon >= 1``.
-
-    Args: suffix ``[batch, num_kv_heads, >= num_cols + 1]`` fp32; chunk_ends int32 ``[0] + ranked_chunk_ends``;
-    list_lens ``[batch, num_kv_heads]`` int32 contiguous; n_forced, epsilon ``[batch]``; cap_out int32
-    ``[batch * num_kv_heads]``. The wrapper reads the chunks below it in one wave, then the rest in a second wave
-    for the pairs the exact test did not stop (:func:`flashinfer_ext.psa.chunks.psa_chunk_attention`'s ``cap``).
-    One launch, one program per pair; no allocation.
-    """
-    batch, num_kv_heads = list_lens.shape
-    n_ends = chunk_ends.numel() - 1
-    if batch == 0 or n_ends <= 0:
-        cap_out[: batch * num_kv_heads].copy_(list_lens.reshape(-1))
-        return cap_out
-    _predict_stop_kernel[(batch * num_kv_heads,)](
-        suffix, suffix.stride(0), suffix.stride(1), chunk_ends, n_ends, list_lens, n_forced, epsilon, cap_out,
-        float(calib_slack), NUM_KV_HEADS=num_kv_heads, ENDS_PAD=triton.next_power_of_2(n_ends))
-    return cap_out
 
 
 def sketch_scores_reference(q, k_buffer, req_to_token, req_pool_indices, seq_lens, *, block_size, sm_scale,

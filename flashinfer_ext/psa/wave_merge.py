@@ -69,7 +69,7 @@ def _wave_merge_kernel(
     chunk0, n_chunks, calib_slack,
     NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, G_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
     D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, TC: tl.constexpr, FIRST: tl.constexpr,
-    ESTIMATOR: tl.constexpr, cap_ptr, CAP_PART: tl.constexpr,
+    ESTIMATOR: tl.constexpr,
 ):
     pair = tl.program_id(0)
     r = pair // NUM_KV_HEADS
@@ -125,10 +125,6 @@ def _wave_merge_kernel(
         lo = tl.where(jj == 0, 0, nf + e_prev)
         hi = tl.minimum(nf + tl.load(ends_ptr + jj, mask=cvalid, other=0), list_len)
         real = cvalid & (lo < hi)
-        if CAP_PART == 1:  # the chunks below the predicted stop (see psa_chunk_attention's cap)
-            real = real & (lo < tl.load(cap_ptr + pair))
-        if CAP_PART == 2:
-            real = real & (lo >= tl.load(cap_ptr + pair))
         poff = (p64 * wmax + c)[:, None] * GROUP + g[None, :]
         pm = real[:, None] & gmask[None, :]
         lse_c = tl.load(plse_ptr + poff, mask=pm, other=float("-inf"))  # [TC, G_PAD]
@@ -211,8 +207,7 @@ def _wave_merge_kernel(
 
 def wave_merge(partials, state, out, lse_out, nread_out, kept_out, seq_lens, list_lens, n_forced, chunk_ends,
                epsilon, suffix, probe, *, chunk0: int, n_chunks: int, first: bool, block_size: int, estimator: str,
-               calib_slack: float, tile_chunks: int = 16, totals: torch.Tensor | None = None,
-               cap: torch.Tensor | None = None, cap_part: int = 0) -> None:
+               calib_slack: float, tile_chunks: int = 16, totals: torch.Tensor | None = None) -> None:
     """Fold chunks ``[chunk0, chunk0 + n_chunks)`` (partial slots ``0..n_chunks-1``) into the state.
 
     Args:
@@ -230,7 +225,6 @@ def wave_merge(partials, state, out, lse_out, nread_out, kept_out, seq_lens, lis
         contiguous)``: the probe's threshold and list cap per row, and its output (written like ``nread``).
       totals: ``[batch * num_kv_heads * group]`` fp32, each query head's base-2 total from
         :func:`flashinfer_ext.psa.key_sketch.sketch_shares` (the 'sketch' estimator only).
-      cap, cap_part: as :func:`flashinfer_ext.psa.chunks.psa_chunk_attention`'s (the same chunks are folded).
     """
     if estimator == "sketch" and totals is None:
         raise ValueError("wave_merge: the 'sketch' estimator needs totals")
@@ -255,7 +249,6 @@ def wave_merge(partials, state, out, lse_out, nread_out, kept_out, seq_lens, lis
         NUM_KV_HEADS=num_kv_heads, GROUP=group, G_PAD=triton.next_power_of_2(group), HEAD_DIM=head_dim,
         D_PAD=triton.next_power_of_2(head_dim), BLOCK_SIZE=block_size,
         TC=min(tile_chunks, max(2, triton.next_power_of_2(n_chunks))), FIRST=first,
-        ESTIMATOR=ESTIMATOR_IDS[estimator], cap_ptr=cap if cap is not None else list_lens,
-        CAP_PART=cap_part if cap is not None else 0,
+        ESTIMATOR=ESTIMATOR_IDS[estimator],
     )
 

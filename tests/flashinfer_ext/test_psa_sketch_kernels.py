@@ -106,14 +106,14 @@ def _build(pool, cfg, block_size, **wkw):
     (9, 3, 64, torch.bfloat16, 32, 32),
 ])
 def test_sketch_wrapper_matches_reference_stop_test(hq, hk, d, dtype, page_size, block_size):
-    """Two waves (the chunks below the sketch's predicted stop, then the others): the same stops, outputs, lse and kept estimate as the fp32 reference stop test on the
+    """Several waves: the same stops, outputs, lse and kept estimate as the fp32 reference stop test on the
     wrapper's ranking, shares and totals; fewer blocks than the list on planted structure."""
     cfg = PsaDecodeConfig(epsilon=0.9, micro_batch_blocks=2, sink_blocks=1, local_blocks=1, max_blocks=64,
                           chunk_growth=2, **SKETCH)
     seq_lens = [13 * block_size + 7, 2 * block_size, 9 * block_size + 1]
     pool = make_pool(seq_lens, hq, hk, d, dtype, page_size, seed=11, planted=True)
     w, sp = _build(pool, cfg, block_size, wave_programs=2)
-    assert len(w.waves) == 2  # below the predicted stop, then the rest
+    assert len(w.waves) >= 3
     o, lse, nread = w.run(pool.q, pool.k_buffer, pool.v_buffer, *sp.layer(0))
     batch = len(seq_lens)
     r_scores, r_tot, _ = sketch_scores_reference(pool.q, pool.k_buffer, pool.req_to_token, pool.req_pool_indices,
@@ -186,73 +186,3 @@ def test_reference_pipeline_with_sketch_keeps_epsilon_and_is_dense_at_one():
     o1, lse1, _, _ = psa_decode_reference(*args, cfg, block_size=16, sm_scale=pool.sm_scale, epsilon=[1.0, 1.0])
     ro, rlse = dense_decode_reference(*args, pool.sm_scale)
     torch.testing.assert_close(o1, ro, rtol=1e-4, atol=1e-4)
-
-
-def _rerun_waves_with_cap(w, pool, meta, cap_value):
-    """The wrapper's two sketch waves again, with every pair's first-wave cap forced to ``cap_value`` ranks (clipped
-    to its list): the continuation wave must finish what the first left."""
-    from flashinfer_ext.psa.chunks import psa_chunk_attention
-    from flashinfer_ext.psa.wave_merge import wave_merge
-
-    bs, hk, g, d, cfg = w._bs, w.num_kv_heads, w.group, w.head_dim, w.config
-    w.run(pool.q, pool.k_buffer, pool.v_buffer, *meta)
-    cap = w._cap_buf[: bs * hk]
-    cap.copy_(torch.minimum(torch.full_like(cap, cap_value), w._list_lens_buf[:bs].reshape(-1)))
-    scores, _, _, order = w._views()
-    c = w._num_cols
-    suffix = w._suffix_buf[: bs * hk * (c + 1)].view(bs, hk, c + 1)
-    pairs, wmax = bs * hk, max(nc for _, nc in w.waves)
-    partials = (w._po_buf[: pairs * wmax * g * d].view(pairs, wmax, g, d), w._plse_buf[: pairs * wmax * g].view(pairs, wmax, g),
-                w._pmin_buf[: pairs * wmax * g].view(pairs, wmax, g), w._pdmax_buf[: pairs * wmax * g].view(pairs, wmax, g))
-    state = (w._st_acc_buf[: pairs * g * d].view(pairs, g, d), w._st_lse_buf[: pairs * g].view(pairs, g),
-             w._st_min_buf[: pairs * g].view(pairs, g), w._st_dmax_buf[: pairs * g].view(pairs, g), w._done_buf[:pairs])
-    o, lse, nread, kept = w._o_buf[:bs], w._lse_buf[:bs], w._nread_buf[:bs], w._kept_buf[:bs]
-    probe = (w._probe_eps_buf[:bs], w._probe_lens_buf[:bs], w._probe_nread_buf[:bs])
-    rpi, seq_lens = w._req_pool_indices_buf[:bs], w._seq_lens_buf[:bs]
-    list_lens, n_forced = w._list_lens_buf[:bs], w._n_forced_buf[:bs]
-    for k, (chunk0, n_chunks) in enumerate(w.waves):
-        psa_chunk_attention(pool.q, pool.k_buffer, pool.v_buffer, w._req_to_token, rpi, seq_lens, order, scores,
-                            list_lens, n_forced, w._chunk_ends_buf, w._done_buf[:pairs], partials, chunk0=chunk0,
-                            n_chunks=n_chunks, block_size=w.block_size, sm_scale=w.sm_scale, check_done=k > 0,
-                            cap=cap, cap_part=k + 1)
-        wave_merge(partials, state, o, lse, nread, kept, seq_lens, list_lens, n_forced, w._chunk_ends_buf,
-                   w._eps_buf[:bs], suffix, probe, chunk0=chunk0, n_chunks=n_chunks, first=k == 0,
-                   block_size=w.block_size, estimator=cfg.estimator, calib_slack=cfg.calib_slack,
-                   totals=w._tot_buf[: bs * hk * g], cap=cap, cap_part=k + 1)
-    return o, lse, nread
-
-
-@pytest.mark.parametrize("cap_value", [0, 3, 1 << 20])
-def test_result_does_not_depend_on_the_predicted_stop(cap_value):
-    """A first-wave cap below the stop (the forced chunk only, or one ranked chunk) or past the list end gives the
-    result of the predicted one: the second wave continues the exact stop test where the first left it."""
-    cfg = PsaDecodeConfig(epsilon=0.9, micro_batch_blocks=2, sink_blocks=1, local_blocks=1, chunk_growth=2, **SKETCH)
-    pool = make_pool([13 * 16 + 7, 2 * 16, 9 * 16 + 1], 9, 3, 64, torch.bfloat16, 16, seed=11, planted=True)
-    w, sp = _build(pool, cfg, 16)
-    o0, lse0, n0 = (t.clone() for t in w.run(pool.q, pool.k_buffer, pool.v_buffer, *sp.layer(0)))
-    o, lse, n = _rerun_waves_with_cap(w, pool, sp.layer(0), cap_value)
-    assert torch.equal(n, n0)
-    torch.testing.assert_close(o, o0, rtol=1e-3, atol=1e-3)
-    torch.testing.assert_close(lse, lse0, rtol=1e-5, atol=1e-4)
-
-
-def test_predicted_stop_is_the_chunk_after_the_first_passing_share_suffix():
-    from flashinfer_ext.psa.key_sketch import predict_stop
-
-    cfg = PsaDecodeConfig(epsilon=0.9, micro_batch_blocks=2, sink_blocks=1, local_blocks=1, chunk_growth=2, **SKETCH)
-    pool = make_pool([40 * 16 + 3, 25 * 16], 8, 2, 64, torch.bfloat16, 16, seed=21, planted=True)
-    w, sp = _build(pool, cfg, 16)
-    w.run(pool.q, pool.k_buffer, pool.v_buffer, *sp.layer(0))
-    bs, hk, c = w._bs, w.num_kv_heads, w._num_cols
-    suffix = w._suffix_buf[: bs * hk * (c + 1)].view(bs, hk, c + 1)
-    ends = [int(x) for x in w._chunk_ends_buf[1:]]
-    thr = -torch.log2(torch.tensor(1.0 + 4.0 * 0.9 / 0.1)).item()
-    cap = predict_stop(suffix, w._chunk_ends_buf, w._list_lens_buf[:bs], w._n_forced_buf[:bs], w._eps_buf[:bs],
-                       torch.empty(bs * hk, dtype=torch.int32), calib_slack=2.0).view(bs, hk)
-    for r in range(bs):
-        for h in range(hk):
-            nf, ll = int(w._n_forced_buf[r]), int(w._list_lens_buf[r, h])
-            hits = [j for j, e in enumerate(ends) if nf + e < ll and float(suffix[r, h, nf + e]) <= thr]
-            want = ll if not hits else min(nf + ends[min(hits[0] + 1, len(ends) - 1)], ll)
-            assert int(cap[r, h]) == want, (r, h)
-    assert bool((cap < w._list_lens_buf[:bs]).any())  # the prediction stops some pair before its list end
