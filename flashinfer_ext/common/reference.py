@@ -315,13 +315,7 @@ def psa_decode_reference(q, k_buffer, v_buffer, req_to_token, req_pool_indices, 
                                             group_reduce="max")
     order = rank_reference(rank_scores, config.ranking_prefix())
     eps = [config.epsilon] * batch if epsilon is None else [float(e) for e in epsilon]
-    list_lens = torch.zeros(batch, num_kv_heads, dtype=torch.int32)
-    n_forced = torch.zeros(batch, dtype=torch.int32)
-    for r in range(batch):
-        n_blocks, nf, limit = forced_and_limit(int(seq_lens[r]), block_size, config.sink_blocks,
-                                               config.local_blocks, config.max_blocks)
-        n_forced[r] = nf
-        list_lens[r] = n_blocks if eps[r] >= 1.0 else limit
+    list_lens, n_forced = _list_caps(config, seq_lens, eps, num_kv_heads, block_size)
     out = progressive_decode_reference(
         q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, order, list_lens, n_forced,
         block_size=block_size, sm_scale=sm_scale, epsilon=eps, micro_batch_blocks=config.micro_batch_blocks,
@@ -335,6 +329,8 @@ def psa_decode_reference(q, k_buffer, v_buffer, req_to_token, req_pool_indices, 
 
 
 def _list_caps(config, seq_lens, eps, num_kv_heads, block_size):
+    """``(list_lens [batch, num_kv_heads] int32, n_forced [batch] int32)``: the ranks a pair may read (every block
+    for a row with epsilon >= 1, else the forced blocks + ``max_blocks``) and its forced blocks."""
     batch = len(eps)
     list_lens = torch.zeros(batch, num_kv_heads, dtype=torch.int32)
     n_forced = torch.zeros(batch, dtype=torch.int32)

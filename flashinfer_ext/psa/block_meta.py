@@ -29,15 +29,10 @@ __all__ = ["BlockMetaPool", "update_block_meta", "paged_block_table", "identity_
 
 
 @triton.jit
-def _update_block_meta_kernel(
-    k_ptr, stride_k_slot, stride_k_head,
-    kmin_ptr, kmax_ptr, kmean_ptr, stride_m_row, stride_m_head,
-    req_to_token_ptr, stride_rtt,
-    req_pool_idx_ptr, block_table_ptr, stride_bt,
-    start_ptr, end_ptr,
-    BLOCK_SIZE: tl.constexpr, BLOCK_PAD: tl.constexpr,
-    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
-):
+def fold_range(start_ptr, end_ptr, BLOCK_SIZE: tl.constexpr):
+    """Program ``(r, j, h)`` of a fold over ``[start[r], end[r])``: returns ``(r, h, b, blk_lo, lo, hi)``, the
+    ``j``-th block ``b`` the range touches, its first position and the range's part ``[lo, hi)`` in it (empty when
+    ``lo >= hi``)."""
     r = tl.program_id(0)
     j = tl.program_id(1)
     h = tl.program_id(2)
@@ -47,6 +42,20 @@ def _update_block_meta_kernel(
     blk_lo = b * BLOCK_SIZE
     lo = tl.maximum(start, blk_lo)
     hi = tl.minimum(end, blk_lo + BLOCK_SIZE)
+    return r, h, b, blk_lo, lo, hi
+
+
+@triton.jit
+def _update_block_meta_kernel(
+    k_ptr, stride_k_slot, stride_k_head,
+    kmin_ptr, kmax_ptr, kmean_ptr, stride_m_row, stride_m_head,
+    req_to_token_ptr, stride_rtt,
+    req_pool_idx_ptr, block_table_ptr, stride_bt,
+    start_ptr, end_ptr,
+    BLOCK_SIZE: tl.constexpr, BLOCK_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
+):
+    r, h, b, blk_lo, lo, hi = fold_range(start_ptr, end_ptr, BLOCK_SIZE)
     active = lo < hi
     rpi = tl.load(req_pool_idx_ptr + r).to(tl.int64)
     row = tl.load(block_table_ptr + r.to(tl.int64) * stride_bt + b, mask=active, other=0).to(tl.int64)

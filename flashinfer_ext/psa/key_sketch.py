@@ -30,6 +30,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .block_meta import fold_range
+
 __all__ = ["KeySketchPool", "quantize_keys_reference", "update_key_sketch", "sketch_block_mass", "sketch_shares",
            "sketch_scores_reference", "SKETCH_MIN_SCALE"]
 
@@ -57,15 +59,7 @@ def _update_sketch_kernel(
     BLOCK_SIZE: tl.constexpr, BLOCK_PAD: tl.constexpr, HALF: tl.constexpr, H_PAD: tl.constexpr,
     MIN_SCALE: tl.constexpr,
 ):
-    r = tl.program_id(0)
-    j = tl.program_id(1)
-    h = tl.program_id(2)
-    start = tl.load(start_ptr + r)
-    end = tl.load(end_ptr + r)
-    b = start // BLOCK_SIZE + j
-    blk_lo = b * BLOCK_SIZE
-    lo = tl.maximum(start, blk_lo)
-    hi = tl.minimum(end, blk_lo + BLOCK_SIZE)
+    r, h, b, blk_lo, lo, hi = fold_range(start_ptr, end_ptr, BLOCK_SIZE)
     if lo < hi:
         rpi = tl.load(req_pool_idx_ptr + r).to(tl.int64)
         row = tl.load(block_table_ptr + r.to(tl.int64) * stride_bt + b).to(tl.int64)
@@ -124,6 +118,15 @@ def update_key_sketch(k_buffer: torch.Tensor, codes: torch.Tensor, scales: torch
 
 
 @triton.jit
+def _pair_blocks(seq_lens_ptr, NUM_KV_HEADS: tl.constexpr, BLOCK_SIZE: tl.constexpr):
+    """Program axis 0 = (request, KV head) pair: ``(pair, r, h, r as int64, seq_len, blocks of the request)``."""
+    pair = tl.program_id(0)
+    r = pair // NUM_KV_HEADS
+    seq_len = tl.load(seq_lens_ptr + r)
+    return pair, r, pair % NUM_KV_HEADS, r.to(tl.int64), seq_len, (seq_len + BLOCK_SIZE - 1) // BLOCK_SIZE
+
+
+@triton.jit
 def _block_mass_kernel(
     q_ptr, stride_qb, stride_qh,
     codes_ptr, stride_c_row, stride_c_head, scales_ptr, stride_s_row, stride_s_head,
@@ -132,12 +135,7 @@ def _block_mass_kernel(
     NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, HALF: tl.constexpr, H_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, TILE_B: tl.constexpr,
 ):
-    pair = tl.program_id(0)
-    r = pair // NUM_KV_HEADS
-    h = pair % NUM_KV_HEADS
-    r64 = r.to(tl.int64)
-    seq_len = tl.load(seq_lens_ptr + r)
-    n_blocks = (seq_len + BLOCK_SIZE - 1) // BLOCK_SIZE
+    pair, r, h, r64, seq_len, n_blocks = _pair_blocks(seq_lens_ptr, NUM_KV_HEADS, BLOCK_SIZE)
     b = tl.program_id(1) * TILE_B + tl.arange(0, TILE_B)
     valid_b = b < n_blocks
     rows = tl.load(block_table_ptr + r64 * stride_bt + b, mask=valid_b, other=0).to(tl.int64)
@@ -208,12 +206,8 @@ def _shares_kernel(
     NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, G_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     TILE: tl.constexpr, WRITE_KEYS: tl.constexpr,
 ):
-    pair = tl.program_id(0)
-    r = pair // NUM_KV_HEADS
-    h = pair % NUM_KV_HEADS
-    r64 = r.to(tl.int64)
-    seq_len = tl.load(seq_lens_ptr + r)
-    n_blocks = tl.minimum((seq_len + BLOCK_SIZE - 1) // BLOCK_SIZE, num_cols)
+    pair, r, h, r64, seq_len, n_blocks = _pair_blocks(seq_lens_ptr, NUM_KV_HEADS, BLOCK_SIZE)
+    n_blocks = tl.minimum(n_blocks, num_cols)
     g = tl.arange(0, G_PAD)
     gmask = g < GROUP
     m_row = mass_ptr + r64 * stride_mb + h * stride_mh + g[:, None] * stride_mg
