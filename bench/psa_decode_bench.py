@@ -384,8 +384,8 @@ def run_real(model_dir, slot_tokens: dict, layers, dev: str, wrapper_kw=None, cf
 
 def real_summary(results: list, gpu: str, estimators=(PsaDecodeConfig.estimator,)) -> dict:
     """``{"real_16k": {...}, "real_32k": {...}}`` from the ``testbed real`` rows of the kernel's default estimator
-    (the other ``estimators`` under ``real_16k_<estimator>``...): read fraction (blocks in the result / all blocks), FlashInfer dense time /
-    PSA time (CUDA-graph replay; null without a GPU timing), top-k bytes / PSA bytes at equal mean kept mass; plus
+    (the other ``estimators`` under ``real_16k_<estimator>``...): read fraction (blocks in the result / all
+    blocks), FlashInfer dense time / PSA time (CUDA-graph replay; null without a GPU timing), top-k bytes / PSA bytes at equal mean kept mass; plus
     context, kept mass and the device."""
     out = {}
     for slot, est in ((s, e) for e in estimators for s in REAL_SLOTS):
@@ -394,18 +394,17 @@ def real_summary(results: list, gpu: str, estimators=(PsaDecodeConfig.estimator,
                   and r.get("estimator", est) == est), None)
         if r is None:
             continue
-        slot = key
         f = real_capture.finite
         if "error" in r:
-            out[slot] = dict(read_fraction=None, speedup_vs_dense=None, bytes_ratio_topk_over_psa=None,
-                             error=r["error"], gpu=gpu)
+            out[key] = dict(read_fraction=None, speedup_vs_dense=None, bytes_ratio_topk_over_psa=None,
+                            error=r["error"], gpu=gpu)
             continue
-        out[slot] = dict(read_fraction=f(r["read_frac"]), speedup_vs_dense=f(r["speedup"]),
-                         bytes_ratio_topk_over_psa=f(r.get("topk_over_psa_bytes")),
-                         kernel_read_fraction=f(r["kernel_read_frac"]), kept_mean=f(r["kept_mean"]),
-                         kept_est_mean=f(r["kept_est_mean"]), topk_k=r.get("topk_k"), ctx=r["ctx"],
-                         prompt_len=r.get("prompt_len"), requests=r["batch"], layers=r.get("layers"),
-                         estimator=r["estimator"], eps=r["eps"], gpu=gpu)
+        out[key] = dict(read_fraction=f(r["read_frac"]), speedup_vs_dense=f(r["speedup"]),
+                        bytes_ratio_topk_over_psa=f(r.get("topk_over_psa_bytes")),
+                        kernel_read_fraction=f(r["kernel_read_frac"]), kept_mean=f(r["kept_mean"]),
+                        kept_est_mean=f(r["kept_est_mean"]), topk_k=r.get("topk_k"), ctx=r["ctx"],
+                        prompt_len=r.get("prompt_len"), requests=r["batch"], layers=r.get("layers"),
+                        estimator=r["estimator"], eps=r["eps"], gpu=gpu)
     return out
 
 

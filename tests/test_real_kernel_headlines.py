@@ -61,19 +61,24 @@ def _seeded(tmp_path: Path, name: str) -> dict:
 def test_psa_real_only_run_merges_real_32k_into_the_existing_headline(tmp_path, testbed_model):
     old = _seeded(tmp_path, "psa_decode.json")
     assert "real_32k" not in old
-    _real_only("psa_decode_bench.py", tmp_path, testbed_model, "--real-tokens", "384,768", "--real-layers", "3,21")
+    _real_only("psa_decode_bench.py", tmp_path, testbed_model, "--real-tokens", "384,768", "--real-layers", "3,21",
+               "--real-estimators", "sketch,calibrated")
     new = json.loads((tmp_path / "psa_decode.json").read_text())
     for key, val in old.items():  # planted summary keys and rows kept as they were
         if key not in ("meta", "results"):
             assert new[key] == val, key
     assert new["results"][:len(old["results"])] == old["results"]
     real = new["results"][len(old["results"]):]
-    assert [r["slot"] for r in real] == ["real_16k", "real_32k"]
+    assert [(r["slot"], r["estimator"]) for r in real] == [("real_16k", "sketch"), ("real_16k", "calibrated"),
+                                                           ("real_32k", "sketch"), ("real_32k", "calibrated")]
     assert all(r["case"] == "testbed real" and "error" not in r for r in real), real
     assert all(r["batch"] == 2 * 3 and r["heads"] == "9/3" and r["layers"] == [3, 21] for r in real)
     assert all(r["rope_type"] == "yarn" and r["rope_attention_scaling"] > 1 for r in real)  # the testbed's YaRN
-    assert real[0]["ctx"] < real[1]["ctx"] and real[1]["ctx"] == real[1]["prompt_len"] > 768
-    for slot in ("real_16k", "real_32k"):
+    assert real[0]["ctx"] < real[2]["ctx"] and real[2]["ctx"] == real[2]["prompt_len"] > 768
+    # the default estimator's rows are real_16k / real_32k, the sketch's real_16k_sketch / real_32k_sketch
+    assert [new[k]["estimator"] for k in ("real_16k", "real_32k", "real_16k_sketch", "real_32k_sketch")] == \
+        ["calibrated", "calibrated", "sketch", "sketch"]
+    for slot in ("real_16k", "real_32k", "real_16k_sketch", "real_32k_sketch"):
         e = new[slot]
         assert {"read_fraction", "speedup_vs_dense", "bytes_ratio_topk_over_psa"} <= set(e)
         assert 0 < e["read_fraction"] <= 1

@@ -145,7 +145,7 @@ class PsaDecodeWrapper:
         self.sketch = config.criticality == "sketch"
         # sketch: per (request, KV head, query head) block masses and totals (flashinfer_ext.psa.key_sketch)
         self._mass_buf = torch.empty(mb * hk * g * cols if self.sketch else 1, **f32)
-        self._tot_buf = torch.zeros(mb * hk * g, **f32)
+        self._tot_buf = torch.zeros(mb * hk * g if self.sketch else 1, **f32)
         self._suffix_tiles_buf = torch.empty(mb * hk * suffix_tiles(cols, self.SUFFIX_TILE), **f32)
         ends = config.ranked_chunk_ends(cols)
         self._chunk_ends_buf = torch.tensor([0] + ends, **i32)
@@ -326,7 +326,7 @@ class PsaDecodeWrapper:
             wave_merge(partials, state, o, lse, nread, kept, seq_lens, list_lens, n_forced, self._chunk_ends_buf,
                        self._eps_buf[:bs], suffix, probe, chunk0=chunk0, n_chunks=n_chunks, first=k == 0,
                        block_size=self.block_size, estimator=cfg.estimator, calib_slack=cfg.calib_slack,
-                       totals=self._tot_buf[: bs * hk * g])
+                       totals=self._tot_buf[: bs * hk * g] if self.sketch else None)
         return o, lse, nread
 
     @property

@@ -48,6 +48,7 @@ def quantize_keys_reference(k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
 
 
 def dequantize_reference(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """fp32 keys ``[..., head_dim]`` of :func:`quantize_keys_reference`'s ``(codes, scales)``."""
     return codes.float() * scales.float()[..., None]
 
 
