@@ -175,7 +175,10 @@ def topk_at_equal_mass(cums, target_mean):
 
 
 def blocks_actually_read(w, nread, list_lens, n_forced):
-    """Blocks the chunk kernels read: every chunk of the waves run for a pair (up to the one it stopped in)."""
+    """Blocks the chunk kernels read: every chunk of the waves run for a pair (up to the one it stopped in); the
+    selected blocks alone under schedule 'select'."""
+    if w.select:
+        return int(nread.sum())
     cfg = w.config
     ends = [0] + cfg.ranked_chunk_ends(w.max_blocks_per_req)
     total = 0
@@ -228,10 +231,11 @@ def run_case(name, batch, ctx, page, planted=True, capture=None, hq=32, hk=8, d=
     table = paged_block_table(req_to_token, rpi, page, nb)
     num_rows = k.shape[0] // page + 1
     meta_layout = meta_layout or PsaDecodeWrapper.META_LAYOUT
-    sketch = estimator == "sketch"  # an int4 copy of every key in place of the block min / max / mean
+    # an int4 copy of every key in place of the block min / max / mean; 'select' = the sketch with schedule 'select'
+    sketch = estimator in ("sketch", "select")
     if sketch:
         meta = KeySketchPool(1, num_rows, hk, d, page, device=dev)
-        cfg_kw = dict(cfg_kw or {}, criticality="sketch")
+        cfg_kw = dict(cfg_kw or {}, criticality="sketch", schedule="select" if estimator == "select" else "progressive")
     else:
         meta = BlockMetaPool(1, num_rows, hk, d, page, dtype=torch.bfloat16, device=dev, layout=meta_layout)
     if capture is None:
@@ -242,7 +246,7 @@ def run_case(name, batch, ctx, page, planted=True, capture=None, hq=32, hk=8, d=
             meta.update(0, k, req_to_token, rpi[r:r + 1], table[r:r + 1], torch.zeros_like(seq_lens[r:r + 1]),
                         seq_lens[r:r + 1], nb)
     cfg = PsaDecodeConfig(epsilon=min(eps, 1.0), micro_batch_blocks=8, sink_blocks=1, local_blocks=2,
-                          max_blocks=1 << 20, estimator=estimator, **(cfg_kw or {}))
+                          max_blocks=1 << 20, estimator="sketch" if sketch else estimator, **(cfg_kw or {}))
     w = PsaDecodeWrapper(cfg, num_qo_heads=hq, num_kv_heads=hk, head_dim=d, block_size=page,
                          max_batch_size=batch, max_blocks_per_req=nb, device=dev, sm_scale=sm_scale,
                          **(wrapper_kw or {}))
@@ -517,7 +521,7 @@ def main():
     ap.add_argument("--real-layers", default=",".join(map(str, REAL_LAYERS)), help="captured layers")
     ap.add_argument("--real-estimators", default=PsaDecodeConfig.estimator,
                     help="stop-test estimators of the testbed real rows, comma-separated (the kernel's default gives "
-                         "real_16k / real_32k, the others real_16k_<estimator>...; e.g. sketch,calibrated)")
+                         "real_16k / real_32k, the others real_16k_<estimator>...; e.g. select,sketch,calibrated; select = the sketch with schedule select)")
     ap.add_argument("--wave-plan", default=None, metavar="PROGRAMS_PER_SM,GROWTH,MAX_WAVES[,SORTED_PREFIX]",
                     help="the wrapper's wave plan for every case (default: PsaDecodeWrapper's); 'best:SWEEP.json' takes "
                          "the plan pick_wave_plan chooses from a --wave-sweep report")

@@ -246,6 +246,10 @@ class PsaConfig(SparseConfig):
                           "'sketch' (an int4 copy of every key ranks the blocks and estimates the unread mass; "
                           "head_dim / 2 + 2 bytes per token and KV head in place of the block min / max / mean)",
                           choices=("calibrated", "mean", "sketch"))
+    schedule: str = knob(PsaDecodeConfig.schedule, doc="how the stop point is found: 'progressive' (PSA's stop test "
+                         "after every chunk of the ranked blocks, on the true attention mass read so far) or 'select' "
+                         "(estimator 'sketch' only: the sketch's predicted top-p blocks, selected in one pass and read "
+                         "in one split pass; no sort and no attention waves)", choices=("progressive", "select"))
     cuda_graph: bool = knob(True, doc="CUDA: replay decode graphs for batches with a sparse row (false: eager)")
     stock_graphs: bool = _stock_graphs_knob()
     prefill_graphs: bool = _prefill_graphs_knob()
@@ -255,6 +259,13 @@ class PsaConfig(SparseConfig):
     working_set_window: int = _host_tier_knobs()["working_set_window"]
     working_set_admission: bool = _host_tier_knobs()["working_set_admission"]
     working_set_slots: int = _host_tier_knobs()["working_set_slots"]
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.schedule == "select" and self.estimator != "sketch":
+            raise SparseConfigError(f"--sparse-config: field 'schedule' of mode 'psa' = \"select\" is not allowed with "
+                                    f"estimator {json_text(self.estimator)} (it selects from the key sketch); allowed "
+                                    "with \"select\": estimator \"sketch\"")
 
 
 def _graph_knobs(width: int, max_bs: int = 16):

@@ -1,5 +1,5 @@
 """Contract (CPU): `--sparse psa` with `estimator: sketch` (the int4 key sketch ranks the blocks and estimates the
-unread mass) decodes sparsely through the stock server on a ~4.4k-token prompt with a number hidden in real text,
+unread mass), on either schedule (the progressive stop test, or the sketch's one-pass selection), decodes sparsely through the stock server on a ~4.4k-token prompt with a number hidden in real text,
 reads well under the blocks a dense decode reads, and replies token for token as `--sparse off` does."""
 
 from __future__ import annotations
@@ -12,11 +12,12 @@ from tests.serverproc import chat, start_cpu_server
 pytestmark = pytest.mark.server
 
 
-@pytest.fixture(scope="module")
-def sketch_server(default_model, tmp_path_factory):
-    log = tmp_path_factory.mktemp("psa_sketch_ref") / "server.log"
+@pytest.fixture(scope="module", params=["progressive", "select"])
+def sketch_server(request, default_model, tmp_path_factory):
+    log = tmp_path_factory.mktemp(f"psa_sketch_{request.param}") / "server.log"
     handle = start_cpu_server(default_model, log, mode="psa",
-                              sparse_config='{"min_context": 1024, "estimator": "sketch", "dense_above": 1.0}')
+                              sparse_config='{"min_context": 1024, "estimator": "sketch", "dense_above": 1.0, '
+                                            f'"schedule": "{request.param}"}}')
     try:
         yield handle
     finally:

@@ -350,18 +350,56 @@ def _psa_sketch_reference(q, k_buffer, v_buffer, req_to_token, req_pool_indices,
 
     batch = q.shape[0]
     num_blocks = max(-(-int(n) // block_size) for n in seq_lens)
-    scores, totals, _ = sketch_scores_reference(q, k_buffer, req_to_token, req_pool_indices, seq_lens,
-                                                block_size=block_size, sm_scale=sm_scale, num_blocks=num_blocks,
-                                                sink_blocks=config.sink_blocks, local_blocks=config.local_blocks)
-    order = rank_reference(scores, config.ranking_prefix())
+    scores, totals, mass = sketch_scores_reference(q, k_buffer, req_to_token, req_pool_indices, seq_lens,
+                                                   block_size=block_size, sm_scale=sm_scale, num_blocks=num_blocks,
+                                                   sink_blocks=config.sink_blocks, local_blocks=config.local_blocks)
     eps = [config.epsilon] * batch if epsilon is None else [float(e) for e in epsilon]
     list_lens, n_forced = _list_caps(config, seq_lens, eps, k_buffer.shape[1], block_size)
+    if config.schedule == "select":
+        return _sketch_select_attend(q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, config, mass,
+                                     eps, list_lens, block_size=block_size, sm_scale=sm_scale,
+                                     return_kept_est=return_kept_est)
+    order = rank_reference(scores, config.ranking_prefix())
     o, lse, nread, kept_est = progressive_decode_reference(
         q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, order, list_lens, n_forced,
         block_size=block_size, sm_scale=sm_scale, epsilon=eps, micro_batch_blocks=config.micro_batch_blocks,
         chunk_ends=config.ranked_chunk_ends(num_blocks), estimator="sketch",
         sorted_scores=torch.gather(scores, 2, order), calib_slack=config.calib_slack, return_kept_est=True,
         sketch_totals=totals)
+    if return_kept_est:
+        return o, lse, nread, order, kept_est
+    return o, lse, nread, order
+
+
+def _sketch_select_attend(q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, config, mass, eps,
+                          list_lens, *, block_size, sm_scale, return_kept_est):
+    """Schedule 'select': the blocks of :func:`flashinfer_ext.psa.sketch_select.sketch_select_reference`, attended
+    exactly. ``order`` holds each pair's selected blocks in block order (its first ``nread`` entries)."""
+    from flashinfer_ext.psa.sketch_select import sketch_select_reference
+
+    batch, num_qo_heads, head_dim = q.shape
+    num_kv_heads = k_buffer.shape[1]
+    group = num_qo_heads // num_kv_heads
+    lists, kept_est = sketch_select_reference(mass, seq_lens, eps, list_lens, block_size=block_size,
+                                              sink_blocks=config.sink_blocks, local_blocks=config.local_blocks,
+                                              calib_slack=config.calib_slack)
+    o = torch.zeros(batch, num_qo_heads, head_dim)
+    lse = torch.zeros(batch, num_qo_heads)
+    nread = torch.zeros(batch, num_kv_heads, dtype=torch.int32)
+    order = torch.zeros(batch, num_kv_heads, mass.shape[-1], dtype=torch.int64)
+    for r in range(batch):
+        seq_len = int(seq_lens[r])
+        k = gather_kv(k_buffer, req_to_token, int(req_pool_indices[r]), seq_len).cpu().float()
+        v = gather_kv(v_buffer, req_to_token, int(req_pool_indices[r]), seq_len).cpu().float()
+        for h in range(num_kv_heads):
+            read = lists[r][h]
+            nread[r, h] = len(read)
+            order[r, h, :len(read)] = torch.tensor(read, dtype=torch.int64)
+            tok = torch.cat([torch.arange(b * block_size, min(seq_len, (b + 1) * block_size)) for b in read])
+            s2 = _scores_base2(q[r, h * group:(h + 1) * group].float().cpu(), k[tok, h], sm_scale)
+            l2 = torch.logsumexp(s2 / LOG2E, -1) * LOG2E
+            o[r, h * group:(h + 1) * group] = torch.exp2(s2 - l2[:, None]) @ v[tok, h]
+            lse[r, h * group:(h + 1) * group] = l2
     if return_kept_est:
         return o, lse, nread, order, kept_est
     return o, lse, nread, order

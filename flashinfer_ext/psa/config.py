@@ -68,6 +68,12 @@ class PsaDecodeConfig:
     'sketch' = per query head g, 2^(T_g + calib_slack) times the sum over unread blocks of their shares (T_g = the
     head's total approximate mass from the int4 key sketch, shares as criticality 'sketch'); needs criticality
     'sketch'. An estimate from every key, not a bound."""
+    schedule: str = "progressive"
+    """how the stop point is found: 'progressive' = PSA Alg. 1, the stop test after every chunk of the ranked list
+    on the true mass read so far (attention waves with merges between them); 'select' (estimator 'sketch' only) =
+    the sketch's own prediction, the fewest top blocks whose approximate unread share ``U`` keeps
+    ``1 - 2^calib_slack U >= epsilon``, selected in one pass (:mod:`flashinfer_ext.psa.sketch_select`) and read
+    in one split pass: no sort, no waves, no true mass in the stop test."""
     calib_slack: float = 2.0
     """log2 safety factor added to the observed bound tightness of the 'calibrated' estimator."""
     chunk_growth: int = 16
@@ -101,6 +107,11 @@ class PsaDecodeConfig:
             raise ValueError(f"PsaDecodeConfig.estimator={self.estimator!r} with criticality={self.criticality!r}: "
                              f"the 'sketch' estimator and the 'sketch' criticality go together (the stop test "
                              f"reads the sketch's shares)")
+        if self.schedule not in ("progressive", "select"):
+            raise bad("schedule", "one of 'progressive', 'select'")
+        if self.schedule == "select" and self.estimator != "sketch":
+            raise ValueError(f"PsaDecodeConfig.schedule='select' needs estimator='sketch' (it selects from the sketch's "
+                             f"shares); got estimator={self.estimator!r}")
         if self.group_reduce not in ("max", "sum"):
             raise bad("group_reduce", "one of 'max', 'sum'")
         if self.rank_by not in ("criticality", "mean"):

@@ -47,7 +47,10 @@ import math
 import torch
 
 from .block_meta import update_block_meta
+from flashinfer_ext.common.split_decode import plan_splits, sparse_decode_split
+
 from .key_sketch import sketch_block_mass, sketch_shares, update_key_sketch
+from .sketch_select import sketch_select
 from .config import PsaDecodeConfig
 from .criticality import CritTile, block_criticality, bound_suffix, rank_blocks, suffix_tiles
 from .chunks import plan_waves, psa_chunk_attention
@@ -138,7 +141,7 @@ class PsaDecodeWrapper:
         self._scores_buf = torch.empty(n, **f32)
         self._keys_buf = torch.empty(n, dtype=torch.int16, device=dev)
         self._sorted_keys_buf = torch.empty(n, dtype=torch.int16, device=dev)
-        self._order_buf = torch.empty(n, dtype=torch.int64, device=dev)
+        self._order_buf = torch.zeros(n, dtype=torch.int64, device=dev)
         self._prefix = config.ranking_prefix() if cols <= 65536 else 0
         self._select_scratch_buf = torch.empty(max(1, mb * hk * self._prefix), dtype=torch.int64, device=dev)
         self._suffix_buf = torch.empty(mb * hk * (cols + 1), **f32)
@@ -146,11 +149,20 @@ class PsaDecodeWrapper:
         # sketch: per (request, KV head, query head) block masses and totals (flashinfer_ext.psa.key_sketch)
         self._mass_buf = torch.empty(mb * hk * g * cols if self.sketch else 1, **f32)
         self._tot_buf = torch.zeros(mb * hk * g if self.sketch else 1, **f32)
+        # schedule 'select': the sketch's top-p lists read by one split pass (flashinfer_ext.common.split_decode)
+        self.select = config.schedule == "select"
+        self._split_target = self.wave_programs
+        self._split_plan = None
+        rows = max((b * num_qo_heads * self._splits(b, cols).num_splits for b in range(1, mb + 1)) if self.select
+                   else [1])
+        self._split_o_buf = torch.empty(rows * d if self.select else 1, **f32)
+        self._split_lse_buf = torch.empty(rows, **f32)
         self._suffix_tiles_buf = torch.empty(mb * hk * suffix_tiles(cols, self.SUFFIX_TILE), **f32)
         ends = config.ranked_chunk_ends(cols)
         self._chunk_ends_buf = torch.tensor([0] + ends, **i32)
         # partial slots: the largest (pairs x widest wave) over every batch size at full width
-        slots = max(b * hk * max(nc for _, nc in self._waves(b, cols)) for b in range(1, mb + 1))
+        slots = 1 if config.schedule == "select" else max(
+            b * hk * max(nc for _, nc in self._waves(b, cols)) for b in range(1, mb + 1))
         self._partial_slots = slots
         self._po_buf = torch.empty(slots * g * d, **f32)
         self._plse_buf = torch.empty(slots * g, **f32)
@@ -170,6 +182,9 @@ class PsaDecodeWrapper:
         self._bs = 0
         self._num_cols = cols
         self._wave_plan: list[tuple[int, int]] = []
+
+    def _splits(self, bs: int, cols: int):
+        return plan_splits(cols, bs * self.num_kv_heads, block_size=self.block_size, target_programs=self._split_target)
 
     def _waves(self, bs: int, cols: int) -> list[tuple[int, int]]:
         return plan_waves(self.config.ranked_chunk_ends(cols), bs * self.num_kv_heads,
@@ -202,8 +217,9 @@ class PsaDecodeWrapper:
         if max_seq_len is not None:
             cols = max(1, min(cols, -(-int(max_seq_len) // bsz)))
         self._num_cols = cols
-        self._wave_plan = self._waves(bs, cols) if bs else []
-        need = bs * self.num_kv_heads * max((nc for _, nc in self._wave_plan), default=0)
+        self._wave_plan = self._waves(bs, cols) if bs and not self.select else []
+        self._split_plan = self._splits(bs, cols) if bs and self.select else None
+        need = bs * self.num_kv_heads * max((nc for _, nc in self._wave_plan), default=0) if not self.select else 0
         if need > self._partial_slots:
             raise ValueError(f"wave plan needs {need} partial slots > {self._partial_slots} allocated")
         self._req_pool_indices_buf[:bs].copy_(req_pool_indices, non_blocking=True)
@@ -282,6 +298,8 @@ class PsaDecodeWrapper:
             mass = self._mass_buf[: bs * hk * g * self._num_cols].view(bs, hk, g, self._num_cols)
             sketch_block_mass(q, *meta, self._block_table_buf[:bs], seq_lens, mass, block_size=self.block_size,
                               sm_scale=self.sm_scale)
+            if self.select:
+                return self._run_select(q, k_buffer, v_buffer, mass, stop_after)
             sketch_shares(mass, seq_lens, scores, self._tot_buf[: bs * hk * g], block_size=self.block_size,
                           sink_blocks=cfg.sink_blocks, local_blocks=cfg.local_blocks, keys_out=keys)
         else:
@@ -327,6 +345,30 @@ class PsaDecodeWrapper:
                        self._eps_buf[:bs], suffix, probe, chunk0=chunk0, n_chunks=n_chunks, first=k == 0,
                        block_size=self.block_size, estimator=cfg.estimator, calib_slack=cfg.calib_slack,
                        totals=self._tot_buf[: bs * hk * g] if self.sketch else None)
+        return o, lse, nread
+
+    def _run_select(self, q, k_buffer, v_buffer, mass, stop_after):
+        """Schedule 'select': the sketch's top-p lists (one launch), then one split pass over them (two launches)."""
+        bs, cfg, hk, g = self._bs, self.config, self.num_kv_heads, self.group
+        o, lse, nread, kept = self._o_buf[:bs], self._lse_buf[:bs], self._nread_buf[:bs], self._kept_buf[:bs]
+        scores, _, _, lists = self._views()
+        if stop_after == "criticality":
+            return o, lse, nread
+        sketch_select(mass, self._seq_lens_buf[:bs], self._eps_buf[:bs], self._list_lens_buf[:bs],
+                      self._probe_eps_buf[:bs], self._probe_lens_buf[:bs], scores_out=scores, lists_out=lists,
+                      list_lens_out=nread, probe_out=self._probe_nread_buf[:bs], kept_out=kept,
+                      totals_out=self._tot_buf[: bs * hk * g], block_size=self.block_size,
+                      sink_blocks=cfg.sink_blocks, local_blocks=cfg.local_blocks, calib_slack=cfg.calib_slack)
+        if stop_after is not None:
+            return o, lse, nread
+        plan = self._split_plan
+        rows = bs * self.num_qo_heads
+        po = self._split_o_buf[: rows * plan.num_splits * self.head_dim].view(rows, plan.num_splits, self.head_dim)
+        plse = self._split_lse_buf[: rows * plan.num_splits].view(rows, plan.num_splits)
+        sparse_decode_split(q, k_buffer, v_buffer, self._req_to_token, self._req_pool_indices_buf[:bs],
+                            self._seq_lens_buf[:bs], lists, nread, plan, block_size=self.block_size,
+                            sm_scale=self.sm_scale, partial_o_buf=po, partial_lse_buf=plse, out=o, lse_out=lse,
+                            nread_out=nread)
         return o, lse, nread
 
     @property
