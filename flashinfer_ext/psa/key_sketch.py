@@ -7,7 +7,8 @@ head), written at the same points as PSA's block metadata (:func:`update_key_ske
 through a block table), and the two passes of the sketch stop test:
 
 * :func:`sketch_block_mass`: per (request, KV head, query head of the group, block) the base-2 log of the
-  block's approximate softmax numerator ``sum_t 2^(scale_log2 * q . k_sketch_t)`` (one Triton launch);
+  block's approximate softmax numerator ``sum_t 2^(scale_log2 * q . k_sketch_t)`` (one Triton launch, bf16 / fp16
+  queries, tensor-core dots over the codes dequantized to the query dtype: exact, they are small integers);
 * :func:`sketch_shares`: per (request, KV head) the base-2 log of each query head's total approximate mass
   ``T_g``, and per block the group max of the approximate mass *shares* ``max_g (lm_g(b) - T_g)`` (``+inf`` for
   sink / local blocks, ``-inf`` past the end) with its order-preserving int16 sort key.
@@ -20,11 +21,21 @@ Quantization: symmetric int4 with one scale per (token, KV head): ``scale = fp16
 ``1e-4``), ``code = clamp(floor(k / scale + 0.5), -7, 7)``; byte ``j`` of a token holds dimension ``j`` in its low
 nibble and dimension ``j + head_dim / 2`` in its high nibble, each as ``code + 8``.
 
+Launch shape of :func:`sketch_block_mass`: grid ``[batch * num_kv_heads, ceil(num_cols / tile_b)]``, 4 warps; a
+program walks its ``tile_b`` blocks in sub-tiles of ~16 KiB of codes (512 tokens at ``head_dim`` 64, read as int32
+words), each one two ``tl.dot`` (low / high nibbles) of ``[U * G_COLS, U * head_dim / 2]`` queries, block-diagonal
+over ``U`` consecutive tokens folded into a dot column (``U = 4`` for groups of 3-4: 12-16 of the 16 rows real),
+by ``[U * head_dim / 2, sub-tile tokens / U]`` codes, then a per-(query head, block) log-sum-exp.
+
 Cautions: the sketch is an estimate, not a bound: a block whose int4 logits are far below its real ones can
 be left unread (``calib_slack`` is the margin). ``head_dim`` must be even. Requires ``block_size`` a power of two.
+On the GPU the nibbles are decoded by inline PTX (sm_80 or newer); under the CPU interpreter they are decoded
+arithmetically and the dots run in fp32 (the interpreter mis-computes bf16 dots).
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 import triton
@@ -128,73 +139,160 @@ def _pair_blocks(seq_lens_ptr, NUM_KV_HEADS: tl.constexpr, BLOCK_SIZE: tl.conste
 
 
 @triton.jit
+def _nibble_pair(w, IS_BF16: tl.constexpr, DOT_FP32: tl.constexpr):
+    """Codes (nibble - 8) in bits 0-3 and 16-19 of int32 words ``w``, as two tensors of the dot's input dtype: on the
+    GPU one ``lop3`` puts the nibbles under the exponent of 128 (bf16) / 1024 (fp16) and one packed op takes off 136 /
+    1032 (exact, no int->float conversion); the interpreter decodes to fp32 arithmetically."""
+    if DOT_FP32:
+        return ((w & 15) - 8).to(tl.float32), (((w >> 16) & 15) - 8).to(tl.float32)
+    elif IS_BF16:
+        return tl.inline_asm_elementwise(
+            "{.reg .b32 t, o, m; lop3.b32 t, $2, 0x000F000F, 0x43004300, 0xEA; mov.b32 o, 0x3F803F80; "
+            "mov.b32 m, 0xC308C308; fma.rn.bf16x2 t, t, o, m; mov.b32 {$0, $1}, t;}",
+            "=h,=h,r", [w], dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=1)
+    else:
+        return tl.inline_asm_elementwise(
+            "{.reg .b32 t, m; lop3.b32 t, $2, 0x000F000F, 0x64006400, 0xEA; mov.b32 m, 0x64086408; "
+            "sub.f16x2 t, t, m; mov.b32 {$0, $1}, t;}",
+            "=h,=h,r", [w], dtype=(tl.float16, tl.float16), is_pure=True, pack=1)
+
+
+@triton.jit
+def _join2(a, b, R: tl.constexpr, C: tl.constexpr):
+    """``[R, C]`` x 2 -> ``[R, 2C]`` interleaved: column ``2c + s`` = (a, b)[s][:, c]."""
+    return tl.reshape(tl.join(a, b), [R, 2 * C])
+
+
+@triton.jit
+def _dequant_tile(wd, TOK: tl.constexpr, WP: tl.constexpr, PACK: tl.constexpr, IS_BF16: tl.constexpr,
+                  DOT_FP32: tl.constexpr):
+    """Packed codes ``[TOK, WP]`` -> ``(c_lo, c_hi)`` ``[TOK, PACK * WP]``: dims ``j`` / ``j + HALF`` in column j."""
+    if PACK == 4:  # int32 words: byte i of word w = dims 4w + i (low nibble) and HALF + 4w + i (high nibble)
+        a0, b0 = _nibble_pair(wd, IS_BF16, DOT_FP32)  # dims 4w, 4w + 2
+        a1, b1 = _nibble_pair(wd >> 8, IS_BF16, DOT_FP32)  # 4w + 1, 4w + 3
+        a2, b2 = _nibble_pair(wd >> 4, IS_BF16, DOT_FP32)  # the same four, high nibbles
+        a3, b3 = _nibble_pair(wd >> 12, IS_BF16, DOT_FP32)
+        c_lo = _join2(_join2(a0, b0, TOK, WP), _join2(a1, b1, TOK, WP), TOK, 2 * WP)
+        c_hi = _join2(_join2(a2, b2, TOK, WP), _join2(a3, b3, TOK, WP), TOK, 2 * WP)
+    else:  # bytes (HALF not a multiple of 4)
+        dt: tl.constexpr = tl.float32 if DOT_FP32 else (tl.bfloat16 if IS_BF16 else tl.float16)
+        c_lo, c_hi = ((wd.to(tl.int32) & 15) - 8).to(dt), ((wd.to(tl.int32) >> 4) - 8).to(dt)
+    return c_lo, c_hi
+
+
+@triton.jit
 def _block_mass_kernel(
     q_ptr, stride_qb, stride_qh,
     codes_ptr, stride_c_row, stride_c_head, scales_ptr, stride_s_row, stride_s_head,
     block_table_ptr, stride_bt, seq_lens_ptr,
     mass_ptr, stride_mb, stride_mh, stride_mg, num_cols, scale_log2,
-    NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, HALF: tl.constexpr, H_PAD: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, TILE_B: tl.constexpr,
+    NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, G_COLS: tl.constexpr, U: tl.constexpr,
+    HALF: tl.constexpr, W: tl.constexpr, WP: tl.constexpr, PACK: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, TILE_B: tl.constexpr, SUB_B: tl.constexpr, IS_BF16: tl.constexpr,
+    DOT_FP32: tl.constexpr,
 ):
     pair, r, h, r64, seq_len, n_blocks = _pair_blocks(seq_lens_ptr, NUM_KV_HEADS, BLOCK_SIZE)
-    b = tl.program_id(1) * TILE_B + tl.arange(0, TILE_B)
-    valid_b = b < n_blocks
-    rows = tl.load(block_table_ptr + r64 * stride_bt + b, mask=valid_b, other=0).to(tl.int64)
-    t = tl.arange(0, BLOCK_SIZE)
-    e = tl.arange(0, H_PAD)
-    tok_ok = valid_b[:, None] & ((b[:, None] * BLOCK_SIZE + t[None, :]) < seq_len)  # [TILE_B, BLOCK_SIZE]
-    c_off = (rows[:, None, None] * stride_c_row + h * stride_c_head + t[None, :, None] * HALF + e[None, None, :])
-    c = tl.load(codes_ptr + c_off, mask=tok_ok[:, :, None] & (e < HALF)[None, None, :], other=136).to(tl.int32)
-    c_lo = ((c & 15) - 8).to(tl.float32)
-    c_hi = ((c >> 4) - 8).to(tl.float32)
-    sc = tl.load(scales_ptr + rows[:, None] * stride_s_row + h * stride_s_head + t[None, :], mask=tok_ok,
-                 other=0.0).to(tl.float32) * scale_log2
-    q_base = q_ptr + r64 * stride_qb + (h * GROUP) * stride_qh
-    for gi in tl.static_range(GROUP):
-        q_lo = tl.load(q_base + gi * stride_qh + e, mask=e < HALF, other=0.0).to(tl.float32)
-        q_hi = tl.load(q_base + gi * stride_qh + HALF + e, mask=e < HALF, other=0.0).to(tl.float32)
-        dot = tl.sum(c_lo * q_lo[None, None, :] + c_hi * q_hi[None, None, :], axis=2)  # [TILE_B, BLOCK_SIZE]
-        x = tl.where(tok_ok, dot * sc, float("-inf"))
-        mx = tl.max(x, axis=1)
+    n_blocks = tl.minimum(n_blocks, num_cols)
+    SUB_TOK: tl.constexpr = SUB_B * BLOCK_SIZE
+    M: tl.constexpr = SUB_TOK // U  # dot columns: U consecutive tokens each
+    BU: tl.constexpr = BLOCK_SIZE // U
+    HP: tl.constexpr = PACK * WP  # half dims per token, padded
+    KU: tl.constexpr = U * HP
+    N: tl.constexpr = U * G_COLS
+    b0 = tl.program_id(1) * TILE_B
+    m_base = mass_ptr + r64 * stride_mb + h * stride_mh
+    gg, nn, kk = tl.arange(0, G_COLS), tl.arange(0, N), tl.arange(0, KU)
+    # queries, block-diagonal over the U token slots: row (u, g), column (u', j) = q_g[j] if u' == u
+    qmask = ((nn // G_COLS)[:, None] == (kk // HP)[None, :]) & ((nn % G_COLS) < GROUP)[:, None] & \
+        ((kk % HP) < HALF)[None, :]
+    q_ptrs = q_ptr + r64 * stride_qb + (h * GROUP + nn % G_COLS)[:, None] * stride_qh + (kk % HP)[None, :]
+    q_lo = tl.load(q_ptrs, mask=qmask, other=0.0)
+    q_hi = tl.load(q_ptrs + HALF, mask=qmask, other=0.0)
+    if DOT_FP32:
+        q_lo, q_hi = q_lo.to(tl.float32), q_hi.to(tl.float32)
+    tok, wi = tl.arange(0, SUB_TOK), tl.arange(0, WP)
+    # token (u, block, mm) of the [U, 1, SUB_B, BU] logits view: (block * BU + mm) * U + u
+    pos4 = (tl.arange(0, SUB_B)[None, None, :, None] * BU + tl.arange(0, BU)[None, None, None, :]) * U + \
+        tl.arange(0, U)[:, None, None, None]
+    n_iter = tl.minimum(tl.maximum(tl.cdiv(n_blocks - b0, SUB_B), 0), TILE_B // SUB_B)
+    for i in tl.range(0, n_iter, num_stages=1):  # no cp.async pipelining: it made this loop slower on the H200
+        bs0 = b0 + i * SUB_B
+        b, t = bs0 + tok // BLOCK_SIZE, tok % BLOCK_SIZE
+        ok = b < n_blocks
+        rows = tl.load(block_table_ptr + r64 * stride_bt + b, mask=ok, other=0).to(tl.int64)
+        if WP == W:
+            wmask = ok[:, None]
+        else:
+            wmask = ok[:, None] & (wi < W)[None, :]
+        wd = tl.load(codes_ptr + rows[:, None] * stride_c_row + h * stride_c_head + t[:, None] * W + wi[None, :],
+                     mask=wmask, other=0)
+        sc = tl.load(scales_ptr + rows * stride_s_row + h * stride_s_head + t, mask=ok, other=0.0)
+        c_lo, c_hi = _dequant_tile(wd, SUB_TOK, WP, PACK, IS_BF16, DOT_FP32)  # [SUB_TOK, HP] -> [M, KU] below
+        acc = tl.dot(q_lo, tl.trans(tl.reshape(c_lo, [M, KU])))
+        acc = tl.dot(q_hi, tl.trans(tl.reshape(c_hi, [M, KU])), acc)  # [N, M]: row (u, g), column m: q_g . k_{mU+u}
+        x = tl.reshape(acc, [U, G_COLS, SUB_B, BU])
+        sc4 = tl.reshape(tl.trans(tl.reshape(sc.to(tl.float32) * scale_log2, [M, U])), [U, 1, SUB_B, BU])
+        x = tl.where(bs0 * BLOCK_SIZE + pos4 < seq_len, x * sc4, float("-inf"))
+        mx = tl.max(tl.max(x, axis=3), axis=0)  # [G_COLS, SUB_B]
         mxs = tl.where(mx == float("-inf"), 0.0, mx)
-        lm = tl.log2(tl.sum(tl.exp2(x - mxs[:, None]), axis=1)) + mxs
-        lm = tl.where(valid_b, lm, float("-inf"))
-        tl.store(mass_ptr + r64 * stride_mb + h * stride_mh + gi * stride_mg + b, lm, mask=b < num_cols)
+        lm = tl.log2(tl.sum(tl.sum(tl.exp2(x - mxs[None, :, :, None]), axis=3), axis=0)) + mxs
+        bb = bs0 + tl.arange(0, SUB_B)
+        st_mask = (gg < GROUP)[:, None] & (bb < num_cols)[None, :]
+        tl.store(m_base + gg[:, None] * stride_mg + bb[None, :], lm, mask=st_mask)
+    for i in range(n_iter, TILE_B // SUB_B):  # sub-tiles past the end
+        bb = b0 + i * SUB_B + tl.arange(0, SUB_B)
+        tl.store(m_base + gg[:, None] * stride_mg + bb[None, :], tl.full([G_COLS, SUB_B], float("-inf"), tl.float32),
+                 mask=(gg < GROUP)[:, None] & (bb < num_cols)[None, :])
+
+
+def _block_mass_shape(group: int, head_dim: int, block_size: int, tile_b: int, sub_tok: int = 0) -> dict:
+    """The launch constants of :func:`sketch_block_mass` (see its docstring)."""
+    half = head_dim // 2
+    pack = 4 if half % 4 == 0 else 1
+    w, g_cols = half // pack, triton.next_power_of_2(group)
+    u = max(1, min(16 // g_cols, block_size, 256 // (pack * triton.next_power_of_2(w))))
+    g_cols = max(g_cols, 16 // u)
+    wp = max(triton.next_power_of_2(w), -(-16 // (u * pack)))
+    min_b = max(1, 16 * u // block_size)  # >= 16 dot columns
+    sub_tok = sub_tok or min(1024, triton.next_power_of_2(max(16384 // max(half, 1), 1)))
+    sub_b = max(min_b, sub_tok // block_size)
+    tile_b = triton.next_power_of_2(max(tile_b or 4 * sub_b, min_b))
+    return dict(G_COLS=g_cols, U=u, HALF=half, W=w, WP=wp, PACK=pack, BLOCK_SIZE=block_size, TILE_B=tile_b,
+                SUB_B=min(sub_b, tile_b))
 
 
 def sketch_block_mass(q: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, block_table: torch.Tensor,
                       seq_lens: torch.Tensor, mass_out: torch.Tensor, *, block_size: int, sm_scale: float,
-                      tile_b: int = 0) -> torch.Tensor:
+                      tile_b: int = 0, sub_tokens: int = 0) -> torch.Tensor:
     """Base-2 log of every block's approximate softmax numerator, per query head.
 
     Args:
-      q: ``[batch, num_qo_heads, head_dim]`` post-RoPE decode queries.
+      q: ``[batch, num_qo_heads, head_dim]`` post-RoPE decode queries, bf16 or fp16.
       codes, scales: one layer's sketch (see :func:`update_key_sketch`).
       block_table: ``[batch, >= num_cols]`` int32 logical block -> sketch row; seq_lens: ``[batch]`` int32.
       mass_out: ``[batch, num_kv_heads, group, num_cols]`` fp32 (last dim contiguous): entry ``b`` =
         ``log2 sum_{t in block b} 2^(sm_scale * log2(e) * q_g . k_sketch_t)`` (``-inf`` past the end).
-      tile_b: blocks per program (0: ``4096 // (block_size * head_dim / 2)``, at least 1).
-    One launch over ``[batch * num_kv_heads, ceil(num_cols / tile_b)]``; no allocation.
+      tile_b: blocks per program (0: four sub-tiles), rounded up to a power of two and to >= 16 dot columns.
+      sub_tokens: tokens per sub-tile (0: about 16 KiB of codes, at most 1024 tokens; a power of two).
+    One launch over ``[batch * num_kv_heads, ceil(num_cols / tile_b)]``, 4 warps; no allocation, graph-capturable.
     """
-    batch, num_qo_heads, head_dim = q.shape
-    num_kv_heads = codes.shape[1]
+    (batch, num_qo_heads, head_dim), num_kv_heads, num_cols = q.shape, codes.shape[1], mass_out.shape[3]
     group = num_qo_heads // num_kv_heads
-    num_cols = mass_out.shape[3]
     if batch == 0 or num_cols == 0:
         return mass_out
-    assert mass_out.stride(3) == 1 and q.stride(2) == 1
-    half = head_dim // 2
-    h_pad = triton.next_power_of_2(half)
-    tile_b = tile_b or max(1, min(64, 4096 // (block_size * h_pad)))
-    tile_b = triton.next_power_of_2(tile_b)
-    grid = (batch * num_kv_heads, triton.cdiv(num_cols, tile_b))
+    assert mass_out.stride(3) == 1 and q.stride(2) == 1 and q.dtype in (torch.bfloat16, torch.float16)
+    assert codes.stride(3) == 1 and codes.stride(2) == head_dim // 2 and scales.stride(2) == 1
+    shape = _block_mass_shape(group, head_dim, block_size, tile_b, sub_tokens)
+    if shape["PACK"] == 4:
+        codes = codes.view(torch.int32)  # 4 bytes (8 dims) per load element; strides in words
+    grid = (batch * num_kv_heads, triton.cdiv(num_cols, shape["TILE_B"]))
     _block_mass_kernel[grid](
         q, q.stride(0), q.stride(1),
         codes, codes.stride(0), codes.stride(1), scales, scales.stride(0), scales.stride(1),
         block_table, block_table.stride(0), seq_lens,
         mass_out, mass_out.stride(0), mass_out.stride(1), mass_out.stride(2), num_cols, float(sm_scale) * LOG2E,
-        NUM_KV_HEADS=num_kv_heads, GROUP=group, HALF=half, H_PAD=h_pad, BLOCK_SIZE=block_size, TILE_B=tile_b,
-        num_warps=4,
+        NUM_KV_HEADS=num_kv_heads, GROUP=group, IS_BF16=q.dtype == torch.bfloat16,
+        DOT_FP32=os.environ.get("TRITON_INTERPRET", "0") == "1", num_warps=4, **shape,
     )
     return mass_out
 

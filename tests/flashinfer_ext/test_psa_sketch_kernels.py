@@ -89,6 +89,31 @@ def test_block_masses_shares_and_totals_match_reference(hq, hk, d, page_size, bl
     assert bool((b[i][bigger] >= b[j][bigger]).all())
 
 
+@pytest.mark.parametrize("block_size,page_size,hq,hk,d,dtype,tile_b,sub_tokens", [
+    (1, 1, 3, 1, 64, torch.bfloat16, 0, 0),  # one token per block, the whole request in one program
+    (16, 16, 9, 3, 64, torch.float16, 0, 0),  # default tile (128 blocks) past every request's end
+    (16, 1, 8, 2, 16, torch.bfloat16, 16, 64),  # small head_dim, group 4, four sub-tiles per program
+    (32, 32, 2, 2, 16, torch.float16, 4, 0),  # group 1, block 32, several programs per request
+    (32, 1, 8, 2, 64, torch.bfloat16, 2, 0),  # group 4, tile_b rounded up to 16 dot columns
+    (16, 1, 6, 2, 12, torch.float16, 8, 0),  # head_dim / 2 not a multiple of 4: codes read as bytes
+    (16, 1, 32, 1, 64, torch.bfloat16, 0, 0),  # group 32: no token folding
+])
+def test_block_mass_matches_reference_over_shapes(block_size, page_size, hq, hk, d, dtype, tile_b, sub_tokens):
+    """Tensor-core block masses = the fp32 reference for block sizes 1..32, groups 1..32, small and odd head dims,
+    bf16 / fp16 queries, partial last blocks, one-token requests, tiles longer or shorter than the requests."""
+    seq_lens = [5 * block_size + 3, block_size, 2 * block_size + 1, 1]
+    pool = make_pool(seq_lens, hq, hk, d, dtype, page_size, seed=9, planted=True)
+    sp, table, nb = _sketch_pool(pool, block_size)
+    mass = torch.full((len(seq_lens), hk, hq // hk, nb), 123.0)
+    sketch_block_mass(pool.q, *sp.layer(0), table, pool.seq_lens, mass, block_size=block_size,
+                      sm_scale=pool.sm_scale, tile_b=tile_b, sub_tokens=sub_tokens)
+    _, _, r_mass = sketch_scores_reference(pool.q, pool.k_buffer, pool.req_to_token, pool.req_pool_indices,
+                                           pool.seq_lens, block_size=block_size, sm_scale=pool.sm_scale,
+                                           num_blocks=nb, sink_blocks=1, local_blocks=1)
+    assert torch.equal(torch.isinf(mass), torch.isinf(r_mass))  # -inf exactly past each request's end
+    torch.testing.assert_close(mass, r_mass, rtol=1e-4, atol=1e-3)
+
+
 def _build(pool, cfg, block_size, **wkw):
     sp, table, nb = _sketch_pool(pool, block_size, end=pool.seq_lens - 1)
     hq, d, hk = pool.q.shape[1], pool.q.shape[2], pool.k_buffer.shape[1]
