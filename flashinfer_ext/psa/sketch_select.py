@@ -6,27 +6,26 @@ threshold ``epsilon`` (``>= 1``: every block), a per-(request, KV head) cap on t
 threshold (what the selection would read at a second epsilon). One program per (request, KV head):
 
   1. each query head's total approximate mass ``T_g`` (as :func:`~flashinfer_ext.psa.key_sketch.sketch_shares`);
-  2. each block's share ``s(b) = max_g (mass_g(b) - T_g)`` (base 2, ``<= 0``), written to ``scores_out``, and a
-     histogram of the non-forced blocks' ``2^s`` and counts over :data:`COARSE_BINS` bins of
-     ``1 / BINS_PER_LOG2`` in ``-s`` (the last bin takes every smaller share);
-  3. the cut: the fewest top bins whose unread rest ``U = sum 2^s`` over the bins below is at most
-     ``(1 - epsilon) * 2^-calib_slack`` (so every query head's approximate unread share, at most ``U``, keeps
-     ``1 - 2^calib_slack U >= epsilon``), lowered to fit the cap; the cut bin is then split into
-     :data:`FINE_BINS` finer bins and cut the same way (at most one fine bin, 1/512 of a doubling, past the
-     exact top-p set);
-  4. the selected block ids written in block order to ``lists_out`` (forced blocks included), their count to
-     ``list_lens_out``, ``1 - 2^calib_slack U`` to ``kept_out`` and the probe threshold's count to ``probe_out``.
+  2. each block's share ``s(b) = max_g (mass_g(b) - T_g)`` (base 2, ``<= 0``), written to ``scores_out`` (``+inf``
+     for forced blocks, ``-inf`` past the end) and read back from there by the steps below;
+  3. the cut ``tau``: the largest share threshold whose unread rest ``U(tau) = sum_{s < tau} 2^s`` over the
+     non-forced blocks is at most ``(1 - epsilon) * 2^-calib_slack`` (so every query head's approximate unread share,
+     at most ``U``, keeps ``1 - 2^calib_slack U >= epsilon``), found by :data:`SEARCH_STEPS` bisection steps over
+     ``[-SEARCH_FLOOR, 0]`` (a step of ``SEARCH_FLOOR / 2^SEARCH_STEPS`` doublings: the selection reads at most the
+     blocks within that factor of the exact top-p set's last share); then raised, by bisection on the count, until
+     at most ``cap`` blocks pass (a row at ``epsilon >= 1`` reads every block, whatever its cap);
+  4. the blocks with ``s >= tau`` and the forced ones written in block order to ``lists_out``, their count to
+     ``list_lens_out``, ``1 - 2^calib_slack U(tau)`` to ``kept_out`` and the probe threshold's count to ``probe_out``.
 
 The attention then reads exactly these lists (:func:`flashinfer_ext.common.split_decode.sparse_decode_split`):
 per layer three launches after the sketch pass, where the progressive stop test
 (:mod:`flashinfer_ext.psa.wave_merge`) needs a sort, a suffix scan and up to five attention waves with
 their merges. The stop point is the sketch's prediction alone (no true block mass enters it).
 
-Cautions: the selection equals the top blocks of the sketch's rank order up to ties inside one fine bin
-(then the whole fine bin is read); a cap that cuts inside a coarse bin reads only the bins above it (fewer
-blocks than the cap). The probe count uses the coarse cut (at most one coarse bin more than the exact count),
-or the selection's own count where the probe threshold and cap equal the row's. No allocation, no host sync:
-graph-capturable.
+Cautions: every step is a reduction over the pair's whole row (``tile`` columns at a time), so one program walks
+its row ``~2 + SEARCH_STEPS`` times (from L2: the scores it wrote itself, behind a block barrier); the cap search
+runs only where the cap binds, the probe search only where the probe threshold differs from the row's. A cap
+between two equal shares reads fewer blocks than the cap. No allocation, no host sync: graph-capturable.
 """
 
 from __future__ import annotations
@@ -35,40 +34,58 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["sketch_select", "sketch_select_reference", "COARSE_BINS", "FINE_BINS", "BINS_PER_LOG2"]
+__all__ = ["sketch_select", "sketch_select_reference", "SEARCH_STEPS", "SEARCH_FLOOR"]
 
-COARSE_BINS = 64
-FINE_BINS = 64
-BINS_PER_LOG2 = 2  # coarse bins of half a doubling: 64 bins reach shares of 2^-32
-
-
-@triton.jit
-def _shares_tile(m_row, b, n_blocks, tot_s, gmask, sink_blocks, local_blocks):
-    """Shares ``[TILE]`` of blocks ``b`` (``-inf`` past the end) and their forced / valid masks."""
-    x = tl.load(m_row + b[None, :], mask=gmask[:, None] & (b < n_blocks)[None, :], other=float("-inf"))
-    s = tl.max(x - tot_s[:, None], axis=0)
-    valid = b < n_blocks
-    forced = valid & ((b < sink_blocks) | (b >= n_blocks - local_blocks))
-    return s, forced, valid
+SEARCH_STEPS = 11
+SEARCH_FLOOR = 40.0  # doublings below the total: 2^-40 of a head's mass per block is never worth reading
 
 
 @triton.jit
-def _coarse_bin(s, NB: tl.constexpr, BPL: tl.constexpr):
-    return tl.minimum(tl.maximum(-s * BPL, 0.0), NB - 1.0).to(tl.int32)
+def _row_stats(s_row, num_cols, tau, TILE: tl.constexpr):
+    """Over the non-forced blocks of a row of shares: ``(sum of 2^s for s < tau, count of s >= tau)``."""
+    u = tl.zeros([TILE], tl.float32)
+    n = tl.zeros([TILE], tl.int32)
+    for c0 in range(0, num_cols, TILE):
+        b = c0 + tl.arange(0, TILE)
+        s = tl.load(s_row + b, mask=b < num_cols, other=float("-inf"))
+        ranked = s < float("inf")  # forced blocks are +inf, blocks past the end -inf (weight 0, never counted)
+        u += tl.where(ranked & (s < tau), tl.exp2(s), 0.0)
+        n += (ranked & (s >= tau) & (s > float("-inf"))).to(tl.int32)
+    return tl.sum(u, axis=0), tl.sum(n, axis=0)
 
 
 @triton.jit
-def _cut(hist, cnt, budget, cap, allow_all, NB: tl.constexpr):
-    """Bins ``[0, k)`` to read: the fewest whose rest ``<= budget``, lowered to fit ``cap`` blocks; ``NB`` when
-    ``allow_all``. Returns ``(k, rest: the sum of bins >= k, blocks in bins [0, k), whether the cap lowered k)``."""
-    kb = tl.arange(0, NB)
-    tail = tl.cumsum(hist, 0, reverse=True)  # tail[k] = sum of bins >= k
-    k_mass = tl.sum((tail > budget).to(tl.int32), axis=0)
-    ccnt = tl.cumsum(cnt, 0)  # blocks in bins <= k
-    k_cap = tl.sum((ccnt <= cap).to(tl.int32), axis=0)
-    k = tl.where(allow_all, NB, tl.minimum(k_mass, k_cap))
-    rest = tl.sum(tl.where(kb == k, tail, 0.0), axis=0)
-    return k, rest, tl.sum(tl.where(kb < k, cnt, 0), axis=0), (k_cap < k_mass) & (allow_all == 0)
+def _search(s_row, num_cols, budget, cap, total_u, STEPS: tl.constexpr, FLOOR: tl.constexpr, TILE: tl.constexpr):
+    """The cut of step 3: the largest ``tau`` on the bisection grid with ``U(tau) <= budget``, then raised until at
+    most ``cap`` blocks pass. Returns ``(tau, U(tau), blocks passing)``."""
+    lo = tl.full([], -FLOOR, tl.float32)
+    hi = tl.full([], 0.0, tl.float32)
+    if total_u <= budget:  # nothing needs reading
+        lo = tl.full([], float("inf"), tl.float32)
+    else:
+        for _ in range(STEPS):
+            mid = 0.5 * (lo + hi)
+            u_mid, _n = _row_stats(s_row, num_cols, mid, TILE)
+            take = u_mid <= budget
+            lo = tl.where(take, mid, lo)
+            hi = tl.where(take, hi, mid)
+    u, n = _row_stats(s_row, num_cols, lo, TILE)
+    if n > cap:  # the cap binds: the lowest grid threshold in (lo, 0] with at most cap blocks
+        c_lo = lo
+        c_hi = tl.full([], 0.0, tl.float32)
+        for _ in range(STEPS):
+            mid = 0.5 * (c_lo + c_hi)
+            _u, n_mid = _row_stats(s_row, num_cols, mid, TILE)
+            fits = n_mid <= cap
+            c_hi = tl.where(fits, mid, c_hi)
+            c_lo = tl.where(fits, c_lo, mid)
+        lo = c_hi
+        u, n = _row_stats(s_row, num_cols, lo, TILE)
+        if n > cap:  # every share at or above 0: nothing fits
+            lo = tl.full([], float("inf"), tl.float32)
+            u = total_u
+            n = n * 0
+    return lo, u, n
 
 
 @triton.jit
@@ -77,7 +94,7 @@ def _select_kernel(
     scores_ptr, stride_sb, stride_sh, lists_ptr, stride_lb, stride_lh, list_lens_ptr, probe_ptr, kept_ptr, tot_ptr,
     num_cols, sink_blocks, local_blocks, slack_factor,
     NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, G_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    TILE: tl.constexpr, NB: tl.constexpr, NF: tl.constexpr, BPL: tl.constexpr,
+    TILE: tl.constexpr, STEPS: tl.constexpr, FLOOR: tl.constexpr,
 ):
     pair = tl.program_id(0)
     r = pair // NUM_KV_HEADS
@@ -98,68 +115,57 @@ def _select_kernel(
         nms = tl.where(new_m == float("-inf"), 0.0, new_m)
         run_s = run_s * tl.exp2(run_m - nms) + tl.sum(tl.exp2(x - nms[:, None]), axis=1)
         run_m = new_m
+    # (an fp32 normal floor: a subnormal constant would type the expression fp64)
     tot = tl.where(run_s > 0.0, tl.log2(tl.maximum(run_s, 1e-30)) + tl.where(run_m == float("-inf"), 0.0, run_m),
                    float("-inf"))
     tl.store(tot_ptr + pair.to(tl.int64) * GROUP + g, tot, mask=gmask)
     tot_s = tl.where(tot == float("-inf"), 0.0, tot)
-    # 2. shares, and the coarse histogram of the non-forced blocks
-    kb = tl.arange(0, NB)
-    hist = tl.zeros([NB], tl.float32)
-    cnt = tl.zeros([NB], tl.int32)
-    n_forced = tl.full([], 0, tl.int32)
+    # 2. the shares, the forced blocks and the whole ranked mass
     s_row = scores_ptr + r64 * stride_sb + h * stride_sh
+    n_forced = tl.zeros([TILE], tl.int32)
+    all_u = tl.zeros([TILE], tl.float32)
     for c0 in range(0, num_cols, TILE):
         b = c0 + tl.arange(0, TILE)
-        s, forced, valid = _shares_tile(m_row, b, n_blocks, tot_s, gmask, sink_blocks, local_blocks)
-        ranked = valid & (forced == 0)
-        hit = (_coarse_bin(s, NB, BPL)[None, :] == kb[:, None]) & ranked[None, :]  # [NB, TILE]
-        hist += tl.sum(tl.where(hit, tl.exp2(s)[None, :], 0.0), axis=1)
-        cnt += tl.sum(hit.to(tl.int32), axis=1)
-        n_forced += tl.sum(forced.to(tl.int32), axis=0)
+        x = tl.load(m_row + b[None, :], mask=gmask[:, None] & (b < n_blocks)[None, :], other=float("-inf"))
+        s = tl.max(x - tot_s[:, None], axis=0)
+        valid = b < n_blocks
+        forced = valid & ((b < sink_blocks) | (b >= n_blocks - local_blocks))
+        n_forced += forced.to(tl.int32)
+        all_u += tl.where(valid & (forced == 0), tl.exp2(s), 0.0)
         tl.store(s_row + b, tl.where(forced, float("inf"), tl.where(valid, s, float("-inf"))), mask=b < num_cols)
-    # 3. the coarse cut, then the cut bin split finer
+    nf = tl.sum(n_forced, axis=0)
+    total_u = tl.sum(all_u, axis=0)
+    tl.debug_barrier()  # the row's shares, written above by every thread of the program, are read back below
+    # 3. the cut (every block at epsilon >= 1)
     eps = tl.load(eps_ptr + r)
-    cap = tl.maximum(tl.load(caps_ptr + pair) - n_forced, 0)
-    budget = (1.0 - eps) / slack_factor
-    k, rest, n_sel, capped = _cut(hist, cnt, budget, cap, eps >= 1.0, NB)
-    fine_k = tl.full([], NF, tl.int32)  # fine bins of the cut bin k - 1 to read (all unless refined)
-    refine = (k > 0) & (k < NB) & (capped == 0)
-    kc = k - 1
-    bin_rest = rest  # rest below the cut bin
-    if refine:
-        kf = tl.arange(0, NF)
-        fh = tl.zeros([NF], tl.float32)
-        fc = tl.zeros([NF], tl.int32)
-        for c0 in range(0, num_cols, TILE):
-            b = c0 + tl.arange(0, TILE)
-            s, forced, valid = _shares_tile(m_row, b, n_blocks, tot_s, gmask, sink_blocks, local_blocks)
-            in_bin = valid & (forced == 0) & (_coarse_bin(s, NB, BPL) == kc)
-            fpos = tl.minimum(tl.maximum((-s * BPL - kc) * NF, 0.0), NF - 1.0).to(tl.int32)
-            hit = (fpos[None, :] == kf[:, None]) & in_bin[None, :]
-            fh += tl.sum(tl.where(hit, tl.exp2(s)[None, :], 0.0), axis=1)
-            fc += tl.sum(hit.to(tl.int32), axis=1)
-        fk, _, _, _ = _cut(fh, fc, budget - bin_rest, n_blocks, eps > 2.0, NF)  # never all
-        fine_k = tl.maximum(fk, 1)  # the coarse cut needed bin kc: read at least its first fine bin
-        rest = bin_rest + tl.sum(tl.where(kf >= fine_k, fh, 0.0), axis=0)
-        n_sel = n_sel - tl.sum(tl.where(kf >= fine_k, fc, 0), axis=0)
-    total = n_forced + n_sel
+    cap = tl.maximum(tl.load(caps_ptr + pair) - nf, 0)
+    if eps >= 1.0:  # every block, whatever the cap
+        tau = tl.full([], float("-inf"), tl.float32)
+        u = tl.full([], 0.0, tl.float32)
+        n_sel = tl.maximum(n_blocks - nf, 0)
+    else:
+        tau, u, n_sel = _search(s_row, num_cols, (1.0 - eps) / slack_factor, cap, total_u, STEPS, FLOOR, TILE)
+    total = nf + n_sel
     tl.store(list_lens_ptr + pair, total)
-    tl.store(kept_ptr + pair, tl.minimum(tl.maximum(1.0 - slack_factor * rest, 0.0), 1.0))
-    # probe: the coarse cut at the probe threshold (the selection's own count at the row's threshold and cap)
+    tl.store(kept_ptr + pair, tl.minimum(tl.maximum(1.0 - slack_factor * u, 0.0), 1.0))
+    # probe: the same search at the probe threshold and cap (the selection's own count where they are the row's)
     p_eps = tl.load(probe_eps_ptr + r)
-    p_cap = tl.maximum(tl.load(probe_caps_ptr + r) - n_forced, 0)
-    _, _, p_sel, _ = _cut(hist, cnt, (1.0 - p_eps) / slack_factor, p_cap, p_eps >= 1.0, NB)
-    same = (p_eps == eps) & (p_cap == cap)
-    tl.store(probe_ptr + pair, tl.where(same, total, tl.minimum(n_forced + p_sel, total)))
+    p_cap = tl.maximum(tl.load(probe_caps_ptr + r) - nf, 0)
+    p_total = total
+    if (p_eps != eps) | (p_cap != cap):
+        if p_eps >= 1.0:
+            p_total = nf + tl.maximum(n_blocks - nf, 0)
+        else:
+            _t, _u, p_n = _search(s_row, num_cols, (1.0 - p_eps) / slack_factor, p_cap, total_u, STEPS, FLOOR, TILE)
+            p_total = nf + p_n
+    tl.store(probe_ptr + pair, tl.minimum(p_total, total))
     # 4. the selected ids in block order
     l_row = lists_ptr + r64 * stride_lb + h * stride_lh
     base = tl.full([], 0, tl.int32)
     for c0 in range(0, num_cols, TILE):
         b = c0 + tl.arange(0, TILE)
-        s, forced, valid = _shares_tile(m_row, b, n_blocks, tot_s, gmask, sink_blocks, local_blocks)
-        cb = _coarse_bin(s, NB, BPL)
-        fpos = tl.minimum(tl.maximum((-s * BPL - kc) * NF, 0.0), NF - 1.0).to(tl.int32)
-        sel = valid & (forced | (cb < kc) | ((cb == kc) & (fpos < fine_k)))
+        s = tl.load(s_row + b, mask=b < num_cols, other=float("-inf"))
+        sel = (b < n_blocks) & (s >= tau)
         si = sel.to(tl.int32)
         pos = base + tl.cumsum(si, 0) - si
         tl.store(l_row + pos, b.to(l_row.dtype.element_ty), mask=sel)
@@ -170,7 +176,7 @@ def sketch_select(mass: torch.Tensor, seq_lens: torch.Tensor, epsilon: torch.Ten
                   probe_epsilon: torch.Tensor, probe_caps: torch.Tensor, *, scores_out: torch.Tensor,
                   lists_out: torch.Tensor, list_lens_out: torch.Tensor, probe_out: torch.Tensor,
                   kept_out: torch.Tensor, totals_out: torch.Tensor, block_size: int, sink_blocks: int,
-                  local_blocks: int, calib_slack: float, tile: int = 256) -> None:
+                  local_blocks: int, calib_slack: float, tile: int = 2048) -> None:
     """Select each (request, KV head)'s blocks from the sketch's masses (one launch, ``batch * num_kv_heads`` programs).
 
     Args:
@@ -183,6 +189,7 @@ def sketch_select(mass: torch.Tensor, seq_lens: torch.Tensor, epsilon: torch.Ten
       lists_out: ``[batch, num_kv_heads, >= num_cols]`` int32 or int64 (last dim contiguous): selected ids in
         block order; list_lens_out, probe_out: ``[batch, num_kv_heads]`` int32 (contiguous); kept_out the same in
         fp32 (``1 - 2^calib_slack U``); totals_out ``[batch * num_kv_heads * group]`` fp32 (``T_g``).
+      tile: columns per step of a row walk (a 32k context at 16-token blocks is one step).
     """
     batch, num_kv_heads, group, num_cols = mass.shape
     if batch == 0 or num_cols == 0:
@@ -196,31 +203,55 @@ def sketch_select(mass: torch.Tensor, seq_lens: torch.Tensor, epsilon: torch.Ten
         list_lens_out, probe_out, kept_out, totals_out,
         num_cols, sink_blocks, local_blocks, float(2.0 ** calib_slack),
         NUM_KV_HEADS=num_kv_heads, GROUP=group, G_PAD=triton.next_power_of_2(group), BLOCK_SIZE=block_size,
-        TILE=min(tile, triton.next_power_of_2(max(num_cols, 16))), NB=COARSE_BINS, NF=FINE_BINS,
-        BPL=BINS_PER_LOG2, num_warps=4,
+        TILE=(t := min(tile, triton.next_power_of_2(max(num_cols, 16)))), STEPS=SEARCH_STEPS, FLOOR=SEARCH_FLOOR,
+        num_warps=8 if t >= 1024 else 4,
     )
 
 
-def _cut_reference(hist: torch.Tensor, cnt: torch.Tensor, budget: float, cap: int, allow_all: bool):
-    nb = hist.numel()
-    tail = torch.flip(torch.cumsum(torch.flip(hist.double(), [0]), 0), [0])
-    k_mass = int((tail > budget).sum())
-    k_cap = int((torch.cumsum(cnt, 0) <= cap).sum())
-    k = nb if allow_all else min(k_mass, k_cap)
-    rest = float(tail[k]) if k < nb else 0.0
-    return k, rest, int(cnt[:k].sum()), k_cap < k_mass and not allow_all
+def _row_stats_reference(s: torch.Tensor, ranked: torch.Tensor, tau: float) -> tuple[float, int]:
+    below = ranked & (s < tau)
+    return float(torch.exp2(s[below].double()).sum()), int((ranked & (s >= tau) & (s > float("-inf"))).sum())
+
+
+def _search_reference(s, ranked, budget, cap, total_u):
+    """:func:`_search` on the CPU: the same bisection grid (fp32 midpoints)."""
+    if total_u <= budget:
+        lo = float("inf")
+    else:
+        lo, hi = -SEARCH_FLOOR, 0.0
+        for _ in range(SEARCH_STEPS):
+            mid = float(torch.tensor(0.5, dtype=torch.float32) * (torch.tensor(lo, dtype=torch.float32)
+                                                                    + torch.tensor(hi, dtype=torch.float32)))
+            if _row_stats_reference(s, ranked, mid)[0] <= budget:
+                lo = mid
+            else:
+                hi = mid
+    u, n = _row_stats_reference(s, ranked, lo)
+    if n > cap:
+        c_lo, c_hi = lo, 0.0
+        for _ in range(SEARCH_STEPS):
+            mid = float(torch.tensor(0.5, dtype=torch.float32) * (torch.tensor(c_lo, dtype=torch.float32)
+                                                                    + torch.tensor(c_hi, dtype=torch.float32)))
+            if _row_stats_reference(s, ranked, mid)[1] <= cap:
+                c_hi = mid
+            else:
+                c_lo = mid
+        lo = c_hi
+        u, n = _row_stats_reference(s, ranked, lo)
+        if n > cap:
+            lo, u, n = float("inf"), total_u, 0
+    return lo, u, n
 
 
 def sketch_select_reference(mass: torch.Tensor, seq_lens, epsilon, caps, *, block_size: int, sink_blocks: int,
                             local_blocks: int, calib_slack: float) -> tuple[list, torch.Tensor]:
-    """fp64 reference of :func:`sketch_select`'s selection on the CPU.
+    """CPU reference of :func:`sketch_select`'s selection (fp32 shares, fp64 sums, the kernel's bisection grid).
 
     ``mass`` ``[batch, num_kv_heads, group, num_cols]``; ``epsilon`` a ``[batch]`` sequence; ``caps``
     ``[batch, num_kv_heads]``. Returns ``(lists, kept)``: ``lists[r][h]`` the selected block ids (block order)
     and ``kept`` ``[batch, num_kv_heads]`` fp32.
     """
     batch, num_kv_heads, _, num_cols = mass.shape
-    nb, nf, bpl = COARSE_BINS, FINE_BINS, BINS_PER_LOG2
     slack = 2.0 ** calib_slack
     lists, kept = [], torch.ones(batch, num_kv_heads)
     for r in range(batch):
@@ -235,25 +266,14 @@ def sketch_select_reference(mass: torch.Tensor, seq_lens, epsilon, caps, *, bloc
             b = torch.arange(n_blocks)
             forced = (b < sink_blocks) | (b >= n_blocks - local_blocks)
             ranked = ~forced
-            cb = torch.clamp(-s * bpl, 0, nb - 1).floor().long()
-            w = torch.exp2(s.double())
-            hist = torch.zeros(nb, dtype=torch.float64).index_add_(0, cb[ranked], w[ranked])
-            cnt = torch.zeros(nb, dtype=torch.long).index_add_(0, cb[ranked], torch.ones_like(cb[ranked]))
-            cap = max(int(caps[r, h]) - int(forced.sum()), 0)
-            budget = (1.0 - eps) / slack
-            k, rest, _, capped = _cut_reference(hist, cnt, budget, cap, eps >= 1.0)
-            sel = forced | (cb < k)
-            if 0 < k < nb and not capped:
-                kc = k - 1
-                fpos = torch.clamp((-s * bpl - kc) * nf, 0, nf - 1).floor().long()
-                in_bin = ranked & (cb == kc)
-                fh = torch.zeros(nf, dtype=torch.float64).index_add_(0, fpos[in_bin], w[in_bin])
-                fc = torch.zeros(nf, dtype=torch.long).index_add_(0, fpos[in_bin], torch.ones_like(fpos[in_bin]))
-                fk = _cut_reference(fh, fc, budget - rest, n_blocks, False)[0]
-                fk = max(fk, 1)
-                rest = rest + float(fh[fk:].sum())
-                sel = forced | (cb < kc) | ((cb == kc) & (fpos < fk))
-            kept[r, h] = min(max(1.0 - slack * rest, 0.0), 1.0)
+            if eps >= 1.0:
+                sel, u = torch.ones(n_blocks, dtype=torch.bool), 0.0
+            else:
+                total_u = float(torch.exp2(s[ranked].double()).sum())
+                cap = max(int(caps[r, h]) - int(forced.sum()), 0)
+                tau, u, _ = _search_reference(s, ranked, (1.0 - eps) / slack, cap, total_u)
+                sel = forced | (s >= tau)
+            kept[r, h] = min(max(1.0 - slack * u, 0.0), 1.0)
             row.append(torch.nonzero(sel).flatten().tolist())
         lists.append(row)
     return lists, kept

@@ -13,7 +13,7 @@ from flashinfer_ext.psa.block_meta import identity_block_table, paged_block_tabl
 from flashinfer_ext.psa.config import PsaDecodeConfig
 from flashinfer_ext.psa.decode import PsaDecodeWrapper
 from flashinfer_ext.psa.key_sketch import KeySketchPool
-from flashinfer_ext.psa.sketch_select import BINS_PER_LOG2, sketch_select, sketch_select_reference
+from flashinfer_ext.psa.sketch_select import SEARCH_FLOOR, SEARCH_STEPS, sketch_select, sketch_select_reference
 
 from .kv_pool import make_pool
 
@@ -68,9 +68,9 @@ def test_selection_equals_reference_and_keeps_the_budget(group, block_size, cols
     assert torch.equal(out["probe_out"], out["list_lens_out"])  # probe threshold and caps = the rows' own
 
 
-def test_selection_reads_the_top_shares_and_at_most_one_fine_bin_more():
-    """The selected ranked blocks are the highest shares (a prefix of the sorted order); the exact top-p set is at
-    most one fine bin smaller."""
+def test_selection_reads_the_top_shares_within_one_search_step_of_the_exact_top_p_set():
+    """The selected ranked blocks are the highest shares (a prefix of the sorted order); the exact top-p set's last
+    share is at most one bisection step above the selection's."""
     cols, bs = 400, 16
     mass = _masses(5, 1, 1, 3, cols, [cols * bs], bs, 3.0)
     sl = torch.tensor([cols * bs], dtype=torch.int32)
@@ -88,7 +88,7 @@ def test_selection_reads_the_top_shares_and_at_most_one_fine_bin_more():
     exact = int((tail > 0.1 / 4.0).sum())  # fewest top blocks whose unread rest <= (1 - eps) / 2^slack
     assert exact <= len(got)
     edge = float(share[order[len(got) - 1]])
-    assert float(share[order[exact - 1]]) - edge <= 1.0 / (BINS_PER_LOG2 * 64) + 1e-6
+    assert float(share[order[exact - 1]]) - edge <= SEARCH_FLOOR / 2 ** SEARCH_STEPS + 1e-6
 
 
 def test_epsilon_one_selects_every_block_and_probe_counts_its_own_threshold():
