@@ -170,15 +170,16 @@ def merge_real_rows(path: Path, real_rows: list, real_keys: dict, run_meta: dict
 
     Returns ``(top, meta, results)`` to write: the existing top-level keys with ``real_keys`` replaced or
     added, the existing meta with ``real_run`` = this run's meta, and the existing rows minus earlier
-    rows of the slots rerun here (``case == REAL_CASE``, same ``slot``) plus ``real_rows``.
+    rows of the (slot, estimator) pairs rerun here (``case == REAL_CASE``) plus ``real_rows``.
     Without an existing file: ``(None, run_meta, real_rows)`` (the caller computes its summary)."""
     if not path.is_file():
         return None, run_meta, list(real_rows)
     old = json.loads(path.read_text())
     results = old.pop("results", [])
     meta = old.pop("meta", {})
-    slots = {r.get("slot") for r in real_rows}
-    results = [r for r in results if not (r.get("case") == REAL_CASE and r.get("slot") in slots)] + list(real_rows)
+    rerun = {(r.get("slot"), r.get("estimator")) for r in real_rows}
+    results = [r for r in results
+               if not (r.get("case") == REAL_CASE and (r.get("slot"), r.get("estimator")) in rerun)] + list(real_rows)
     meta["real_run"] = run_meta
     old.update(real_keys)
     return old, meta, results

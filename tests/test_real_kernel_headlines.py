@@ -146,7 +146,7 @@ def test_covered_mass_matches_the_loopserve_reference():
     assert torch.allclose(full, torch.ones(hk))  # every vertical selected: all mass covered
 
 
-def test_merge_replaces_a_rerun_slot_instead_of_duplicating_it(tmp_path):
+def test_merge_replaces_a_rerun_slot_and_estimator_instead_of_duplicating_it(tmp_path):
     path = tmp_path / "h.json"
     assert real_capture.merge_real_rows(path, [{"case": "testbed real", "slot": "real_32k"}], {"real_32k": {}},
                                         {"command": "x"}) == (None, {"command": "x"},
@@ -163,6 +163,14 @@ def test_merge_replaces_a_rerun_slot_instead_of_duplicating_it(tmp_path):
     assert meta == {"command": "full", "real_run": {"command": "real", "gpu": "H200"}}
     assert rows == [{"case": "planted", "ctx": 4096}, {"case": "testbed real", "slot": "real_16k", "v": 1},
                     {"case": "testbed real", "slot": "real_32k", "layer": 3, "v": 2}]
+    # a rerun of one estimator keeps the other estimators' rows of the same slot
+    path.write_text(json.dumps({"meta": {}, "results": [
+        {"case": "testbed real", "slot": "real_32k", "estimator": "calibrated", "v": 1},
+        {"case": "testbed real", "slot": "real_32k", "estimator": "select", "v": 1}]}))
+    _, _, rows = real_capture.merge_real_rows(
+        path, [{"case": "testbed real", "slot": "real_32k", "estimator": "select", "v": 2}], {}, {})
+    assert rows == [{"case": "testbed real", "slot": "real_32k", "estimator": "calibrated", "v": 1},
+                    {"case": "testbed real", "slot": "real_32k", "estimator": "select", "v": 2}]
 
 
 def test_capture_attention_is_hf_attention_without_a_mask_tensor(testbed_model):
