@@ -53,3 +53,14 @@ def test_every_driver_refuses_a_bad_item_before_starting_anything(driver, tmp_pa
         mod.main(args + ["--sparse-config", 'psa={"epsilon": 2}'])
     assert e.value.code == 2
     assert "field 'epsilon' of mode 'psa' = 2.0 is out of range" in capsys.readouterr().err
+
+
+def test_psa_select_schedule_needs_the_sketch_estimator():
+    from sglang_sparse.config import PsaConfig, SparseConfigError
+
+    cfg = PsaConfig.from_dict({"estimator": "sketch", "schedule": "select"})
+    assert (cfg.estimator, cfg.schedule) == ("sketch", "select")
+    with pytest.raises(SparseConfigError, match=r"field 'schedule' of mode 'psa' = \"select\" is not allowed"):
+        PsaConfig.from_dict({"schedule": "select"})
+    with pytest.raises(SparseConfigError, match="schedule"):
+        PsaConfig.from_dict({"estimator": "sketch", "schedule": "waves"})
