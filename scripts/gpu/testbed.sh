@@ -33,7 +33,7 @@
 #   bash scripts/gpu/testbed.sh lsfid    # loopserve ENGAGED (min_context $LS_MIN_CONTEXT, default 24576) against off on
 #                                        # the `long` preset: the 32k bucket is the engaged one (~3-4 min); run it for any
 #                                        # change to LoopServe's decode or selection (it is what a speed change can lose)
-#   bash scripts/gpu/testbed.sh psafid   # psa ENGAGED (PSA_CONFIG; default the int4 key sketch from 8192 tokens) against
+#   bash scripts/gpu/testbed.sh psafid   # psa ENGAGED (PSA_CONFIG; default the int4 key sketch, schedule select, from 8192 tokens) against
 #                                        # off on the `long` preset, deterministic inference (~5 min)
 #   bash scripts/gpu/testbed.sh psaspeed # psa (PSA_CONFIG) against plain SGLang end to end at 4k and 32k, concurrency 8/32
 #   bash scripts/gpu/testbed.sh lsvarfid # loopserve configurations (LS_VARIANTS) on the `long` preset, deterministic,
@@ -191,20 +191,21 @@ PY
         --sparse-config "loopserve={\"min_context\":${LS_MIN_CONTEXT:-24576}}"
     step lsfid_report python3 -m bench.report_long --run "$R/long" --json "$R/fidelity_engaged.json"
     ;;
-  psafid)  # psa ENGAGED (PSA_CONFIG, default the int4 key sketch from 8192 tokens) against off on the `long` preset,
+  psafid)  # psa ENGAGED (PSA_CONFIG, default the int4 key sketch, schedule select, from 8192 tokens) against off on the `long` preset,
     # deterministic inference (two off runs agree on every turn), concurrency 16 (~5 min)
     step psafid timeout "${LONG_TIMEOUT:-420}" python3 -m bench.run_harness --preset long --modes off,psa --parallel \
         --concurrency 16 --tasks-time-budget "${LONG_TASK_BUDGET:-300}" --device cuda --python python3 --model $M32 \
         --port 30000 --out "$R/long" --server-args "$SARGS --enable-deterministic-inference" \
-        --sparse-config "psa=${PSA_CONFIG:-{\"min_context\":8192,\"estimator\":\"sketch\"\}}"
+        --sparse-config "psa=${PSA_CONFIG:-{\"min_context\":8192,\"estimator\":\"sketch\",\"schedule\":\"select\"\}}"
     step psafid_report python3 -m bench.report_long --run "$R/long" --json "$R/fidelity_psa_engaged.json"
     ;;
   psaspeed)  # timing: run alone on the GPU. psa (PSA_CONFIG) against plain SGLang end to end: 4k (where it must fall
-    # back) and 32k, concurrency 8 and 32 (~6 min)
-    step psaload timeout -k 20 "${PSALOAD_TIMEOUT:-420}" python3 -m bench.load --device cuda --python python3 --model $M32 \
-        --modes stock,psa --sparse-config "psa=${PSA_CONFIG:-{\"min_context\":8192,\"estimator\":\"sketch\"\}}" \
+    # back) and 32k, concurrency 8 and 32 (~6 min; the time budget includes the servers' start, which compiles for
+    # ~270 s on a fresh machine)
+    step psaload timeout -k 20 "${PSALOAD_TIMEOUT:-600}" python3 -m bench.load --device cuda --python python3 --model $M32 \
+        --modes stock,psa --sparse-config "psa=${PSA_CONFIG:-{\"min_context\":8192,\"estimator\":\"sketch\",\"schedule\":\"select\"\}}" \
         --input-lens "${PSALOAD_LENS:-4096,32000}" --output-len 256 --concurrency "${PSALOAD_CONC:-8,32}" \
-        --parallel-servers auto --port 30010 --time-budget "${PSALOAD_BUDGET:-300}" --server-args "$SARGS" --out "$R/load"
+        --parallel-servers auto --port 30010 --time-budget "${PSALOAD_BUDGET:-560}" --server-args "$SARGS" --out "$R/load"
     ;;
   lsvarfid)  # loopserve configurations side by side on the `long` preset, each against its own off, deterministic
     # inference (two off runs agree on every turn); LS_VARIANTS="LABEL:JSON ..." (default: line_chunks auto / all,
@@ -258,7 +259,7 @@ PY
     cp bench/results/psa_decode.json bench/results/loopserve_prefill.json "$R/"
     export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1   # local model folder only (the device reaches nothing)
     step psa_real timeout -k 20 "${REALKERN_TIMEOUT:-240}" python3 bench/psa_decode_bench.py --real-only \
-        --testbed-model $M32 --out "$R" --real-estimators "${REALKERN_ESTIMATORS:-sketch,calibrated}"
+        --testbed-model $M32 --out "$R" --real-estimators "${REALKERN_ESTIMATORS:-select,sketch,calibrated}"
     step loopserve_real timeout -k 20 "${REALKERN_TIMEOUT:-240}" python3 bench/loopserve_prefill_bench.py --real-only \
         --testbed-model $M32 --out "$R"
     ;;
