@@ -320,7 +320,7 @@ def _shares_kernel(
         nms = tl.where(new_m == float("-inf"), 0.0, new_m)
         run_s = run_s * tl.exp2(run_m - nms) + tl.sum(tl.exp2(x - nms[:, None]), axis=1)
         run_m = new_m
-    tot = tl.where(run_s > 0.0, tl.log2(tl.maximum(run_s, 1e-38)) + tl.where(run_m == float("-inf"), 0.0, run_m),
+    tot = tl.where(run_s > 0.0, tl.log2(tl.maximum(run_s, 1e-30)) + tl.where(run_m == float("-inf"), 0.0, run_m),
                    float("-inf"))
     tl.store(tot_ptr + pair.to(tl.int64) * GROUP + g, tot, mask=gmask)
     tot_s = tl.where(tot == float("-inf"), 0.0, tot)
