@@ -17,6 +17,10 @@ pairs already done exit at once) + merge with the stop test chunk by chunk
 (:mod:`flashinfer_ext.psa.wave_merge`). The result equals sequential PSA with the chunk
 schedule of :meth:`PsaDecodeConfig.ranked_chunk_ends` (reference:
 :func:`flashinfer_ext.common.reference.progressive_decode_reference`), whatever the wave layout.
+With ``schedule='select'`` (key sketch only) a layer is instead: sketch block masses -> the sketch's top-p
+lists (:mod:`flashinfer_ext.psa.sketch_select`, one launch) -> the split-list decode over them and its merge
+(:mod:`flashinfer_ext.common.split_decode`, two launches); ``order`` then holds each pair's selected blocks in
+block order (its first ``nread`` entries) and there are no waves.
 No ``.item()``, no host sync, no allocation of its own, launch count fixed by
 ``(batch, num_cols)``: capture it in a CUDA graph and replay after :meth:`plan` refreshed
 the preallocated ``_buf`` tensors in place.
