@@ -298,19 +298,19 @@ def sketch_block_mass(q: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor
 
 
 @triton.jit
-def _shares_kernel(
-    mass_ptr, stride_mb, stride_mh, stride_mg, seq_lens_ptr,
-    scores_ptr, stride_sb, stride_sh, keys_ptr, tot_ptr,
-    num_cols, sink_blocks, local_blocks,
-    NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, G_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    TILE: tl.constexpr, WRITE_KEYS: tl.constexpr,
-):
+def head_totals(mass_ptr, stride_mb, stride_mh, stride_mg, seq_lens_ptr, tot_ptr, num_cols,
+                NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, G_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                TILE: tl.constexpr):
+    """Program axis 0 = (request, KV head) pair of a ``[batch, num_kv_heads, group, num_cols]`` mass row: each query
+    head's total ``T_g = log2 sum_b 2^mass_g(b)`` stored to ``tot_ptr`` and returned for the shares.
+
+    Returns ``(pair, r64, h, n_blocks, g, gmask, m_row, tot_s)``: ``m_row`` the ``[G_PAD, 1]`` row pointers, ``tot_s``
+    the totals with ``-inf`` as 0 (no block)."""
     pair, r, h, r64, seq_len, n_blocks = _pair_blocks(seq_lens_ptr, NUM_KV_HEADS, BLOCK_SIZE)
     n_blocks = tl.minimum(n_blocks, num_cols)
     g = tl.arange(0, G_PAD)
     gmask = g < GROUP
     m_row = mass_ptr + r64 * stride_mb + h * stride_mh + g[:, None] * stride_mg
-    # pass 1: each query head's total (base-2 log-sum over every block)
     run_m = tl.full([G_PAD], float("-inf"), tl.float32)
     run_s = tl.zeros([G_PAD], tl.float32)
     for c0 in range(0, n_blocks, TILE):
@@ -320,10 +320,24 @@ def _shares_kernel(
         nms = tl.where(new_m == float("-inf"), 0.0, new_m)
         run_s = run_s * tl.exp2(run_m - nms) + tl.sum(tl.exp2(x - nms[:, None]), axis=1)
         run_m = new_m
+    # an fp32 normal floor: a subnormal constant would type the expression fp64
     tot = tl.where(run_s > 0.0, tl.log2(tl.maximum(run_s, 1e-30)) + tl.where(run_m == float("-inf"), 0.0, run_m),
                    float("-inf"))
     tl.store(tot_ptr + pair.to(tl.int64) * GROUP + g, tot, mask=gmask)
-    tot_s = tl.where(tot == float("-inf"), 0.0, tot)
+    return pair, r64, h, n_blocks, g, gmask, m_row, tl.where(tot == float("-inf"), 0.0, tot)
+
+
+@triton.jit
+def _shares_kernel(
+    mass_ptr, stride_mb, stride_mh, stride_mg, seq_lens_ptr,
+    scores_ptr, stride_sb, stride_sh, keys_ptr, tot_ptr,
+    num_cols, sink_blocks, local_blocks,
+    NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, G_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    TILE: tl.constexpr, WRITE_KEYS: tl.constexpr,
+):
+    pair, r64, h, n_blocks, g, gmask, m_row, tot_s = head_totals(
+        mass_ptr, stride_mb, stride_mh, stride_mg, seq_lens_ptr, tot_ptr, num_cols, NUM_KV_HEADS, GROUP, G_PAD,
+        BLOCK_SIZE, TILE)
     # pass 2: the group max of the shares, forced blocks +inf, past the end -inf
     s_row = r64 * stride_sb + h * stride_sh
     for c0 in range(0, num_cols, TILE):

@@ -34,6 +34,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .key_sketch import head_totals
+
 __all__ = ["sketch_select", "sketch_select_reference", "SEARCH_STEPS", "SEARCH_FLOOR"]
 
 SEARCH_STEPS = 11
@@ -96,30 +98,11 @@ def _select_kernel(
     NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, G_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     TILE: tl.constexpr, STEPS: tl.constexpr, FLOOR: tl.constexpr,
 ):
-    pair = tl.program_id(0)
-    r = pair // NUM_KV_HEADS
-    h = pair % NUM_KV_HEADS
-    r64 = r.to(tl.int64)
-    seq_len = tl.load(seq_lens_ptr + r)
-    n_blocks = tl.minimum((seq_len + BLOCK_SIZE - 1) // BLOCK_SIZE, num_cols)
-    g = tl.arange(0, G_PAD)
-    gmask = g < GROUP
-    m_row = mass_ptr + r64 * stride_mb + h * stride_mh + g[:, None] * stride_mg
     # 1. each query head's total (base-2 log-sum over every block)
-    run_m = tl.full([G_PAD], float("-inf"), tl.float32)
-    run_s = tl.zeros([G_PAD], tl.float32)
-    for c0 in range(0, n_blocks, TILE):
-        b = c0 + tl.arange(0, TILE)
-        x = tl.load(m_row + b[None, :], mask=gmask[:, None] & (b < n_blocks)[None, :], other=float("-inf"))
-        new_m = tl.maximum(run_m, tl.max(x, axis=1))
-        nms = tl.where(new_m == float("-inf"), 0.0, new_m)
-        run_s = run_s * tl.exp2(run_m - nms) + tl.sum(tl.exp2(x - nms[:, None]), axis=1)
-        run_m = new_m
-    # (an fp32 normal floor: a subnormal constant would type the expression fp64)
-    tot = tl.where(run_s > 0.0, tl.log2(tl.maximum(run_s, 1e-30)) + tl.where(run_m == float("-inf"), 0.0, run_m),
-                   float("-inf"))
-    tl.store(tot_ptr + pair.to(tl.int64) * GROUP + g, tot, mask=gmask)
-    tot_s = tl.where(tot == float("-inf"), 0.0, tot)
+    pair, r64, h, n_blocks, g, gmask, m_row, tot_s = head_totals(
+        mass_ptr, stride_mb, stride_mh, stride_mg, seq_lens_ptr, tot_ptr, num_cols, NUM_KV_HEADS, GROUP, G_PAD,
+        BLOCK_SIZE, TILE)
+    r = r64.to(tl.int32)
     # 2. the shares, the forced blocks and the whole ranked mass
     s_row = scores_ptr + r64 * stride_sb + h * stride_sh
     n_forced = tl.zeros([TILE], tl.int32)
@@ -213,30 +196,22 @@ def _row_stats_reference(s: torch.Tensor, ranked: torch.Tensor, tau: float) -> t
     return float(torch.exp2(s[below].double()).sum()), int((ranked & (s >= tau) & (s > float("-inf"))).sum())
 
 
+def _bisect_reference(lo: float, hi: float, raise_lo) -> tuple[float, float]:
+    """:data:`SEARCH_STEPS` bisection steps on the kernel's fp32 midpoints: ``raise_lo(mid)`` moves ``lo`` up, else
+    ``hi`` down."""
+    for _ in range(SEARCH_STEPS):
+        mid = float((torch.tensor(lo, dtype=torch.float32) + torch.tensor(hi, dtype=torch.float32)) * 0.5)
+        lo, hi = (mid, hi) if raise_lo(mid) else (lo, mid)
+    return lo, hi
+
+
 def _search_reference(s, ranked, budget, cap, total_u):
-    """:func:`_search` on the CPU: the same bisection grid (fp32 midpoints)."""
-    if total_u <= budget:
-        lo = float("inf")
-    else:
-        lo, hi = -SEARCH_FLOOR, 0.0
-        for _ in range(SEARCH_STEPS):
-            mid = float(torch.tensor(0.5, dtype=torch.float32) * (torch.tensor(lo, dtype=torch.float32)
-                                                                    + torch.tensor(hi, dtype=torch.float32)))
-            if _row_stats_reference(s, ranked, mid)[0] <= budget:
-                lo = mid
-            else:
-                hi = mid
+    """:func:`_search` on the CPU: the same bisection grid."""
+    lo = float("inf") if total_u <= budget else _bisect_reference(
+        -SEARCH_FLOOR, 0.0, lambda mid: _row_stats_reference(s, ranked, mid)[0] <= budget)[0]
     u, n = _row_stats_reference(s, ranked, lo)
     if n > cap:
-        c_lo, c_hi = lo, 0.0
-        for _ in range(SEARCH_STEPS):
-            mid = float(torch.tensor(0.5, dtype=torch.float32) * (torch.tensor(c_lo, dtype=torch.float32)
-                                                                    + torch.tensor(c_hi, dtype=torch.float32)))
-            if _row_stats_reference(s, ranked, mid)[1] <= cap:
-                c_hi = mid
-            else:
-                c_lo = mid
-        lo = c_hi
+        lo = _bisect_reference(lo, 0.0, lambda mid: _row_stats_reference(s, ranked, mid)[1] > cap)[1]
         u, n = _row_stats_reference(s, ranked, lo)
         if n > cap:
             lo, u, n = float("inf"), total_u, 0

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from .graph_check import assert_graph_replay_matches_eager
 from .kv_pool import make_pool
 
 pytestmark = [pytest.mark.gpu,
@@ -78,26 +79,4 @@ def test_gpu_select_cuda_graph_replay_matches_eager():
     pool = make_pool([2048 + 3, 4096, 1000], 9, 3, 64, torch.bfloat16, 16, seed=9, planted=True, device="cuda",
                      max_context_len=4096 + 16)
     w, sp, table, nb = _select(pool, 16, cfg, max_batch_size=4)
-    meta = sp.layer(0)
-    o0, lse0, n0 = (t.clone() for t in w.run(pool.q, pool.k_buffer, pool.v_buffer, *meta))
-    w.plan(pool.req_to_token, pool.req_pool_indices, pool.seq_lens, table)
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        w.run(pool.q, pool.k_buffer, pool.v_buffer, *meta)
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        o, lse, n = w.run(pool.q, pool.k_buffer, pool.v_buffer, *meta)
-    w.plan(pool.req_to_token, pool.req_pool_indices, pool.seq_lens, table)
-    g.replay()
-    torch.cuda.synchronize()
-    assert torch.equal(n, n0)
-    torch.testing.assert_close(o, o0, rtol=0, atol=0)
-    torch.testing.assert_close(lse, lse0, rtol=0, atol=0)
-    pool.seq_lens += 1
-    w.plan(pool.req_to_token, pool.req_pool_indices, pool.seq_lens, table)
-    w.update_meta_decode(pool.k_buffer, *meta)
-    g.replay()
-    torch.cuda.synchronize()
-    assert bool((n <= (pool.seq_lens[:, None] + 15) // 16).all())
+    assert_graph_replay_matches_eager(w, pool, sp.layer(0), table)
