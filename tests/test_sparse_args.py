@@ -86,8 +86,8 @@ CONFIG_BAD_INPUTS = [
     (PsaConfig, {"sink_pages": True}, "'sink_pages' of mode 'psa' = true must be an integer in [0, 1024], got boolean"),
     (PsaConfig, {"local_pages": -1}, "'local_pages' of mode 'psa' = -1 is out of range; allowed range [0, 1024]"),
     (PsaConfig, {"epsilon": float("nan")}, "'epsilon' of mode 'psa' = nan is not a finite number"),
-    (PsaConfig, {"eps": 0.9}, "unknown key(s) 'eps' for mode 'psa'; allowed keys: block_size, cuda_graph, dense_above, "
-                                "epsilon, estimator, gpu_cache_mb, host_tier_gb"),
+    (PsaConfig, {"eps": 0.9}, "unknown key(s) 'eps' for mode 'psa'; allowed keys: block_size, calib_slack, cuda_graph, "
+                                "dense_above, epsilon, estimator, gpu_cache_mb, host_tier_gb"),
     (LoopServeConfig, {"n_d": 0}, "'n_d' of mode 'loopserve' = 0 is out of range; allowed range [1, 4096]"),
     (LoopServeConfig, {"alpha": None}, "'alpha' of mode 'loopserve' = null must be a number in (0, 1], got null"),
     (SamKVConfig, {"fuse": "blend"}, "'fuse' of mode 'samkv' = 'blend' is not allowed; choose one of "

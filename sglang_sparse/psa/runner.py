@@ -63,7 +63,8 @@ def kernel_config(cfg: PsaConfig) -> PsaDecodeConfig:
     crit = {"mean": "mean", "sketch": "sketch"}.get(cfg.estimator, "cuboid")
     return PsaDecodeConfig(epsilon=cfg.epsilon, micro_batch_blocks=cfg.micro_batch_blocks,
                            sink_blocks=cfg.sink_pages, local_blocks=cfg.local_pages, max_blocks=cfg.max_blocks,
-                           estimator=cfg.estimator, criticality=crit, schedule=cfg.schedule)
+                           estimator=cfg.estimator, criticality=crit, schedule=cfg.schedule,
+                           calib_slack=cfg.calib_slack)
 
 
 @dataclasses.dataclass(frozen=True)
