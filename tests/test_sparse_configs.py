@@ -64,3 +64,12 @@ def test_psa_select_schedule_needs_the_sketch_estimator():
         PsaConfig.from_dict({"schedule": "select"})
     with pytest.raises(SparseConfigError, match="schedule"):
         PsaConfig.from_dict({"estimator": "sketch", "schedule": "waves"})
+
+
+def test_psa_calib_slack_reaches_the_kernel_config():
+    from sglang_sparse.config import PsaConfig
+    from sglang_sparse.psa.runner import kernel_config
+
+    assert kernel_config(PsaConfig()).calib_slack == 2.0
+    cfg = kernel_config(PsaConfig.from_dict({"estimator": "sketch", "schedule": "select", "calib_slack": 4}))
+    assert (cfg.calib_slack, cfg.schedule, cfg.estimator) == (4.0, "select", "sketch")
