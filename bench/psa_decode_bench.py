@@ -521,7 +521,8 @@ def main():
     ap.add_argument("--real-layers", default=",".join(map(str, REAL_LAYERS)), help="captured layers")
     ap.add_argument("--real-estimators", default=PsaDecodeConfig.estimator,
                     help="stop-test estimators of the testbed real rows, comma-separated (the kernel's default gives "
-                         "real_16k / real_32k, the others real_16k_<estimator>...; e.g. select,sketch,calibrated; select = the sketch with schedule select)")
+                         "real_16k / real_32k, the others real_16k_<estimator>...; e.g. select,sketch,calibrated, "
+                         "where select = the sketch with schedule 'select')")
     ap.add_argument("--wave-plan", default=None, metavar="PROGRAMS_PER_SM,GROWTH,MAX_WAVES[,SORTED_PREFIX]",
                     help="the wrapper's wave plan for every case (default: PsaDecodeWrapper's); 'best:SWEEP.json' takes "
                          "the plan pick_wave_plan chooses from a --wave-sweep report")

@@ -92,7 +92,7 @@ def run_stage_profile(run_case, out: Path, meta: dict, dev: str, cases=WAVE_SWEE
     lines = ["# PSA decode: where a layer's time goes", "", f"- command: `{meta['command']}`",
              f"- device: {meta['gpu']}; peak copy bandwidth {(peak or float('nan')) / 1e12:.2f} TB/s",
              f"- versions: {meta['versions']}", f"- defaults (eps 0.95, {estimator or 'calibrated'!r} stop test, "
-             f"{'sketch shares rank order' if estimator == 'sketch' else 'mean rank order'}, the wave plan of "
+             f"{'sketch shares rank order' if estimator in ('sketch', 'select') else 'mean rank order'}, the wave plan of "
              "PsaDecodeWrapper); each stage = the replay time of a CUDA graph of the run cut after it, minus the one "
              "before; 'waves + merges' = the full run minus the run cut after the bound suffix", "",
              "| case | batch | ctx | t PSA us | criticality us | its TB/s | ranking us | bound suffix us | waves + merges us "

@@ -377,29 +377,21 @@ def _sketch_select_attend(q, k_buffer, v_buffer, req_to_token, req_pool_indices,
     exactly. ``order`` holds each pair's selected blocks in block order (its first ``nread`` entries)."""
     from flashinfer_ext.psa.sketch_select import sketch_select_reference
 
-    batch, num_qo_heads, head_dim = q.shape
-    num_kv_heads = k_buffer.shape[1]
-    group = num_qo_heads // num_kv_heads
+    batch, num_kv_heads = q.shape[0], k_buffer.shape[1]
     lists, kept_est = sketch_select_reference(mass, seq_lens, eps, list_lens, block_size=block_size,
                                               sink_blocks=config.sink_blocks, local_blocks=config.local_blocks,
                                               calib_slack=config.calib_slack)
-    o = torch.zeros(batch, num_qo_heads, head_dim)
-    lse = torch.zeros(batch, num_qo_heads)
-    nread = torch.zeros(batch, num_kv_heads, dtype=torch.int32)
     order = torch.zeros(batch, num_kv_heads, mass.shape[-1], dtype=torch.int64)
+    lens = torch.zeros(batch, num_kv_heads, dtype=torch.int32)
     for r in range(batch):
-        seq_len = int(seq_lens[r])
-        k = gather_kv(k_buffer, req_to_token, int(req_pool_indices[r]), seq_len).cpu().float()
-        v = gather_kv(v_buffer, req_to_token, int(req_pool_indices[r]), seq_len).cpu().float()
         for h in range(num_kv_heads):
-            read = lists[r][h]
-            nread[r, h] = len(read)
-            order[r, h, :len(read)] = torch.tensor(read, dtype=torch.int64)
-            tok = torch.cat([torch.arange(b * block_size, min(seq_len, (b + 1) * block_size)) for b in read])
-            s2 = _scores_base2(q[r, h * group:(h + 1) * group].float().cpu(), k[tok, h], sm_scale)
-            l2 = torch.logsumexp(s2 / LOG2E, -1) * LOG2E
-            o[r, h * group:(h + 1) * group] = torch.exp2(s2 - l2[:, None]) @ v[tok, h]
-            lse[r, h * group:(h + 1) * group] = l2
+            lens[r, h] = len(lists[r][h])
+            order[r, h, : len(lists[r][h])] = torch.tensor(lists[r][h], dtype=torch.int64)
+    # the selected lists attended whole: the progressive reference with no stop test (epsilon 1)
+    o, lse, nread = progressive_decode_reference(q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens,
+                                                 order, lens, torch.zeros(batch, dtype=torch.int32),
+                                                 block_size=block_size, sm_scale=sm_scale, epsilon=1.0,
+                                                 micro_batch_blocks=config.micro_batch_blocks)
     if return_kept_est:
         return o, lse, nread, order, kept_est
     return o, lse, nread, order

@@ -75,7 +75,8 @@ class PsaDecodeConfig:
     ``1 - 2^calib_slack U >= epsilon``, selected in one pass (:mod:`flashinfer_ext.psa.sketch_select`) and read
     in one split pass: no sort, no waves, no true mass in the stop test."""
     calib_slack: float = 2.0
-    """log2 safety factor added to the observed bound tightness of the 'calibrated' estimator."""
+    """log2 safety margin of the unread-mass estimate: added to the observed bound tightness ('calibrated') or
+    gap ('mean'), and the factor ``2^calib_slack`` on the sketch's unread share ('sketch', both schedules)."""
     chunk_growth: int = 16
     """stop-test granularity: ranked chunks are micro_batch_blocks long until 16 * m ranks, then
     the largest power of two <= ranks_read / chunk_growth (<= max_chunk_blocks); 0 = always m."""
@@ -110,8 +111,8 @@ class PsaDecodeConfig:
         if self.schedule not in ("progressive", "select"):
             raise bad("schedule", "one of 'progressive', 'select'")
         if self.schedule == "select" and self.estimator != "sketch":
-            raise ValueError(f"PsaDecodeConfig.schedule='select' needs estimator='sketch' (it selects from the sketch's "
-                             f"shares); got estimator={self.estimator!r}")
+            raise ValueError(f"PsaDecodeConfig.schedule='select' needs estimator='sketch' (it selects from the "
+                             f"sketch's shares); got estimator={self.estimator!r}")
         if self.group_reduce not in ("max", "sum"):
             raise bad("group_reduce", "one of 'max', 'sum'")
         if self.rank_by not in ("criticality", "mean"):

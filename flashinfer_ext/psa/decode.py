@@ -155,17 +155,16 @@ class PsaDecodeWrapper:
         self._tot_buf = torch.zeros(mb * hk * g if self.sketch else 1, **f32)
         # schedule 'select': the sketch's top-p lists read by one split pass (flashinfer_ext.common.split_decode)
         self.select = config.schedule == "select"
-        self._split_target = self.wave_programs
         self._split_plan = None
-        rows = max((b * num_qo_heads * self._splits(b, cols).num_splits for b in range(1, mb + 1)) if self.select
-                   else [1])
-        self._split_o_buf = torch.empty(rows * d if self.select else 1, **f32)
+        # split partials: the most (rows x spans) over every batch size at full width
+        rows = max(b * num_qo_heads * self._splits(b, cols).num_splits for b in range(1, mb + 1)) if self.select else 1
+        self._split_o_buf = torch.empty(rows * d, **f32)
         self._split_lse_buf = torch.empty(rows, **f32)
         self._suffix_tiles_buf = torch.empty(mb * hk * suffix_tiles(cols, self.SUFFIX_TILE), **f32)
         ends = config.ranked_chunk_ends(cols)
         self._chunk_ends_buf = torch.tensor([0] + ends, **i32)
         # partial slots: the largest (pairs x widest wave) over every batch size at full width
-        slots = 1 if config.schedule == "select" else max(
+        slots = 1 if self.select else max(
             b * hk * max(nc for _, nc in self._waves(b, cols)) for b in range(1, mb + 1))
         self._partial_slots = slots
         self._po_buf = torch.empty(slots * g * d, **f32)
@@ -188,7 +187,8 @@ class PsaDecodeWrapper:
         self._wave_plan: list[tuple[int, int]] = []
 
     def _splits(self, bs: int, cols: int):
-        return plan_splits(cols, bs * self.num_kv_heads, block_size=self.block_size, target_programs=self._split_target)
+        """Span plan of the select schedule's split pass (as many programs as the first wave of the progressive one)."""
+        return plan_splits(cols, bs * self.num_kv_heads, block_size=self.block_size, target_programs=self.wave_programs)
 
     def _waves(self, bs: int, cols: int) -> list[tuple[int, int]]:
         return plan_waves(self.config.ranked_chunk_ends(cols), bs * self.num_kv_heads,

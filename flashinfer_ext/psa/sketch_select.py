@@ -57,31 +57,34 @@ def _row_stats(s_row, num_cols, tau, TILE: tl.constexpr):
 
 
 @triton.jit
+def _bisect(s_row, num_cols, lo, hi, budget, cap, BY_COUNT: tl.constexpr, STEPS: tl.constexpr, TILE: tl.constexpr):
+    """``STEPS`` bisection steps of ``[lo, hi]``: ``lo`` rises while ``U(mid) <= budget`` (``BY_COUNT`` False) or
+    while more than ``cap`` blocks pass ``mid`` (``BY_COUNT`` True), else ``hi`` falls. Returns ``(lo, hi)``."""
+    for _ in range(STEPS):
+        mid = 0.5 * (lo + hi)
+        u_mid, n_mid = _row_stats(s_row, num_cols, mid, TILE)
+        if BY_COUNT:
+            up = n_mid > cap
+        else:
+            up = u_mid <= budget
+        lo = tl.where(up, mid, lo)
+        hi = tl.where(up, hi, mid)
+    return lo, hi
+
+
+@triton.jit
 def _search(s_row, num_cols, budget, cap, total_u, STEPS: tl.constexpr, FLOOR: tl.constexpr, TILE: tl.constexpr):
     """The cut of step 3: the largest ``tau`` on the bisection grid with ``U(tau) <= budget``, then raised until at
     most ``cap`` blocks pass. Returns ``(tau, U(tau), blocks passing)``."""
+    zero = tl.full([], 0.0, tl.float32)
     lo = tl.full([], -FLOOR, tl.float32)
-    hi = tl.full([], 0.0, tl.float32)
     if total_u <= budget:  # nothing needs reading
         lo = tl.full([], float("inf"), tl.float32)
     else:
-        for _ in range(STEPS):
-            mid = 0.5 * (lo + hi)
-            u_mid, _n = _row_stats(s_row, num_cols, mid, TILE)
-            take = u_mid <= budget
-            lo = tl.where(take, mid, lo)
-            hi = tl.where(take, hi, mid)
+        lo, _hi = _bisect(s_row, num_cols, lo, zero, budget, cap, False, STEPS, TILE)
     u, n = _row_stats(s_row, num_cols, lo, TILE)
     if n > cap:  # the cap binds: the lowest grid threshold in (lo, 0] with at most cap blocks
-        c_lo = lo
-        c_hi = tl.full([], 0.0, tl.float32)
-        for _ in range(STEPS):
-            mid = 0.5 * (c_lo + c_hi)
-            _u, n_mid = _row_stats(s_row, num_cols, mid, TILE)
-            fits = n_mid <= cap
-            c_hi = tl.where(fits, mid, c_hi)
-            c_lo = tl.where(fits, c_lo, mid)
-        lo = c_hi
+        _lo, lo = _bisect(s_row, num_cols, lo, zero, budget, cap, True, STEPS, TILE)
         u, n = _row_stats(s_row, num_cols, lo, TILE)
         if n > cap:  # every share at or above 0: nothing fits
             lo = tl.full([], float("inf"), tl.float32)
