@@ -61,7 +61,7 @@
 #
 # Reports go to /tmp/testbed/<part>/ and come back packed as $OUT/<part>.tgz.
 set -uo pipefail
-part=${1:?usage: testbed.sh needle|long|samkv|e2e|turns|probeprof|hostprof|settings4k|c1ab|ab4k|lsfid|psafid|psaspeed|lsvarfid|lsvarspeed|lsspeed|splitsweep|listblocks|realkern|kernwaves|kerncrit|kernprofile|samkvab-start|samkvab-wait|reliability-start|reliability-wait|reliability-stop}
+part=${1:?usage: testbed.sh needle|long|samkv|e2e|turns|probeprof|hostprof|settings4k|c1ab|ab4k|lsfid|psafid|psaspeed|lsvarfid|lsvarspeed|psavarfid|psavarspeed|lsspeed|splitsweep|listblocks|realkern|kernwaves|kerncrit|kernprofile|samkvab-start|samkvab-wait|reliability-start|reliability-wait|reliability-stop}
 out=${OUT:-$PWD/gpu_out}
 name=${part%-*}${TESTBED_TAG:+_$TESTBED_TAG}
 R=/tmp/testbed/$name
@@ -207,35 +207,48 @@ PY
         --input-lens "${PSALOAD_LENS:-4096,32000}" --output-len 256 --concurrency "${PSALOAD_CONC:-8,32}" \
         --parallel-servers auto --port 30010 --time-budget "${PSALOAD_BUDGET:-560}" --server-args "$SARGS" --out "$R/load"
     ;;
-  lsvarfid)  # loopserve configurations side by side on the `long` preset, each against its own off, deterministic
-    # inference (two off runs agree on every turn); LS_VARIANTS="LABEL:JSON ..." (default: line_chunks auto / all,
-    # engaged from 8192 tokens); then bench.variants_report (~7 min with two variants)
+  lsvarfid|psavarfid)  # a mode's configurations side by side on the `long` preset, each against its own off,
+    # deterministic inference (two off runs agree on every turn); then bench.variants_report (~7 min with two variants).
+    # lsvarfid: loopserve, LS_VARIANTS="LABEL:JSON ..." (default: line_chunks auto / all, engaged from 8192 tokens).
+    # psavarfid: psa, PSA_VARIANTS (default: the key sketch's select schedule at calib_slack 2 and 4, from 8192 tokens)
+    vmode=loopserve
     variants=${LS_VARIANTS:-'auto:{"min_context":8192} all:{"min_context":8192,"line_chunks":"all"}'}
+    if [ "$part" = psavarfid ]; then
+      vmode=psa
+      sel='"min_context":8192,"estimator":"sketch","schedule":"select"'
+      variants=${PSA_VARIANTS:-"s2:{$sel} s4:{$sel,\"calib_slack\":4}"}
+    fi
     i=0; fid_args=()
     for v in $variants; do
       tag=${v%%:*}
-      timeout -k 20 "${LONG_TIMEOUT:-420}" python3 -m bench.run_harness --preset long --modes off,loopserve --parallel \
+      timeout -k 20 "${LONG_TIMEOUT:-420}" python3 -m bench.run_harness --preset long --modes off,$vmode --parallel \
           --concurrency 16 --tasks-time-budget "${LONG_TASK_BUDGET:-260}" --device cuda --python python3 --model $M32 \
           --port $(( 30000 + 5000 * i )) --out "$R/fid_$tag" --server-args "$SARGS --enable-deterministic-inference" \
-          --sparse-config "loopserve=${v#*:}" > "$R/fid_$tag.log" 2>&1 &
+          --sparse-config "$vmode=${v#*:}" > "$R/fid_$tag.log" 2>&1 &
       fid_args+=(--fidelity "det:$tag=$R/fid_$tag")
       i=$(( i + 1 )); sleep 20  # the runs' servers do not start in the same second
     done
     wait
-    step lsvarfid_report python3 -m bench.variants_report --mode loopserve "${fid_args[@]}" --floor det \
-        --out "$R/loopserve_variants.json"
+    step varfid_report python3 -m bench.variants_report --mode $vmode "${fid_args[@]}" --floor det \
+        --out "$R/${vmode}_variants.json"
     ;;
-  lsvarspeed)  # timing: run alone on the GPU. The same configurations end to end at 32k against off (bench.ab_rounds,
-    # servers side by side; LS_SPEED_VARIANTS="LABEL=loopserve:JSON,..."), then bench.variants_report
+  lsvarspeed|psavarspeed)  # timing: run alone on the GPU. The same configurations end to end at 32k against off
+    # (bench.ab_rounds, servers side by side; LS_SPEED_VARIANTS / PSA_SPEED_VARIANTS="LABEL=MODE:JSON,..."), then
+    # bench.variants_report
     mem=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
     conc=1,8; mtt=270000; [ "${mem:-0}" -gt 120000 ] && { conc=1,8,32; mtt=1040000; }
     speed_default='ls_auto=loopserve:{"min_context":24576},ls_all=loopserve:{"min_context":24576,"line_chunks":"all"}'
-    step lsvarspeed timeout -k 20 "${AB_TIMEOUT:-540}" python3 -m bench.ab_rounds --device cuda --python python3 \
-        --model $M32 --servers "off,${LS_SPEED_VARIANTS:-$speed_default}" \
+    vmode=loopserve; servers=${LS_SPEED_VARIANTS:-$speed_default}
+    if [ "$part" = psavarspeed ]; then
+      vmode=psa; sel='"min_context":8192,"estimator":"sketch","schedule":"select"'
+      servers=${PSA_SPEED_VARIANTS:-"s2=psa:{$sel},s4=psa:{$sel,\"calib_slack\":4}"}
+    fi
+    step varspeed timeout -k 20 "${AB_TIMEOUT:-540}" python3 -m bench.ab_rounds --device cuda --python python3 \
+        --model $M32 --servers "off,$servers" \
         --input-len 32000 --output-len 256 --concurrency "$conc" --prompts-per-concurrency 2 --min-prompts 6 \
         --rounds "${AB_ROUNDS:-1}" --max-total-tokens $mtt --port 30100 --server-args "$SARGS" --out "$R/ab"
-    step lsvarspeed_report python3 -m bench.variants_report --mode loopserve --ab "$R/ab/ab_rounds.json" \
-        --out "$R/loopserve_variants_speed.json"
+    step varspeed_report python3 -m bench.variants_report --mode $vmode --ab "$R/ab/ab_rounds.json" \
+        --out "$R/${vmode}_variants_speed.json"
     ;;
   lsspeed)  # timing: run alone on the GPU. loopserve engaged against off at 32k, end to end and per decode step
     step lsload timeout -k 20 "${LSLOAD_TIMEOUT:-300}" python3 -m bench.load --device cuda --python python3 --model $M32 \
