@@ -106,13 +106,15 @@ class PsaDecodeWrapper:
                  device: str | torch.device = "cuda", sm_scale: float | None = None,
                  out_dtype: torch.dtype = torch.bfloat16, tile_tokens: int = 64,
                  wave_programs: int | None = None, wave_growth: float | None = None, max_waves: int | None = None,
-                 crit_tile: CritTile | None = None):
+                 crit_tile: CritTile | None = None, stat_slots: int = 1):
         if not isinstance(config, PsaDecodeConfig):
             raise TypeError(f"config must be a PsaDecodeConfig, got {type(config).__name__}")
         if num_qo_heads % num_kv_heads:
             raise ValueError(f"num_qo_heads={num_qo_heads} is not a multiple of num_kv_heads={num_kv_heads}")
         if not 1 <= block_size <= 128 or block_size & (block_size - 1):
             raise ValueError(f"block_size={block_size} must be a power of two in [1, 128]")
+        if int(stat_slots) < 1:
+            raise ValueError(f"stat_slots={stat_slots} must be >= 1")
         self.config = config
         self.num_qo_heads, self.num_kv_heads, self.head_dim = num_qo_heads, num_kv_heads, head_dim
         self.group = num_qo_heads // num_kv_heads
@@ -179,8 +181,10 @@ class PsaDecodeWrapper:
         self._o_buf = torch.empty(mb, num_qo_heads, head_dim, dtype=out_dtype, device=dev)
         self._lse_buf = torch.empty(mb, num_qo_heads, **f32)
         self._nread_buf = torch.zeros(mb, hk, **i32)
-        self._kept_buf = torch.ones(mb, hk, **f32)
-        self._probe_nread_buf = torch.zeros(mb, hk, **i32)
+        # per-run statistics, one slot per layer of a step (``stat_slots``): a caller sums them once per step
+        self._kept_all_buf = torch.ones(int(stat_slots), mb, hk, **f32)
+        self._probe_nread_all_buf = torch.zeros(int(stat_slots), mb, hk, **i32)
+        self._slot = 0
         self._req_to_token = None
         self._bs = 0
         self._num_cols = cols
@@ -274,7 +278,7 @@ class PsaDecodeWrapper:
     STAGES = ("criticality", "ranking", "suffix")
 
     def run(self, q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor, *meta: torch.Tensor,
-            stop_after: str | None = None):
+            stop_after: str | None = None, slot: int = 0):
         """One layer of PSA decode.
 
         ``stop_after`` (benchmarks only): return right after that stage of :attr:`STAGES` (the outputs are then
@@ -285,6 +289,9 @@ class PsaDecodeWrapper:
           k_buffer, v_buffer: ``[num_slots, num_kv_heads, head_dim]`` bf16/fp16.
           meta: this layer's ``kmin, kmax, kmean`` ``[num_rows, num_kv_heads, head_dim]`` block metadata, or for
             criticality 'sketch' its ``codes, scales`` (:class:`flashinfer_ext.psa.key_sketch.KeySketchPool`).
+          slot: where this run's :attr:`kept_est` and :attr:`probe_nread` go, in ``[0, stat_slots)`` (a layer
+            index: the caller sums :attr:`kept_est_slots` / :attr:`probe_nread_slots` once per step instead of
+            after every layer).
 
         Returns views into the wrapper's buffers (valid until the next run):
           ``o`` ``[batch, num_qo_heads, head_dim]``, ``lse`` ``[batch, num_qo_heads]`` fp32 base 2,
@@ -293,7 +300,8 @@ class PsaDecodeWrapper:
         if stop_after is not None and stop_after not in self.STAGES:
             raise ValueError(f"stop_after={stop_after!r} must be None or one of {self.STAGES}")
         bs, cfg, hk, g, d = self._bs, self.config, self.num_kv_heads, self.group, self.head_dim
-        o, lse, nread, kept = self._o_buf[:bs], self._lse_buf[:bs], self._nread_buf[:bs], self._kept_buf[:bs]
+        self._slot = slot
+        o, lse, nread, kept = self._o_buf[:bs], self._lse_buf[:bs], self._nread_buf[:bs], self.kept_est
         if bs == 0:
             return o, lse, nread
         scores, keys, sorted_keys, order = self._views()
@@ -339,7 +347,7 @@ class PsaDecodeWrapper:
         state = (self._st_acc_buf[: pairs * g * d].view(pairs, g, d), self._st_lse_buf[: pairs * g].view(pairs, g),
                  self._st_min_buf[: pairs * g].view(pairs, g), self._st_dmax_buf[: pairs * g].view(pairs, g), done)
         rpi = self._req_pool_indices_buf[:bs]
-        probe = (self._probe_eps_buf[:bs], self._probe_lens_buf[:bs], self._probe_nread_buf[:bs])
+        probe = (self._probe_eps_buf[:bs], self._probe_lens_buf[:bs], self.probe_nread)
         for k, (chunk0, n_chunks) in enumerate(self._wave_plan):
             psa_chunk_attention(q, k_buffer, v_buffer, self._req_to_token, rpi, seq_lens, order, scores,
                                 list_lens, n_forced, self._chunk_ends_buf, done, partials, chunk0=chunk0,
@@ -354,13 +362,13 @@ class PsaDecodeWrapper:
     def _run_select(self, q, k_buffer, v_buffer, mass, stop_after):
         """Schedule 'select': the sketch's top-p lists (one launch), then one split pass over them (two launches)."""
         bs, cfg, hk, g = self._bs, self.config, self.num_kv_heads, self.group
-        o, lse, nread, kept = self._o_buf[:bs], self._lse_buf[:bs], self._nread_buf[:bs], self._kept_buf[:bs]
+        o, lse, nread, kept = self._o_buf[:bs], self._lse_buf[:bs], self._nread_buf[:bs], self.kept_est
         scores, _, _, lists = self._views()
         if stop_after == "criticality":
             return o, lse, nread
         sketch_select(mass, self._seq_lens_buf[:bs], self._eps_buf[:bs], self._list_lens_buf[:bs],
                       self._probe_eps_buf[:bs], self._probe_lens_buf[:bs], scores_out=scores, lists_out=lists,
-                      list_lens_out=nread, probe_out=self._probe_nread_buf[:bs], kept_out=kept,
+                      list_lens_out=nread, probe_out=self.probe_nread, kept_out=kept,
                       totals_out=self._tot_buf[: bs * hk * g], block_size=self.block_size,
                       sink_blocks=cfg.sink_blocks, local_blocks=cfg.local_blocks, calib_slack=cfg.calib_slack)
         if stop_after is not None:
@@ -391,13 +399,23 @@ class PsaDecodeWrapper:
     def kept_est(self) -> torch.Tensor:
         """``[batch, num_kv_heads]`` fp32: the estimator's kept mass at the stop point of the last :meth:`run`
         (smallest over the group's query heads; 1.0 for rows read fully)."""
-        return self._kept_buf[: self._bs]
+        return self._kept_all_buf[self._slot, : self._bs]
+
+    @property
+    def kept_est_slots(self) -> torch.Tensor:
+        """``[stat_slots, batch, num_kv_heads]`` fp32: :attr:`kept_est` of the last run into each slot."""
+        return self._kept_all_buf[:, : self._bs]
+
+    @property
+    def probe_nread_slots(self) -> torch.Tensor:
+        """``[stat_slots, batch, num_kv_heads]`` int32: :attr:`probe_nread` of the last run into each slot."""
+        return self._probe_nread_all_buf[:, : self._bs]
 
     @property
     def probe_nread(self) -> torch.Tensor:
         """``[batch, num_kv_heads]`` int32: the blocks the stop test of the last :meth:`run` would have read at each
         row's ``probe_epsilon`` (equals ``nread`` where the probe threshold is the row's epsilon)."""
-        return self._probe_nread_buf[: self._bs]
+        return self._probe_nread_all_buf[self._slot, : self._bs]
 
     @property
     def waves(self) -> list[tuple[int, int]]:

@@ -136,9 +136,11 @@ case $part in
         --conversations "${TURNS_CONVERSATIONS:-6}" --port 30040 --server-args "$SARGS" --out "$R/turns"
     ;;
   probeprof)  # bench.decode_profile, off and psa: TTFT of ~16k-token requests (psa probes them at the end of
-              # their prefill), SGLang's profile of one request's prefill and decode steps (timing: run alone)
+              # their prefill), SGLang's profile of one request's prefill and decode steps (timing: run alone);
+              # PROF_SPARSE="MODE=JSON" configures the sparse mode (e.g. psa's select schedule from 8192 tokens)
+    prof_cfg=(); [ -n "${PROF_SPARSE:-}" ] && prof_cfg=(--sparse-config "$PROF_SPARSE")
     step probeprof timeout -k 20 "${PROF_TIMEOUT:-420}" python3 -m bench.decode_profile --device cuda --python python3 \
-        --model $M32 --modes "${PROF_MODES:-off,psa}" --prompt-tokens "${PROF_WORDS:-12000}" --max-tokens 64 \
+        --model $M32 --modes "${PROF_MODES:-off,psa}" "${prof_cfg[@]}" --prompt-tokens "${PROF_WORDS:-12000}" --max-tokens 64 \
         --steps 32 --repeats "${PROF_REPEATS:-6}" --concurrency "${PROF_CONC:-1}" --port 30050 --server-args "$SARGS" \
         --out "$R/prof"
     ;;

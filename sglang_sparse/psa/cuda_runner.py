@@ -68,7 +68,8 @@ class PsaCudaRunner(_RunnerBase):
         self.wrapper = PsaDecodeWrapper(
             self.kernel_cfg, num_qo_heads=shape.num_qo_heads, num_kv_heads=shape.num_kv_heads,
             head_dim=shape.head_dim, block_size=block_size, max_batch_size=max_batch_size,
-            max_blocks_per_req=self.max_blocks_per_req, device=device, sm_scale=sm_scale, out_dtype=out_dtype)
+            max_blocks_per_req=self.max_blocks_per_req, device=device, sm_scale=sm_scale, out_dtype=out_dtype,
+            stat_slots=shape.num_layers)
         i32 = dict(dtype=torch.int32, device=device)
         self._step_buf = torch.zeros(max_batch_size, STEP_COLS, dtype=torch.float32, device=device)
         self._rpi_buf = torch.zeros(max_batch_size, **i32)          # fixed: read inside decode graphs
@@ -302,9 +303,10 @@ class PsaCudaRunner(_RunnerBase):
         self.meta.update(lid, k_buf, self._req_to_token, xp["rpi"], xp["table"], xp["zero"], xp["end"], xp["n_new"])
         num_qo, d = layer.tp_q_head_num, layer.head_dim
         q_rows = q.reshape(-1, num_qo, d).index_select(0, xp["qidx"])
-        self.wrapper.run(q_rows, k_buf, v_buf, *self.meta.layer(lid))
-        torch.sum(self.wrapper.probe_nread, 1, dtype=torch.float32, out=xp["nread_sum"])
-        self.step_rows[:, COL_READ].index_add_(0, xp["rows"], xp["nread_sum"])
+        self.wrapper.run(q_rows, k_buf, v_buf, *self.meta.layer(lid), slot=lid)
+        if lid == self.shape.num_layers - 1:  # every layer's reads, summed once
+            torch.sum(self.wrapper.probe_nread_slots, (0, 2), dtype=torch.float32, out=xp["nread_sum"])
+            self.step_rows[:, COL_READ].index_add_(0, xp["rows"], xp["nread_sum"])
         return None
 
     def decode(self, backend, q, k, v, layer, forward_batch, save_kv_cache):
@@ -318,13 +320,15 @@ class PsaCudaRunner(_RunnerBase):
         k_buf, v_buf = pool.get_key_buffer(lid), pool.get_value_buffer(lid)
         self._fold_decode_meta(lid)
         num_qo, d = layer.tp_q_head_num, layer.head_dim
-        o, _, nread = self.wrapper.run(q.reshape(-1, num_qo, d), k_buf, v_buf, *self.meta.layer(lid))
-        rows, bs = self.step_rows, self.bs  # statistics: in-place, into preallocated buffers
-        # blocks read at each row's epsilon: a sparse row's reads; a probe row's reads had it run sparsely
-        torch.sum(self.wrapper.probe_nread, 1, dtype=torch.float32, out=self._nread_sum_buf[:bs])
-        torch.sum(self.wrapper.kept_est, 1, out=self._kept_sum_buf[:bs])
-        rows[:, COL_READ].add_(self._nread_sum_buf[:bs])
-        rows[:, COL_KEPT].add_(self._kept_sum_buf[:bs])
+        o, _, nread = self.wrapper.run(q.reshape(-1, num_qo, d), k_buf, v_buf, *self.meta.layer(lid), slot=lid)
+        if lid == self.shape.num_layers - 1:
+            # statistics of every layer at once (in-place, into preallocated buffers; four launches per step, not
+            # per layer). Blocks read at each row's epsilon: a sparse row's reads; a probe row's had it run sparsely
+            rows, bs = self.step_rows, self.bs
+            torch.sum(self.wrapper.probe_nread_slots, (0, 2), dtype=torch.float32, out=self._nread_sum_buf[:bs])
+            torch.sum(self.wrapper.kept_est_slots, (0, 2), out=self._kept_sum_buf[:bs])
+            rows[:, COL_READ].add_(self._nread_sum_buf[:bs])
+            rows[:, COL_KEPT].add_(self._kept_sum_buf[:bs])
         if self._ws_step:  # working set: one index_put into the tracker (graph-safe, no sync)
             self.ws.record(lid, self.wrapper.order, nread)
         return o.reshape(-1, num_qo * d)

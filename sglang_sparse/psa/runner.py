@@ -12,9 +12,12 @@ Where the host work goes (nothing per layer, no sync inside a step):
   * :meth:`begin_batch` (once per batch, SGLang's ``init_forward_metadata``): reads the host
     ``seq_lens_cpu`` / extend lengths and each request's epsilon (``custom_params``), builds the
     page table on the device and plans the wrapper (a few small host->device copies).
-  * per layer, in batches with a sparse row only: one metadata fold launch, criticality + sort + progressive
-    decode, and two in-place adds into the step-statistics buffer. No ``.item()``. Batches without a sparse
-    row run the stock decode and touch no metadata.
+  * per layer, in batches with a sparse row only: one metadata fold launch and the wrapper's decode (criticality,
+    ranking and progressive waves; or with ``schedule: select`` the sketch masses, the selection and one split
+    pass), which leaves the layer's read counts and kept-mass estimates in the wrapper's slot for that layer. After
+    the last layer, two sums and two in-place adds fold every layer's into the step-statistics buffer (once per
+    step: the launches cost more than the sums at this model's small shapes). No ``.item()``. Batches without a
+    sparse row run the stock decode and touch no metadata.
 Rows of a decode batch below ``min_context``, with epsilon 1.0, or sent dense by the adaptive switch
 (``dense_above``; :func:`adaptive_dense`) attend their whole context. The switch decides from a probe:
 

@@ -104,7 +104,7 @@ def test_epsilon_one_selects_every_block_and_probe_counts_its_own_threshold():
     assert int(out["probe_out"][0, 0]) < cols and int(out["probe_out"][1, 0]) == 20
 
 
-def _build(pool, cfg, block_size):
+def _build(pool, cfg, block_size, stat_slots=1):
     nb = -(-pool.req_to_token.shape[1] // block_size)
     table = (paged_block_table(pool.req_to_token, pool.req_pool_indices, pool.page_size, nb) if pool.page_size > 1
              else identity_block_table(pool.req_pool_indices, nb))
@@ -114,7 +114,7 @@ def _build(pool, cfg, block_size):
     sp.update(0, pool.k_buffer, pool.req_to_token, pool.req_pool_indices, table, zero, pool.seq_lens - 1, nb)
     w = PsaDecodeWrapper(cfg, num_qo_heads=hq, num_kv_heads=hk, head_dim=d, block_size=block_size,
                          max_batch_size=pool.q.shape[0] + 1, max_blocks_per_req=nb, device="cpu",
-                         out_dtype=pool.q.dtype)
+                         out_dtype=pool.q.dtype, stat_slots=stat_slots)
     w.plan(pool.req_to_token, pool.req_pool_indices, pool.seq_lens, table)
     w.update_meta_decode(pool.k_buffer, *sp.layer(0))
     return w, sp
