@@ -256,6 +256,12 @@ class PsaConfig(SparseConfig):
                               "heads below epsilon at 2 (kept 0.90, 42 % of blocks read), none at 4 (58 % read)",
                               range=Range(0.0, 16.0))
     cuda_graph: bool = knob(True, doc="CUDA: replay decode graphs for batches with a sparse row (false: eager)")
+    stock_rows: str = knob("auto", doc="the rows of a sparse decode step that are not sparse (below min_context, "
+                           "probing, sent dense): 'kernel' attends them with the PSA kernel at epsilon 1 (exact up to "
+                           "rounding, but a reply can change with its batch), 'exact' takes them from the stock decode "
+                           "run over the batch as well (the same tokens as --sparse off, at the cost of a dense pass "
+                           "in every sparse step), 'auto' = 'exact' under --enable-deterministic-inference, else "
+                           "'kernel'", choices=("auto", "exact", "kernel"))
     stock_graphs: bool = _stock_graphs_knob()
     prefill_graphs: bool = _prefill_graphs_knob()
     runner: str = _runner_knob()

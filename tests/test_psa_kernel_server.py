@@ -1,7 +1,8 @@
 """Contract (CPU, Triton interpreter): the GPU runner's code path of `--sparse psa` — block metadata
 rows per request block at SGLang's default page size 1, kept current at sparse decode steps,
 criticality + ranking + progressive decode kernels — serves end to end through the stock server: below `min_context` the answer equals
-`--sparse off`, above it decode reads fewer blocks and the per-request report adds up.
+`--sparse off`, above it decode reads fewer blocks and the per-request report adds up, and with `stock_rows`
+'exact' a request below `min_context` decoding beside a sparse one gets `--sparse off`'s tokens and logprobs.
 (`--sparse-config '{"runner": "kernel"}'` selects that runner on CPU; the interpreter makes it slow, so the
 requests are short.)"""
 
@@ -28,7 +29,8 @@ def kernel_server(default_model, tmp_path_factory):
     os.environ["TRITON_INTERPRET"] = "1"
     try:
         handle = start_cpu_server(default_model, log, mode="psa",
-                                  sparse_config=f'{{"min_context": {MIN_CONTEXT}, "runner": "kernel", "dense_above": 1.0}}',
+                                  sparse_config=f'{{"min_context": {MIN_CONTEXT}, "runner": "kernel", "dense_above": 1.0, '
+                                                f'"stock_rows": "exact"}}',
                                   extra_args=("--max-running-requests", "4"))
     finally:
         os.environ.pop("TRITON_INTERPRET", None) if saved is None else os.environ.__setitem__("TRITON_INTERPRET", saved)
@@ -69,6 +71,34 @@ def test_kernel_runner_above_min_context_decodes_sparsely(kernel_server):
     stats = server.server_info()["internal_states"][0]["sparse"]["stats"]  # page 1: rows per request block
     assert stats["meta_rows_total"] > stats["meta_rows_used"] >= -(-rep["blocks_total"] // 30 // 3) > 0
     assert stats["meta_rebuilds"] >= 1 and stats["meta_row_shortfalls"] == 0
+
+
+def _generate_together(server, texts: list[str], max_new_tokens: list[int]) -> list[dict]:
+    """One ``/generate`` call with a batch of prompts: scheduled together, prefilled in one batch, then decoded in
+    the same steps (greedy, with logprobs)."""
+    r = requests.post(server.url + "/generate", timeout=900, json={
+        "text": texts, "return_logprob": True,
+        "sampling_params": [{"temperature": 0, "max_new_tokens": n, "ignore_eos": True} for n in max_new_tokens]})
+    r.raise_for_status()
+    return r.json()
+
+
+def test_exact_stock_rows_decode_as_off_beside_a_sparse_row(kernel_server, cpu_server):
+    """`stock_rows: exact`: a request below min_context that decodes in the same steps as a sparse one takes the
+    stock decode's output, so its tokens and logprobs are those `--sparse off` gives it in the same batch (the PSA
+    kernel at epsilon 1 rounds differently: its first decode logprob moves in the 3rd digit)."""
+    server, _ = kernel_server
+    texts, lens = [PROMPT[0]["content"], _kernel_prompt()], [3, 4]
+    short, long = _generate_together(server, texts, lens)
+    ref, _ = _generate_together(cpu_server, texts, lens)
+    assert short["meta_info"]["prompt_tokens"] < MIN_CONTEXT < long["meta_info"]["prompt_tokens"]
+    # per-token step rows (sglang_sparse.psa.stats; column 0: 1 = a sparse step): the long request decoded sparsely
+    # in the steps the short one decoded densely
+    assert [row[0] for row in long["meta_info"]["sparse_psa_steps"][1:3]] == [1, 1]
+    assert all(row[0] == 0 for row in short["meta_info"]["sparse_psa_steps"])
+    assert short["text"] == ref["text"]
+    assert [t[0] for t in short["meta_info"]["output_token_logprobs"]] == \
+        [t[0] for t in ref["meta_info"]["output_token_logprobs"]]
 
 
 @pytest.fixture(scope="module")

@@ -73,3 +73,21 @@ def test_psa_calib_slack_reaches_the_kernel_config():
     assert kernel_config(PsaConfig()).calib_slack == 2.0
     cfg = kernel_config(PsaConfig.from_dict({"estimator": "sketch", "schedule": "select", "calib_slack": 4}))
     assert (cfg.calib_slack, cfg.schedule, cfg.estimator) == (4.0, "select", "sketch")
+
+
+def test_psa_stock_rows_auto_is_exact_only_under_deterministic_inference():
+    from types import SimpleNamespace
+
+    from sglang_sparse.config import PsaConfig, SparseConfigError
+    from sglang_sparse.psa.backend import exact_stock_rows
+
+    def runner(det):
+        return SimpleNamespace(server_args=SimpleNamespace(enable_deterministic_inference=det))
+
+    auto = PsaConfig()
+    assert auto.stock_rows == "auto"
+    assert exact_stock_rows(auto, runner(True)) and not exact_stock_rows(auto, runner(False))
+    assert exact_stock_rows(PsaConfig.from_dict({"stock_rows": "exact"}), runner(False))
+    assert not exact_stock_rows(PsaConfig.from_dict({"stock_rows": "kernel"}), runner(True))
+    with pytest.raises(SparseConfigError, match="stock_rows"):
+        PsaConfig.from_dict({"stock_rows": "dense"})

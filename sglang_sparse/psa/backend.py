@@ -135,7 +135,7 @@ def make_runner(config: PsaConfig, page_size: int, model_runner):
             config, config.block_size, shape, device, token_to_kv_pool=model_runner.token_to_kv_pool,
             req_to_token=model_runner.req_to_token_pool.req_to_token,
             max_batch_size=int(model_runner.req_to_token_pool.size), sm_scale=shape.head_dim ** -0.5,
-            out_dtype=model_runner.dtype, page_size=page_size)
+            out_dtype=model_runner.dtype, page_size=page_size, exact_stock_rows=exact_stock_rows(config, model_runner))
         logger.info("sglang-sparse psa: %s %.1f MiB (%d layers, %d rows, block %d, page %d: %s), "
                     "max batch %d", "int4 key sketch" if runner.kernel_cfg.criticality == "sketch" else "block metadata",
                     runner.meta_bytes() / 2**20, shape.num_layers, runner.meta.num_rows,
@@ -146,6 +146,14 @@ def make_runner(config: PsaConfig, page_size: int, model_runner):
         runner = PsaCpuRunner(config, block, shape, device)
     runner.ws = make_tracker(config, runner.block_size, shape, model_runner, device)
     return runner
+
+
+def exact_stock_rows(config: PsaConfig, model_runner) -> bool:
+    """``stock_rows``: whether the stock rows of a sparse step take the stock decode's output ('auto': under
+    ``--enable-deterministic-inference``, whose batch invariance the PSA kernel's rounding would break)."""
+    if config.stock_rows != "auto":
+        return config.stock_rows == "exact"
+    return bool(getattr(getattr(model_runner, "server_args", None), "enable_deterministic_inference", False))
 
 
 def make_tracker(config: PsaConfig, block_size: int, shape: AttnShape, model_runner, device):

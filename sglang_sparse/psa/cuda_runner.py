@@ -37,7 +37,7 @@ class PsaCudaRunner(_RunnerBase):
 
     def __init__(self, cfg: PsaConfig, block_size: int, shape: AttnShape, device: torch.device, *,
                  token_to_kv_pool, req_to_token: torch.Tensor, max_batch_size: int, sm_scale: float,
-                 out_dtype: torch.dtype, page_size: int | None = None):
+                 out_dtype: torch.dtype, page_size: int | None = None, exact_stock_rows: bool = False):
         super().__init__(cfg, block_size, shape, device)
         from flashinfer_ext.psa.block_meta import BlockMetaPool
         from flashinfer_ext.psa.decode import PsaDecodeWrapper
@@ -76,6 +76,10 @@ class PsaCudaRunner(_RunnerBase):
         self._table_buf = torch.zeros(max_batch_size, self.max_blocks_per_req, **i32)
         self._meta_start_buf = torch.zeros(max_batch_size, **i32)   # decode: per-row fold range
         self._meta_end_buf = torch.zeros(max_batch_size, **i32)
+        # stock_rows 'exact': the rows of a sparse step that read PSA's output (epsilon < 1); the others take the
+        # stock decode's, so their tokens do not depend on their batch (batch invariance under deterministic inference)
+        self.exact_stock_rows = bool(exact_stock_rows)
+        self._psa_out_buf = torch.zeros(max_batch_size, dtype=torch.bool, device=device)
         self._nread_sum_buf = torch.zeros(max_batch_size, dtype=torch.float32, device=device)
         self._kept_sum_buf = torch.zeros(max_batch_size, dtype=torch.float32, device=device)
         self.meta_rebuilds = 0        # rows whose metadata was rebuilt from position 0 (first sparse step, ...)
@@ -220,6 +224,8 @@ class PsaCudaRunner(_RunnerBase):
         probe_eps = torch.where(self._sparse_host, self._eps_host, 1.0)
         both = torch.stack([torch.where(self._probe_host, 1.0, probe_eps), probe_eps])
         both = both.to(self.device, non_blocking=True)  # one copy: [epsilon; probe epsilon]
+        if self.exact_stock_rows:  # rows whose output is PSA's (the sparse, non-probe rows); one launch per step
+            torch.lt(both[0], 1.0, out=self._psa_out_buf[: both.shape[1]])
         self.wrapper.plan(self._req_to_token, forward_batch.req_pool_indices, forward_batch.seq_lens.to(torch.int32),
                           table, max_seq_len=max_len, epsilon=both[0], probe_epsilon=both[1])
 
@@ -315,7 +321,10 @@ class PsaCudaRunner(_RunnerBase):
         if not self.sparse_batch and not self.graph_mode:
             # no sparse row: stock decode, no metadata (a request's metadata is rebuilt at its next sparse step)
             return backend._psa_base.forward_decode(backend, q, k, v, layer, forward_batch, save_kv_cache)
-        if k is not None and save_kv_cache:
+        stock = None
+        if self.exact_stock_rows:  # the stock decode of the whole batch (it writes the new K/V): the stock rows' output
+            stock = backend._psa_base.forward_decode(backend, q, k, v, layer, forward_batch, save_kv_cache)
+        elif k is not None and save_kv_cache:
             _write_kv(backend, pool, layer, forward_batch, k, v)
         k_buf, v_buf = pool.get_key_buffer(lid), pool.get_value_buffer(lid)
         self._fold_decode_meta(lid)
@@ -331,7 +340,12 @@ class PsaCudaRunner(_RunnerBase):
             rows[:, COL_KEPT].add_(self._kept_sum_buf[:bs])
         if self._ws_step:  # working set: one index_put into the tracker (graph-safe, no sync)
             self.ws.record(lid, self.wrapper.order, nread)
-        return o.reshape(-1, num_qo * d)
+        o = o.reshape(-1, num_qo * d)
+        if stock is not None:  # PSA's output on its rows, the stock one elsewhere (in place, no allocation)
+            stock = stock.view(o.shape)
+            torch.where(self._psa_out_buf[: o.shape[0], None], o, stock, out=stock)
+            return stock
+        return o
 
 
 def _slot_of(req) -> int | None:

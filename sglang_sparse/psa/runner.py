@@ -35,7 +35,9 @@ Rows of a decode batch below ``min_context``, with epsilon 1.0, or sent dense by
 
 If every row of a decode batch attends its whole context, the stock FlashInfer decode runs (SGLang's stock decode
 graph); in a mixed batch those rows run the sparse kernel with epsilon 1.0 (all blocks), which is exact but not
-FlashInfer-fast.
+FlashInfer-fast and rounds unlike the stock decode; with ``stock_rows`` 'exact' (the default under deterministic
+inference) the CUDA runner also runs the stock decode over the batch and those rows take its output, as the CPU
+runner always does.
 
 CUDA graphs (decode): a batch with at least one sparse row replays a graph captured over the PSA
 path (:meth:`PsaCudaRunner.begin_graph_batch` plans into the wrapper's fixed ``_buf`` tensors with
