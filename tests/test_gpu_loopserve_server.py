@@ -40,11 +40,11 @@ def _server(mode, log, sparse_config=None, args=ARGS):
 
 
 @contextlib.contextmanager
-def off_and_loopserve(d, sparse_config: str, args=ARGS):
-    """An `off` and a `loopserve` server (``sparse_config``) with the same arguments, both stopped on exit."""
+def off_and_loopserve(d, sparse_config: str, args=ARGS, mode: str = "loopserve"):
+    """An `off` and a ``mode`` server (``sparse_config``) with the same arguments, both stopped on exit."""
     dense = _server("off", d / "off.log", args=args)
     try:
-        sparse = _server("loopserve", d / "loopserve.log", sparse_config=sparse_config, args=args)
+        sparse = _server(mode, d / f"{mode}.log", sparse_config=sparse_config, args=args)
     except Exception:
         dense.stop()
         raise

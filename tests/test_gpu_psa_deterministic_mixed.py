@@ -13,7 +13,7 @@ import pytest
 
 from tests.test_gpu_deterministic_mixed_decode import _background, _logprobs, _prompt
 from tests.serverproc import chat
-from tests.test_gpu_loopserve_server import _server
+from tests.test_gpu_loopserve_server import off_and_loopserve
 
 pytestmark = [pytest.mark.gpu, pytest.mark.server]
 
@@ -26,18 +26,8 @@ PSA_CONFIG = (f'{{"min_context": {MIN_CONTEXT}, "estimator": "sketch", "schedule
 
 @pytest.fixture(scope="module")
 def servers(tmp_path_factory):
-    d = tmp_path_factory.mktemp("gpu_psa_det_mixed")
-    dense = _server("off", d / "off.log", args=ARGS)
-    try:
-        sparse = _server("psa", d / "psa.log", sparse_config=PSA_CONFIG, args=ARGS)
-    except Exception:
-        dense.stop()
-        raise
-    try:
-        yield dense, sparse
-    finally:
-        sparse.stop()
-        dense.stop()
+    with off_and_loopserve(tmp_path_factory.mktemp("gpu_psa_det_mixed"), PSA_CONFIG, args=ARGS, mode="psa") as pair:
+        yield pair
 
 
 def test_gpu_deterministic_psa_stock_rows_of_mixed_batches_equal_off(servers):
