@@ -22,7 +22,7 @@ import pytest
 
 from bench.corpus import haystack
 from tests.serverproc import chat, flush_cache
-from tests.test_gpu_loopserve_server import off_and_loopserve
+from tests.test_gpu_loopserve_server import off_and_sparse
 
 pytestmark = [pytest.mark.gpu, pytest.mark.server]
 
@@ -33,7 +33,7 @@ ARGS = ["--attention-backend", "flashinfer", "--mem-fraction-static", "0.2", "--
 
 @pytest.fixture(scope="module")
 def servers(tmp_path_factory):
-    with off_and_loopserve(tmp_path_factory.mktemp("gpu_det_mixed"), f'{{"min_context": {MIN_CONTEXT}}}',
+    with off_and_sparse(tmp_path_factory.mktemp("gpu_det_mixed"), f'{{"min_context": {MIN_CONTEXT}}}',
                            args=ARGS) as pair:
         yield pair
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from tests.serverproc import chat
-from tests.test_gpu_loopserve_server import ARGS as EAGER_ARGS, off_and_loopserve
+from tests.test_gpu_loopserve_server import ARGS as EAGER_ARGS, off_and_sparse
 from tests.test_gpu_psa_server import _long_prompt
 
 pytestmark = [pytest.mark.gpu, pytest.mark.server]
@@ -19,7 +19,7 @@ MIN_CONTEXT, CHUNK = 512, 256
 
 @pytest.fixture(scope="module")
 def servers(tmp_path_factory):
-    with off_and_loopserve(tmp_path_factory.mktemp("gpu_loopserve_dense"), f'{{"min_context": {MIN_CONTEXT}}}',
+    with off_and_sparse(tmp_path_factory.mktemp("gpu_loopserve_dense"), f'{{"min_context": {MIN_CONTEXT}}}',
                            args=EAGER_ARGS + ["--chunked-prefill-size", str(CHUNK)]) as pair:
         yield pair
 

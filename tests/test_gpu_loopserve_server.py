@@ -40,7 +40,7 @@ def _server(mode, log, sparse_config=None, args=ARGS):
 
 
 @contextlib.contextmanager
-def off_and_loopserve(d, sparse_config: str, args=ARGS, mode: str = "loopserve"):
+def off_and_sparse(d, sparse_config: str, args=ARGS, mode: str = "loopserve"):
     """An `off` and a ``mode`` server (``sparse_config``) with the same arguments, both stopped on exit."""
     dense = _server("off", d / "off.log", args=args)
     try:
@@ -58,7 +58,7 @@ def off_and_loopserve(d, sparse_config: str, args=ARGS, mode: str = "loopserve")
 @pytest.fixture(scope="module")
 def gpu_servers(tmp_path_factory):
     d = tmp_path_factory.mktemp("gpu_loopserve")
-    with off_and_loopserve(d, SPARSE_CONFIG) as (dense, sparse):
+    with off_and_sparse(d, SPARSE_CONFIG) as (dense, sparse):
         yield dense, sparse, d
 
 

@@ -13,7 +13,7 @@ import pytest
 
 from tests.test_gpu_deterministic_mixed_decode import _background, _logprobs, _prompt
 from tests.serverproc import chat
-from tests.test_gpu_loopserve_server import off_and_loopserve
+from tests.test_gpu_loopserve_server import off_and_sparse
 
 pytestmark = [pytest.mark.gpu, pytest.mark.server]
 
@@ -26,7 +26,7 @@ PSA_CONFIG = (f'{{"min_context": {MIN_CONTEXT}, "estimator": "sketch", "schedule
 
 @pytest.fixture(scope="module")
 def servers(tmp_path_factory):
-    with off_and_loopserve(tmp_path_factory.mktemp("gpu_psa_det_mixed"), PSA_CONFIG, args=ARGS, mode="psa") as pair:
+    with off_and_sparse(tmp_path_factory.mktemp("gpu_psa_det_mixed"), PSA_CONFIG, args=ARGS, mode="psa") as pair:
         yield pair
 
 
