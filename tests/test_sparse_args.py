@@ -177,11 +177,11 @@ def test_modes_on_cuda_set_the_server_settings_they_need():
     a = args()
     a.disable_overlap_schedule = False
     _apply_mode_requirements(a, resolve_sparse("samkv", None))  # the assembly synchronises before its KV access
-    assert (a.disable_overlap_schedule, a.disable_prefill_cuda_graph, a.disable_cuda_graph) == (True, True, False)
+    assert (a.disable_overlap_schedule, a.disable_prefill_cuda_graph, a.disable_cuda_graph) == (False, True, False)
     a = args()
     a.disable_overlap_schedule = False
-    _apply_mode_requirements(a, resolve_sparse("samkv", '{"overlap_schedule": true}'))
-    assert (a.disable_overlap_schedule, a.disable_prefill_cuda_graph) == (False, True)
+    _apply_mode_requirements(a, resolve_sparse("samkv", '{"overlap_schedule": false}'))
+    assert (a.disable_overlap_schedule, a.disable_prefill_cuda_graph) == (True, True)
     cpu = args("cpu")
     cpu.disable_overlap_schedule = False
     _apply_mode_requirements(cpu, resolve_sparse("samkv", None))
