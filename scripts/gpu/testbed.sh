@@ -386,14 +386,17 @@ PY
         SAMKV_SOAK_ARGS SOAK_MODE_BUDGET SOAK_TURN_WORDS SOAK_REQUESTS RELIABILITY_BASE; do
       [ -n "${!v:-}" ] && knobs="$knobs $v=${!v}"
     done
+    main_cmd="bench.soak --launch ${SOAK_MODES:-off,psa,loopserve,lastwindow} $repeat_off --attention-backend flashinfer${SOAK_SERVER_ARGS:+ $SOAK_SERVER_ARGS}"
+    [ "${SOAK_MAIN:-1}" = 1 ] || main_cmd="no main soak"
     faults_cmd="bench.faults for ${RELIABILITY_FAULT_MODES:-psa loopserve samkv lastwindow,off} on the 8k model"
     [ "${RELIABILITY_FAULTS:-1}" = 1 ] || faults_cmd="no fault runs (the faults are kept from the base)"
-    soaks=(--soak "$R/soak.json=${SOAK_LABEL:+$SOAK_LABEL: }--attention-backend=flashinfer${SOAK_SERVER_ARGS:+ $SOAK_SERVER_ARGS}")
+    soaks=()  # the soak reports this run wrote (SOAK_MAIN=0: the samkv run alone)
+    [ -f "$R/soak.json" ] && soaks+=(--soak "$R/soak.json=${SOAK_LABEL:+$SOAK_LABEL: }--attention-backend=flashinfer${SOAK_SERVER_ARGS:+ $SOAK_SERVER_ARGS}")
     base=(); [ -n "${RELIABILITY_BASE:-}" ] && base=(--base "$RELIABILITY_BASE")
     [ -f "$R/soak_samkv.json" ] && soaks+=(--soak "$R/soak_samkv.json=${SAMKV_SOAK_ARGS:---attention-backend=triton --enable-deterministic-inference}")
-    [ -f "$R/soak.json" ] && python3 -m bench.reliability "${soaks[@]}" "${base[@]}" --faults "$R"/faults_*.json \
+    [ "${#soaks[@]}" -gt 0 ] && python3 -m bench.reliability "${soaks[@]}" "${base[@]}" --faults "$R"/faults_*.json \
         --gpu "$(cut -d, -f1 "$R/gpu.txt")" --out "$R/reliability.json" --md "$R/reliability.md" \
-        --command "scripts/gpu/testbed.sh reliability-start${knobs:+ with$knobs}: bench.soak --launch ${SOAK_MODES:-off,psa,loopserve,lastwindow} $repeat_off on the 32k testbed, --max-total-tokens 65536 --attention-backend flashinfer${SOAK_SERVER_ARGS:+ $SOAK_SERVER_ARGS}, --time-budget ${SOAK_MODE_BUDGET:-125} s per mode$samkv_cmd; $faults_cmd"
+        --command "scripts/gpu/testbed.sh reliability-start${knobs:+ with$knobs}: $main_cmd on the 32k testbed, --max-total-tokens 65536, --time-budget ${SOAK_MODE_BUDGET:-125} s per mode$samkv_cmd; $faults_cmd"
     rm -f "$R"/*.pt 2>/dev/null
     part=reliability
     ;;
