@@ -101,3 +101,30 @@ def capture_variant() -> str | None:
 
     label = get_capture_lora_variant()
     return None if label is None else {DENSE: "dense", SELECT: "select"}.get(label, "sparse")
+
+
+def plan_variant_graph(backend, forward_batch, in_capture: bool, variant: str | None, base_call) -> None:
+    """Run the stock backend's ``init_forward_metadata_out_graph`` (``base_call()``) so that each decode graph
+    variant of a batch size keeps and replays its own stock decode wrappers.
+
+    SGLang 0.5.17's FlashInfer backend creates a new set of decode wrappers at each capture of a batch size and
+    keeps only the last in ``decode_cuda_graph_metadata[bs]``, which every replay of that size then plans. With two
+    or three graphs per size (this module) the variants captured first hold wrappers that replays no longer plan:
+    a graph that runs the stock decode inside the sparse path (psa ``stock_rows`` exact, loopserve's mixed rows)
+    replayed the capture-time plan of its wrappers' own workspace, a wrong result for long rows and, on the
+    testbed's long preset, an illegal memory access. Here the wrappers each capture created are kept per
+    (batch size, ``variant``) on the backend and put back in SGLang's slot before a replay of that variant plans
+    them. ``variant``: the capture's (:func:`capture_variant`) or the replayed batch's answer; None (one variant per
+    size) or a backend without that table: ``base_call()`` alone. Host work only (a dict lookup), outside the graph.
+    """
+    table = getattr(backend, "decode_cuda_graph_metadata", None)
+    if variant is None or not isinstance(table, dict) or not forward_batch.forward_mode.is_decode_or_idle():
+        base_call()
+        return
+    kept = backend.__dict__.setdefault("_sparse_variant_wrappers", {})
+    bs = int(forward_batch.batch_size)
+    if not in_capture and (bs, variant) in kept:
+        table[bs] = kept[(bs, variant)]
+    base_call()
+    if in_capture and bs in table:
+        kept[(bs, variant)] = table[bs]

@@ -49,9 +49,14 @@ class LoopServeMixin:
 
     def init_forward_metadata_out_graph(self, forward_batch, in_capture=False):
         """Decode CUDA graph capture / replay preparation (SGLang calls it outside the graph)."""
-        self._ls_base.init_forward_metadata_out_graph(self, forward_batch, in_capture)
+        from sglang_sparse.graph_variants import capture_variant, plan_variant_graph
+
         graphs = self._ls_graphs
-        if graphs is None or getattr(self, "_ls_in_eager_init", False) or not forward_batch.forward_mode.is_decode():
+        eager = getattr(self, "_ls_in_eager_init", False)
+        variant = None if eager or graphs is None else capture_variant() if in_capture else graphs._decided[1]
+        plan_variant_graph(self, forward_batch, in_capture, variant,
+                           lambda: self._ls_base.init_forward_metadata_out_graph(self, forward_batch, in_capture))
+        if graphs is None or eager or not forward_batch.forward_mode.is_decode():
             return
         graphs.plan(self, forward_batch, in_capture)
 

@@ -53,16 +53,20 @@ class PsaDecodeMixin:
 
     def init_forward_metadata_out_graph(self, forward_batch, in_capture=False):
         """Decode CUDA graph capture / replay preparation (SGLang calls it outside the graph)."""
-        self._psa_base.init_forward_metadata_out_graph(self, forward_batch, in_capture)
+        from sglang_sparse.graph_variants import capture_variant, plan_variant_graph
+
         runner = self._psa_runner
-        if getattr(self, "_psa_in_eager_init", False) or not hasattr(runner, "begin_graph_batch"):
+        eager = getattr(self, "_psa_in_eager_init", False)
+        # a replay follows the can_run_graph answer for its real batch (the view here is SGLang's padded copy)
+        variant = None if eager else capture_variant() if in_capture else getattr(runner, "_graph_decided",
+                                                                                   (None, None))[1]
+        plan_variant_graph(self, forward_batch, in_capture, variant,
+                           lambda: self._psa_base.init_forward_metadata_out_graph(self, forward_batch, in_capture))
+        if eager or not hasattr(runner, "begin_graph_batch"):
             return
         if not forward_batch.forward_mode.is_decode():
             return
-        from sglang_sparse.graph_variants import capture_variant
-
-        # a replay follows the can_run_graph answer for its real batch (the view here is SGLang's padded copy)
-        dense = capture_variant() == "dense" if in_capture else runner._graph_decided[1] == "dense"
+        dense = variant == "dense"
         if dense:  # SGLang's stock graph (sglang_sparse.graph_variants): a batch without sparse rows
             runner.begin_dense_graph_batch(forward_batch, in_capture)
         else:
