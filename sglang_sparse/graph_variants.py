@@ -16,7 +16,8 @@ turns the pair on when the backend offers ``sparse_graph_variant`` (and the thir
 ``sparse_select_graphs``); :func:`resolve_variant_hook` (AROUND
 ``_resolve_lora_variant``) maps the backend's per-batch answer to the label. The backend learns which variant
 a capture records from :func:`capture_variant`. Memory: the stock graphs add one set of graph outputs per batch
-size (SGLang's shared graph pool).
+size (SGLang's shared graph pool), and each variant keeps the stock decode wrappers its capture created
+(:func:`plan_variant_graph`: SGLang keeps one set per size and plans only that one at replay).
 """
 
 from __future__ import annotations
