@@ -112,8 +112,8 @@ def plan_variant_graph(backend, forward_batch, in_capture: bool, variant: str | 
     keeps only the last in ``decode_cuda_graph_metadata[bs]``, which every replay of that size then plans. With two
     or three graphs per size (this module) the variants captured first hold wrappers that replays no longer plan:
     a graph that runs the stock decode inside the sparse path (psa ``stock_rows`` exact, loopserve's mixed rows)
-    replayed the capture-time plan of its wrappers' own workspace, a wrong result for long rows and, on the
-    testbed's long preset, an illegal memory access. Here the wrappers each capture created are kept per
+    replayed the capture-time plan left in its wrappers' own workspace (psa ``stock_rows`` exact stopped with an
+    illegal memory access on the testbed's long preset). Here the wrappers each capture created are kept per
     (batch size, ``variant``) on the backend and put back in SGLang's slot before a replay of that variant plans
     them. ``variant``: the capture's (:func:`capture_variant`) or the replayed batch's answer; None (one variant per
     size) or a backend without that table: ``base_call()`` alone. Host work only (a dict lookup), outside the graph.
