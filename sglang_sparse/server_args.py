@@ -126,7 +126,8 @@ def _apply_mode_requirements(args, ctx: SparseContext) -> None:
     page); another page size is refused. With the host tier (``host_tier_gb`` > 0) the page is the block, so the
     page size defaults to ``block_size``. Decode graphs stay on unless the config's ``cuda_graph`` is false.
     samkv on CUDA: prefill CUDA graphs off, the overlap scheduler as its config says (default: kept;
-    :func:`_samkv_requirements`); its radix cache is checked once SGLang has resolved the arguments (:func:`_check_resolved`).
+    :func:`_samkv_requirements`); its radix cache is checked once SGLang has resolved the arguments
+    (:func:`_check_resolved`).
     """
     if _device_type(args.device) != "cuda":
         return
@@ -203,9 +204,9 @@ def _samkv_requirements(args, config) -> None:
     """samkv on CUDA: prefill CUDA graphs off (the composite's tail is prefilled eagerly); the overlap scheduler kept
     unless the config's ``overlap_schedule`` is false (``bench/results/samkv_overlap.md``: beside other servers on
     one GPU, servers running it, stock ``off`` included, stalled under the long preset). The documents' assembly
-    (copy, RoPE shift, recompute) runs in the scheduler, where under the overlap scheduler the previous forward may still be in flight: it synchronises the
-    device (:meth:`sglang_sparse.samkv.assembly.SamKVRuntime.fence`) before any KV read or write, so it never runs
-    beside a forward."""
+    (copy, RoPE shift, recompute) runs in the scheduler, where under the overlap scheduler the previous forward may
+    still be in flight: it synchronises the device (:meth:`sglang_sparse.samkv.assembly.SamKVRuntime.fence`) before
+    any KV read or write, so it never runs beside a forward."""
     import logging
 
     log = logging.getLogger("sglang_sparse")
