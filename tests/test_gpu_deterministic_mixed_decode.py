@@ -34,7 +34,7 @@ ARGS = ["--attention-backend", "flashinfer", "--mem-fraction-static", "0.2", "--
 @pytest.fixture(scope="module")
 def servers(tmp_path_factory):
     with off_and_sparse(tmp_path_factory.mktemp("gpu_det_mixed"), f'{{"min_context": {MIN_CONTEXT}}}',
-                           args=ARGS) as pair:
+                        args=ARGS) as pair:
         yield pair
 
 

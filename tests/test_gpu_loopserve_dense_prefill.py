@@ -20,7 +20,7 @@ MIN_CONTEXT, CHUNK = 512, 256
 @pytest.fixture(scope="module")
 def servers(tmp_path_factory):
     with off_and_sparse(tmp_path_factory.mktemp("gpu_loopserve_dense"), f'{{"min_context": {MIN_CONTEXT}}}',
-                           args=EAGER_ARGS + ["--chunked-prefill-size", str(CHUNK)]) as pair:
+                        args=EAGER_ARGS + ["--chunked-prefill-size", str(CHUNK)]) as pair:
         yield pair
 
 
