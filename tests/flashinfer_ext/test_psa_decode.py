@@ -321,3 +321,62 @@ def test_stage_cut_runs_leave_the_full_run_unchanged():
     assert torch.equal(o0, o1) and torch.equal(lse0, lse1) and torch.equal(n0, n1)
     with pytest.raises(ValueError, match="stop_after='merge'"):
         w.run(*args, stop_after="merge")
+
+
+@pytest.mark.parametrize("estimator", ["paper", "calibrated", "mean"])
+@pytest.mark.parametrize("hq,hk,d,dtype,page_size,block_size,lens", [
+    (32, 8, 128, torch.bfloat16, 16, 16, [300, 170]),
+    (9, 3, 64, torch.float16, 1, 16, [333, 45, 210]),
+    (8, 8, 64, torch.bfloat16, 32, 32, [250]),
+])
+def test_fused_merge_equals_separate_merge_launches(hq, hk, d, dtype, page_size, block_size, lens, estimator):
+    """Each wave's merge run by the last program of each pair inside the chunk launch gives, bit for bit, what a
+    merge launch after the wave gives (outputs, reads, estimates, probe), and leaves the pair counters at zero."""
+    cfg = PsaDecodeConfig(epsilon=0.9, micro_batch_blocks=2, sink_blocks=1, local_blocks=1, chunk_growth=2,
+                          **_est(estimator))
+    pool = make_pool(lens, hq, hk, d, dtype, page_size, seed=23, planted=True)
+    eps = torch.tensor([0.9, 1.0, 0.8][: len(lens)], dtype=torch.float32)
+    probe = torch.tensor([0.9, 0.7, 0.8][: len(lens)], dtype=torch.float32)
+    outs = []
+    for fused in (False, True):
+        w, mp, _ = build(pool, cfg, block_size, epsilon=eps, probe_epsilon=probe, wave_programs=3, wave_growth=2.0,
+                         fused_merge=fused)
+        assert w.fused_merge is fused and len(w.waves) >= 3
+        o, lse, nread = w.run(pool.q, pool.k_buffer, pool.v_buffer, *mp.layer(0))
+        outs.append((o.clone(), lse.clone(), nread.clone(), w.kept_est.clone(), w.probe_nread.clone()))
+        assert not w._merge_count_buf.any()
+    for a, b in zip(*outs):
+        assert torch.equal(a, b)
+
+
+def test_fused_merge_refuses_partials_other_than_the_launch_writes():
+    """A fused launch checks that its merge folds the partials, flags and chunks it writes."""
+    from flashinfer_ext.psa.chunks import psa_chunk_attention
+    from flashinfer_ext.psa.wave_merge import merge_args
+    cfg = PsaDecodeConfig(epsilon=0.9, micro_batch_blocks=2, sink_blocks=1, local_blocks=1)
+    pool = make_pool([120], 9, 3, 64, torch.bfloat16, 16, seed=3)
+    w, mp, _ = build(pool, cfg, 16)
+    w.run(pool.q, pool.k_buffer, pool.v_buffer, *mp.layer(0))
+    bs, hk, g, d, c = 1, 3, 3, 64, w._num_cols
+    parts = tuple(torch.zeros(bs * hk, 4, g, *([d] if i == 0 else [])) for i in range(4))
+    other = tuple(torch.zeros_like(t) for t in parts)
+    state = (torch.zeros(bs * hk, g, d), torch.zeros(bs * hk, g), torch.zeros(bs * hk, g), torch.zeros(bs * hk, g),
+             torch.zeros(bs * hk, dtype=torch.int32))
+    lens, nf = w._list_lens_buf[:bs], w._n_forced_buf[:bs]
+    suffix = torch.zeros(bs, hk, c + 1)
+    probe = (w._probe_eps_buf[:bs], w._probe_lens_buf[:bs], torch.zeros(bs, hk, dtype=torch.int32))
+    kw = merge_args(other, state, torch.zeros(bs, 9, d), torch.zeros(bs, 9), torch.zeros(bs, hk, dtype=torch.int32),
+                    torch.zeros(bs, hk), pool.seq_lens, lens, nf, w._chunk_ends_buf, w._eps_buf[:bs], suffix, probe,
+                    chunk0=0, n_chunks=2, first=True, block_size=16, estimator="calibrated", calib_slack=0.0)
+    args = (pool.q, pool.k_buffer, pool.v_buffer, pool.req_to_token, pool.req_pool_indices, pool.seq_lens, w.order,
+            w._scores_buf[: bs * hk * c].view(bs, hk, c), lens, nf, w._chunk_ends_buf, state[4], parts)
+    with pytest.raises(ValueError, match="po_ptr"):
+        psa_chunk_attention(*args, chunk0=0, n_chunks=2, block_size=16, sm_scale=0.125, check_done=False,
+                            merge=kw, merge_count=torch.zeros(bs * hk, dtype=torch.int32))
+    kw = dict(kw, po_ptr=parts[0], plse_ptr=parts[1], pmin_ptr=parts[2], pdmax_ptr=parts[3])
+    with pytest.raises(ValueError, match="merge_count"):
+        psa_chunk_attention(*args, chunk0=0, n_chunks=2, block_size=16, sm_scale=0.125, check_done=False,
+                            merge=kw, merge_count=None)
+    with pytest.raises(ValueError, match="other chunks"):
+        psa_chunk_attention(*args, chunk0=1, n_chunks=2, block_size=16, sm_scale=0.125, check_done=False,
+                            merge=kw, merge_count=torch.zeros(bs * hk, dtype=torch.int32))
