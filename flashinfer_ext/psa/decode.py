@@ -11,11 +11,11 @@ Per layer, :meth:`PsaDecodeWrapper.run` launches a fixed sequence of device ops:
 criticality (Triton; fp32 scores + int16 sort keys) -> ranking (:mod:`flashinfer_ext.psa.rank_select`:
 exact top-``sorted_prefix_blocks`` then block order; or a full device sort) ->
 remaining-mass bound suffix (Triton;
-'bound'/'calibrated' estimators only) -> for each *wave* of the host plan, one launch: chunk
+'bound'/'calibrated' estimators only) -> for each *wave* of the host plan: chunk
 attention (:mod:`flashinfer_ext.psa.chunks`, one program per (request, KV head, chunk),
-pairs already done exit at once), whose last program to finish per pair merges the wave with the stop
-test chunk by chunk (:mod:`flashinfer_ext.psa.wave_merge`; ``fused_merge=False``: a merge launch after
-each wave instead, same result bit for bit). The result equals sequential PSA with the chunk
+pairs already done exit at once) + merge with the stop test chunk by chunk
+(:mod:`flashinfer_ext.psa.wave_merge`; with ``fused_merge`` the last program of each pair to finish its
+chunk merges inside the chunk launch instead, same result bit for bit, slower: :attr:`FUSED_MERGE`). The result equals sequential PSA with the chunk
 schedule of :meth:`PsaDecodeConfig.ranked_chunk_ends` (reference:
 :func:`flashinfer_ext.common.reference.progressive_decode_reference`), whatever the wave layout.
 With ``schedule='select'`` (key sketch only) a layer is instead: sketch block masses -> the sketch's top-p
@@ -81,7 +81,7 @@ class PsaDecodeWrapper:
       wave_programs: programs the first wave should launch (default 2 x SM count on CUDA).
       wave_growth: each next wave covers about this many times the ranks read so far (default 4).
       max_waves: most waves (the last takes every remaining chunk; default 5).
-      fused_merge: run each wave's merge inside its chunk launch (default :attr:`FUSED_MERGE`).
+      fused_merge: run each wave's merge inside its chunk launch (default :attr:`FUSED_MERGE`, off: slower, see there).
       crit_tile: launch shape of the criticality pass (:class:`~flashinfer_ext.psa.criticality.CritTile`;
         default :attr:`CRIT_TILE`, which suits a :class:`BlockMetaPool` of layout :attr:`META_LAYOUT`).
       The wave defaults come from ``bench/psa_decode_bench.py --wave-sweep`` on an H100
@@ -102,9 +102,11 @@ class PsaDecodeWrapper:
     # ranks per program of the tile-parallel bound suffix (two launches over (pair, tile) programs; one program per
     # pair scanning its row was 64 programs at 128k batch 8 and left most SMs idle: 25 -> 19 us)
     SUFFIX_TILE = 1024
-    # each wave's merge runs in its chunk launch, by the last program of each pair to finish (one launch per wave
-    # instead of two); False = a separate merge launch after each wave (same result, bit for bit)
-    FUSED_MERGE = True
+    # True: each wave's merge runs in its chunk launch, by the last program of each pair to finish (one launch per
+    # wave instead of two; same result, bit for bit). Measured slower on an H200 (bench/results/psa_merge_ab.md:
+    # 1.01-1.10x the time of separate merge launches over the planted cases and the 32k testbed capture): the merge
+    # waits for each pair's last chunk and the launch carries the merge's registers. So a merge launch follows each wave
+    FUSED_MERGE = False
     MERGE_TILE_CHUNKS = 16  # chunks the merge folds per step (wave_merge's tile_chunks)
 
     def __init__(self, config: PsaDecodeConfig, *, num_qo_heads: int, num_kv_heads: int, head_dim: int,
