@@ -47,6 +47,9 @@
 #   bash scripts/gpu/testbed.sh lsspeed  # loopserve engaged against off at 32k: bench.load (concurrency 1/8/32) and
 #                                        # bench.decode_profile (~24k tokens, concurrency 1) (~6 min)
 #
+# A part left running in the background while later calls poll it should run from a copy of the tree (cp the
+# repository to /tmp and start it there): each call re-copies the working tree, and a process that imports a
+# module during that copy can fail (Triton: '@jit functions should be defined in a Python file').
 # TESTBED_TAG=x puts a part's reports in /tmp/testbed/<part>_x (two runs of a part side by side);
 # LONG_EXTRA_ARGS / SAMKV_EXTRA_ARGS add server arguments to the `long` / `samkv` part's servers (e.g. --enable-deterministic-inference);
 # HARNESS_ARGS adds arguments to its bench.run_harness (e.g. --sparse-config 'psa={"probe_steps":1}').
@@ -303,9 +306,11 @@ PY
         --testbed-model $M32 --out "$R"
     ;;
   kernmerge)  # the psa kernel's GPU tests, the wave merges fused into the chunk launches against separate merge launches
-    # (stage profile of both, case by case), then the full kernel bench at the defaults (headline JSON), ~7 minutes
+    # (stage profile of both, case by case), then the full kernel bench at the defaults (headline JSON), ~10 minutes
+    # on a fresh machine
+    # (the GPU tests compile their kernels: 54 of them took 4 minutes)
     export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
-    step psa_gpu_tests timeout -k 20 "${GPU_TESTS_TIMEOUT:-240}" python3 -m pytest -m gpu -q -x tests/flashinfer_ext/test_gpu_psa.py
+    step psa_gpu_tests timeout -k 20 "${GPU_TESTS_TIMEOUT:-480}" python3 -m pytest -m gpu -q -x tests/flashinfer_ext/test_gpu_psa.py
     step psa_merge_ab timeout -k 20 "${PROFILE_TIMEOUT:-240}" python3 bench/psa_decode_bench.py --merge-ab \
         --testbed-model $M32 --out "$R"
     [ "${KERNMERGE_FULL:-1}" = 1 ] && step psa_full timeout -k 20 "${KERNEL_TIMEOUT:-330}" python3 bench/psa_decode_bench.py \
