@@ -158,7 +158,7 @@ class PsaDecodeWrapper:
         self._sorted_keys_buf = torch.empty(n, dtype=torch.int16, device=dev)
         self._order_buf = torch.zeros(n, dtype=torch.int64, device=dev)
         self._prefix = config.ranking_prefix() if cols <= 65536 else 0
-        self._select_scratch_buf = torch.empty(max(1, mb * hk * self._prefix), dtype=torch.int64, device=dev)
+        self._select_scratch_buf = torch.empty(max(1, mb * hk * self._prefix), dtype=torch.int32, device=dev)
         self._suffix_buf = torch.empty(mb * hk * (cols + 1), **f32)
         self.sketch = config.criticality == "sketch"
         # sketch: per (request, KV head, query head) block masses and totals (flashinfer_ext.psa.key_sketch)

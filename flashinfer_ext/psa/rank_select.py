@@ -5,7 +5,8 @@ Supports: the int16 order-preserving keys of :func:`flashinfer_ext.psa.criticali
 per (request, KV head): a two-level radix select (256-bin histograms of the key's high byte, then
 of the low byte inside the threshold bin) finds the K-th largest key, one pass compacts the top K
 blocks into a scratch row and writes every other block, in block order, to ranks ``[K, num_cols)``,
-and an in-register bitonic sort (``tl.sort``) orders the K candidates (ranks ``[0, K)``).
+and an in-register bitonic sort (``tl.sort``) of the candidates packed as int32 (key high, block id low) orders
+them (ranks ``[0, K)``).
 With ``num_cols <= K`` this is a full sort. One launch, no allocation, no host sync; it replaces
 a segmented ``torch.sort`` (about 60 us at 64 x 8192 on an H100, mostly fixed overhead).
 
@@ -73,7 +74,8 @@ def _rank_select_kernel(keys_ptr, stride_kb, stride_kh, order_ptr, stride_ob, st
         cand = (m & (u > thr)) | (tie & (tie_rank < ties_take))
         ci = cand.to(tl.int32)
         cpos = cand_base + tl.cumsum(ci, 0) - 1
-        tl.store(srow + cpos, u.to(tl.int64) * 65536 + j, mask=cand)
+        # (key, block id) packed in one int32: the signed 16-bit key in the high half, the block id in the low one
+        tl.store(srow + cpos, (u - 32768) * 65536 + j, mask=cand)
         tail = m & (ci == 0)
         ti = tail.to(tl.int32)
         tpos = n_take + tail_base + tl.cumsum(ti, 0) - 1
@@ -81,11 +83,12 @@ def _rank_select_kernel(keys_ptr, stride_kb, stride_kh, order_ptr, stride_ob, st
         cand_base += tl.sum(ci, axis=0)
         tie_base += tl.sum(tie.to(tl.int32), axis=0)
         tail_base += tl.sum(ti, axis=0)
-    # sort the candidates (key, block id) descending, in registers
+    # sort the candidates (key, block id) descending, in registers; the padding is the smallest int32, which only a
+    # (lowest key, block 0) candidate equals: equal values, the same block id written either way
     c = tl.arange(0, KC)
-    v = tl.load(srow + c, mask=c < n_take, other=-1)
+    v = tl.load(srow + c, mask=c < n_take, other=-2147483648)
     v = tl.sort(v, descending=True)
-    tl.store(orow + c, v & 65535, mask=c < n_take)
+    tl.store(orow + c, (v & 65535).to(tl.int64), mask=c < n_take)
 
 
 def rank_select(keys: torch.Tensor, order_out: torch.Tensor, scratch: torch.Tensor, *, prefix: int,
@@ -95,7 +98,7 @@ def rank_select(keys: torch.Tensor, order_out: torch.Tensor, scratch: torch.Tens
     Args:
       keys: ``[batch, num_kv_heads, num_cols]`` int16 order-preserving score keys (last dim contiguous).
       order_out: ``[batch, num_kv_heads, num_cols]`` int64, written (rank -> block).
-      scratch: int64 with ``>= batch * num_kv_heads * prefix`` elements.
+      scratch: int32 with ``>= batch * num_kv_heads * prefix`` elements.
       prefix: power of two in [16, 8192].
 
     Returns ``order_out``. One launch.
@@ -108,7 +111,7 @@ def rank_select(keys: torch.Tensor, order_out: torch.Tensor, scratch: torch.Tens
     if num_cols > 65536:
         raise ValueError(f"num_cols={num_cols} > 65536 is not supported by rank_select")
     assert keys.dtype == torch.int16 and keys.stride(2) == 1 and order_out.stride(2) == 1
-    assert scratch.dtype == torch.int64 and scratch.numel() >= batch * num_kv_heads * prefix
+    assert scratch.dtype == torch.int32 and scratch.numel() >= batch * num_kv_heads * prefix
     _rank_select_kernel[(batch * num_kv_heads,)](
         keys, keys.stride(0), keys.stride(1), order_out, order_out.stride(0), order_out.stride(1), scratch,
         num_cols, NUM_KV_HEADS=num_kv_heads, TILE=min(tile, triton.next_power_of_2(max(num_cols, 16))),

@@ -93,15 +93,38 @@ def test_rank_select_sorted_prefix_then_block_order(cols, prefix):
     keys[..., :2] = 32640  # +inf (forced) keys
     keys[0, :, cols - 5:] = -32641  # -inf (past the end) keys
     order = torch.empty(2, 3, cols, dtype=torch.int64)
-    rank_select(keys, order, torch.empty(6 * prefix, dtype=torch.int64), prefix=prefix, tile=256)
+    rank_select(keys, order, torch.empty(6 * prefix, dtype=torch.int32), prefix=prefix, tile=256)
     n = min(prefix, cols)
     for r in range(2):
         for h in range(3):
             o, kk = order[r, h], keys[r, h].int()
             assert sorted(o.tolist()) == list(range(cols))
             assert torch.equal(kk[o[:n]], kk.sort(descending=True).values[:n])
+            top = [(int(kk[i]), int(i)) for i in o[:n]]  # ties inside the prefix: the higher block id first
+            assert top == sorted(top, reverse=True)
             assert o[n:].tolist() == sorted(o[n:].tolist())
             assert set(o[:2].tolist()) == {0, 1}
+
+
+def test_rank_select_extreme_keys_and_padding_sort_exactly():
+    """Keys at both ends of int16 (the packed int32 sort's extremes) and fewer blocks than the prefix (padding in the
+    sort, equal to the packed (lowest key, block 0)): a full descending sort, ties by the higher block id first."""
+    from flashinfer_ext.psa.rank_select import rank_select
+
+    cols, prefix = 100, 128
+    g = torch.Generator().manual_seed(5)
+    keys = torch.randint(-5, 5, (1, 2, cols), generator=g, dtype=torch.int16)
+    keys[:, :, 0] = -32768
+    keys[:, :, 7] = -32768
+    keys[:, :, 3] = 32767
+    keys[:, :, 50] = 32767
+    order = torch.empty(1, 2, cols, dtype=torch.int64)
+    rank_select(keys, order, torch.empty(2 * prefix, dtype=torch.int32), prefix=prefix, tile=64)
+    for h in range(2):
+        kk = keys[0, h].int()
+        want = sorted(range(cols), key=lambda i: (int(kk[i]), i), reverse=True)
+        assert order[0, h].tolist() == want
+        assert want[:2] == [50, 3] and want[-2:] == [7, 0]
 
 
 def test_rank_reference_prefix_semantics():
