@@ -262,6 +262,29 @@ def test_gpu_fused_merge_equals_separate_merge_launches(hq, hk, d, lens):
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("cols,prefix", [(8192, 1024), (3000, 256), (100, 128)])
+def test_gpu_rank_select_sorts_the_prefix_by_key_then_higher_block(cols, prefix):
+    """Compiled rank_select (candidates sorted packed as int32) over keys spanning int16, with and without padding:
+    the top-``prefix`` keys in descending order, ties by the higher block id, the rest in block order."""
+    from flashinfer_ext.psa.rank_select import rank_select
+
+    g = torch.Generator(device="cuda").manual_seed(cols)
+    k = torch.randint(-32768, 32767, (4, 8, cols), dtype=torch.int16, device="cuda", generator=g)
+    k[..., :2] = 32767
+    k[..., 5] = -32768
+    o = torch.empty(4, 8, cols, dtype=torch.int64, device="cuda")
+    rank_select(k, o, torch.empty(32 * prefix, dtype=torch.int32, device="cuda"), prefix=prefix)
+    n = min(prefix, cols)
+    for r in range(4):
+        for h in range(8):
+            oo, kk = o[r, h].cpu(), k[r, h].int().cpu()
+            assert sorted(oo.tolist()) == list(range(cols))
+            assert torch.equal(kk[oo[:n]], kk.sort(descending=True).values[:n])
+            top = [(int(kk[i]), int(i)) for i in oo[:n]]
+            assert top == sorted(top, reverse=True)
+            assert oo[n:].tolist() == sorted(oo[n:].tolist())
+
+
 @pytest.mark.parametrize("estimator", ["calibrated", "paper"])
 def test_gpu_kept_mass_on_benchmark_planted_structure_32k(estimator):
     """The benchmark's planted workload (bench.psa_decode_bench.PLANT) at 32k: >= 99 % of (request, qo head)
