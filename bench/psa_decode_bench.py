@@ -287,7 +287,7 @@ def run_case(name, batch, ctx, page, planted=True, capture=None, hq=32, hk=8, d=
                dense_tbps=dense_bytes / t_dense / 1e12, kept_mean=float(kept.mean()), kept_min=float(kept.min()),
                kept_ge_eps=float((kept >= eps).float().mean()), kept_est_mean=float(kept_est.mean()),
                max_abs_err_vs_dense=float((o.float() - do.float()).abs().max()),
-               wave_programs=w.wave_programs, wave_growth=w.wave_growth, max_waves=w.max_waves, fused_merge=w.fused_merge,
+               wave_programs=w.wave_programs, wave_growth=w.wave_growth, max_waves=w.max_waves,
                sorted_prefix_blocks=cfg.sorted_prefix_blocks, meta_layout=meta_layout,
                crit_tile=dataclasses.asdict(w.crit_tile))
     if stage_profile and g is not None:
@@ -532,9 +532,6 @@ def main():
     ap.add_argument("--stage-estimator", default=None,
                     help="with --stage-profile: only the testbed capture, with this stop-test estimator (e.g. sketch); "
                          "writes psa_stage_profile_<estimator>.{json,md}")
-    ap.add_argument("--merge-ab", action="store_true",
-                    help="the stage profile with the wave merges in separate launches, then fused into the chunk "
-                         "launches (the default), case by case: psa_merge_ab.{json,md} in --out")
     ap.add_argument("--crit-sweep", action="store_true",
                     help="only the criticality pass's launch shapes x metadata layouts (psa_plans.CRIT_SWEEP_GRID) over "
                          "the headline planted cases and the 32k testbed capture: psa_crit_sweep.{json,md} in --out")
@@ -570,12 +567,11 @@ def main():
             meta["peak_bps"] = measure_peak_bw()
         except Exception as e:
             print("peak measurement failed:", e)
-    if args.stage_profile or args.merge_ab:
+    if args.stage_profile:
         real_pool = psa_plans.real_pool(args.testbed_model, slot_tokens, real_layers, dev, meta)
         cases = ((2, 300, 16),) if args.smoke else psa_plans.WAVE_SWEEP_CASES
         psa_plans.run_stage_profile(run_case, args.out, meta, dev, cases=() if args.stage_estimator else cases,
-                                    real_pool=real_pool, estimator=args.stage_estimator,
-                                    variants=psa_plans.MERGE_VARIANTS if args.merge_ab else None)
+                                    real_pool=real_pool, estimator=args.stage_estimator)
         return
     if args.crit_sweep:
         real_pool = psa_plans.real_pool(args.testbed_model, slot_tokens, real_layers, dev, meta)

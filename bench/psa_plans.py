@@ -68,64 +68,45 @@ def _todo(cases, real_pool) -> list:
     return todo
 
 
-MERGE_VARIANTS = (("separate merge launches", dict(fused_merge=False)), ("fused merge", dict(fused_merge=True)))
-
-
 def run_stage_profile(run_case, out: Path, meta: dict, dev: str, cases=WAVE_SWEEP_CASES, real_pool=None,
-                      estimator: str | None = None, variants=None) -> list:
+                      estimator: str | None = None) -> list:
     """Where a layer's time goes, at the defaults: criticality (the metadata pass), ranking, bound suffix, waves +
-    merges, per planted case and the 32k testbed capture. Writes ``psa_stage_profile.{json,md}``
-    (``psa_stage_profile_<estimator>`` with ``estimator``: that stop test's stages; for 'sketch' the criticality
-    stage is the sketch's block masses and shares). ``variants``: ``((label, wrapper keyword arguments), ...)`` run
-    one after the other on each case (an A/B in one run; :data:`MERGE_VARIANTS` writes ``psa_merge_ab.{json,md}``
-    with each variant's time against the first's)."""
+    merges, per planted case and the 32k testbed capture, with the fraction of the bytes limit. Writes
+    ``psa_stage_profile.{json,md}`` (``psa_stage_profile_<estimator>`` with ``estimator``: that stop test's stages;
+    for 'sketch' the criticality stage is the sketch's block masses and shares)."""
     rows = []
     for name, kw in _todo(cases, real_pool):
         if estimator:
             kw = dict(kw, estimator=estimator)
-        for label, wkw in variants or ((None, None),):
-            try:
-                r = run_case(name, dev=dev, with_topk=False, stage_profile=True, wrapper_kw=wkw, **kw)
-            except Exception as e:
-                traceback.print_exc()
-                r = dict(case=name, batch=kw["batch"], ctx=kw["ctx"], page=kw["page"],
-                         error=f"{type(e).__name__}: {e}")
-            if label is not None:
-                r["variant"] = label
-            print(json.dumps(r), flush=True)
-            rows.append(r)
+        try:
+            r = run_case(name, dev=dev, with_topk=False, stage_profile=True, **kw)
+        except Exception as e:
+            traceback.print_exc()
+            r = dict(case=name, batch=kw["batch"], ctx=kw["ctx"], page=kw["page"], error=f"{type(e).__name__}: {e}")
+        print(json.dumps(r), flush=True)
+        rows.append(r)
     out.mkdir(parents=True, exist_ok=True)
-    stem = "psa_merge_ab" if variants else "psa_stage_profile" + (f"_{estimator}" if estimator else "")
-    (out / f"{stem}.json").write_text(json.dumps(dict(meta=meta, results=rows), indent=1))
+    stem = "psa_stage_profile" + (f"_{estimator}" if estimator else "")
     peak = meta.get("peak_bps") or float("nan")
-    title = "PSA decode: wave merges fused into the chunk launches, against separate merge launches" if variants \
-        else "PSA decode: where a layer's time goes"
-    lines = [f"# {title}", "", f"- command: `{meta['command']}`",
+    lines = ["# PSA decode: where a layer's time goes", "", f"- command: `{meta['command']}`",
              f"- device: {meta['gpu']}; peak copy bandwidth {peak / 1e12:.2f} TB/s",
              f"- versions: {meta['versions']}", f"- defaults (eps 0.95, {estimator or 'calibrated'!r} stop test, "
              f"{'sketch shares rank order' if estimator in ('sketch', 'select') else 'mean rank order'}, the wave plan of "
              "PsaDecodeWrapper); each stage = the replay time of a CUDA graph of the run cut after it, minus the one "
              "before; 'waves + merges' = the full run minus the run cut after the bound suffix; fraction of the bytes "
-             "limit = (metadata + K/V the kernels read) / peak / t PSA", ""]
-    head = "| case | batch | ctx | " + ("variant | " if variants else "") + (
-        "t PSA us | criticality us | its TB/s | ranking us | bound suffix us | waves + merges us | waves | t dense us "
-        "| dense / PSA | fraction of bytes limit |" + (" t PSA vs first variant |" if variants else ""))
-    lines += [head, "|" + "---|" * (head.count("|") - 1)]
-    first = {}
+             "limit = (metadata + K/V the kernels read) / peak / t PSA", "",
+             "| case | batch | ctx | t PSA us | criticality us | its TB/s | ranking us | bound suffix us | waves + merges us "
+             "| waves | t dense us | dense / PSA | fraction of bytes limit |", "|" + "---|" * 13]
     for r in rows:
-        lead = f"| {r['case']} | {r['batch']} | {r['ctx']} | " + (f"{r.get('variant', '')} | " if variants else "")
+        lead = f"| {r['case']} | {r['batch']} | {r['ctx']} | "
         if "error" in r or "t_stage_us" not in r:
-            lines.append(lead + f"{r.get('error', 'no GPU timing')[:120]} |" + " |" * (9 + bool(variants)))
+            lines.append(lead + f"{r.get('error', 'no GPU timing')[:120]} |" + " |" * 9)
             continue
         t = r["t_stage_us"]
-        frac = r["psa_bytes"] / peak / (r["t_psa_us"] * 1e-6)
-        r["fraction_of_bytes_limit"] = frac
-        key = (r["case"], r["batch"], r["ctx"])
-        first.setdefault(key, r["t_psa_us"])
+        r["fraction_of_bytes_limit"] = r["psa_bytes"] / peak / (r["t_psa_us"] * 1e-6)
         lines.append(lead + f"{r['t_psa_us']:.1f} | {t['criticality']:.1f} | {r['criticality_tbps']:.2f} | "
                      f"{t['ranking']:.1f} | {t['bound_suffix']:.1f} | {t['waves_and_merges']:.1f} | {r['waves']} | "
-                     f"{r['t_dense_us']:.1f} | {r['speedup']:.2f} | {frac:.3f} |"
-                     + (f" {r['t_psa_us'] / first[key]:.3f} |" if variants else ""))
+                     f"{r['t_dense_us']:.1f} | {r['speedup']:.2f} | {r['fraction_of_bytes_limit']:.3f} |")
     (out / f"{stem}.json").write_text(json.dumps(dict(meta=meta, results=rows), indent=1))
     (out / f"{stem}.md").write_text("\n".join(lines) + "\n")
     return rows

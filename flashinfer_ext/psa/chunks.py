@@ -13,10 +13,7 @@ chunk and query head: the normalised partial output ``o``, its BASE-2 ``lse``, t
 smallest base-2 mass of a full ranked block (PSA's AS_min) and the largest
 ``log2(block mass) - log2(block bound)`` of its ranked blocks (the tightness of the
 cuboid bound, used by the 'calibrated' estimator). Programs of a pair already marked
-done (device flag written by :mod:`flashinfer_ext.psa.wave_merge`) attend nothing. With ``merge``
-the launch also merges the wave: each program counts itself in on an int32 counter per pair (a CTA
-barrier, then a release-acquire atomic at GPU scope), and the pair's last program folds its
-partials (:func:`flashinfer_ext.psa.wave_merge.merge_pair`) and resets the counter.
+done (device flag written by :mod:`flashinfer_ext.psa.wave_merge`) attend nothing.
 
 :func:`plan_waves` groups the chunks into *waves* (launches) on the host: the first wave
 fills the GPU (``target_programs`` programs), each next wave covers about ``growth`` times
@@ -40,8 +37,6 @@ import triton.language as tl
 
 from flashinfer_ext.common.tile_attention import attend_slots, group_query_state, list_tile_slots
 
-from .wave_merge import merge_pair
-
 __all__ = ["psa_chunk_attention", "plan_waves"]
 
 
@@ -53,15 +48,9 @@ def _chunk_kernel(
     order_ptr, scores_ptr, stride_ob, stride_oh, list_lens_ptr, n_forced_ptr, ends_ptr, done_ptr,
     po_ptr, plse_ptr, pmin_ptr, pdmax_ptr, wmax,
     chunk0, n_chunks, sm_scale_log2, log2_block,
-    # the merge of a fused launch (flashinfer_ext.psa.wave_merge.merge_pair; placeholders when FUSE is off)
-    count_ptr, eps_ptr, sfx_ptr, stride_sb, stride_sh, st_acc_ptr, st_lse_ptr, st_min_ptr, st_dmax_ptr,
-    nread_ptr, kept_ptr, probe_eps_ptr, probe_lens_ptr, probe_nread_ptr, tot_ptr,
-    o_ptr, stride_outb, stride_outh, lse_ptr, stride_lb, calib_slack,
     NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, G_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, SUB: tl.constexpr,
     CHECK_DONE: tl.constexpr, DOT_FP32: tl.constexpr,
-    FUSE: tl.constexpr, MG_PAD: tl.constexpr, MD_PAD: tl.constexpr, TC: tl.constexpr, FIRST: tl.constexpr,
-    ESTIMATOR: tl.constexpr,
 ):
     pid = tl.program_id(0)
     pair = pid // n_chunks
@@ -118,25 +107,10 @@ def _chunk_kernel(
         tl.store(pmin_ptr + base * GROUP + g, lmin, mask=gm)
         tl.store(pdmax_ptr + base * GROUP + g, dmax, mask=gm)
 
-    if FUSE:  # the pair's last program to finish merges the wave (the semaphore pattern of CUTLASS's split-K:
-        # a CTA barrier, then one release-acquire atomic at GPU scope, then a barrier before the partials are read)
-        tl.debug_barrier()  # every thread's partial stores come before the atomic
-        arrived = tl.atomic_add(count_ptr + pair, 1, sem="acq_rel", scope="gpu")
-        if arrived == n_chunks - 1:
-            tl.debug_barrier()
-            tl.store(count_ptr + pair, 0)  # every program of the pair has counted: ready for the next wave
-            merge_pair(pair, po_ptr, plse_ptr, pmin_ptr, pdmax_ptr, wmax,
-                       seq_lens_ptr, list_lens_ptr, n_forced_ptr, ends_ptr, eps_ptr, sfx_ptr, stride_sb, stride_sh,
-                       st_acc_ptr, st_lse_ptr, st_min_ptr, st_dmax_ptr, done_ptr, nread_ptr, kept_ptr,
-                       probe_eps_ptr, probe_lens_ptr, probe_nread_ptr, tot_ptr,
-                       o_ptr, stride_outb, stride_outh, lse_ptr, stride_lb, chunk0, n_chunks, calib_slack,
-                       NUM_KV_HEADS, GROUP, MG_PAD, HEAD_DIM, MD_PAD, BLOCK_SIZE, TC, FIRST, ESTIMATOR)
-
 
 def psa_chunk_attention(q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, order, scores,
                         list_lens, n_forced, chunk_ends, done, partials, *, chunk0: int, n_chunks: int,
-                        block_size: int, sm_scale: float, check_done: bool, tile_tokens: int = 64,
-                        merge: dict | None = None, merge_count: torch.Tensor | None = None) -> None:
+                        block_size: int, sm_scale: float, check_done: bool, tile_tokens: int = 64) -> None:
     """Attend chunks ``[chunk0, chunk0 + n_chunks)`` of every (request, KV head); one launch.
 
     Args:
@@ -149,10 +123,6 @@ def psa_chunk_attention(q, k_buffer, v_buffer, req_to_token, req_pool_indices, s
       done: ``[batch, num_kv_heads]`` int32 (read only when ``check_done``).
       partials: ``(o [P, W, G, D] fp32, lse [P, W, G], as_min [P, W, G], dmax [P, W, G])`` with
         ``P >= batch * num_kv_heads`` pairs and ``W >= n_chunks``; chunk ``chunk0 + i`` goes to slot ``i``.
-      merge: ``None``, or :func:`flashinfer_ext.psa.wave_merge.merge_args` of this wave (same partials, ``done``,
-        chunks): the wave's merge then runs in this launch, by the last program of each pair to finish its
-        chunk, instead of in a :func:`~flashinfer_ext.psa.wave_merge.wave_merge` launch after it (same result).
-      merge_count: with ``merge``, ``[>= batch * num_kv_heads]`` int32 zeros (left zero after the launch).
     """
     batch, num_qo_heads, head_dim = q.shape
     num_kv_heads = k_buffer.shape[1]
@@ -163,25 +133,6 @@ def psa_chunk_attention(q, k_buffer, v_buffer, req_to_token, req_pool_indices, s
     assert q.stride(2) == 1 and k_buffer.stride(2) == 1 and v_buffer.stride(2) == 1
     assert order.stride() == scores.stride() and order.stride(2) == 1 and list_lens.is_contiguous()
     assert po.shape[1] >= n_chunks and po.shape[2] == group and po.shape[3] == head_dim
-    if merge is None:
-        fused = dict(count_ptr=done, eps_ptr=done, sfx_ptr=done, stride_sb=0, stride_sh=0, st_acc_ptr=done,
-                     st_lse_ptr=done, st_min_ptr=done, st_dmax_ptr=done, nread_ptr=done, kept_ptr=done,
-                     probe_eps_ptr=done, probe_lens_ptr=done, probe_nread_ptr=done, tot_ptr=done, o_ptr=done,
-                     stride_outb=0, stride_outh=0, lse_ptr=done, stride_lb=0, calib_slack=0.0,
-                     FUSE=False, MG_PAD=1, MD_PAD=1, TC=1, FIRST=False, ESTIMATOR=0)
-    else:
-        if merge_count is None or merge_count.dtype != torch.int32 or merge_count.numel() < batch * num_kv_heads:
-            raise ValueError("psa_chunk_attention: a fused merge needs merge_count, int32 [>= batch * num_kv_heads]")
-        shared = dict(po_ptr=po, plse_ptr=plse, pmin_ptr=pmin, pdmax_ptr=pdmax, seq_lens_ptr=seq_lens,
-                      list_lens_ptr=list_lens, n_forced_ptr=n_forced, ends_ptr=chunk_ends, done_ptr=done)
-        for name, t in shared.items():  # the merge must fold exactly what this launch writes
-            if merge[name] is not t:
-                raise ValueError(f"psa_chunk_attention: merge[{name!r}] is not the tensor this launch uses")
-        if (merge["chunk0"], merge["n_chunks"], merge["BLOCK_SIZE"]) != (chunk0, n_chunks, block_size):
-            raise ValueError("psa_chunk_attention: merge was planned for other chunks or another block size")
-        fused = {k: v for k, v in merge.items() if k not in shared and k not in (
-            "wmax", "chunk0", "n_chunks", "NUM_KV_HEADS", "GROUP", "HEAD_DIM", "BLOCK_SIZE")}
-        fused.update(count_ptr=merge_count, FUSE=True)
     sub = max(1, triton.next_power_of_2(max(tile_tokens, 16)) // block_size)
     _chunk_kernel[(batch * num_kv_heads * n_chunks,)](
         q, q.stride(0), q.stride(1),
@@ -192,7 +143,7 @@ def psa_chunk_attention(q, k_buffer, v_buffer, req_to_token, req_pool_indices, s
         chunk0, n_chunks, float(sm_scale) / math.log(2.0), math.log2(block_size),
         NUM_KV_HEADS=num_kv_heads, GROUP=group, G_PAD=max(16, triton.next_power_of_2(group)),
         HEAD_DIM=head_dim, D_PAD=max(16, triton.next_power_of_2(head_dim)), BLOCK_SIZE=block_size,
-        SUB=sub, CHECK_DONE=check_done, DOT_FP32=os.environ.get("TRITON_INTERPRET", "0") == "1", **fused,
+        SUB=sub, CHECK_DONE=check_done, DOT_FP32=os.environ.get("TRITON_INTERPRET", "0") == "1",
     )
 
 

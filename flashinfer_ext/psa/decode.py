@@ -14,8 +14,7 @@ remaining-mass bound suffix (Triton;
 'bound'/'calibrated' estimators only) -> for each *wave* of the host plan: chunk
 attention (:mod:`flashinfer_ext.psa.chunks`, one program per (request, KV head, chunk),
 pairs already done exit at once) + merge with the stop test chunk by chunk
-(:mod:`flashinfer_ext.psa.wave_merge`; with ``fused_merge`` the last program of each pair to finish its
-chunk merges inside the chunk launch instead, same result bit for bit, slower: :attr:`FUSED_MERGE`). The result equals sequential PSA with the chunk
+(:mod:`flashinfer_ext.psa.wave_merge`). The result equals sequential PSA with the chunk
 schedule of :meth:`PsaDecodeConfig.ranked_chunk_ends` (reference:
 :func:`flashinfer_ext.common.reference.progressive_decode_reference`), whatever the wave layout.
 With ``schedule='select'`` (key sketch only) a layer is instead: sketch block masses -> the sketch's top-p
@@ -60,7 +59,7 @@ from .config import PsaDecodeConfig
 from .criticality import CritTile, block_criticality, bound_suffix, rank_blocks, suffix_tiles
 from .chunks import plan_waves, psa_chunk_attention
 from .rank_select import rank_select
-from .wave_merge import merge_args, wave_merge_launch
+from .wave_merge import wave_merge
 
 __all__ = ["PsaDecodeWrapper"]
 
@@ -81,7 +80,6 @@ class PsaDecodeWrapper:
       wave_programs: programs the first wave should launch (default 2 x SM count on CUDA).
       wave_growth: each next wave covers about this many times the ranks read so far (default 4).
       max_waves: most waves (the last takes every remaining chunk; default 5).
-      fused_merge: run each wave's merge inside its chunk launch (default :attr:`FUSED_MERGE`, off: slower, see there).
       crit_tile: launch shape of the criticality pass (:class:`~flashinfer_ext.psa.criticality.CritTile`;
         default :attr:`CRIT_TILE`, which suits a :class:`BlockMetaPool` of layout :attr:`META_LAYOUT`).
       The wave defaults come from ``bench/psa_decode_bench.py --wave-sweep`` on an H100
@@ -102,19 +100,13 @@ class PsaDecodeWrapper:
     # ranks per program of the tile-parallel bound suffix (two launches over (pair, tile) programs; one program per
     # pair scanning its row was 64 programs at 128k batch 8 and left most SMs idle: 25 -> 19 us)
     SUFFIX_TILE = 1024
-    # True: each wave's merge runs in its chunk launch, by the last program of each pair to finish (one launch per
-    # wave instead of two; same result, bit for bit). Measured slower on an H200 (bench/results/psa_merge_ab.md:
-    # 1.01-1.10x the time of separate merge launches over the planted cases and the 32k testbed capture): the merge
-    # waits for each pair's last chunk and the launch carries the merge's registers. So a merge launch follows each wave
-    FUSED_MERGE = False
-    MERGE_TILE_CHUNKS = 16  # chunks the merge folds per step (wave_merge's tile_chunks)
 
     def __init__(self, config: PsaDecodeConfig, *, num_qo_heads: int, num_kv_heads: int, head_dim: int,
                  block_size: int, max_batch_size: int, max_blocks_per_req: int,
                  device: str | torch.device = "cuda", sm_scale: float | None = None,
                  out_dtype: torch.dtype = torch.bfloat16, tile_tokens: int = 64,
                  wave_programs: int | None = None, wave_growth: float | None = None, max_waves: int | None = None,
-                 crit_tile: CritTile | None = None, stat_slots: int = 1, fused_merge: bool | None = None):
+                 crit_tile: CritTile | None = None, stat_slots: int = 1):
         if not isinstance(config, PsaDecodeConfig):
             raise TypeError(f"config must be a PsaDecodeConfig, got {type(config).__name__}")
         if num_qo_heads % num_kv_heads:
@@ -139,7 +131,6 @@ class PsaDecodeWrapper:
         max_waves = self.MAX_WAVES if max_waves is None else max_waves
         self.wave_programs, self.wave_growth, self.max_waves = int(wave_programs), float(wave_growth), int(max_waves)
         self.crit_tile = self.CRIT_TILE if crit_tile is None else crit_tile
-        self.fused_merge = self.FUSED_MERGE if fused_merge is None else bool(fused_merge)
         i32 = dict(dtype=torch.int32, device=dev)
         f32 = dict(dtype=torch.float32, device=dev)
         hk, g, d, mb, cols = num_kv_heads, self.group, head_dim, max_batch_size, max_blocks_per_req
@@ -187,7 +178,6 @@ class PsaDecodeWrapper:
         self._st_min_buf = torch.empty(mb * hk * g, **f32)
         self._st_dmax_buf = torch.empty(mb * hk * g, **f32)
         self._done_buf = torch.zeros(mb * hk, **i32)
-        self._merge_count_buf = torch.zeros(mb * hk, **i32)  # fused merge: chunks of a pair done (reset by it)
         self._o_buf = torch.empty(mb, num_qo_heads, head_dim, dtype=out_dtype, device=dev)
         self._lse_buf = torch.empty(mb, num_qo_heads, **f32)
         self._nread_buf = torch.zeros(mb, hk, **i32)
@@ -359,18 +349,14 @@ class PsaDecodeWrapper:
         rpi = self._req_pool_indices_buf[:bs]
         probe = (self._probe_eps_buf[:bs], self._probe_lens_buf[:bs], self.probe_nread)
         for k, (chunk0, n_chunks) in enumerate(self._wave_plan):
-            margs = merge_args(partials, state, o, lse, nread, kept, seq_lens, list_lens, n_forced,
-                               self._chunk_ends_buf, self._eps_buf[:bs], suffix, probe, chunk0=chunk0,
-                               n_chunks=n_chunks, first=k == 0, block_size=self.block_size, estimator=cfg.estimator,
-                               calib_slack=cfg.calib_slack, tile_chunks=self.MERGE_TILE_CHUNKS,
-                               totals=self._tot_buf[: bs * hk * g] if self.sketch else None)
             psa_chunk_attention(q, k_buffer, v_buffer, self._req_to_token, rpi, seq_lens, order, scores,
                                 list_lens, n_forced, self._chunk_ends_buf, done, partials, chunk0=chunk0,
                                 n_chunks=n_chunks, block_size=self.block_size, sm_scale=self.sm_scale,
-                                check_done=k > 0, tile_tokens=self.tile_tokens,
-                                merge=margs if self.fused_merge else None, merge_count=self._merge_count_buf)
-            if not self.fused_merge:
-                wave_merge_launch(margs, pairs)
+                                check_done=k > 0, tile_tokens=self.tile_tokens)
+            wave_merge(partials, state, o, lse, nread, kept, seq_lens, list_lens, n_forced, self._chunk_ends_buf,
+                       self._eps_buf[:bs], suffix, probe, chunk0=chunk0, n_chunks=n_chunks, first=k == 0,
+                       block_size=self.block_size, estimator=cfg.estimator, calib_slack=cfg.calib_slack,
+                       totals=self._tot_buf[: bs * hk * g] if self.sketch else None)
         return o, lse, nread
 
     def _run_select(self, q, k_buffer, v_buffer, mass, stop_after):

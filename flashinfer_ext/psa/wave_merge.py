@@ -44,7 +44,7 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["wave_merge", "wave_merge_launch", "merge_args", "merge_pair", "ESTIMATOR_IDS"]
+__all__ = ["wave_merge", "ESTIMATOR_IDS"]
 
 ESTIMATOR_IDS = {"paper": 0, "bound": 1, "calibrated": 2, "mean": 3, "sketch": 4}
 
@@ -60,22 +60,18 @@ def _max_fn(a, b):
 
 
 @triton.jit
-def merge_pair(
-    pair, po_ptr, plse_ptr, pmin_ptr, pdmax_ptr, wmax,
+def _wave_merge_kernel(
+    po_ptr, plse_ptr, pmin_ptr, pdmax_ptr, wmax,
     seq_lens_ptr, list_lens_ptr, n_forced_ptr, ends_ptr, eps_ptr, sfx_ptr, stride_sb, stride_sh,
     st_acc_ptr, st_lse_ptr, st_min_ptr, st_dmax_ptr, done_ptr, nread_ptr, kept_ptr,
     probe_eps_ptr, probe_lens_ptr, probe_nread_ptr, tot_ptr,
-    o_ptr, stride_outb, stride_outh, lse_ptr, stride_lb,
+    o_ptr, stride_ob, stride_oh, lse_ptr, stride_lb,
     chunk0, n_chunks, calib_slack,
-    NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, MG_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
-    MD_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, TC: tl.constexpr, FIRST: tl.constexpr,
+    NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, G_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
+    D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, TC: tl.constexpr, FIRST: tl.constexpr,
     ESTIMATOR: tl.constexpr,
 ):
-    """The merge of one (request, KV head) ``pair``: the body of :func:`wave_merge`'s kernel, also run by the
-    last program of each pair of a fused chunk launch (:func:`flashinfer_ext.psa.chunks.psa_chunk_attention`
-    with ``merge``). The wave's partials are loaded past L1 (``.cg``): in a fused launch other SMs wrote them."""
-    G_PAD: tl.constexpr = MG_PAD
-    D_PAD: tl.constexpr = MD_PAD
+    pair = tl.program_id(0)
     r = pair // NUM_KV_HEADS
     h = pair % NUM_KV_HEADS
     r64 = r.to(tl.int64)
@@ -131,9 +127,9 @@ def merge_pair(
         real = cvalid & (lo < hi)
         poff = (p64 * wmax + c)[:, None] * GROUP + g[None, :]
         pm = real[:, None] & gmask[None, :]
-        lse_c = tl.load(plse_ptr + poff, mask=pm, other=float("-inf"), cache_modifier=".cg")  # [TC, G_PAD]
-        min_c = tl.load(pmin_ptr + poff, mask=pm, other=float("inf"), cache_modifier=".cg")
-        dmx_c = tl.load(pdmax_ptr + poff, mask=pm, other=float("-inf"), cache_modifier=".cg")
+        lse_c = tl.load(plse_ptr + poff, mask=pm, other=float("-inf"))  # [TC, G_PAD]
+        min_c = tl.load(pmin_ptr + poff, mask=pm, other=float("inf"))
+        dmx_c = tl.load(pdmax_ptr + poff, mask=pm, other=float("-inf"))
         # cumulative AS_acc (log2), AS_min and delta after each chunk of the tile
         mx = tl.maximum(tl.max(lse_c, axis=0), run_lse)
         mxs = tl.where(mx == float("-inf"), 0.0, mx)
@@ -185,8 +181,7 @@ def merge_pair(
         nls = tl.where(new_lse == float("-inf"), 0.0, new_lse)
         w_c = tl.where(inc[:, None], tl.exp2(lse_c - nls[None, :]), 0.0)
         o_c = tl.load(po_ptr + poff[:, :, None] * HEAD_DIM + d[None, None, :],
-                      mask=(inc[:, None] & gmask[None, :])[:, :, None] & dmask[None, None, :], other=0.0,
-                      cache_modifier=".cg")
+                      mask=(inc[:, None] & gmask[None, :])[:, :, None] & dmask[None, None, :], other=0.0)
         acc = acc * tl.exp2(run_lse - nls)[:, None] + tl.sum(w_c[:, :, None] * o_c, axis=0)
         run_lse = new_lse
         run_min = tl.minimum(run_min, tl.min(tl.where(inc[:, None], min_c, float("inf")), axis=0))
@@ -205,63 +200,9 @@ def merge_pair(
     tl.store(kept_ptr + pair, kept, mask=active)
     tl.store(probe_nread_ptr + pair, p_nread, mask=active)
     qo = h * GROUP + g
-    tl.store(o_ptr + r64 * stride_outb + qo[:, None] * stride_outh + d[None, :], acc.to(o_ptr.dtype.element_ty),
+    tl.store(o_ptr + r64 * stride_ob + qo[:, None] * stride_oh + d[None, :], acc.to(o_ptr.dtype.element_ty),
              mask=sm[:, None] & dmask[None, :])
     tl.store(lse_ptr + r64 * stride_lb + qo, run_lse, mask=sm)
-
-
-@triton.jit
-def _wave_merge_kernel(
-    po_ptr, plse_ptr, pmin_ptr, pdmax_ptr, wmax,
-    seq_lens_ptr, list_lens_ptr, n_forced_ptr, ends_ptr, eps_ptr, sfx_ptr, stride_sb, stride_sh,
-    st_acc_ptr, st_lse_ptr, st_min_ptr, st_dmax_ptr, done_ptr, nread_ptr, kept_ptr,
-    probe_eps_ptr, probe_lens_ptr, probe_nread_ptr, tot_ptr,
-    o_ptr, stride_outb, stride_outh, lse_ptr, stride_lb,
-    chunk0, n_chunks, calib_slack,
-    NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, MG_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
-    MD_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, TC: tl.constexpr, FIRST: tl.constexpr,
-    ESTIMATOR: tl.constexpr,
-):
-    merge_pair(tl.program_id(0), po_ptr, plse_ptr, pmin_ptr, pdmax_ptr, wmax,
-               seq_lens_ptr, list_lens_ptr, n_forced_ptr, ends_ptr, eps_ptr, sfx_ptr, stride_sb, stride_sh,
-               st_acc_ptr, st_lse_ptr, st_min_ptr, st_dmax_ptr, done_ptr, nread_ptr, kept_ptr,
-               probe_eps_ptr, probe_lens_ptr, probe_nread_ptr, tot_ptr,
-               o_ptr, stride_outb, stride_outh, lse_ptr, stride_lb, chunk0, n_chunks, calib_slack,
-               NUM_KV_HEADS, GROUP, MG_PAD, HEAD_DIM, MD_PAD, BLOCK_SIZE, TC, FIRST, ESTIMATOR)
-
-
-def merge_args(partials, state, out, lse_out, nread_out, kept_out, seq_lens, list_lens, n_forced, chunk_ends,
-               epsilon, suffix, probe, *, chunk0: int, n_chunks: int, first: bool, block_size: int, estimator: str,
-               calib_slack: float, tile_chunks: int = 16, totals: torch.Tensor | None = None) -> dict:
-    """Checked keyword arguments of the merge (:func:`merge_pair`), by the kernels' parameter names.
-
-    Arguments as :func:`wave_merge`. The fused chunk launch passes the same dict
-    (:func:`flashinfer_ext.psa.chunks.psa_chunk_attention`, ``merge``).
-    """
-    if estimator == "sketch" and totals is None:
-        raise ValueError("wave_merge: the 'sketch' estimator needs totals")
-    batch, num_qo_heads, head_dim = out.shape
-    num_kv_heads = list_lens.shape[1]
-    group = num_qo_heads // num_kv_heads
-    po, plse, pmin, pdmax = partials
-    st_acc, st_lse, st_min, st_dmax, done = state
-    assert out.stride(2) == 1 and suffix.stride(2) == 1 and list_lens.is_contiguous()
-    assert nread_out.is_contiguous() and kept_out.is_contiguous() and done.is_contiguous()
-    probe_eps, probe_lens, probe_nread = probe
-    assert probe_nread.is_contiguous() and probe_nread.shape == nread_out.shape
-    return dict(
-        po_ptr=po, plse_ptr=plse, pmin_ptr=pmin, pdmax_ptr=pdmax, wmax=po.shape[1],
-        seq_lens_ptr=seq_lens, list_lens_ptr=list_lens, n_forced_ptr=n_forced, ends_ptr=chunk_ends,
-        eps_ptr=epsilon, sfx_ptr=suffix, stride_sb=suffix.stride(0), stride_sh=suffix.stride(1),
-        st_acc_ptr=st_acc, st_lse_ptr=st_lse, st_min_ptr=st_min, st_dmax_ptr=st_dmax, done_ptr=done,
-        nread_ptr=nread_out, kept_ptr=kept_out, probe_eps_ptr=probe_eps, probe_lens_ptr=probe_lens,
-        probe_nread_ptr=probe_nread, tot_ptr=totals if totals is not None else epsilon,
-        o_ptr=out, stride_outb=out.stride(0), stride_outh=out.stride(1), lse_ptr=lse_out,
-        stride_lb=lse_out.stride(0), chunk0=chunk0, n_chunks=n_chunks, calib_slack=float(calib_slack),
-        NUM_KV_HEADS=num_kv_heads, GROUP=group, MG_PAD=triton.next_power_of_2(group), HEAD_DIM=head_dim,
-        MD_PAD=triton.next_power_of_2(head_dim), BLOCK_SIZE=block_size,
-        TC=min(tile_chunks, max(2, triton.next_power_of_2(n_chunks))), FIRST=first,
-        ESTIMATOR=ESTIMATOR_IDS[estimator])
 
 
 def wave_merge(partials, state, out, lse_out, nread_out, kept_out, seq_lens, list_lens, n_forced, chunk_ends,
@@ -285,14 +226,29 @@ def wave_merge(partials, state, out, lse_out, nread_out, kept_out, seq_lens, lis
       totals: ``[batch * num_kv_heads * group]`` fp32, each query head's base-2 total from
         :func:`flashinfer_ext.psa.key_sketch.sketch_shares` (the 'sketch' estimator only).
     """
-    kw = merge_args(partials, state, out, lse_out, nread_out, kept_out, seq_lens, list_lens, n_forced, chunk_ends,
-                    epsilon, suffix, probe, chunk0=chunk0, n_chunks=n_chunks, first=first, block_size=block_size,
-                    estimator=estimator, calib_slack=calib_slack, tile_chunks=tile_chunks, totals=totals)
-    wave_merge_launch(kw, out.shape[0] * list_lens.shape[1])
-
-
-def wave_merge_launch(kw: dict, pairs: int) -> None:
-    """Launch the merge of :func:`merge_args` ``kw`` over ``pairs`` (request, KV head) programs."""
-    if pairs == 0 or kw["n_chunks"] == 0:
+    if estimator == "sketch" and totals is None:
+        raise ValueError("wave_merge: the 'sketch' estimator needs totals")
+    batch, num_qo_heads, head_dim = out.shape
+    num_kv_heads = list_lens.shape[1]
+    group = num_qo_heads // num_kv_heads
+    if batch == 0 or n_chunks == 0:
         return
-    _wave_merge_kernel[(pairs,)](**kw)
+    po, plse, pmin, pdmax = partials
+    st_acc, st_lse, st_min, st_dmax, done = state
+    assert out.stride(2) == 1 and suffix.stride(2) == 1 and list_lens.is_contiguous()
+    assert nread_out.is_contiguous() and kept_out.is_contiguous() and done.is_contiguous()
+    probe_eps, probe_lens, probe_nread = probe
+    assert probe_nread.is_contiguous() and probe_nread.shape == nread_out.shape
+    _wave_merge_kernel[(batch * num_kv_heads,)](
+        po, plse, pmin, pdmax, po.shape[1],
+        seq_lens, list_lens, n_forced, chunk_ends, epsilon, suffix, suffix.stride(0), suffix.stride(1),
+        st_acc, st_lse, st_min, st_dmax, done, nread_out, kept_out,
+        probe_eps, probe_lens, probe_nread, totals if totals is not None else epsilon,
+        out, out.stride(0), out.stride(1), lse_out, lse_out.stride(0),
+        chunk0, n_chunks, float(calib_slack),
+        NUM_KV_HEADS=num_kv_heads, GROUP=group, G_PAD=triton.next_power_of_2(group), HEAD_DIM=head_dim,
+        D_PAD=triton.next_power_of_2(head_dim), BLOCK_SIZE=block_size,
+        TC=min(tile_chunks, max(2, triton.next_power_of_2(n_chunks))), FIRST=first,
+        ESTIMATOR=ESTIMATOR_IDS[estimator],
+    )
+

@@ -16,7 +16,6 @@
 #   bash scripts/gpu/testbed.sh probeprof  # psa vs off on ~16k-token requests: TTFT, prefill + decode profiles
 #                                          # (PROF_WORDS, PROF_CONC: prompt words, requests decoding together)
 #   bash scripts/gpu/testbed.sh hostprof  # off and psa at 4k, concurrency 1 and 8: py-spy on each scheduler
-#   bash scripts/gpu/testbed.sh kernmerge # psa kernel GPU tests, fused against separate wave merges, full kernel bench
 #   bash scripts/gpu/testbed.sh realkern # kernel benches on attention captured from the 32k testbed model (issues
 #                                        # 23/24): psa_decode.json real_16k/real_32k, loopserve_prefill.json
 #                                        # real_32k, merged into copies of bench/results' headlines (~2-4 min)
@@ -65,7 +64,7 @@
 #
 # Reports go to /tmp/testbed/<part>/ and come back packed as $OUT/<part>.tgz.
 set -uo pipefail
-part=${1:?usage: testbed.sh needle|long|samkv|e2e|turns|probeprof|hostprof|settings4k|c1ab|ab4k|lsfid|psafid|psaspeed|lsvarfid|lsvarspeed|psavarfid|psavarspeed|lsspeed|splitsweep|listblocks|realkern|kernwaves|kerncrit|kernmerge|kernprofile|samkvab-start|samkvab-wait|reliability-start|reliability-wait|reliability-stop}
+part=${1:?usage: testbed.sh needle|long|samkv|e2e|turns|probeprof|hostprof|settings4k|c1ab|ab4k|lsfid|psafid|psaspeed|lsvarfid|lsvarspeed|psavarfid|psavarspeed|lsspeed|splitsweep|listblocks|realkern|kernwaves|kerncrit|kernprofile|samkvab-start|samkvab-wait|reliability-start|reliability-wait|reliability-stop}
 out=${OUT:-$PWD/gpu_out}
 name=${part%-*}${TESTBED_TAG:+_$TESTBED_TAG}
 R=/tmp/testbed/$name
@@ -304,18 +303,6 @@ PY
     step psa_gpu_tests timeout -k 20 "${GPU_TESTS_TIMEOUT:-240}" python3 -m pytest -m gpu -q -x tests/flashinfer_ext/test_gpu_psa.py
     step psa_crit timeout -k 20 "${CRIT_TIMEOUT:-330}" python3 bench/psa_decode_bench.py --crit-sweep \
         --testbed-model $M32 --out "$R"
-    ;;
-  kernmerge)  # the psa kernel's GPU tests, the wave merges fused into the chunk launches against separate merge launches
-    # (stage profile of both, case by case), then the full kernel bench at the defaults (headline JSON), ~10 minutes
-    # on a fresh machine
-    # (the GPU tests compile their kernels: 54 of them took 4 minutes)
-    export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
-    step psa_gpu_tests timeout -k 20 "${GPU_TESTS_TIMEOUT:-480}" python3 -m pytest -m gpu -q -x tests/flashinfer_ext/test_gpu_psa.py
-    step psa_merge_ab timeout -k 20 "${PROFILE_TIMEOUT:-240}" python3 bench/psa_decode_bench.py --merge-ab \
-        --testbed-model $M32 --out "$R"
-    [ "${KERNMERGE_FULL:-1}" = 1 ] && step psa_full timeout -k 20 "${KERNEL_TIMEOUT:-330}" python3 bench/psa_decode_bench.py \
-        --testbed-model $M32 --out "$R"
-    rm -f "$R"/*.png
     ;;
   kernprofile)  # where a psa decode layer's time goes at the defaults (criticality, ranking, bound suffix, waves +
     # merges): the planted headline cases and the 32k testbed capture, ~1 minute
