@@ -466,6 +466,10 @@ class SamKVConfig(SparseConfig):
                                   "where every server running the overlap scheduler, stock off included, stalled: "
                                   "the long preset at concurrency 16 beside other servers on the same GPU "
                                   "(bench/results/samkv_overlap.md)")
+    prefill_graphs: bool = knob(True, doc="CUDA: keep SGLang's prefill CUDA graphs (its default breakable backend: "
+                                "attention runs eagerly between captured segments, so a question prefilled over an "
+                                "assembled composite is an ordinary prefix hit). False, or a prefill graph backend other "
+                                "than the breakable one: prefill graphs off for this mode")
     max_documents: int = knob(64, doc="most documents in one request", range=Range(1, 4096))
     max_document_chars: int = knob(4_000_000, doc="most characters of all documents of one request",
                                    range=Range(1, 1 << 40))

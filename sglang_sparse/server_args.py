@@ -125,14 +125,15 @@ def _apply_mode_requirements(args, ctx: SparseContext) -> None:
     psa: ``--page-size`` 1 (SGLang's default: block metadata rows per request block) or ``block_size`` (rows per
     page); another page size is refused. With the host tier (``host_tier_gb`` > 0) the page is the block, so the
     page size defaults to ``block_size``. Decode graphs stay on unless the config's ``cuda_graph`` is false.
-    samkv on CUDA: prefill CUDA graphs off, the overlap scheduler as its config says (default: kept;
-    :func:`_samkv_requirements`); its radix cache is checked once SGLang has resolved the arguments
-    (:func:`_check_resolved`).
+    samkv on CUDA: prefill CUDA graphs as for psa (every extend batch; the documents' assembly runs in the
+    scheduler before the batch, the question's prefill over the composite is an ordinary prefix hit), the overlap
+    scheduler as its config says (default: kept; :func:`_samkv_requirements`); its radix cache is checked once
+    SGLang has resolved the arguments (:func:`_check_resolved`).
     """
     if _device_type(args.device) != "cuda":
         return
     if ctx.mode == "samkv":
-        _samkv_requirements(args, ctx.config)
+        _samkv_requirements(args, ctx)
         return
     if ctx.mode in ("loopserve", "lastwindow"):
         _prefill_graph_requirements(args, ctx)
@@ -169,8 +170,8 @@ _EAGER_ATTENTION_PREFILL_GRAPHS = (None, "breakable")
 def _prefill_graph_requirements(args, ctx: SparseContext) -> None:
     """Keep SGLang's prefill CUDA graphs under its default breakable backend (attention eager between captured
     segments; the backend's per-batch plan runs before each replay). loopserve / lastwindow replay them only for
-    extend batches below ``min_context`` (``api_hooks.prefill_graph_gate_hook``); psa for every extend batch. Turn
-    them off otherwise, logged."""
+    extend batches below ``min_context`` (``api_hooks.prefill_graph_gate_hook``); psa and samkv for every extend
+    batch. Turn them off otherwise, logged."""
     import logging
 
     if args.disable_prefill_cuda_graph:
@@ -179,7 +180,9 @@ def _prefill_graph_requirements(args, ctx: SparseContext) -> None:
     if ctx.config.prefill_graphs and backend in _EAGER_ATTENTION_PREFILL_GRAPHS:
         return
     why = ("--sparse-config prefill_graphs=false" if not ctx.config.prefill_graphs else
-           f"--cuda-graph-backend-prefill {backend} captures attention (the sparse prefill plans on the host)")
+           f"--cuda-graph-backend-prefill {backend} captures attention (the sparse prefill plans on the host)"
+           if ctx.mode != "samkv" else
+           f"--cuda-graph-backend-prefill {backend}: samkv is served and tested with the breakable backend only")
     logging.getLogger("sglang_sparse").info("sglang-sparse %s: prefill CUDA graphs disabled (%s)", ctx.mode, why)
     args.disable_prefill_cuda_graph = True
 
@@ -200,9 +203,11 @@ def _check_resolved(args, ctx: SparseContext) -> None:
                             "documents request would fall back to dense")
 
 
-def _samkv_requirements(args, config) -> None:
-    """samkv on CUDA: prefill CUDA graphs off (the composite's tail is prefilled eagerly); the overlap scheduler kept
-    unless the config's ``overlap_schedule`` is false (``bench/results/samkv_overlap.md``: beside other servers on
+def _samkv_requirements(args, ctx: SparseContext) -> None:
+    """samkv on CUDA: prefill CUDA graphs kept under SGLang's breakable backend (:func:`_prefill_graph_requirements`:
+    attention runs eagerly between the captured segments, and the assembly writes the KV pool from the scheduler
+    before the batch's forward, never inside it); the overlap scheduler kept unless the config's
+    ``overlap_schedule`` is false (``bench/results/samkv_overlap.md``: beside other servers on
     one GPU, servers running it, stock ``off`` included, stalled under the long preset). The documents' assembly
     (copy, RoPE shift, recompute) runs in the scheduler, where under the overlap scheduler the previous forward may
     still be in flight: it synchronises the device (:meth:`sglang_sparse.samkv.assembly.SamKVRuntime.fence`) before
@@ -210,12 +215,10 @@ def _samkv_requirements(args, config) -> None:
     import logging
 
     log = logging.getLogger("sglang_sparse")
-    if not config.overlap_schedule and not getattr(args, "disable_overlap_schedule", True):
+    if not ctx.config.overlap_schedule and not getattr(args, "disable_overlap_schedule", True):
         log.info("sglang-sparse samkv: overlap scheduler disabled (config overlap_schedule false)")
         args.disable_overlap_schedule = True
-    if not getattr(args, "disable_prefill_cuda_graph", True):
-        log.info("sglang-sparse samkv: prefill CUDA graphs disabled for this mode")
-        args.disable_prefill_cuda_graph = True
+    _prefill_graph_requirements(args, ctx)
 
 
 def _device_type(device: Optional[str]) -> str:

@@ -162,3 +162,44 @@ def test_gpu_full_recompute_in_the_model_dtype_equals_dense(tmp_path):
         assert "traceback" not in text and "leak" not in text
     finally:
         srv.stop()
+
+
+def test_gpu_samkv_keeps_prefill_graphs_and_answers_as_the_eager_prefill(samkv_gpu_server, tmp_path):
+    """samkv keeps SGLang's prefill CUDA graphs (breakable backend, attention eager between captured segments): a
+    question prefilled over an assembled composite is an ordinary prefix hit, so a documents request gives the reply,
+    the first token and its top-5 log-probs of the same request on a server whose prefill runs eagerly
+    (``--disable-prefill-cuda-graph``); so does a plain chat request. The two servers assemble the same composite."""
+    srv, log = samkv_gpu_server
+    boot = log.read_text(errors="replace")
+    assert "disable_prefill_cuda_graph=False" in boot and "prefill CUDA graphs disabled" not in boot
+    eager = Server(ServerSpec(python=sys.executable, model=str(DEFAULT_MODEL), device="cuda", port=free_port(),
+                              mode="samkv", extra_args=list(ARGS) + ["--disable-prefill-cuda-graph"]),
+                   tmp_path / "eager.log", timeout_s=600).start()
+    try:
+        assert "disable_prefill_cuda_graph=True" in (tmp_path / "eager.log").read_text(errors="replace")
+        for seed, docs, words in ((0, 4, 500), (7, 8, 400)):
+            task = make_task(seed, docs=docs, words=words)
+            got = {}
+            for name, url in (("graph", srv.url), ("eager", eager.url)):
+                _first_token(url, task, "reuse", 5)  # documents cached under this salt
+                got[name] = _first_token(url, task, "samkv", 5)
+            (t_g, lp_g, m_g), (t_e, lp_e, m_e) = got["graph"], got["eager"]
+            assert m_g["assembled"] and m_e["assembled"], (m_g, m_e)
+            assert m_g["kept_ranges"] == m_e["kept_ranges"] and m_g["recomputed_tokens"] == m_e["recomputed_tokens"]
+            assert max(lp_g, key=lp_g.get) == max(lp_e, key=lp_e.get), (task.tid, lp_g, lp_e)
+            common = set(lp_g) & set(lp_e)
+            assert common and max(abs(lp_g[t] - lp_e[t]) for t in common) < 0.1, (task.tid, lp_g, lp_e)
+            print(f"task {task.tid}: graph {t_g!r} eager {t_e!r}")
+        plain = {}
+        for name, url in (("graph", srv.url), ("eager", eager.url)):
+            r = requests.post(url + "/v1/chat/completions", timeout=120, json={
+                "model": "default", "max_tokens": 24, "temperature": 0,
+                "messages": [{"role": "user", "content": "Name three rivers of Europe. " * 40}]})
+            assert r.status_code == 200, r.text
+            plain[name] = r.json()["choices"][0]["message"]["content"]
+        print(f"plain: {plain}")
+        assert plain["graph"] and plain["eager"]
+        text = (tmp_path / "eager.log").read_text(errors="replace").lower()
+        assert "traceback" not in text and "leak" not in text
+    finally:
+        eager.stop()

@@ -176,12 +176,24 @@ def test_modes_on_cuda_set_the_server_settings_they_need():
         assert a.disable_prefill_cuda_graph
     a = args()
     a.disable_overlap_schedule = False
-    _apply_mode_requirements(a, resolve_sparse("samkv", None))  # the assembly synchronises before its KV access
-    assert (a.disable_overlap_schedule, a.disable_prefill_cuda_graph, a.disable_cuda_graph) == (False, True, False)
+    # the assembly synchronises before its KV access; the question's prefill over the composite is an ordinary
+    # prefix hit, which the breakable prefill graphs replay with attention eager
+    _apply_mode_requirements(a, resolve_sparse("samkv", None))
+    assert (a.disable_overlap_schedule, a.disable_prefill_cuda_graph, a.disable_cuda_graph) == (False, False, False)
     a = args()
     a.disable_overlap_schedule = False
     _apply_mode_requirements(a, resolve_sparse("samkv", '{"overlap_schedule": false}'))
-    assert (a.disable_overlap_schedule, a.disable_prefill_cuda_graph) == (True, True)
+    assert (a.disable_overlap_schedule, a.disable_prefill_cuda_graph) == (True, False)
+    a = args()
+    a.disable_overlap_schedule = False
+    _apply_mode_requirements(a, resolve_sparse("samkv", '{"prefill_graphs": false}'))
+    assert (a.disable_overlap_schedule, a.disable_prefill_cuda_graph) == (False, True)
+    for backend in ("full", "tc_piecewise"):
+        a = args()
+        a.disable_overlap_schedule = False
+        a.cuda_graph_backend_prefill = backend
+        _apply_mode_requirements(a, resolve_sparse("samkv", None))
+        assert a.disable_prefill_cuda_graph, backend
     cpu = args("cpu")
     cpu.disable_overlap_schedule = False
     _apply_mode_requirements(cpu, resolve_sparse("samkv", None))

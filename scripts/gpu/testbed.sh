@@ -5,6 +5,8 @@
 #   bash scripts/gpu/testbed.sh needle   # testbed folders (32k, 64k) + dense needle table by length and depth
 #   bash scripts/gpu/testbed.sh long     # `long` preset: off + every mode at defaults, servers side by side
 #   bash scripts/gpu/testbed.sh samkv    # bench.samkv_rag: every variant vs the stock inline prompt, TTFT 8 x 3k
+#   bash scripts/gpu/testbed.sh samkvplain  # samkv's plain requests against off: bench.load 4k / 32k x 1 / 8 / 32
+#   bash scripts/gpu/testbed.sh samkvtests  # samkv's GPU server tests
 #   bash scripts/gpu/testbed.sh e2e      # bench.load grid: 4k/16k/32k x concurrency 1/8/32, off + every mode
 #                                        # (a fresh machine compiles kernels at the first servers' start, ~2 min:
 #                                        #  TESTBED_MODES=off,psa,loopserve then off,lastwindow,samkv fit a call each)
@@ -64,7 +66,7 @@
 #
 # Reports go to /tmp/testbed/<part>/ and come back packed as $OUT/<part>.tgz.
 set -uo pipefail
-part=${1:?usage: testbed.sh needle|long|samkv|e2e|turns|probeprof|hostprof|settings4k|c1ab|ab4k|lsfid|psafid|psaspeed|lsvarfid|lsvarspeed|psavarfid|psavarspeed|lsspeed|splitsweep|listblocks|realkern|kernwaves|kerncrit|kernprofile|samkvab-start|samkvab-wait|reliability-start|reliability-wait|reliability-stop}
+part=${1:?usage: testbed.sh needle|long|samkv|samkvplain|samkvtests|e2e|turns|probeprof|hostprof|settings4k|c1ab|ab4k|lsfid|psafid|psaspeed|lsvarfid|lsvarspeed|psavarfid|psavarspeed|lsspeed|splitsweep|listblocks|realkern|kernwaves|kerncrit|kernprofile|samkvab-start|samkvab-wait|reliability-start|reliability-wait|reliability-stop}
 out=${OUT:-$PWD/gpu_out}
 name=${part%-*}${TESTBED_TAG:+_$TESTBED_TAG}
 R=/tmp/testbed/$name
@@ -126,6 +128,18 @@ case $part in
     step samkv_rag timeout -k 20 "${SAMKV_TIMEOUT:-420}" python3 -m bench.samkv_rag --launch --device cuda \
         --python python3 --model $M32 --port 30020 --server-args "$SARGS ${SAMKV_EXTRA_ARGS:-}" --out "$R" --headline "$R/samkv.json" \
         --tasks "${SAMKV_TASKS:-20}" --time-budget "${SAMKV_TASK_BUDGET:-240}"
+    ;;
+  samkvplain)  # timing: run alone on the GPU. samkv's plain requests (no documents) against off end to end:
+    # bench.load at 4k and 32k input, concurrency 1 / 8 / 32 (~6 min on a fresh machine)
+    step samkvload timeout -k 20 "${SAMKVLOAD_TIMEOUT:-560}" python3 -m bench.load --device cuda --python python3 \
+        --model $M32 --modes off,samkv --input-lens 4096,32000 --output-len 256 --concurrency 1,8,32 \
+        --parallel-servers auto --port 30010 --time-budget "${SAMKVLOAD_BUDGET:-480}" --server-args "$SARGS" \
+        --out "$R/load"
+    ;;
+  samkvtests)  # samkv's GPU server tests (tests/test_gpu_samkv_server.py, ~3-4 min on a fresh machine)
+    export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+    step samkv_gpu_tests timeout -k 20 "${GPU_TESTS_TIMEOUT:-300}" python3 -m pytest -m gpu -q -rs \
+        tests/test_gpu_samkv_server.py
     ;;
   e2e)
     step e2e timeout -k 20 "${E2E_TIMEOUT:-560}" python3 -m bench.load --device cuda --python python3 --model $M32 \
