@@ -86,6 +86,12 @@ def e2e_section(e2e: dict | None) -> list[str]:
             for src in sorted(set(cells.values())):
                 md.append(f"- `{m}` cells {', '.join(sorted(k for k, v in cells.items() if v == src))}: {src}")
         md += [""]
+    md += _table(["mode", "input_concurrency", "throughput", "TTFT", "TPOT", "mode tok/s"], _load_rows(e2e))
+    return md + ["", "Details: [bench/results/e2e_long.md](../bench/results/e2e_long.md).", ""]
+
+
+def _load_rows(e2e: dict) -> list[list]:
+    """One row per (mode other than off, cell) of a ``bench.load`` e2e JSON: ratios to off and the mode's tok/s."""
     rows = []
     for mode, cells in e2e.get("modes", {}).items():
         if mode == "off":
@@ -100,8 +106,19 @@ def e2e_section(e2e: dict | None) -> list[str]:
             rows.append([mode_label(e2e, mode), key, _f(c.get("throughput_ratio_vs_off")),
                          _f(c.get("ttft_ratio_vs_off")),
                          _f(c.get("tpot_ratio_vs_off")), _f(c.get("output_throughput_tok_s"), 0)])
-    md += _table(["mode", "input_concurrency", "throughput", "TTFT", "TPOT", "mode tok/s"], rows)
-    return md + ["", "Details: [bench/results/e2e_long.md](../bench/results/e2e_long.md).", ""]
+    return rows
+
+
+def samkv_plain_section(e2e: dict | None) -> list[str]:
+    """samkv at its defaults on plain requests (no documents) against off, one ``bench.load`` run
+    (``samkv_plain_load.json``): the e2e table's samkv rows ran under other settings."""
+    md = ["### samkv at its defaults, plain requests (`samkv_plain_load.json`)", ""]
+    if not e2e:
+        return md + ["(missing: run `TESTBED_MODES=off,samkv scripts/gpu/testbed.sh e2e`)", ""]
+    md += [f"GPU: {e2e.get('gpu')}; model: {e2e.get('model')}; one `bench.load` invocation, samkv against its own "
+           "`off` cell by cell; requests without `documents` (the RAG path is measured in the SamKV section).", ""]
+    md += _table(["mode", "input_concurrency", "throughput", "TTFT", "TPOT", "mode tok/s"], _load_rows(e2e))
+    return md + ["", "Details: [bench/results/samkv_plain_load.md](../bench/results/samkv_plain_load.md).", ""]
 
 
 def reliability_section(r: dict | None) -> list[str]:
@@ -191,6 +208,7 @@ def build(results: Path) -> str:
           "under other settings names them after the mode.", ""]
     md += fidelity_section(_load(results, "fidelity_long.json"))
     md += e2e_section(_load(results, "e2e_long.json"))
+    md += samkv_plain_section(_load(results, "samkv_plain_load.json"))
     md += needle_section(_load(results, "needle_table.json"), "Dense needle retrieval, 32k profile (`needle_table.json`)")
     md += needle_section(_load(results, "needle_table_64k.json"),
                          "Dense needle retrieval, 64k profile (`needle_table_64k.json`)")

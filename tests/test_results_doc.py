@@ -41,3 +41,19 @@ def test_rows_measured_under_other_settings_name_them(tmp_path):
     assert "| lastwindow (min_context 4096) | 0.50 |" in text and "| psa | 0.50 |" in text
     assert "| lastwindow (min_context 4096) | 4k_c1 | 0.50 |" in text and "| psa | 4k_c1 | 0.50 |" in text
     assert "| psa (min_context 8192) | 1 | 1 |" in text and "| samkv | 1 | 1 |" in text
+
+
+def test_samkv_plain_load_at_defaults_gets_its_own_table(tmp_path):
+    """``samkv_plain_load.json`` (samkv at its defaults on plain requests against its own off) is rendered as its own
+    table, unlabelled when it names no other settings; a missing file is named as missing."""
+    assert "(missing: run `TESTBED_MODES=off,samkv scripts/gpu/testbed.sh e2e`)" in results_doc.build(tmp_path)
+    plain = {"gpu": "H", "model": "M", "modes": {
+        "off": {"4k_c1": {"throughput_ratio_vs_off": 1.0}},
+        "samkv": {"4k_c1": {"throughput_ratio_vs_off": 0.876, "ttft_ratio_vs_off": 0.96, "tpot_ratio_vs_off": 1.15,
+                            "output_throughput_tok_s": 608.8}}}}
+    (tmp_path / "samkv_plain_load.json").write_text(json.dumps(plain))
+    text = results_doc.build(tmp_path)
+    section = text.split("### samkv at its defaults, plain requests")[1].split("\n## ")[0]
+    assert "GPU: H; model: M" in section
+    assert "| samkv | 4k_c1 | 0.88 | 0.96 | 1.15 | 609 |" in section
+    assert "| off |" not in section
