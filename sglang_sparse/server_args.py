@@ -180,9 +180,8 @@ def _prefill_graph_requirements(args, ctx: SparseContext) -> None:
     if ctx.config.prefill_graphs and backend in _EAGER_ATTENTION_PREFILL_GRAPHS:
         return
     why = ("--sparse-config prefill_graphs=false" if not ctx.config.prefill_graphs else
-           f"--cuda-graph-backend-prefill {backend} captures attention (the sparse prefill plans on the host)"
-           if ctx.mode != "samkv" else
-           f"--cuda-graph-backend-prefill {backend}: samkv is served and tested with the breakable backend only")
+           f"--cuda-graph-backend-prefill {backend} captures attention; the sparse modes run it eagerly between the "
+           "captured segments of SGLang's breakable backend only")
     logging.getLogger("sglang_sparse").info("sglang-sparse %s: prefill CUDA graphs disabled (%s)", ctx.mode, why)
     args.disable_prefill_cuda_graph = True
 

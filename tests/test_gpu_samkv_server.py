@@ -168,7 +168,8 @@ def test_gpu_samkv_keeps_prefill_graphs_and_answers_as_the_eager_prefill(samkv_g
     """samkv keeps SGLang's prefill CUDA graphs (breakable backend, attention eager between captured segments): a
     question prefilled over an assembled composite is an ordinary prefix hit, so a documents request gives the reply,
     the first token and its top-5 log-probs of the same request on a server whose prefill runs eagerly
-    (``--disable-prefill-cuda-graph``); so does a plain chat request. The two servers assemble the same composite."""
+    (``--disable-prefill-cuda-graph``); the two servers assemble the same composite. A plain chat request is answered
+    by both (its text is printed, not compared: a near-tie a few tokens in may flip between the two bf16 paths)."""
     srv, log = samkv_gpu_server
     boot = log.read_text(errors="replace")
     assert "disable_prefill_cuda_graph=False" in boot and "prefill CUDA graphs disabled" not in boot

@@ -94,16 +94,25 @@ def test_rank_select_sorted_prefix_then_block_order(cols, prefix):
     keys[0, :, cols - 5:] = -32641  # -inf (past the end) keys
     order = torch.empty(2, 3, cols, dtype=torch.int64)
     rank_select(keys, order, torch.empty(6 * prefix, dtype=torch.int32), prefix=prefix, tile=256)
+    check_rank_order(order, keys, prefix)
+    assert all(set(order[r, h, :2].tolist()) == {0, 1} for r in range(2) for h in range(3))
+
+
+def check_rank_order(order: torch.Tensor, keys: torch.Tensor, prefix: int) -> None:
+    """rank_select's contract on every (request, KV head) row of ``order`` ``[B, H, cols]`` for int16 ``keys``: a
+    permutation whose first ``min(prefix, cols)`` blocks hold the top keys in descending order, ties by the higher
+    block id first, and whose remaining blocks are in block order."""
+    order, keys = order.cpu(), keys.cpu()
+    cols = keys.shape[-1]
     n = min(prefix, cols)
-    for r in range(2):
-        for h in range(3):
+    for r in range(keys.shape[0]):
+        for h in range(keys.shape[1]):
             o, kk = order[r, h], keys[r, h].int()
             assert sorted(o.tolist()) == list(range(cols))
             assert torch.equal(kk[o[:n]], kk.sort(descending=True).values[:n])
-            top = [(int(kk[i]), int(i)) for i in o[:n]]  # ties inside the prefix: the higher block id first
+            top = [(int(kk[i]), int(i)) for i in o[:n]]
             assert top == sorted(top, reverse=True)
             assert o[n:].tolist() == sorted(o[n:].tolist())
-            assert set(o[:2].tolist()) == {0, 1}
 
 
 def test_rank_select_extreme_keys_and_padding_sort_exactly():

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from .kv_pool import make_pool
+from .test_criticality import check_rank_order
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -234,15 +235,7 @@ def test_gpu_rank_select_sorts_the_prefix_by_key_then_higher_block(cols, prefix)
     k[..., 5] = -32768
     o = torch.empty(4, 8, cols, dtype=torch.int64, device="cuda")
     rank_select(k, o, torch.empty(32 * prefix, dtype=torch.int32, device="cuda"), prefix=prefix)
-    n = min(prefix, cols)
-    for r in range(4):
-        for h in range(8):
-            oo, kk = o[r, h].cpu(), k[r, h].int().cpu()
-            assert sorted(oo.tolist()) == list(range(cols))
-            assert torch.equal(kk[oo[:n]], kk.sort(descending=True).values[:n])
-            top = [(int(kk[i]), int(i)) for i in oo[:n]]
-            assert top == sorted(top, reverse=True)
-            assert oo[n:].tolist() == sorted(oo[n:].tolist())
+    check_rank_order(o, k, prefix)
 
 
 @pytest.mark.parametrize("estimator", ["calibrated", "paper"])
