@@ -227,7 +227,8 @@ class Server:
             return False
 
     def environment(self) -> dict[str, str]:
-        """The server process's environment: this process's, offline, with the spec's ``env`` on top. A CPU server
+        """The server process's environment: this process's, offline, without SGLang's crash diagnostics on stop,
+        with the spec's ``env`` on top. A CPU server
         runs Triton (through its interpreter) only where its config asks for the kernels (``"runner": "kernel"``):
         an interpreter switched on in this process (a test session's, for its own Triton tests) would otherwise
         reach paths that a CPU server runs in torch."""
@@ -236,6 +237,10 @@ class Server:
             env.setdefault("OMP_NUM_THREADS", "1")
             env["TRITON_INTERPRET"] = "1" if _kernel_runner(self.spec.sparse_config) else "0"
         env.setdefault("HF_HUB_OFFLINE", "1")
+        # this launcher stops every server it starts (SIGTERM to its process group); SGLang reads the scheduler's
+        # exit as a crash and sleeps 5 s before a py-spy dump / CUDA coredump of it. Set either to 1 to keep that.
+        env.setdefault("SGLANG_PYSPY_DUMP_BEFORE_CRASH", "0")
+        env.setdefault("SGLANG_CUDA_COREDUMP_BEFORE_CRASH", "0")
         if self.spec.mode == STOCK:
             env["SGLANG_PLUGINS"] = NO_PLUGINS
         env.update(self.spec.env)

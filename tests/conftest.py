@@ -29,13 +29,15 @@ def _has_cuda() -> bool:
 # The test files that take longest on the 2-core CPU box (mostly the ones that start their own servers), longest
 # first. The test command runs two pytest-xdist workers that take whole files in collection order, so these go first:
 # a long file started last would leave the other worker idle at the end. Only the order changes, never what runs.
-SLOW_FIRST = (
-    "test_working_set_admission_server.py", "flashinfer_ext/test_psa_decode.py", "test_host_tier_server.py",
-    "test_soak_short.py", "test_faults_short.py", "test_bench_harness.py", "test_lastwindow_server.py",
-    "test_loopserve_server.py", "flashinfer_ext/test_psa_smollm2.py", "test_testbed_long.py",
-    "test_real_kernel_headlines.py", "test_psa_kernel_server.py", "test_load_long.py", "test_samkv_server.py",
-    "test_working_set_admission_loopserve_server.py", "test_psa_server.py", "test_decode_profile.py",
-    "test_samkv_recompute.py", "test_loopserve_chunked.py", "test_samkv_graph.py",
+SLOW_FIRST = (  # per-file times from the test command's --durations on the 2-core box, longest first
+    "test_psa_kernel_server.py", "test_psa_sketch_server.py", "test_working_set_admission_server.py",
+    "test_server_pinning.py", "test_decode_profile.py", "test_host_tier_server.py", "test_samkv_server.py",
+    "test_loopserve_server.py", "test_testbed_long.py", "flashinfer_ext/test_psa_decode.py",
+    "test_real_kernel_headlines.py", "test_soak_short.py", "test_faults_short.py", "flashinfer_ext/test_psa_smollm2.py",
+    "test_bench_harness.py", "test_load_long.py", "test_working_set_admission_loopserve_server.py",
+    "test_loopserve_chunked.py", "test_samkv_graph.py", "test_dormant_server.py", "test_samkv_recompute.py",
+    "test_host_tier_lines_server.py", "test_psa_server.py", "test_host_tier_concurrency_bench.py",
+    "test_lastwindow_server.py",
 )
 
 

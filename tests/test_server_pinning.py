@@ -78,6 +78,25 @@ def test_a_cpu_server_gets_the_triton_interpreter_only_when_its_config_asks_for_
     assert env_of(device="cuda")["TRITON_INTERPRET"] == "1"  # a GPU server is left as it is
 
 
+def test_a_launched_server_skips_sglangs_crash_diagnostics_on_stop_unless_asked(tmp_path, monkeypatch):
+    """The launcher stops its servers by SIGTERM to the process group; SGLang reads the scheduler's exit as a crash and
+    sleeps 5 s before a py-spy / CUDA core dump of it. Both dumps are off by default; the caller's setting wins."""
+    from bench.server import Server, ServerSpec
+
+    for var in ("SGLANG_PYSPY_DUMP_BEFORE_CRASH", "SGLANG_CUDA_COREDUMP_BEFORE_CRASH"):
+        monkeypatch.delenv(var, raising=False)
+
+    def env_of(**kw):
+        return Server(ServerSpec(python="python", model="m", port=31236, **kw), tmp_path / "s.log").environment()
+
+    for device in ("cpu", "cuda"):
+        env = env_of(device=device)
+        assert env["SGLANG_PYSPY_DUMP_BEFORE_CRASH"] == env["SGLANG_CUDA_COREDUMP_BEFORE_CRASH"] == "0"
+    assert env_of(device="cuda", env={"SGLANG_CUDA_COREDUMP_BEFORE_CRASH": "1"})["SGLANG_CUDA_COREDUMP_BEFORE_CRASH"] == "1"
+    monkeypatch.setenv("SGLANG_PYSPY_DUMP_BEFORE_CRASH", "1")
+    assert env_of(device="cuda")["SGLANG_PYSPY_DUMP_BEFORE_CRASH"] == "1"
+
+
 def _start_with_a_port_taken_before_the_bind(default_model, tmp_path, monkeypatch, which: str, check):
     """Start a real CPU server on a free HTTP port while ``which`` ("http" or "rendezvous") port is held by a
     listening socket and the probe is told, once, that it is free; ``check(server, held)`` runs while it is up.
