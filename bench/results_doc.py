@@ -109,6 +109,44 @@ def _load_rows(e2e: dict) -> list[list]:
     return rows
 
 
+def decode_only_ceiling_rows(e2e: dict) -> list[list]:
+    """Per stock ``off`` cell of a ``bench.load`` e2e JSON: how much a mode that sparsifies decode alone could gain.
+
+    The cell's wall time is ``num_prompts * output_len / output tok/s`` (every request generates ``output_len``
+    tokens: the grid ignores EOS); its prefills alone take ``num_prompts`` x the mean TTFT of the same input length at
+    concurrency 1 (one request alone: its prefill, nothing queued). A decode that cost nothing leaves at least the
+    prefills, so ``wall / prefills`` bounds the throughput ratio of any decode-only mode in that cell. Cells without a
+    concurrency-1 cell of their input length, or without the fields, are skipped."""
+    off, out = e2e.get("modes", {}).get("off", {}), e2e.get("output_len")
+    if not isinstance(out, (int, float)) or out <= 0:
+        return []
+    rows = []
+    for key, c in off.items():
+        alone = off.get(f"{key.split('_c')[0]}_c1")
+        try:
+            wall = c["num_prompts"] * out / c["output_throughput_tok_s"]
+            prefills = c["num_prompts"] * alone["mean_ttft_ms"] / 1000.0
+        except (KeyError, TypeError, ZeroDivisionError):
+            continue
+        if wall > 0 and prefills > 0:
+            rows.append([key, _f(wall), _f(prefills), f"{100 * min(prefills / wall, 1.0):.0f} %", _f(max(wall / prefills, 1.0))])
+    return rows
+
+
+def decode_only_ceiling_section(e2e: dict | None) -> list[str]:
+    rows = decode_only_ceiling_rows(e2e or {})
+    if not rows:
+        return []
+    md = ["### What a decode-only mode can gain at most (stock `off` cells of `e2e_long.json`)", "",
+          "psa, lastwindow, and loopserve with its default dense prefill, sparsify decode only: the prefills stay "
+          "dense. Here a cell's prefills are its requests x one request's TTFT alone (the same input at concurrency "
+          "1), and the ceiling is the cell's wall time over them: the throughput ratio that a decode costing nothing "
+          "would reach. It is an estimate, not a strict bound: prompts prefilled together can run a little faster "
+          "than alone (most at 4k; a 32k prompt already fills SGLang's prefill chunks on its own).", ""]
+    md += _table(["input_concurrency", "stock wall s", "prefills alone s", "prefill share", "decode-only ceiling"], rows)
+    return md + [""]
+
+
 def samkv_plain_section(e2e: dict | None) -> list[str]:
     """samkv at its defaults on plain requests (no documents) against off, one ``bench.load`` run
     (``samkv_plain_load.json``): the e2e table's samkv rows ran under other settings."""
@@ -207,7 +245,9 @@ def build(results: Path) -> str:
           "GPU and versions). Fidelity headlines come from the 32k testbed at each mode's defaults; a row measured "
           "under other settings names them after the mode.", ""]
     md += fidelity_section(_load(results, "fidelity_long.json"))
-    md += e2e_section(_load(results, "e2e_long.json"))
+    e2e = _load(results, "e2e_long.json")
+    md += e2e_section(e2e)
+    md += decode_only_ceiling_section(e2e)
     md += samkv_plain_section(_load(results, "samkv_plain_load.json"))
     md += needle_section(_load(results, "needle_table.json"), "Dense needle retrieval, 32k profile (`needle_table.json`)")
     md += needle_section(_load(results, "needle_table_64k.json"),
