@@ -129,7 +129,8 @@ def decode_only_ceiling_rows(e2e: dict) -> list[list]:
         except (KeyError, TypeError, ZeroDivisionError):
             continue
         if wall > 0 and prefills > 0:
-            rows.append([key, _f(wall), _f(prefills), f"{100 * min(prefills / wall, 1.0):.0f} %", _f(max(wall / prefills, 1.0))])
+            share = f"{100 * min(prefills / wall, 1.0):.0f} %"
+            rows.append([key, _f(wall), _f(prefills), share, _f(max(wall / prefills, 1.0))])
     return rows
 
 

@@ -10,9 +10,9 @@ from tests.serverproc import DEFAULT_MODEL, start_cpu_server
 
 SERVER_READY_TIMEOUT_S = float(os.environ.get("SPARSE_TEST_SERVER_TIMEOUT", "480"))
 
-# Every server the tests start (fixtures, and the bench drivers the tests run) inherits this environment.
-# Stopping a server by its process group ends its scheduler first; SGLang reads that as a crashed child and sleeps
-# 5 s "before crash diagnostics" (py-spy and CUDA core dumps), a wait with nothing to diagnose on a test stop.
+# SGLang's crash diagnostics off for the in-process `sgl.Engine` tests: an engine's shutdown ends its scheduler
+# first, which SGLang reads as a crashed child and answers with a 5 s sleep before py-spy / CUDA core dumps. Servers
+# started through bench.server get the same default from its launcher (Server.environment).
 os.environ.setdefault("SGLANG_PYSPY_DUMP_BEFORE_CRASH", "0")
 os.environ.setdefault("SGLANG_CUDA_COREDUMP_BEFORE_CRASH", "0")
 
