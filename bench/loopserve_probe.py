@@ -1,8 +1,8 @@
-"""HF-transformers simulator of the LoopServe CPU reference path, phase by phase (batch 1, fp32): sparse or dense prefill (lines from sample_query_rows + vs_select, vs_prefill_reference), sparse or dense decode (stored lines + initial top-B + Alg. 3), per-row coverage probes. Used for bench/results/loopserve_root_cause.md; usage: generate(prompt_ids(task), dict(prefill="sparse", decode="dense"), max_new=7)."""
+"""HF-transformers simulator of the LoopServe CPU reference path, phase by phase (batch 1, fp32): sparse or dense prefill (lines from sample_query_rows + vs_select, vs_prefill_reference), sparse or dense decode (stored lines + initial top-B + Alg. 3), per-row coverage probes. Used for bench/results/loopserve_root_cause.md; usage: probe = Probe(); probe.generate(probe.prompt_ids(task), dict(prefill="sparse", decode="dense"), max_new=7).
+The simulator state of a run travels with the forward call (``ls_sim``), not in module state."""
 import sys, json, torch, dataclasses
 sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[1]))
 from transformers import AutoModelForCausalLM, AutoTokenizer, AttentionInterface
-from transformers.masking_utils import AttentionMaskInterface
 from flashinfer_ext.loopserve.reference import vs_estimate_reference, vs_prefill_reference, decode_topb_reference
 from flashinfer_ext.loopserve.vs_estimate import VSLineSums, sample_query_rows
 from flashinfer_ext.loopserve.vs_select import VSSelectConfig, vs_select
@@ -34,8 +34,6 @@ class Sim:
     probe: object = None        # positions of interest
     step: int = 0
 
-SIM = Sim()
-
 def causal_probs(q, k, qpos, scale):
     # q [Hq,T,D], k [Hk,N,D]
     g = q.shape[0] // k.shape[0]
@@ -46,7 +44,7 @@ def causal_probs(q, k, qpos, scale):
     return s
 
 def ls_attention(module, query, key, value, attention_mask, scaling, dropout=0.0, **kw):
-    sim, lid = SIM, module.layer_idx
+    sim, lid = kw["ls_sim"], module.layer_idx   # the run's Sim, passed through the model's forward kwargs
     q, k, v = query[0], key[0], value[0]          # [Hq,T,D], [Hk,N,D]
     hq, t, d = q.shape
     hk, n, _ = k.shape
@@ -151,38 +149,35 @@ def ls_attention(module, query, key, value, attention_mask, scaling, dropout=0.0
 
 AttentionInterface.register("ls", ls_attention)
 
-_tok = _model = None
-def load():
-    global _tok, _model
-    if _model is None:
-        _tok = AutoTokenizer.from_pretrained(MODEL)
-        _model = AutoModelForCausalLM.from_pretrained(MODEL, dtype=torch.float32, attn_implementation="ls").eval()
-    return _tok, _model
+class Probe:
+    """The model and tokenizer of one probe session (fp32, the simulator's attention)."""
 
-def prompt_ids(task, turn=0):
-    tok, _ = load()
-    msgs = [{"role": "system", "content": task.system}, {"role": "user", "content": task.turns[turn].user},
-            {"role": "assistant", "content": task.answer_prefix}]
-    ids = tok.apply_chat_template(msgs, continue_final_message=True, tokenize=True)
-    if isinstance(ids, dict) or hasattr(ids, "input_ids"):
-        ids = ids["input_ids"]
-    return list(ids)
+    def __init__(self, model_dir: str = MODEL):
+        self.tok = AutoTokenizer.from_pretrained(model_dir)
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="ls").eval()
 
-@torch.no_grad()
-def generate(ids, sim_kwargs, max_new=8, probe=None):
-    global SIM
-    tok, model = load()
-    SIM = Sim(**sim_kwargs)
-    SIM.probe = probe
-    from transformers import DynamicCache
-    cache = DynamicCache()
-    x = torch.tensor([ids])
-    out = []
-    for i in range(max_new):
-        logits = model(input_ids=x, past_key_values=cache, use_cache=True).logits[0, -1]
-        nxt = int(logits.argmax())
-        out.append(nxt)
-        if nxt == tok.eos_token_id:
-            break
-        x = torch.tensor([[nxt]])
-    return tok.decode(out), SIM
+    def prompt_ids(self, task, turn=0):
+        msgs = [{"role": "system", "content": task.system}, {"role": "user", "content": task.turns[turn].user},
+                {"role": "assistant", "content": task.answer_prefix}]
+        ids = self.tok.apply_chat_template(msgs, continue_final_message=True, tokenize=True)
+        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+            ids = ids["input_ids"]
+        return list(ids)
+
+    @torch.no_grad()
+    def generate(self, ids, sim_kwargs, max_new=8, probe=None):
+        """Greedy decode of ``max_new`` tokens under a fresh ``Sim(**sim_kwargs)``; returns (text, sim)."""
+        from transformers import DynamicCache
+        sim = Sim(**sim_kwargs)
+        sim.probe = probe
+        cache = DynamicCache()
+        x = torch.tensor([ids])
+        out = []
+        for i in range(max_new):
+            logits = self.model(input_ids=x, past_key_values=cache, use_cache=True, ls_sim=sim).logits[0, -1]
+            nxt = int(logits.argmax())
+            out.append(nxt)
+            if nxt == self.tok.eos_token_id:
+                break
+            x = torch.tensor([[nxt]])
+        return self.tok.decode(out), sim
