@@ -1,7 +1,8 @@
 """HF-transformers simulator of the LoopServe CPU reference path, phase by phase (batch 1, fp32): sparse or dense prefill (lines from sample_query_rows + vs_select, vs_prefill_reference), sparse or dense decode (stored lines + initial top-B + Alg. 3), per-row coverage probes. Used for bench/results/loopserve_root_cause.md; usage: probe = Probe(); probe.generate(probe.prompt_ids(task), dict(prefill="sparse", decode="dense"), max_new=7).
 The simulator state of a run travels with the forward call (``ls_sim``), not in module state."""
-import sys, json, torch, dataclasses
-sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[1]))
+import dataclasses
+
+import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, AttentionInterface
 from flashinfer_ext.loopserve.reference import vs_estimate_reference, vs_prefill_reference, decode_topb_reference
 from flashinfer_ext.loopserve.vs_estimate import VSLineSums, sample_query_rows
@@ -156,13 +157,17 @@ class Probe:
         self.tok = AutoTokenizer.from_pretrained(model_dir)
         self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="ls").eval()
 
-    def prompt_ids(self, task, turn=0):
-        msgs = [{"role": "system", "content": task.system}, {"role": "user", "content": task.turns[turn].user},
-                {"role": "assistant", "content": task.answer_prefix}]
-        ids = self.tok.apply_chat_template(msgs, continue_final_message=True, tokenize=True)
+    def chat_ids(self, msgs, **template_kw) -> list[int]:
+        """Token ids of ``msgs`` under the model's chat template (a plain list, whatever the tokenizer returns)."""
+        ids = self.tok.apply_chat_template(msgs, tokenize=True, **template_kw)
         if isinstance(ids, dict) or hasattr(ids, "input_ids"):
             ids = ids["input_ids"]
         return list(ids)
+
+    def prompt_ids(self, task, turn=0):
+        msgs = [{"role": "system", "content": task.system}, {"role": "user", "content": task.turns[turn].user},
+                {"role": "assistant", "content": task.answer_prefix}]
+        return self.chat_ids(msgs, continue_final_message=True)
 
     @torch.no_grad()
     def generate(self, ids, sim_kwargs, max_new=8, probe=None):
@@ -173,7 +178,7 @@ class Probe:
         cache = DynamicCache()
         x = torch.tensor([ids])
         out = []
-        for i in range(max_new):
+        for _ in range(max_new):
             logits = self.model(input_ids=x, past_key_values=cache, use_cache=True, ls_sim=sim).logits[0, -1]
             nxt = int(logits.argmax())
             out.append(nxt)

@@ -120,9 +120,10 @@ def decode_only_ceiling_rows(e2e: dict) -> list[list]:
     off, out = e2e.get("modes", {}).get("off", {}), e2e.get("output_len")
     if not isinstance(out, (int, float)) or out <= 0:
         return []
+    alone_by_input = {c.get("input_len"): c for c in off.values() if c.get("concurrency") == 1}
     rows = []
     for key, c in off.items():
-        alone = off.get(f"{key.split('_c')[0]}_c1")
+        alone = alone_by_input.get(c.get("input_len"))
         try:
             wall = c["num_prompts"] * out / c["output_throughput_tok_s"]
             prefills = c["num_prompts"] * alone["mean_ttft_ms"] / 1000.0

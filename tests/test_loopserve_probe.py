@@ -30,8 +30,7 @@ def test_the_probes_dense_phases_decode_as_the_model_and_its_state_travels_with_
 
     probe = Probe(str(default_model))
     text = "Notes. " * 60 + "The secret number is 4821. " + "More notes. " * 40 + "What is the secret number?"
-    ids = probe.tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True)
-    ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+    ids = probe.chat_ids([{"role": "user", "content": text}], add_generation_prompt=True)
     got, sim = probe.generate(ids, dict(prefill="dense", decode="dense"), max_new=4)
     model = AutoModelForCausalLM.from_pretrained(str(default_model), dtype=torch.float32).eval()
     ref = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),

@@ -62,10 +62,13 @@ def test_samkv_plain_load_at_defaults_gets_its_own_table(tmp_path):
 def test_decode_only_ceiling_is_the_stock_cells_wall_over_their_prefills_alone(tmp_path):
     """Per stock cell: wall = prompts x output_len / tok/s, prefills = prompts x the concurrency-1 TTFT of the same
     input; cells with no concurrency-1 cell of their input length are left out, and no e2e JSON means no section."""
-    cell = lambda n, tps, ttft: {"num_prompts": n, "output_throughput_tok_s": tps, "mean_ttft_ms": ttft}  # noqa: E731
+    def cell(inp, conc, n, tps, ttft):
+        return {"input_len": inp, "concurrency": conc, "num_prompts": n, "output_throughput_tok_s": tps,
+                "mean_ttft_ms": ttft}
+
     e2e = {"gpu": "G", "output_len": 100,
-           "modes": {"off": {"32k_c1": cell(2, 100.0, 500.0), "32k_c8": cell(16, 400.0, 900.0),
-                             "16k_c8": cell(16, 800.0, 300.0)}}}
+           "modes": {"off": {"32k_c1": cell(32000, 1, 2, 100.0, 500.0), "32k_c8": cell(32000, 8, 16, 400.0, 900.0),
+                             "16k_c8": cell(16000, 8, 16, 800.0, 300.0)}}}
     (tmp_path / "e2e_long.json").write_text(json.dumps(e2e))
     text = results_doc.build(tmp_path)
     # c1: wall 2 x 100 / 100 = 2 s, prefills 2 x 0.5 = 1 s; c8: wall 16 x 100 / 400 = 4 s, prefills 16 x 0.5 = 8 s
