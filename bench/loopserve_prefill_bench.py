@@ -59,6 +59,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench import real_capture  # noqa: E402
+from bench.line_work import line_work  # noqa: E402
 from bench.timing import timed  # noqa: E402
 from flashinfer_ext.loopserve.vs_estimate import sample_query_rows, vs_estimate  # noqa: E402
 from flashinfer_ext.loopserve.vs_prefill import vs_prefill  # noqa: E402
@@ -256,6 +257,9 @@ def run_case(name, ctx, q, k, v, min_context, dev, iters, timing=True, return_se
                 slash_lines_per_head=float(sel.s_cnt.float().mean().item()),
                 covered_lb_mean=float(sel.covered_lb.mean().item()),
                 out_err_mean=float(err.mean().item()), out_err_max=float(err.max().item()))
+    g_pad = 1 << max(0, (hq // hk - 1).bit_length())  # vs_prefill's launch shape: block_m 64 rows, block_n 64 keys
+    res.update({f"work_{k}": v for k, v in line_work(sel.v_idx, sel.v_cnt, sel.s_idx, sel.s_cnt, t,
+                                                     block_q=max(1, 64 // g_pad), block_n=64).items()})
     return (res, sel) if return_sel else res
 
 
@@ -335,6 +339,8 @@ def real_summary(results, gpu) -> dict:
                          speedup_vs_dense=f(sum(r["t_dense_ms"] for r in ok) / sum(r["t_sparse_ms"] for r in ok)),
                          covered_mass=mean("covered_mass"), covered_mass_tail64=mean("covered_mass_tail64"),
                          covered_lb=mean("covered_lb_mean"), ctx=ok[0]["ctx"], layers=[r["layer"] for r in ok],
+                         area_fraction=mean("work_area_fraction"), tile_fraction=mean("work_tile_fraction"),
+                         slash_blocks_crossed=mean("work_slash_blocks_crossed"),
                          failed_layers=[r["layer"] for r in rs if "error" in r],
                          per_layer=[dict(layer=r["layer"], line_fraction=f(r["line_fraction"]),
                                          speedup_vs_dense=f(r["sparse_speedup"]), covered_mass=f(r["covered_mass"]))
@@ -403,12 +409,18 @@ def write_report(out: Path, meta, results, top=None):
         lines += ["", f"Testbed real attention (bench/real_capture.py: the 32k testbed model on its needle prompt, "
                       f"q/k/v of layers {rm.get('real_layers')}; `{rm.get('command')}` on {rm.get('gpu')}). Covered "
                       "mass = true causal attention mass on the selected lines, over uniform query rows / the last 64 "
-                      "rows; covered lb = the selection's own bound on its sampled rows:", "",
-                  "| layer | ctx | line frac | covered mass | covered (last 64) | covered lb | dense/sparse |",
-                  "|---|---|---|---|---|---|---|"]
+                      "rows; covered lb = the selection's own bound on its sampled rows; area = causal entries the lines keep "
+                      "(bench/line_work.py: an entry-exact kernel's share of dense FLOPs); tiles = the tiles vs_prefill "
+                      "computes over the causal tiles of its shape (gathered verticals + key blocks a slash crosses), "
+                      "slash tiles = the second part alone:", "",
+                  "| layer | ctx | line frac | covered mass | covered (last 64) | covered lb | area | tiles | slash tiles "
+                  "| dense/sparse |",
+                  "|---|---|---|---|---|---|---|---|---|---|"]
         for r in real:
             lines.append(f"| {r['layer']} | {r['ctx']} | {r['line_fraction']:.4f} | {r['covered_mass']:.4f} | "
-                         f"{r['covered_mass_tail64']:.4f} | {r['covered_lb_mean']:.4f} | {r['sparse_speedup']:.2f} |")
+                         f"{r['covered_mass_tail64']:.4f} | {r['covered_lb_mean']:.4f} | "
+                         f"{r.get('work_area_fraction', float('nan')):.3f} | {r.get('work_tile_fraction', float('nan')):.3f} | "
+                         f"{r.get('work_slash_blocks_crossed', float('nan')):.3f} | {r['sparse_speedup']:.2f} |")
     for r in results:
         if r.get("select_top_gpu_us"):
             lines += ["", f"vs_select kernels by GPU time, {r['case']} {r['ctx']} (us, one call): " +

@@ -104,8 +104,10 @@ def test_loopserve_real_only_run_merges_real_32k_into_the_existing_headline(tmp_
     assert [(r["case"], r["slot"], r["layer"]) for r in real] == [("testbed real", "real_32k", 3),
                                                                  ("testbed real", "real_32k", 27)], real
     e = new["real_32k"]
-    assert {"line_fraction", "speedup_vs_dense", "covered_mass"} <= set(e)
+    assert {"line_fraction", "speedup_vs_dense", "covered_mass", "area_fraction", "tile_fraction",
+            "slash_blocks_crossed"} <= set(e)
     assert 0 < e["line_fraction"] < 1
+    assert 0 < e["area_fraction"] <= 1 and 0 < e["slash_blocks_crossed"] <= e["tile_fraction"]
     assert 0 < e["covered_mass"] <= 1 + 1e-6
     # alpha-coverage of the sampled rows should carry over to unsampled rows of real attention, roughly
     assert e["covered_mass"] > 0.8, e
