@@ -195,12 +195,18 @@ def phase_times(q, k_buf, v_buf, slots, sm_scale, iters, alpha=ALPHA, out=None) 
                                                 out=out), iters=iters) * 1e3)
 
 
-def sparse_prefill(q, k_buf, v_buf, slots, sm_scale, alpha=ALPHA, out=None):
-    """The server's per-layer sparse extend of one first segment (prefix 0); returns (o, selection)."""
+def select_lines(q, k_buf, slots, sm_scale, alpha=ALPHA):
+    """A server layer's line selection for one first segment (prefix 0): estimate on the sampled rows, then select."""
     t = q.shape[0]
     sample = sample_query_rows(t, SAMPLED_ROWS).to(q.device)
     lines = vs_estimate(q[sample].contiguous(), sample, k_buf, slots, t, sm_scale=sm_scale)
-    sel = vs_select(lines, prefix_len=0, config=VSSelectConfig(alpha=alpha, sink_tokens=SINK, local_window=LOCAL))
+    return vs_select(lines, prefix_len=0, config=VSSelectConfig(alpha=alpha, sink_tokens=SINK, local_window=LOCAL))
+
+
+def sparse_prefill(q, k_buf, v_buf, slots, sm_scale, alpha=ALPHA, out=None):
+    """The server's per-layer sparse extend of one first segment (prefix 0); returns (o, selection)."""
+    t = q.shape[0]
+    sel = select_lines(q, k_buf, slots, sm_scale, alpha=alpha)
     o, _ = vs_prefill(q, k_buf, v_buf, slots, prefix_len=0, seq_len=t, v_idx=sel.v_idx, v_cnt=sel.v_cnt,
                       s_idx=sel.s_idx, s_cnt=sel.s_cnt, sm_scale=sm_scale, out=out)
     return o, sel

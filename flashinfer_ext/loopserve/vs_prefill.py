@@ -123,7 +123,8 @@ def _vs_prefill_kernel(
 def vs_prefill(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor, token_slots: torch.Tensor, *,
                prefix_len: int, seq_len: int, v_idx: torch.Tensor, v_cnt: torch.Tensor, s_idx: torch.Tensor,
                s_cnt: torch.Tensor, sm_scale: float, out: torch.Tensor | None = None,
-               lse_out: torch.Tensor | None = None, block_m: int = 64, block_n: int = 64):
+               lse_out: torch.Tensor | None = None, block_m: int = 64, block_n: int = 64,
+               num_warps: int | None = None, num_stages: int | None = None):
     """Sparse attention of the extend tokens over the selected vertical + slash lines.
 
     Args:
@@ -139,6 +140,9 @@ def vs_prefill(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor, 
         sequence are fine as long as the entries used are ``< seq_len``).
       v_cnt, s_cnt: ``[num_kv_heads]`` int counts.
       out: ``[T, num_qo_heads, head_dim]`` (default q's dtype); lse_out ``[T, num_qo_heads]`` fp32 base 2.
+      block_m, block_n: query rows (tokens x the padded query-head group) and keys per tile (powers of two).
+      num_warps, num_stages: Triton launch options (None: Triton's defaults); the result does not depend on them
+        or on the tile shape beyond fp32 summation order.
     Returns ``(out, lse_out)``. A few small torch ops (bitmap, prefix count, searchsorted) then one
     launch; no host sync.
     """
@@ -186,5 +190,6 @@ def vs_prefill(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor, 
         out, out.stride(0), out.stride(1), lse_out, lse_out.stride(0), float(sm_scale) / math.log(2.0),
         GROUP=group, G_PAD=g_pad, BLOCK_Q=block_q, BLOCK_N=block_n, HEAD_DIM=d,
         D_PAD=max(16, triton.next_power_of_2(d)), DOT_FP32=os.environ.get("TRITON_INTERPRET", "0") == "1",
+        **{k: v for k, v in (("num_warps", num_warps), ("num_stages", num_stages)) if v is not None},
     )
     return out, lse_out

@@ -57,6 +57,22 @@ def test_vs_prefill_matches_masked_reference(hq, hk, d, dtype, page, seq_len, pr
     torch.testing.assert_close(lse, rlse, rtol=1e-4, atol=1e-3)
 
 
+@pytest.mark.parametrize("block_m,block_n", [(128, 32), (128, 128), (64, 128), (16, 16)])
+def test_vs_prefill_tile_shape_changes_nothing_but_summation_order(block_m, block_n):
+    """Every launch shape the sweep (bench/vs_prefill_sweep.py) may pick gives the reference's result."""
+    hq, hk, d, dtype, seq_len, prefix_len = 9, 3, 64, torch.bfloat16, 203, 40
+    pool, slots, q_all = _setup(seq_len, hq, hk, d, dtype, 16, seed=5)
+    q = q_all[prefix_len:]
+    lines = _random_lines(hk, seq_len, n_v=seq_len // 5, n_s=seq_len // 7, seed=6)
+    kw = dict(prefix_len=prefix_len, seq_len=seq_len, v_idx=lines[0], v_cnt=lines[1], s_idx=lines[2],
+              s_cnt=lines[3], sm_scale=d ** -0.5)
+    o, lse = vs_prefill(q, pool.k_buffer, pool.v_buffer, slots, block_m=block_m, block_n=block_n, num_warps=8,
+                        num_stages=2, **kw)
+    ro, rlse = vs_prefill_reference(q, pool.k_buffer, pool.v_buffer, slots, **kw)
+    torch.testing.assert_close(o.float(), ro, rtol=TOL[dtype], atol=TOL[dtype])
+    torch.testing.assert_close(lse, rlse, rtol=1e-4, atol=1e-3)
+
+
 @pytest.mark.parametrize("hq,hk,d,dtype", [(4, 1, 128, torch.float16), (9, 3, 64, torch.bfloat16)])
 def test_all_lines_equal_dense_causal_attention(hq, hk, d, dtype):
     seq_len, prefix_len = 111, 29
