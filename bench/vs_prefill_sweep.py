@@ -28,7 +28,7 @@ from bench.loopserve_prefill_bench import SERVED_ALPHA, dense_fn, pool_of, selec
 from bench.timing import timed  # noqa: E402
 from flashinfer_ext.loopserve.vs_prefill import vs_prefill  # noqa: E402
 
-DEFAULT = dict(block_m=64, block_n=64, num_warps=None, num_stages=None)
+DEFAULT = dict(block_m=64, block_n=None, num_warps=None, num_stages=None)  # the kernel's own (launch_shape)
 GRID = dict(block_m=(64, 128), block_n=(32, 64, 128), num_warps=(4, 8), num_stages=(1, 2, 3))
 
 
@@ -76,7 +76,7 @@ def run(model_dir, tokens: int, layers, dev: str, iters: int) -> tuple[list, dic
 
 
 def _name(c: dict) -> str:
-    return f"m{c['block_m']} n{c['block_n']} w{c['num_warps'] or '-'} s{c['num_stages'] or '-'}"
+    return f"m{c['block_m']} n{c['block_n'] or '-'} w{c['num_warps'] or '-'} s{c['num_stages'] or '-'}"
 
 
 def summarize(rows: list) -> list[dict]:
@@ -132,7 +132,8 @@ def main():
           f"- capture: {info.get('prompt_len')} tokens of the 32k testbed model's needle prompt, layers {layers}, "
           f"9/3 heads, d 64, bf16; lines selected at alpha {SERVED_ALPHA} as a server layer selects them",
           "- t = median CUDA-event time of `vs_prefill` alone, summed over the layers; dense = FlashInfer "
-          "`single_prefill_with_kv_cache(causal=True)` on the same q/k/v; diff = largest |output - default's output|",
+          "`single_prefill_with_kv_cache(causal=True)` on the same q/k/v; diff = largest |output - default's output|; "
+          "`-` = the kernel's default for this head_dim (`flashinfer_ext.loopserve.vs_prefill.launch_shape`)",
           "", "| config (block_m, block_n, warps, stages) | t ms | dense ms | dense / sparse | default / this | diff |",
           "|---|---|---|---|---|---|"]
     md += [f"| {s['config']} | {s['t_ms']:.2f} | {s['t_dense_ms']:.2f} | {s['dense_over_sparse']:.3f} | "

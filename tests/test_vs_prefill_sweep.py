@@ -17,7 +17,7 @@ def test_summary_sums_layers_ranks_fastest_first_and_skips_failed_or_untimed_run
             dict(layer=3, **{**DEFAULT, "block_n": 128}, error="OutOfResources"),
             _row(3, math.nan, math.nan, block_n=32)]
     s = summarize(rows)
-    assert [x["config"] for x in s] == ["m128 n64 w8 s-", "m64 n64 w- s-"]
+    assert [x["config"] for x in s] == ["m128 n- w8 s-", "m64 n- w- s-"]
     fast, base = s
     assert fast["t_ms"] == pytest.approx(9.0) and fast["layers"] == 2 and fast["max_abs_diff"] == 0.02
     assert fast["default_over_this"] == pytest.approx(22.0 / 9.0)

@@ -132,6 +132,26 @@ def test_gpu_vs_prefill_llama_shapes(seq_len, prefix_len):
     torch.testing.assert_close(lse.cpu()[rows], rlse[rows], rtol=1e-3, atol=1e-2)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_vs_prefill_testbed_shape_default_launch():
+    """The testbed model's shape (9/3 heads, d=64, bf16) at the kernel's default launch for d 64 (launch_shape:
+    32-key tiles, 4 warps, 1 stage), ~15 % lines per head, against the reference on a subset of rows."""
+    seq_len, prefix_len = 6144, 0
+    pool = make_pool([seq_len], 9, 3, 64, torch.bfloat16, 1, seed=31, device="cuda")
+    slots = pool.req_to_token[pool.req_pool_indices[0].long()]
+    q = torch.randn(seq_len, 9, 64, device="cuda").to(torch.bfloat16)
+    lines = [x.cuda() for x in _random_lines(3, seq_len, n_v=seq_len // 8, n_s=seq_len // 12, seed=32, local=64)]
+    kw = dict(prefix_len=prefix_len, seq_len=seq_len, v_idx=lines[0], v_cnt=lines[1], s_idx=lines[2],
+              s_cnt=lines[3], sm_scale=64 ** -0.5)
+    o, lse = vs_prefill(q, pool.k_buffer, pool.v_buffer, slots, **kw)
+    rows = torch.arange(0, seq_len, 89)
+    ro, rlse = vs_prefill_reference(q.cpu(), pool.k_buffer.cpu(), pool.v_buffer.cpu(), slots.cpu(),
+                                    **{k: (v.cpu() if torch.is_tensor(v) else v) for k, v in kw.items()})
+    torch.testing.assert_close(o.float().cpu()[rows], ro[rows], rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(lse.cpu()[rows], rlse[rows], rtol=1e-3, atol=1e-2)
+
+
 @pytest.mark.parametrize("prefix_len", [0, 450])
 def test_vs_prefill_with_a_few_far_slashes_visits_only_crossed_blocks_and_matches_reference(prefix_len):
     """The local window plus two far offsets (bands crossing block edges) and no vertical past the sink over
