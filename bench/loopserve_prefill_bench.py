@@ -62,7 +62,7 @@ from bench import real_capture  # noqa: E402
 from bench.line_work import line_work  # noqa: E402
 from bench.timing import timed  # noqa: E402
 from flashinfer_ext.loopserve.vs_estimate import sample_query_rows, vs_estimate  # noqa: E402
-from flashinfer_ext.loopserve.vs_prefill import vs_prefill  # noqa: E402
+from flashinfer_ext.loopserve.vs_prefill import launch_shape, vs_prefill  # noqa: E402
 from flashinfer_ext.loopserve.vs_select import VSSelectConfig, vs_select, vs_select_plan  # noqa: E402
 from sglang_sparse.config import LoopServeConfig  # noqa: E402  (plain dataclasses, no sglang import)
 
@@ -263,9 +263,9 @@ def run_case(name, ctx, q, k, v, min_context, dev, iters, timing=True, return_se
                 slash_lines_per_head=float(sel.s_cnt.float().mean().item()),
                 covered_lb_mean=float(sel.covered_lb.mean().item()),
                 out_err_mean=float(err.mean().item()), out_err_max=float(err.max().item()))
-    g_pad = 1 << max(0, (hq // hk - 1).bit_length())  # vs_prefill's launch shape: block_m 64 rows, block_n 64 keys
+    g_pad = 1 << max(0, (hq // hk - 1).bit_length())  # vs_prefill's default launch: block_m 64 rows, launch_shape's keys
     res.update({f"work_{k}": v for k, v in line_work(sel.v_idx, sel.v_cnt, sel.s_idx, sel.s_cnt, t,
-                                                     block_q=max(1, 64 // g_pad), block_n=64).items()})
+                                                     block_q=max(1, 64 // g_pad), block_n=launch_shape(d)[0]).items()})
     return (res, sel) if return_sel else res
 
 
